@@ -1,0 +1,3 @@
+from kvcache.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,54 @@
+"""The one call a model's attention layer makes: ``ctx.attend(layer, q, k, v, scale)``.
+
+A forward processes a flat batch of N tokens that belong to one or more sequences (the context
+knows which). The context writes the new K/V where its cache strategy keeps them, reads what each
+sequence may see (its visibility policy, the model's per-layer windows) and returns the attention
+output. Models hold no cache state: all of it lives behind this interface.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+from kvcache.attention.dense import attend_dense
+
+
+class AttentionContext(Protocol):
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """q: [N, Hq, D]; k, v: [N, Hkv, D] (RoPE already applied) -> [N, Hq, D]."""
+        ...
+
+
+class RecomputeContext:
+    """No cache: each sequence's tokens attend only to tokens of the same forward (the `none`
+    strategy, and the oracle that every exact cache strategy is compared against)."""
+
+    def __init__(
+        self,
+        seq_lens: Sequence[int],
+        positions: torch.Tensor,
+        layer_windows: Sequence[int | None],
+    ) -> None:
+        self.seq_lens = list(seq_lens)
+        self.positions = positions  # [N] int64
+        self.layer_windows = list(layer_windows)
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        outs = []
+        start = 0
+        window = self.layer_windows[layer]
+        for n in self.seq_lens:
+            sl = slice(start, start + n)
+            pos = self.positions[sl]
+            o = attend_dense(
+                q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1), pos, pos, window, scale
+            )  # [Hq, n, D]
+            outs.append(o.transpose(0, 1))
+            start += n
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 0)

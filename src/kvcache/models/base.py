@@ -1,0 +1,31 @@
+"""The contract every native model family implements.
+
+A model is a pure function of (weights, input_ids, positions, attention context). It keeps no
+cache state; positions are explicit integers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvcache.attention.context import AttentionContext
+from kvcache.models.config import ModelConfig
+
+
+class CausalLM(nn.Module):
+    config: ModelConfig
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,  # [N] int64, tokens of one or more sequences, flat
+        positions: torch.Tensor,  # [N] int64
+        ctx: AttentionContext,
+        logits_rows: torch.Tensor | None = None,  # [R] int64 rows of N to project; None: all
+    ) -> torch.Tensor:  # [R or N, vocab] float32
+        raise NotImplementedError
+
+    @classmethod
+    def from_state_dict(cls, config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> "CausalLM":
+        """Build from HF-named weights (as in an HF checkpoint of this family)."""
+        raise NotImplementedError
