@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Literal, Union
+
 import torch
 import torch.nn.functional as F
+
+# None: every key visible; "causal": square causal mask with equal positions; else a bool [T, L]
+Mask = Union[None, Literal["causal"], torch.Tensor]
 
 
 def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -19,6 +24,34 @@ def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None
     return mask
 
 
+def build_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> Mask:
+    """The cheapest mask that is equivalent to visibility_mask (q_pos: [T], k_pos: [L])."""
+    t, L = q_pos.shape[0], k_pos.shape[0]
+    if t == 1 and (window is None or int(q_pos[0] - k_pos[0]) < window) and int(k_pos[-1]) <= int(q_pos[0]):
+        return None  # decode with every key in view (keys are in position order)
+    if window is None and t == L and torch.equal(q_pos, k_pos):
+        return "causal"
+    mask = visibility_mask(q_pos, k_pos, window)
+    return None if bool(mask.all()) else mask
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float) -> torch.Tensor:
+    """q: [Hq, T, D]; k, v: [Hkv, L, D] (Hq a multiple of Hkv); mask from build_mask.
+    Returns [Hq, T, D]."""
+    hq, t, d = q.shape
+    hkv = k.shape[0]
+    g = hq // hkv
+    if mask is None and t == 1 and g > 1:
+        # Fold the query heads of one KV head into the query axis: no K/V repeat.
+        out = F.scaled_dot_product_attention(q.reshape(hkv, g, d), k, v, scale=scale)  # [Hkv, g, D]
+        return out.reshape(hq, 1, d)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=g > 1)
+    if isinstance(mask, str):
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True, enable_gqa=g > 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=g > 1)
+
+
 def attend_dense(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -28,27 +61,6 @@ def attend_dense(
     window: int | None,
     scale: float,
 ) -> torch.Tensor:
-    """Attention of T queries over L keys of one sequence.
-
-    q: [Hq, T, D]; k, v: [Hkv, L, D] (Hq a multiple of Hkv); q_pos: [T]; k_pos: [L].
-    Returns [Hq, T, D].
-    """
-    hq, t, d = q.shape
-    hkv, L, _ = k.shape
-    g = hq // hkv
-    # Decode fast path: one query that sees every key needs no mask.
-    needs_mask = t > 1 or window is not None
-    if needs_mask:
-        mask = visibility_mask(q_pos, k_pos, window)
-        if bool(mask.all()):
-            needs_mask = False
-    if g > 1 and t == 1:
-        # Fold the query heads of one KV head into the query axis: no K/V repeat.
-        qg = q.reshape(hkv, g, d)  # [Hkv, g, D]
-        out = F.scaled_dot_product_attention(qg, k, v, scale=scale)  # [Hkv, g, D]
-        return out.reshape(hq, 1, d)
-    if not needs_mask:
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=g > 1)
-    if t == L and window is None and bool((q_pos == k_pos).all()):
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True, enable_gqa=g > 1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=g > 1)
+    """Attention of T queries over L keys of one sequence: q [Hq, T, D], k/v [Hkv, L, D],
+    q_pos [T], k_pos [L] -> [Hq, T, D]."""
+    return attend(q, k, v, build_mask(q_pos, k_pos, window), scale)

@@ -1,0 +1,1 @@
+"""Benchmarks: kvcache beside its peers, measured in the same run."""

@@ -1,0 +1,175 @@
+"""The ``kvcache`` console command: generate, chat, models, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvcache.errors import KVCacheError
+
+DEFAULT_PROMPT = "What is a KV cache in a language model? Answer in two sentences."
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None,
+                   help="GGUF file, HF model folder, hub id or bundled name (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--kv", default="dynamic",
+                   help="cache spec: none | dynamic | static[,max_tokens=N] [,page_size=N] (default: dynamic)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all available cores)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
+    p.add_argument("--max-new-tokens", "-n", type=int, default=max_new, help=f"tokens to generate (default {max_new})")
+    p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 is greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+
+
+def _params(args: argparse.Namespace):  # -> SamplingParams
+    from kvcache.engine.params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+    )
+
+
+def _load(args: argparse.Namespace):  # -> LLM
+    from kvcache.config import parse_kv_spec
+    from kvcache.engine.llm import LLM
+
+    parse_kv_spec(args.kv)  # refuse a bad spec before the model loads
+    return LLM(args.model, kv=args.kv, threads=args.threads)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = _params(args)
+    llm = _load(args)
+    prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    chat = args.chat or args.prompt is None
+    run = llm._run(prompt, params, chat)
+    for delta in run:
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    r = run.result
+    print(
+        f"[{llm.model_name} · kv={llm.cache_config.spec()}] prompt {len(r.prompt_token_ids)} tokens · "
+        f"new {len(r.token_ids)} tokens · TTFT {r.prefill_s * 1000:.0f} ms · {r.decode_tok_s:.1f} tok/s · "
+        f"KV {_human(r.kv_bytes)} · finish {r.finish_reason}",
+        file=sys.stderr,
+    )
+    if args.stats:
+        stats = llm.kv_stats()
+        if stats is None:
+            print("KV cache: none (every step recomputes the whole sequence)", file=sys.stderr)
+        else:
+            for key, value in stats.as_dict().items():
+                if key != "per_layer_bytes_allocated":
+                    print(f"  {key:<22} {value}", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = _params(args)
+    llm = _load(args)
+    session = llm.chat_session(system=args.system)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"kvcache chat · {llm.model_name} · kv={llm.cache_config.spec()} · /reset to start over, /exit to leave")
+    while True:
+        if interactive:
+            sys.stdout.write("you> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            break
+        if text == "/reset":
+            session.close()
+            session = llm.chat_session(system=args.system)
+            print("(conversation reset)")
+            continue
+        if interactive:
+            sys.stdout.write("bot> ")
+        for piece in session.stream(text, params):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        r = session.last
+        assert r is not None
+        prefilled = len(r.prompt_token_ids) - r.cached_tokens
+        print(
+            f"[reused {r.cached_tokens} tokens from the cache · prefilled {prefilled} · "
+            f"new {len(r.token_ids)} · {r.decode_tok_s:.1f} tok/s]",
+            file=sys.stderr,
+        )
+    session.close()
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from kvcache.models.loading import list_models
+
+    for row in list_models():
+        print(row)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvcache", description="LLM inference with the KV cache at its centre.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    g.add_argument("prompt", nargs="?", default=None, help="prompt text (default: a short question, with --chat)")
+    _add_model_args(g)
+    _add_sampling_args(g, 128)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--stats", action="store_true", help="print the KV cache's memory accounting")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="multi-turn chat that reuses its KV cache between turns")
+    _add_model_args(c)
+    _add_sampling_args(c, 256)
+    c.add_argument("--system", default=None, help="system prompt")
+    c.set_defaults(func=cmd_chat)
+
+    m = sub.add_parser("models", help="list the bundled and converted models")
+    m.set_defaults(func=cmd_models)
+
+    from kvcache.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KVCacheError as e:
+        print(f"kvcache: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0

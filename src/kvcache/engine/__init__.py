@@ -1,0 +1,1 @@
+"""Requests, model runner, sampler, sessions."""

@@ -1,0 +1,140 @@
+"""LLM: the Python API (vLLM's names where they fit)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from typing import Union
+
+import torch
+
+from kvcache.cache.paged import CacheStats
+from kvcache.config import CacheConfig, parse_kv_spec
+from kvcache.engine.generate import Delta, RequestRun
+from kvcache.engine.params import RequestOutput, SamplingParams
+from kvcache.engine.runner import ModelRunner
+from kvcache.errors import InvalidParams
+from kvcache.models.config import ModelConfig
+from kvcache.models.loading import load_weights, resolve_model
+from kvcache.models.registry import build_model
+from kvcache.models.tokenizer import Tokenizer
+
+Prompt = Union[str, list[int]]
+Messages = list[dict[str, str]]
+
+
+def default_threads() -> int:
+    """Torch threads: KVCACHE_THREADS, else the number of CPUs this process may use."""
+    env = os.environ.get("KVCACHE_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class LLM:
+    """A loaded model, its tokenizer and its KV cache.
+
+    ``model`` is None (the bundled SmolLM2-135M-Instruct), a bundled name, a GGUF file, an HF
+    model folder or a hub id. ``kv`` is a CacheConfig or a compact spec (``dynamic``, ``static``,
+    ``none``, ...).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        kv: str | CacheConfig | None = "dynamic",
+        threads: int | None = None,
+    ) -> None:
+        torch.set_num_threads(threads or default_threads())
+        t0 = time.perf_counter()
+        resolved = resolve_model(model)
+        hf_config, state_dict = load_weights(resolved.path)
+        self.config: ModelConfig = ModelConfig.from_hf(hf_config)
+        self.model = build_model(self.config, state_dict)
+        self.tokenizer = Tokenizer.from_dir(resolved.path)
+        self.model_path = str(resolved.source)
+        self.model_name = resolved.name
+        self.cache_config = parse_kv_spec(kv)
+        self.runner = ModelRunner(self.model, self.cache_config)
+        self.load_s = time.perf_counter() - t0
+
+    # -- prompts -----------------------------------------------------------------------------
+    def encode(self, prompt: Prompt | Messages, chat: bool = False) -> list[int]:
+        """Token ids of a prompt: text (with the chat template when ``chat``), a messages list
+        (always templated) or token ids as they are."""
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
+            return list(prompt)
+        if isinstance(prompt, list):
+            return self.tokenizer.encode_chat(_check_messages(prompt))
+        if not isinstance(prompt, str):
+            raise InvalidParams(f"a prompt must be text, token ids or messages, got {type(prompt).__name__}")
+        if chat:
+            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    # -- generation ----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Prompt | Messages | Sequence[Prompt | Messages],
+        params: SamplingParams | None = None,
+        chat: bool = False,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt (a single prompt is a list of one)."""
+        params = params or SamplingParams()
+        batch = _as_batch(prompts)
+        outs = []
+        for prompt in batch:
+            run = self._run(prompt, params, chat)
+            for _ in run:
+                pass
+            outs.append(run.result)
+        return outs
+
+    def stream(
+        self, prompt: Prompt | Messages, params: SamplingParams | None = None, chat: bool = False
+    ) -> Iterator[Delta]:
+        """Yield text pieces as they are generated (every sample's, tagged with its index)."""
+        yield from self._run(prompt, params or SamplingParams(), chat)
+
+    def _run(self, prompt: Prompt | Messages, params: SamplingParams, chat: bool) -> RequestRun:
+        ids = self.encode(prompt, chat)
+        text = prompt if isinstance(prompt, str) else None
+        return RequestRun(self.runner, self.tokenizer, ids, params, prompt=text)
+
+    def chat_session(self, system: str | None = None) -> "ChatSession":
+        from kvcache.engine.session import ChatSession
+
+        return ChatSession(self, system=system)
+
+    # -- inspection ----------------------------------------------------------------------------
+    def kv_stats(self) -> CacheStats | None:
+        """Memory accounting of the KV cache (None for the ``none`` strategy)."""
+        return self.runner.stats()
+
+    def check_integrity(self) -> None:
+        self.runner.check_integrity()
+
+
+def _check_messages(messages: list) -> Messages:
+    if not messages:
+        raise InvalidParams("messages must not be empty")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise InvalidParams("each message needs a string 'role' and a string 'content'")
+    return messages
+
+
+def _as_batch(prompts: object) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(m, dict) for m in prompts):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts:
+        return list(prompts)
+    raise InvalidParams("prompts must be a string, token ids, messages, or a non-empty list of them")

@@ -1,0 +1,38 @@
+"""Token selection: greedy, temperature, top-k, top-p, with per-sample seeded generators."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcache.engine.params import SamplingParams
+
+
+def make_generator(params: SamplingParams, index: int) -> torch.Generator | None:
+    """A generator for sample ``index`` of a request: seeded when params.seed is set."""
+    if params.temperature == 0:
+        return None
+    g = torch.Generator()
+    if params.seed is not None:
+        g.manual_seed(params.seed + index)
+    else:
+        g.seed()
+    return g
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick one token from logits [V] (float32)."""
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    scores = logits.float() / params.temperature
+    if params.top_k > 0 and params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        probs = torch.softmax(sorted_scores, -1)
+        # drop a token when the tokens ranked above it already reach top_p
+        drop = (torch.cumsum(probs, -1) - probs) >= params.top_p
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+        scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
+    probs = torch.softmax(scores, -1)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,131 @@
+"""Page allocator, pool and page tables, without a model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache.cache import PageAllocator, PagedContext, PagedKVCache
+from kvcache.config import CacheConfig, parse_kv_spec
+from kvcache.errors import ContextOverflow, InvalidParams
+from kvcache.models.config import ModelConfig
+
+TINY = ModelConfig(
+    model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=4, max_position=512, layer_windows=(None, None),
+)
+
+
+def test_allocator_lowest_first_and_release():
+    a = PageAllocator(4)
+    assert a.allocate(2) == [0, 1]
+    a.incref([1])
+    a.release([0, 1])
+    assert a.num_free == 3 and a.refcount(1) == 1
+    assert a.allocate(1) == [0]
+    with pytest.raises(ContextOverflow, match="KV cache is full"):
+        a.allocate(5)
+    a.check_integrity()
+    with pytest.raises(RuntimeError):
+        a.release([3])
+
+
+def test_pool_grows_and_keeps_contents():
+    cache = PagedKVCache(TINY, CacheConfig("dynamic", page_size=4, initial_tokens=4))
+    s = cache.new_sequence()
+    k = torch.randn(3, 2, 4)
+    ctx = PagedContext(cache, [s], [3], torch.arange(3))
+    cache.pool.write(0, ctx.write_slots, k, k)
+    assert cache.allocator.total == 1
+    s2 = cache.new_sequence()
+    PagedContext(cache, [s2], [9], torch.arange(9))  # forces growth
+    assert cache.allocator.total >= 4
+    kk, _ = cache.pool.read(0, s.first_page_if_contiguous(), None, 3)
+    torch.testing.assert_close(kk, k.transpose(0, 1))
+    cache.check_integrity()
+
+
+def test_static_refuses_past_capacity():
+    cache = PagedKVCache(TINY, parse_kv_spec("static,max_tokens=8,page_size=4"))
+    s = cache.new_sequence()
+    PagedContext(cache, [s], [8], torch.arange(8))
+    with pytest.raises(ContextOverflow, match="static cache capacity of 8"):
+        PagedContext(cache, [s], [1], torch.tensor([8]))
+    assert s.length == 8
+    assert cache.allocator.total == 2
+
+
+def test_gather_path_equals_written_values():
+    cache = PagedKVCache(TINY, CacheConfig("dynamic", page_size=2, initial_tokens=16))
+    a, b = cache.new_sequence(), cache.new_sequence()
+    written = {a.seq_id: [], b.seq_id: []}
+    for step in range(5):  # interleaved growth: page tables are not contiguous
+        for s in (a, b):
+            kv = torch.randn(1, 2, 4)
+            ctx = PagedContext(cache, [s], [1], torch.tensor([s.length]))
+            cache.pool.write(1, ctx.write_slots, kv, -kv)
+            written[s.seq_id].append(kv)
+    assert a.first_page_if_contiguous() is None
+    plan = PagedContext(cache, [a], [1], torch.tensor([5])).plans[0]
+    kk, vv = cache.pool.read(1, plan.first_page, plan.slots[:5], 5)
+    torch.testing.assert_close(kk, torch.cat(written[a.seq_id]).transpose(0, 1))
+    torch.testing.assert_close(vv, -kk)
+
+
+def test_positions_must_continue_the_sequence():
+    cache = PagedKVCache(TINY, CacheConfig())
+    s = cache.new_sequence()
+    with pytest.raises(ValueError, match="do not continue"):
+        PagedContext(cache, [s], [2], torch.tensor([3, 4]))
+
+
+def test_kv_spec_parsing_and_errors():
+    assert parse_kv_spec("static,max_tokens=64").max_tokens == 64
+    assert parse_kv_spec("dynamic,page_size=32").spec() == "dynamic,page_size=32"
+    with pytest.raises(InvalidParams, match="unknown --kv item 'int9'"):
+        parse_kv_spec("dynamic,int9")
+    with pytest.raises(InvalidParams, match="max_tokens applies to the static"):
+        parse_kv_spec("dynamic,max_tokens=5")
+    with pytest.raises(InvalidParams, match="needs an integer"):
+        parse_kv_spec("static,max_tokens=lots")
+    with pytest.raises(InvalidParams, match="two strategies"):
+        parse_kv_spec("static,dynamic")
+
+
+def test_stats_accounting():
+    cache = PagedKVCache(TINY, CacheConfig(page_size=4, initial_tokens=32))
+    s = cache.new_sequence()
+    PagedContext(cache, [s], [6], torch.arange(6))
+    st_ = cache.stats()
+    assert st_.bytes_per_token == 2 * 2 * 2 * 4 * 4 == TINY.kv_bytes_per_token()
+    assert (st_.pages_total, st_.pages_used, st_.tokens_stored) == (8, 2, 6)
+    assert st_.bytes_used == 6 * st_.bytes_per_token
+    assert st_.bytes_allocated == 8 * 4 * st_.bytes_per_token
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["new", "grow", "fork", "trunc", "free"]), st.integers(0, 40)),
+                max_size=40))
+def test_random_workload_keeps_page_accounting(ops):
+    cache = PagedKVCache(TINY, CacheConfig(page_size=4, initial_tokens=8))
+    live = []
+    for op, n in ops:
+        if op == "new" or not live:
+            live.append(cache.new_sequence())
+        s = live[n % len(live)]
+        if op == "grow":
+            PagedContext(cache, [s], [n % 9 + 1], torch.arange(s.length, s.length + n % 9 + 1))
+        elif op == "fork":
+            live.append(cache.fork(s))
+        elif op == "trunc":
+            cache.truncate(s, n % (s.length + 1))
+        elif op == "free":
+            cache.free(s)
+            live.remove(s)
+        cache.check_integrity()
+    for s in live:
+        cache.free(s)
+    cache.check_integrity()
+    assert cache.allocator.num_free == cache.allocator.total
