@@ -41,9 +41,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale:
     hq, t, d = q.shape
     hkv = k.shape[0]
     g = hq // hkv
-    if mask is None and t == 1 and g > 1:
-        # Fold the query heads of one KV head into the query axis: no K/V repeat.
-        out = F.scaled_dot_product_attention(q.reshape(hkv, g, d), k, v, scale=scale)  # [Hkv, g, D]
+    if mask is None and t == 1:
+        # Decode: fold the query heads of one KV head into the query axis (no K/V repeat); three
+        # plain ops are cheaper than SDPA's dispatch for one query row on a CPU.
+        scores = torch.matmul(q.reshape(hkv, g, d), k.transpose(1, 2)) * scale  # [Hkv, g, L]
+        out = torch.matmul(torch.softmax(scores, -1), v)  # [Hkv, g, D]
         return out.reshape(hq, 1, d)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=g > 1)

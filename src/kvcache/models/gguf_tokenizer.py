@@ -1,0 +1,65 @@
+"""A GGUF file's tokenizer -> tokenizer.json + tokenizer_config.json (done once, at conversion).
+
+transformers' GGUF tokenizer converters build the `tokenizers` object; at run time kvcache loads
+only tokenizer.json with the `tokenizers` library.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from kvcache.errors import ModelLoadError
+
+# Gemma GGUF files carry no chat template; this renders Gemma's documented turn format.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set ns = namespace(system='') %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% set ns.system = m['content'] + '\n\n' %}"
+    "{% else %}"
+    "{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "<start_of_turn>{{ role }}\n{% if loop.index0 == 1 or (loop.first and m['role'] != 'system') %}{{ ns.system }}{% endif %}"
+    "{{ m['content'] | trim }}<end_of_turn>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def write_tokenizer(gguf_path: Path, meta: dict[str, Any], out_dir: Path) -> None:
+    try:
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        raise ModelLoadError("converting a GGUF tokenizer needs transformers: pip install transformers") from None
+    hf_logging.set_verbosity_error()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as e:
+        raise ModelLoadError(f"{gguf_path.name}: cannot read its tokenizer ({type(e).__name__}: {e})") from None
+    tok.backend_tokenizer.save(str(out_dir / "tokenizer.json"))
+    arch = meta.get("general.architecture")
+    template = meta.get("tokenizer.chat_template") or (GEMMA_TEMPLATE if arch == "gemma3" else None)
+    bos_id, eos_id = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    config = {
+        "chat_template": template,
+        "bos_token": tok.convert_ids_to_tokens(int(bos_id)) if bos_id is not None else None,
+        "eos_token": tok.convert_ids_to_tokens(int(eos_id)) if eos_id is not None else None,
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "eos_token_ids": _end_of_turn_ids(tok, eos_id),
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def _end_of_turn_ids(tok: Any, eos_id: Any) -> list[int]:
+    """EOS plus the chat templates' end-of-turn tokens that exist in this vocabulary."""
+    ids = [int(eos_id)] if eos_id is not None else []
+    vocab = tok.get_vocab()
+    for name in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>"):
+        if name in vocab and vocab[name] not in ids:
+            ids.append(vocab[name])
+    return ids

@@ -1,0 +1,167 @@
+"""Resolve a model spec to an HF-format folder (converting GGUF once) and load its weights.
+
+A spec is None (the bundled default), a bundled name, a .gguf file, an HF model folder, or a hub
+id (org/name). GGUF files are converted into $KVCACHE_HOME/models/<stem>-<key>/ the first time;
+later loads read the converted safetensors directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcache.errors import ModelLoadError
+from kvcache.models.bundled import BUNDLED, DEFAULT, bundled_path, is_installed
+from kvcache.models.paths import cache_home
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    path: Path  # HF-format folder to load
+    source: Path | str  # what the user named: the GGUF file, the folder, or the hub id
+    name: str
+
+
+def _converted_dir(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}:{FORMAT_VERSION}".encode()).hexdigest()[:12]
+    return cache_home() / "models" / f"{gguf.stem}-{key}"
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def ensure_converted(gguf: Path, show_progress: bool = True) -> Path:
+    """The converted folder of ``gguf``, converting it now if needed (atomically: a temporary
+    folder renamed into place, so an interrupted conversion leaves nothing half-written)."""
+    from kvcache.models.gguf_convert import convert_gguf
+
+    target = _converted_dir(gguf)
+    if (target / "kvcache.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        convert_gguf(gguf, tmp, show_progress=show_progress)
+        info = {"source": str(gguf.resolve()), "fingerprint": _file_sha256(gguf), "format": FORMAT_VERSION}
+        (tmp / "kvcache.json").write_text(json.dumps(info, indent=2))
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first
+            if not (target / "kvcache.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model(spec: str | os.PathLike | None) -> ResolvedModel:
+    if spec is None or str(spec) in BUNDLED:
+        name = DEFAULT if spec is None else str(spec)
+        gguf = bundled_path(name)
+        return ResolvedModel(ensure_converted(gguf), gguf, name)
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf" and path.read_bytes()[:4] != b"GGUF":
+            raise ModelLoadError(f"{path} is not a model: give a .gguf file or a model folder")
+        return ResolvedModel(ensure_converted(path), path, path.stem)
+    if path.is_dir():
+        _check_hf_dir(path)
+        return ResolvedModel(path, path, path.name)
+    text = str(spec)
+    if text.count("/") == 1 and not text.startswith((".", "/", "~")) and not text.endswith(".gguf"):
+        return _from_hub(text)
+    raise ModelLoadError(f"model not found: {spec} (no such file or folder)")
+
+
+def _check_hf_dir(path: Path) -> None:
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} is not a model folder: it has no config.json")
+    if not list(path.glob("*.safetensors")):
+        raise ModelLoadError(f"{path} has no *.safetensors weights")
+
+
+def _from_hub(repo_id: str) -> ResolvedModel:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:  # pragma: no cover
+        raise ModelLoadError("loading a hub id needs huggingface_hub: pip install huggingface_hub") from None
+    try:
+        folder = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"])
+    except Exception as e:
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1" or "offline" in str(e).lower() or "connect" in str(e).lower()
+        reason = "no network (or HF_HUB_OFFLINE=1) and it is not in the local hub cache" if offline else str(e).splitlines()[0]
+        raise ModelLoadError(f"hub model {repo_id!r} is not available: {reason}; pass a local GGUF file or model folder") from None
+    path = Path(folder)
+    _check_hf_dir(path)
+    return ResolvedModel(path, repo_id, repo_id.split("/")[-1])
+
+
+def load_weights(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(HF config dict, fp32 state dict) of an HF-format folder."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path / 'config.json'} cannot be read ({e})") from None
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            part = load_file(str(f))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ModelLoadError(f"{f} is not a valid safetensors file ({e})") from None
+        state.update(part)
+    for k, v in state.items():
+        if v.dtype != torch.float32:
+            state[k] = v.float()
+    return config, state
+
+
+def model_fingerprint(path: Path) -> str:
+    """A stable id of a model's weights: the GGUF's sha256 for converted models, else a hash of
+    config.json and the safetensors headers."""
+    info = path / "kvcache.json"
+    if info.is_file():
+        return str(json.loads(info.read_text())["fingerprint"])
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            h.update(fh.read(min(n, 1 << 24)))
+    return h.hexdigest()
+
+
+def list_models() -> list[str]:
+    """Rows for `kvcache models`: bundled models, then converted ones in the cache."""
+    rows = ["bundled:"]
+    for name, desc in BUNDLED.items():
+        mark = "installed" if is_installed(name) else "not installed"
+        rows.append(f"  {name:<14} {desc} [{mark}]{'  (default)' if name == DEFAULT else ''}")
+    rows.append(f"converted ({cache_home() / 'models'}):")
+    found = False
+    for d in sorted((cache_home() / "models").glob("*/kvcache.json")):
+        info = json.loads(d.read_text())
+        size = sum(f.stat().st_size for f in d.parent.iterdir() if f.is_file())
+        rows.append(f"  {d.parent.name:<40} {size / 2**20:7.0f} MiB  from {info.get('source')}")
+        found = True
+    if not found:
+        rows.append("  (none yet)")
+    return rows

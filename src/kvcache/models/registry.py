@@ -1,0 +1,25 @@
+"""ModelConfig.family -> native model class."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcache.errors import UnsupportedArchitecture
+from kvcache.models.base import CausalLM
+from kvcache.models.config import FAMILIES, ModelConfig
+
+
+def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> CausalLM:
+    """Instantiate the native model for ``config`` from HF-named fp32 weights."""
+    if config.model_type not in FAMILIES:
+        raise UnsupportedArchitecture(
+            f"unsupported architecture {config.model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
+        )
+    family = config.family
+    if family == "llama":
+        from kvcache.models.llama import LlamaForCausalLM as cls
+    elif family == "gemma3":
+        from kvcache.models.gemma3 import Gemma3ForCausalLM as cls  # type: ignore[assignment]
+    else:
+        from kvcache.models.gpt2 import GPT2ForCausalLM as cls  # type: ignore[assignment]
+    return cls.from_state_dict(config, state_dict)

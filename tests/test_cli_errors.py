@@ -1,0 +1,86 @@
+"""Bad input: one clear line naming the problem, exit status 2, no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcache import SamplingParams
+from kvcache.errors import InvalidParams
+
+
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvcache", *args], capture_output=True, text=True,
+                          input=stdin, timeout=300)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    assert "Traceback" not in proc.stderr
+    assert needle in lines[-1], proc.stderr
+    assert lines[-1].startswith("kvcache: ") or lines[-1].startswith("usage") or "error:" in lines[-1]
+
+
+def test_missing_model_path(tmp_path):
+    assert_one_line_error(run_cli("generate", "hi", "--model", str(tmp_path / "nope.gguf")), "nope.gguf")
+
+
+def test_file_that_is_not_a_model(tmp_path):
+    bad = tmp_path / "notes.gguf"
+    bad.write_text("this is not a model\n" * 100)
+    assert_one_line_error(run_cli("generate", "hi", "--model", str(bad)), "notes.gguf")
+
+
+def test_truncated_gguf(tmp_path):
+    from kvcache.models.bundled import default_gguf
+
+    src = Path(default_gguf()).read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(src[: len(src) // 2])
+    assert_one_line_error(run_cli("generate", "hi", "--model", str(cut)), "cut.gguf")
+
+
+def test_unsupported_architecture(tmp_path):
+    import json
+
+    d = tmp_path / "weird"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "mamba", "vocab_size": 10}))
+    (d / "model.safetensors").write_bytes(b"")
+    assert_one_line_error(run_cli("generate", "hi", "--model", str(d)), "mamba")
+
+
+def test_bad_kv_spec_and_sampling_values():
+    assert_one_line_error(run_cli("generate", "hi", "--kv", "turbo"), "turbo")
+    assert_one_line_error(run_cli("generate", "hi", "--temperature", "-1"), "temperature")
+    assert_one_line_error(run_cli("generate", "hi", "--top-p", "0"), "top_p")
+    assert_one_line_error(run_cli("generate", "hi", "--max-new-tokens", "0"), "max_tokens")
+    assert_one_line_error(run_cli("bench", "nosuchsuite"), "nosuchsuite")
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"max_tokens": -3}, "max_tokens"), ({"temperature": -0.5}, "temperature"), ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -5}, "top_k"), ({"n": 0}, "n must be"), ({"stop": [""]}, "stop"), ({"seed": "x"}, "seed"),
+])
+def test_sampling_params_validation(kwargs, needle):
+    with pytest.raises(InvalidParams, match=needle):
+        SamplingParams(**kwargs)
+
+
+def test_prompt_longer_than_static_capacity():
+    long_prompt = "word " * 300
+    proc = run_cli("generate", long_prompt, "--kv", "static,max_tokens=64")
+    assert_one_line_error(proc, "64")
+
+
+def test_prompt_longer_than_context(smollm):
+    from kvcache.errors import ContextOverflow
+
+    with pytest.raises(ContextOverflow, match="does not fit the context"):
+        smollm.generate([list(range(100, 100 + 8200))], SamplingParams(max_tokens=1))
+    smollm.check_integrity()
+    assert smollm.kv_stats().pages_used == 0
