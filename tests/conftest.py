@@ -104,3 +104,16 @@ def smollm():
     from kvcache import LLM
 
     return LLM()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm():
+    """transformers' own load of the same bundled GGUF (its GGUF path: the oracle for conversion)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvcache.models.bundled import default_gguf
+
+    gguf = default_gguf()
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    return tok, model.eval()

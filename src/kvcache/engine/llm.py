@@ -16,7 +16,7 @@ from kvcache.engine.params import RequestOutput, SamplingParams
 from kvcache.engine.runner import ModelRunner
 from kvcache.errors import InvalidParams
 from kvcache.models.config import ModelConfig
-from kvcache.models.loading import load_weights, resolve_model
+from kvcache.models.loading import load_weights, read_config, resolve_model
 from kvcache.models.registry import build_model
 from kvcache.models.tokenizer import Tokenizer
 
@@ -52,9 +52,10 @@ class LLM:
         torch.set_num_threads(threads or default_threads())
         t0 = time.perf_counter()
         resolved = resolve_model(model)
-        hf_config, state_dict = load_weights(resolved.path)
-        self.config: ModelConfig = ModelConfig.from_hf(hf_config)
+        self.config: ModelConfig = ModelConfig.from_hf(read_config(resolved.path))  # refuse early
+        _, state_dict = load_weights(resolved.path)
         self.model = build_model(self.config, state_dict)
+        del state_dict
         self.tokenizer = Tokenizer.from_dir(resolved.path)
         self.model_path = str(resolved.source)
         self.model_name = resolved.name

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcache.errors import UnsupportedArchitecture
+from kvcache.errors import ModelLoadError, UnsupportedArchitecture
 
 # HF `model_type` -> our family name (the module in kvcache.models that implements it).
 FAMILIES: dict[str, str] = {
@@ -68,7 +68,19 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """Parse an HF config.json dict. Raises UnsupportedArchitecture for unknown model types."""
+        """Parse an HF config.json dict. Raises UnsupportedArchitecture for unknown model types and
+        ModelLoadError for a config that lacks a needed value."""
+        try:
+            return cls._from_hf(cfg)
+        except KeyError as e:
+            raise ModelLoadError(f"config.json lacks {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ModelLoadError):
+                raise
+            raise ModelLoadError(f"config.json has a bad value ({e})") from None
+
+    @classmethod
+    def _from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         mt = cfg.get("model_type", "")
         if mt == "gemma3" and "text_config" in cfg:
             cfg = {**cfg["text_config"], "model_type": "gemma3_text"}

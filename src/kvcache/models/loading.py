@@ -113,15 +113,20 @@ def _from_hub(repo_id: str) -> ResolvedModel:
     return ResolvedModel(path, repo_id, repo_id.split("/")[-1])
 
 
+def read_config(path: Path) -> dict[str, Any]:
+    """The HF config dict of an HF-format folder."""
+    try:
+        return dict(json.loads((path / "config.json").read_text()))
+    except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{path / 'config.json'} cannot be read ({e})") from None
+
+
 def load_weights(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(HF config dict, fp32 state dict) of an HF-format folder."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"{path / 'config.json'} cannot be read ({e})") from None
+    config = read_config(path)
     state: dict[str, torch.Tensor] = {}
     for f in sorted(path.glob("*.safetensors")):
         try:

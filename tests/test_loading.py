@@ -1,0 +1,162 @@
+"""Model loading: GGUF dequantization, conversion cache, and every way a model path can be bad."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import gemma_installed
+from kvcache.errors import ModelLoadError, UnsupportedArchitecture
+from kvcache.models.gguf_convert import convert_gguf, dequantize, open_gguf
+from kvcache.models.loading import resolve_model
+
+# type -> max abs error allowed for N(0, 1) data (the format's own precision)
+TYPES = {"F32": 0.0, "F16": 2e-3, "BF16": 1.6e-2, "Q8_0": 3e-2, "Q4_0": 0.4, "Q4_1": 0.3}
+
+
+def write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, str]]) -> None:
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    for name, (arr, kind) in tensors.items():
+        qt = Q[kind]
+        if kind == "F32":
+            w.add_tensor(name, arr.astype(np.float32))
+        elif kind == "F16":
+            w.add_tensor(name, arr.astype(np.float16))
+        else:
+            w.add_tensor(name, quantize(arr, qt), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_dequantize_each_type(tmp_path, kind):
+    rng = np.random.default_rng(0)
+    arr = rng.standard_normal((8, 64)).astype(np.float32)
+    write_gguf(tmp_path / "t.gguf", "llama", {"blk.0.ffn_up.weight": (arr, kind)})
+    reader = open_gguf(tmp_path / "t.gguf")
+    (t,) = reader.tensors
+    assert t.tensor_type.name == kind
+    out = dequantize(t)
+    assert out.shape == (8, 64) and out.dtype == np.float32
+    err = np.abs(out - arr).max()
+    assert err <= TYPES[kind] + 1e-7, err
+    if kind != "F32":
+        assert err > 0  # really quantized, not passed through
+
+
+def test_unsupported_architecture_in_gguf(tmp_path):
+    write_gguf(tmp_path / "m.gguf", "mamba", {"blk.0.x.weight": (np.ones((2, 32), np.float32), "F32")})
+    with pytest.raises(UnsupportedArchitecture, match="unsupported architecture 'mamba'"):
+        convert_gguf(tmp_path / "m.gguf", tmp_path / "out", show_progress=False)
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_bad_paths(tmp_path):
+    with pytest.raises(ModelLoadError, match="model not found"):
+        resolve_model(str(tmp_path / "missing.gguf"))
+    txt = tmp_path / "notes.gguf"
+    txt.write_text("hello")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        resolve_model(str(txt))
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"\x00" * 64)
+    with pytest.raises(ModelLoadError, match="is not a model"):
+        resolve_model(str(other))
+    empty = tmp_path / "folder"
+    empty.mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        resolve_model(str(empty))
+    (empty / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
+        resolve_model(str(empty))
+
+
+def test_truncated_gguf_is_refused(tmp_path):
+    from kvcache.models.bundled import default_gguf
+
+    data = default_gguf().read_bytes()
+    for frac in (0.5, 0.999):
+        cut = tmp_path / f"cut{frac}.gguf"
+        cut.write_bytes(data[: int(len(data) * frac)])
+        with pytest.raises(ModelLoadError, match="truncated|corrupt"):
+            resolve_model(str(cut))
+    assert not list((tmp_path).glob("**/model.safetensors"))
+
+
+def test_hub_id_offline_is_a_clear_error(tmp_path):
+    code = ("from kvcache.models.loading import resolve_model\n"
+            "try:\n    resolve_model('someorg/some-model')\nexcept Exception as e:\n    print(type(e).__name__, e)")
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120).stdout
+    assert out.startswith("ModelLoadError") and "not available" in out and "someorg/some-model" in out
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(our Gemma 3 270M, transformers' load of the same GGUF)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvcache import LLM
+    from kvcache.models.bundled import gemma_gguf
+
+    path = gemma_gguf()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    return LLM("gemma3-270m"), hf
+
+
+@pytest.mark.gemma
+@pytest.mark.skipif(not gemma_installed(), reason="Gemma 3 270M packages not installed (make gemma)")
+class TestGemma:
+
+    def test_config_has_hybrid_windows(self, pair):
+        llm, _ = pair
+        windows = llm.config.layer_windows
+        assert len(windows) == 18
+        assert [w for i, w in enumerate(windows) if (i + 1) % 6] == [512] * 15
+        assert [w for i, w in enumerate(windows) if (i + 1) % 6 == 0] == [None] * 3
+
+    def test_weights_equal_transformers(self, pair):
+        """Covers Q4_K, Q6_K, Q5_0 and Q8_0 tensors of the real file."""
+        llm, hf = pair
+        from kvcache.models.loading import load_weights
+
+        _, ours = load_weights(resolve_model("gemma3-270m").path)
+        ref = hf.state_dict()
+        for name, t in ours.items():
+            torch.testing.assert_close(t, ref[name].float(), atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")
+
+    def test_prompt_longer_than_window_matches_hf_logits(self, pair):
+        llm, hf = pair
+        ids = llm.encode("The history of lighthouses. " * 90)
+        assert len(ids) > 600
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0, -1]
+        seq = llm.runner.new_sequence()
+        got = llm.runner.step([seq], [ids])[0]
+        torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-4)
+        nxt = int(got.argmax())
+        with torch.no_grad():
+            ref2 = hf(torch.tensor([ids + [nxt]])).logits[0, -1]
+        torch.testing.assert_close(llm.runner.step([seq], [[nxt]])[0], ref2, atol=1e-3, rtol=1e-4)
+        llm.runner.free(seq)
+        llm.check_integrity()
+
+
+def test_config_missing_a_value(tmp_path):
+    from kvcache.models.config import ModelConfig
+
+    with pytest.raises(ModelLoadError, match="lacks 'num_hidden_layers'"):
+        ModelConfig.from_hf({"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2})
