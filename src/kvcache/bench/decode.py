@@ -38,18 +38,16 @@ class Row:
         }
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads (each distinct parameter once)."""
-    seen: set[int] = set()
-    total = 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    for b in model.buffers():
-        if b.data_ptr() not in seen and b.is_floating_point():
-            seen.add(b.data_ptr())
-            total += b.numel() * b.element_size()
+def weight_bytes(model: torch.nn.Module, head: torch.Tensor) -> int:
+    """Bytes of weights one decode step reads: every distinct parameter once, except embedding
+    tables (a step reads one row of those), plus the output head."""
+    seen = {head.data_ptr()}
+    total = head.numel() * head.element_size()
+    for name, p in model.named_parameters():
+        if p.data_ptr() in seen or any(key in name for key in ("embed", "wte", "wpe")):
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
     return total
 
 
@@ -65,7 +63,7 @@ def bench_kvcache(llm: LLM, strategies: list[str], new: int, repeats: int, progr
 
     ids = llm.encode(PROMPT, chat=True)
     params = SamplingParams(max_tokens=new, ignore_eos=True)
-    wbytes = weight_bytes(llm.model)
+    wbytes = weight_bytes(llm.model, llm.model.lm_head)
     rows = []
     for strat in strategies:
         llm.cache_config = parse_kv_spec(strat)
@@ -92,7 +90,7 @@ def bench_transformers(model_dir: str, ids: list[int], caches: list[str], new: i
         return [Row("transformers", c, note="transformers not installed: skipped") for c in caches]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
-    wbytes = weight_bytes(model)
+    wbytes = weight_bytes(model, model.get_output_embeddings().weight)
     kv_per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * (
         getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
     ) * 4
