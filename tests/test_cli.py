@@ -49,3 +49,17 @@ def test_help_and_bad_subcommand():
     assert "generate" in kvcache("--help").stdout
     bad = kvcache("frobnicate")
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+def test_bench_decode_smoke(tmp_path):
+    out = tmp_path / "bench.json"
+    p = kvcache("bench", "decode", "--new-tokens", "4", "--repeats", "1", "--kv", "dynamic",
+                "--peers", "dynamic", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    assert re.search(r"kvcache\s+dynamic\s+[\d.]+", p.stdout)
+    assert re.search(r"transformers\s+DynamicCache\s+[\d.]+", p.stdout)
+    import json
+
+    rows = json.loads(out.read_text())["results"]
+    assert {r["system"] for r in rows} == {"kvcache", "transformers"}
+    assert all(r["tok_s"] > 0 and r["gb_s"] > 0 for r in rows)

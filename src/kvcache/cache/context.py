@@ -91,6 +91,7 @@ class PagedContext:
         outs = []
         for plan in self.plans:
             kk, vv = pool.read(layer, plan.first_page, plan.slots, plan.length)  # [Hkv, L, D]
-            o = attend(q[plan.rows].transpose(0, 1), kk, vv, plan.mask(window), scale)  # [Hq, T, D]
+            qq = q if len(self.plans) == 1 else q[plan.rows]
+            o = attend(qq.transpose(0, 1), kk, vv, plan.mask(window), scale)  # [Hq, T, D]
             outs.append(o.transpose(0, 1))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)

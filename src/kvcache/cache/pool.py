@@ -1,7 +1,8 @@
 """Page pool: the K/V storage of every layer, in pages of ``page_size`` tokens.
 
-Layout per layer (one tensor for K, one for V):  # k[layer]: [Hkv, P, page_size, D]
-so that a run of consecutive pages reads as a view [Hkv, n * page_size, D], with no copy.
+Layout per layer, K and V together:  # kv[layer]: [2, Hkv, P, page_size, D]
+so that a run of consecutive pages reads as a view [2, Hkv, n * page_size, D] with no copy, and
+one forward writes K and V of a layer with a single index_copy_.
 """
 
 from __future__ import annotations
@@ -27,28 +28,26 @@ class PagePool:
         self.dtype = dtype
         self.device = torch.device(device)
         self.num_pages = 0
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
+        self.kv: list[torch.Tensor] = []  # per layer [2, Hkv, P, page_size, D]
+        self.flat: list[torch.Tensor] = []  # the same storage as [2, Hkv, P * page_size, D]
         self.resize(num_pages)
-
-    def _empty(self, pages: int) -> torch.Tensor:
-        shape = (self.num_kv_heads, pages, self.page_size, self.head_dim)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def resize(self, num_pages: int) -> None:
         """Grow to ``num_pages`` pages, keeping the contents of the existing ones."""
         if num_pages < self.num_pages:
             raise ValueError("the page pool does not shrink")
         old = self.num_pages
-        for store in (self.k, self.v):
-            for i in range(self.num_layers):
-                new = self._empty(num_pages)
-                if old:
-                    new[:, :old] = store[i]
-                if i < len(store):
-                    store[i] = new
-                else:
-                    store.append(new)
+        shape = (2, self.num_kv_heads, num_pages, self.page_size, self.head_dim)
+        for i in range(self.num_layers):
+            new = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if old:
+                new[:, :, :old] = self.kv[i]
+            flat = new.view(2, self.num_kv_heads, num_pages * self.page_size, self.head_dim)
+            if i < len(self.kv):
+                self.kv[i], self.flat[i] = new, flat
+            else:
+                self.kv.append(new)
+                self.flat.append(flat)
         self.num_pages = num_pages
 
     @property
@@ -63,9 +62,10 @@ class PagePool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V of n tokens. slots: [n] int64 (page * page_size + offset); k, v: [n, Hkv, D]."""
-        h, p, s, d = self.k[layer].shape
-        self.k[layer].view(h, p * s, d).index_copy_(1, slots, k.transpose(0, 1).to(self.dtype))
-        self.v[layer].view(h, p * s, d).index_copy_(1, slots, v.transpose(0, 1).to(self.dtype))
+        kv = torch.stack((k, v)).transpose(1, 2)  # [2, Hkv, n, D]
+        if kv.dtype != self.dtype:
+            kv = kv.to(self.dtype)
+        self.flat[layer].index_copy_(2, slots, kv)
 
     def read(
         self, layer: int, first_page: int | None, slots: torch.Tensor | None, length: int
@@ -75,20 +75,16 @@ class PagePool:
         With ``first_page`` set the sequence's pages are consecutive and the result is a view;
         otherwise ``slots`` ([length] int64) gathers them.
         """
-        h, p, s, d = self.k[layer].shape
         if first_page is not None:
-            n = -(-length // s)
-            k = self.k[layer][:, first_page : first_page + n].reshape(h, n * s, d)[:, :length]
-            v = self.v[layer][:, first_page : first_page + n].reshape(h, n * s, d)[:, :length]
+            start = first_page * self.page_size
+            kv = self.flat[layer][:, :, start : start + length]  # [2, Hkv, L, D] view
         else:
             assert slots is not None
-            k = self.k[layer].view(h, p * s, d).index_select(1, slots)
-            v = self.v[layer].view(h, p * s, d).index_select(1, slots)
-        if k.dtype != torch.float32:
-            k, v = k.float(), v.float()
-        return k, v
+            kv = self.flat[layer].index_select(2, slots)  # [2, Hkv, L, D]
+        if kv.dtype != torch.float32:
+            kv = kv.float()
+        return kv[0], kv[1]
 
     def copy_page(self, src: int, dst: int) -> None:
-        for i in range(self.num_layers):
-            self.k[i][:, dst] = self.k[i][:, src]
-            self.v[i][:, dst] = self.v[i][:, src]
+        for layer in self.kv:
+            layer[:, :, dst] = layer[:, :, src]
