@@ -12,11 +12,19 @@ from torch import nn
 from kvcache.errors import UnsupportedArchitecture
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., H] float32 -> x * rsqrt(mean(x^2) + eps) * weight (HF's order of operations)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x: [..., H] float32 -> x * rsqrt(mean(x^2) + eps) * weight; weight None when it has been
+    folded into the next projection (see fold_norm)."""
     # sum * (1/H) rather than mean: mean costs a dtype round trip per call on this CPU build
     var = x.pow(2).sum(-1, keepdim=True).mul_(1.0 / x.shape[-1]).add_(eps)
-    return weight * (x * torch.rsqrt(var))
+    normed = x * torch.rsqrt(var)
+    return normed if weight is None else normed.mul_(weight)
+
+
+def fold_norm(norm_weight: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """A norm's weight [in] folded into the transposed projection [in, out] that follows it:
+    (x_hat * w) @ W == x_hat @ (diag(w) W), one multiply fewer per norm and token."""
+    return (norm_weight.float()[:, None] * wt).contiguous()
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -13,15 +13,15 @@ from kvcache.attention.context import AttentionContext
 from kvcache.errors import ModelLoadError
 from kvcache.models.base import CausalLM
 from kvcache.models.config import ModelConfig
-from kvcache.models.layers import Rotary, activation, apply_rotary, frozen, frozen_t, linear, rms_norm, strip_prefix
+from kvcache.models.layers import (
+    Rotary, activation, apply_rotary, fold_norm, frozen, frozen_t, linear, rms_norm, strip_prefix,
+)
 
 
 class LlamaLayer(nn.Module):
     def __init__(self, sd: dict[str, torch.Tensor], p: str, cfg: ModelConfig) -> None:
         super().__init__()
         a, m = f"{p}.self_attn", f"{p}.mlp"
-        self.ln1 = frozen(sd[f"{p}.input_layernorm.weight"])
-        self.ln2 = frozen(sd[f"{p}.post_attention_layernorm.weight"])
         if f"{a}.qkv_proj.weight" in sd:  # Phi-3 ships it fused
             self.qkv = frozen_t(sd[f"{a}.qkv_proj.weight"])  # [H, (Hq + 2 Hkv) D]
         else:
@@ -37,6 +37,9 @@ class LlamaLayer(nn.Module):
         else:
             self.gate_up = frozen_t(torch.cat([sd[f"{m}.gate_proj.weight"], sd[f"{m}.up_proj.weight"]]))
         self.down = frozen_t(sd[f"{m}.down_proj.weight"])  # [I, H]
+        # the norms before attention and MLP are folded into the projections they feed
+        self.qkv = frozen(fold_norm(sd[f"{p}.input_layernorm.weight"], self.qkv))
+        self.gate_up = frozen(fold_norm(sd[f"{p}.post_attention_layernorm.weight"], self.gate_up))
 
 
 class LlamaForCausalLM(CausalLM):
@@ -49,11 +52,12 @@ class LlamaForCausalLM(CausalLM):
             self.layers = nn.ModuleList(
                 LlamaLayer(sd, f"model.layers.{i}", config) for i in range(config.num_layers)
             )
-            self.norm = frozen(sd["model.norm.weight"])
+            final_norm = sd["model.norm.weight"]
         except KeyError as e:
             raise ModelLoadError(f"weights are missing tensor {e.args[0]!r} for a {config.model_type} model") from None
         head = sd.get("lm_head.weight")
-        self.lm_head = frozen_t(self.embed if config.tie_embeddings or head is None else head)  # [H, V]
+        head_t = (self.embed if config.tie_embeddings or head is None else head).t()
+        self.lm_head = frozen(fold_norm(final_norm, head_t))  # [H, V], final norm folded in
         partial = float(config.raw.get("partial_rotary_factor", 1.0))
         self.rope = Rotary(int(config.head_dim * partial), config.rope_theta, config.rope_scaling)
         self.act = activation(config.hidden_act)
@@ -74,7 +78,7 @@ class LlamaForCausalLM(CausalLM):
         x = F.embedding(input_ids, self.embed)  # [N, H]
         cos, sin = self.rope.tables(positions)  # [N, 1, R]
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.ln1, eps)
+            h = rms_norm(x, None, eps)
             qkv = linear(h, layer.qkv, layer.qkv_b).view(n, hq + 2 * hkv, d)
             qk, v = qkv[:, : hq + hkv], qkv[:, hq + hkv :]
             if layer.q_norm is not None:
@@ -82,9 +86,9 @@ class LlamaForCausalLM(CausalLM):
             qk = apply_rotary(qk, cos, sin)  # q and k heads in one pass
             o = ctx.attend(i, qk[:, :hq], qk[:, hq:], v, cfg.scale)  # [N, Hq, D]
             x.add_(linear(o.reshape(n, hq * d), layer.o, layer.o_b))
-            h = rms_norm(x, layer.ln2, eps)
+            h = rms_norm(x, None, eps)
             gate, up = linear(h, layer.gate_up).chunk(2, -1)
             x.add_(linear(self.act(gate).mul_(up), layer.down))
         if logits_rows is not None:
             x = x[logits_rows]
-        return linear(rms_norm(x, self.norm, eps), self.lm_head)
+        return linear(rms_norm(x, None, eps), self.lm_head)
