@@ -59,7 +59,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = _load(args)
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     chat = args.chat or args.prompt is None
-    run = llm._run(prompt, params, chat)
+    run = llm.request(prompt, params, chat)
     for delta in run:
         sys.stdout.write(delta.text)
         sys.stdout.flush()

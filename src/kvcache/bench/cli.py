@@ -37,7 +37,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     import torch
 
-    from kvcache.bench.decode import bench_kvcache, bench_transformers
+    from kvcache.bench.decode import PROMPT, bench_kvcache, bench_transformers
     from kvcache.engine.llm import LLM
     from kvcache.models.loading import resolve_model
 
@@ -50,7 +50,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     llm = LLM(args.model, threads=args.threads)
     bar = tqdm(total=(len(strategies) + len(peers)) * repeats, desc="bench decode", file=sys.stderr)
     rows = bench_kvcache(llm, strategies, new, repeats, bar.update)
-    ids = llm.encode(__import__("kvcache.bench.decode", fromlist=["PROMPT"]).PROMPT, chat=True)
+    ids = llm.encode(PROMPT, chat=True)
     if peers:
         rows += bench_transformers(str(resolve_model(args.model).path), ids, peers, new, repeats, bar.update)
     bar.close()

@@ -89,7 +89,7 @@ class LLM:
         batch = _as_batch(prompts)
         outs = []
         for prompt in batch:
-            run = self._run(prompt, params, chat)
+            run = self.request(prompt, params, chat)
             for _ in run:
                 pass
             outs.append(run.result)
@@ -99,9 +99,10 @@ class LLM:
         self, prompt: Prompt | Messages, params: SamplingParams | None = None, chat: bool = False
     ) -> Iterator[Delta]:
         """Yield text pieces as they are generated (every sample's, tagged with its index)."""
-        yield from self._run(prompt, params or SamplingParams(), chat)
+        yield from self.request(prompt, params or SamplingParams(), chat)
 
-    def _run(self, prompt: Prompt | Messages, params: SamplingParams, chat: bool) -> RequestRun:
+    def request(self, prompt: Prompt | Messages, params: SamplingParams, chat: bool = False) -> RequestRun:
+        """A request ready to run: iterate it for text pieces; ``.result`` is complete after."""
         ids = self.encode(prompt, chat)
         text = prompt if isinstance(prompt, str) else None
         return RequestRun(self.runner, self.tokenizer, ids, params, prompt=text)

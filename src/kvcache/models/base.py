@@ -27,5 +27,6 @@ class CausalLM(nn.Module):
 
     @classmethod
     def from_state_dict(cls, config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> "CausalLM":
-        """Build from HF-named weights (as in an HF checkpoint of this family)."""
-        raise NotImplementedError
+        """Build from HF-named weights (as in an HF checkpoint of this family), in eval mode.
+        Subclasses take ``(config, state_dict)`` in their constructor."""
+        return cls(config, state_dict).eval()  # type: ignore[call-arg]

@@ -61,10 +61,6 @@ class Gemma3ForCausalLM(CausalLM):
         softcap = config.raw.get("final_logit_softcapping")
         self.softcap = float(softcap) if softcap else None
 
-    @classmethod
-    def from_state_dict(cls, config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> "Gemma3ForCausalLM":
-        return cls(config, state_dict).eval()
-
     def forward(  # type: ignore[override]
         self,
         input_ids: torch.Tensor,  # [N]

@@ -44,10 +44,6 @@ class GPT2ForCausalLM(CausalLM):
         self.lm_head = frozen_t(self.wte)  # [H, V]
         self.act = activation(config.hidden_act)
 
-    @classmethod
-    def from_state_dict(cls, config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> "GPT2ForCausalLM":
-        return cls(config, state_dict).eval()
-
     def forward(  # type: ignore[override]
         self,
         input_ids: torch.Tensor,  # [N]

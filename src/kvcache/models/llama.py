@@ -62,10 +62,6 @@ class LlamaForCausalLM(CausalLM):
         self.rope = Rotary(int(config.head_dim * partial), config.rope_theta, config.rope_scaling)
         self.act = activation(config.hidden_act)
 
-    @classmethod
-    def from_state_dict(cls, config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> "LlamaForCausalLM":
-        return cls(config, state_dict).eval()
-
     def forward(  # type: ignore[override]
         self,
         input_ids: torch.Tensor,  # [N]
