@@ -52,6 +52,8 @@ class ModelConfig:
     attn_scale: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # share of head_dim that RoPE rotates (Phi-3/Phi-4-mini style partial rotary), 1.0 = all of it
+    partial_rotary_factor: float = 1.0
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -125,6 +127,7 @@ class ModelConfig:
             attn_scale=scale,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            partial_rotary_factor=_partial_rotary(cfg),
             raw=dict(cfg),
         )
 
@@ -161,6 +164,15 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, float | None, dict[str, Any] | No
     if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = None
     return float(theta if theta is not None else 10000.0), (float(local) if local else None), scaling
+
+
+def _partial_rotary(cfg: dict[str, Any]) -> float:
+    """partial_rotary_factor at the top level (transformers 4) or inside rope_parameters (5)."""
+    params = cfg.get("rope_parameters")
+    value = cfg.get("partial_rotary_factor")
+    if value is None and isinstance(params, dict):
+        value = params.get("partial_rotary_factor")
+    return float(value) if value is not None else 1.0
 
 
 def _gpt2(cfg: dict[str, Any]) -> ModelConfig:

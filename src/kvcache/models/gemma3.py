@@ -1,95 +1,111 @@
 """Gemma 3 (text): scaled embeddings, four norms per layer, QK norm, hybrid sliding/full layers.
 
-Gemma's RMSNorm multiplies by (1 + w); the +1 is folded into the stored weights at load time.
-Sliding layers use their own RoPE base (rope_local_theta); windows live in config.layer_windows.
+Gemma's RMSNorm multiplies by (1 + w); the +1 is folded into the stored weights at load time, and
+the two norms that feed a projection (input, pre-feedforward) are folded into its matrix.
+Sliding layers use their own RoPE base (rope_local_theta, no scaling); windows live in
+config.layer_windows and are applied by the attention context.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvcache.attention.context import AttentionContext
-from kvcache.errors import ModelLoadError
+from kvcache.errors import ModelLoadError, UnsupportedArchitecture
 from kvcache.models.base import CausalLM
 from kvcache.models.config import ModelConfig
-from kvcache.models.layers import Rotary, activation, apply_rotary, frozen, frozen_t, linear, rms_norm, strip_prefix
+from kvcache.models.layers import (
+    Rotary, activation, apply_rotary, fold_norm, frozen, linear, pack, pack_bias, packed_rows, rms_norm,
+    text_model_names,
+)
 
 
-def _norm(sd: dict[str, torch.Tensor], key: str) -> nn.Parameter:
-    return frozen(sd[key].float() + 1.0)
+def _w(sd: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    """A Gemma norm weight [H] as the factor it multiplies by: 1 + w, in fp32."""
+    return sd[key].float() + 1.0
 
 
 class Gemma3Layer(nn.Module):
-    def __init__(self, sd: dict[str, torch.Tensor], p: str) -> None:
+    def __init__(self, sd: dict[str, torch.Tensor], p: str, cfg: ModelConfig) -> None:
         super().__init__()
         a, m = f"{p}.self_attn", f"{p}.mlp"
-        self.ln_in = _norm(sd, f"{p}.input_layernorm.weight")
-        self.ln_post_attn = _norm(sd, f"{p}.post_attention_layernorm.weight")
-        self.ln_pre_ff = _norm(sd, f"{p}.pre_feedforward_layernorm.weight")
-        self.ln_post_ff = _norm(sd, f"{p}.post_feedforward_layernorm.weight")
-        self.q_norm = _norm(sd, f"{a}.q_norm.weight")
-        self.k_norm = _norm(sd, f"{a}.k_norm.weight")
-        self.qkv = frozen_t(torch.cat([sd[f"{a}.{n}_proj.weight"] for n in "qkv"]))  # [H, (Hq+2Hkv) D]
-        bias = [sd.get(f"{a}.{n}_proj.bias") for n in "qkv"]
-        self.qkv_b = frozen(torch.cat(bias)) if all(b is not None for b in bias) else None  # type: ignore[arg-type]
-        self.o = frozen_t(sd[f"{a}.o_proj.weight"])
-        self.gate_up = frozen_t(torch.cat([sd[f"{m}.gate_proj.weight"], sd[f"{m}.up_proj.weight"]]))  # [H, 2I]
-        self.down = frozen_t(sd[f"{m}.down_proj.weight"])
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = torch.cat([sd[f"{a}.{n}_proj.weight"] for n in "qkv"])  # [(Hq + 2 Hkv) D, H]
+        self.qkv = pack(fold_norm(_w(sd, f"{p}.input_layernorm.weight"), qkv))  # [k, H, (Hq+2Hkv) D / k]
+        qkv_b = torch.cat([sd[f"{a}.{n}_proj.bias"] for n in "qkv"]) if f"{a}.q_proj.bias" in sd else None
+        self.qkv_b = pack_bias(qkv_b, self.qkv)  # [k, 1, (Hq+2Hkv) D / k] or None
+        self.o = pack(sd[f"{a}.o_proj.weight"])  # [k, Hq D, H / k]
+        gate_up = torch.cat([sd[f"{m}.gate_proj.weight"], sd[f"{m}.up_proj.weight"]])  # [2I, H]
+        self.gate_up = pack(fold_norm(_w(sd, f"{p}.pre_feedforward_layernorm.weight"), gate_up))  # [k, H, 2I / k]
+        self.down = pack(sd[f"{m}.down_proj.weight"])  # [k, I, H / k]
+        self.ln_post_attn = frozen(_w(sd, f"{p}.post_attention_layernorm.weight"))  # [H]
+        self.ln_post_ff = frozen(_w(sd, f"{p}.post_feedforward_layernorm.weight"))  # [H]
+        # per-head norms of q and k as one weight [Hq + Hkv, D]: one norm call for both
+        q_w, k_w = _w(sd, f"{a}.q_norm.weight"), _w(sd, f"{a}.k_norm.weight")  # [D] each
+        self.qk_norm = frozen(torch.cat((q_w.expand(hq, d), k_w.expand(hkv, d))))
 
 
 class Gemma3ForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig, sd: dict[str, torch.Tensor]) -> None:
         super().__init__()
         self.config = config
-        sd = strip_prefix(sd, ("model.language_model.", "language_model."))
+        if config.raw.get("attn_logit_softcapping"):
+            raise UnsupportedArchitecture("gemma3 with attn_logit_softcapping is not supported")
+        sd = text_model_names(sd)
         try:
-            self.embed = frozen(sd["model.embed_tokens.weight"])  # [V, H]
-            self.layers = nn.ModuleList(Gemma3Layer(sd, f"model.layers.{i}") for i in range(config.num_layers))
-            self.norm = _norm(sd, "model.norm.weight")
+            embed = sd["model.embed_tokens.weight"]  # [V, H]
+            self.layers = nn.ModuleList(
+                Gemma3Layer(sd, f"model.layers.{i}", config) for i in range(config.num_layers)
+            )
+            self.norm = frozen(_w(sd, "model.norm.weight"))  # [H]
         except KeyError as e:
             raise ModelLoadError(f"weights are missing tensor {e.args[0]!r} for a gemma3 model") from None
         head = sd.get("lm_head.weight")
-        self.lm_head = frozen_t(self.embed if config.tie_embeddings or head is None else head)  # [H, V]
+        tied = config.tie_embeddings or head is None
+        self.lm_head = pack(embed if tied else head)  # [k, H, V / k] (padded)
+        self.embed = None if tied else frozen(embed)  # [V, H]; tied: read from the packed head
+        # HF multiplies by sqrt(hidden) rounded to the weight dtype (fp32 here)
         self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=torch.float32)
-        self.rope_global = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rope_global = Rotary(config.head_dim, config.rope_theta, config.rope_scaling, config.max_position)
         self.rope_local = Rotary(config.head_dim, config.rope_local_theta or config.rope_theta)
         self.act = activation(config.hidden_act)
-        hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
-        self.split = (hq * d, hkv * d, hkv * d)
         softcap = config.raw.get("final_logit_softcapping")
         self.softcap = float(softcap) if softcap else None
+        # the per-layer tensors as plain tuples: the loop skips nn.Module attribute lookups
+        self.plan = [
+            (ly.qkv, ly.qkv_b, ly.qk_norm, ly.o, ly.ln_post_attn, ly.gate_up, ly.down, ly.ln_post_ff)
+            for ly in self.layers
+        ]
 
     def forward(  # type: ignore[override]
         self,
-        input_ids: torch.Tensor,  # [N]
-        positions: torch.Tensor,  # [N]
+        input_ids: torch.Tensor,  # [N] int64
+        positions: torch.Tensor,  # [N] int64
         ctx: AttentionContext,
-        logits_rows: torch.Tensor | None = None,  # [R]
-    ) -> torch.Tensor:  # [R or N, V]
+        logits_rows: torch.Tensor | None = None,  # [R] int64
+    ) -> torch.Tensor:  # [R or N, V] float32
         cfg = self.config
         n, hq, hkv, d, eps = input_ids.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps
-        x = F.embedding(input_ids, self.embed) * self.embed_scale  # [N, H]
-        tables = {
-            "global": self.rope_global.tables(positions),
-            "local": self.rope_local.tables(positions),
-        }  # each (cos, sin): [N, 1, D]
-        for i, layer in enumerate(self.layers):
-            cos, sin = tables["local" if cfg.layer_windows[i] is not None else "global"]
-            h = rms_norm(x, layer.ln_in, eps)
-            q, k, v = linear(h, layer.qkv, layer.qkv_b).split(self.split, -1)
-            q = rms_norm(q.view(n, hq, d), layer.q_norm, eps)
-            k = rms_norm(k.view(n, hkv, d), layer.k_norm, eps)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            o = ctx.attend(i, q, k, v.view(n, hkv, d), cfg.scale)  # [N, Hq, D]
-            x = x + rms_norm(linear(o.reshape(n, hq * d), layer.o), layer.ln_post_attn, eps)
-            h = rms_norm(x, layer.ln_pre_ff, eps)
-            gate, up = linear(h, layer.gate_up).chunk(2, -1)
-            x = x + rms_norm(linear(self.act(gate) * up, layer.down), layer.ln_post_ff, eps)
+        scale, act, qk_v, q_k = cfg.scale, self.act, (hq + hkv, hkv), (hq, hkv)
+        x = packed_rows(self.lm_head, input_ids) if self.embed is None else self.embed[input_ids]  # [N, H]
+        x.mul_(self.embed_scale)
+        local = self.rope_local.tables(positions)  # (cos, sin): [N, 1, D] each
+        full = self.rope_global.tables(positions)
+        for i, (qkv_w, qkv_b, qk_norm, o_w, post_attn, gu_w, down_w, post_ff) in enumerate(self.plan):
+            cos, sin = local if cfg.layer_windows[i] is not None else full
+            qkv = linear(rms_norm(x, None, eps), qkv_w, qkv_b).view(n, hq + 2 * hkv, d)
+            qk, v = qkv.split(qk_v, 1)  # [N, Hq + Hkv, D]: q and k heads get norm and RoPE together
+            q, k = apply_rotary(rms_norm(qk, qk_norm, eps), cos, sin).split(q_k, 1)
+            o = ctx.attend(i, q, k, v, scale)  # [N, Hq, D]
+            x.add_(rms_norm(linear(o.reshape(n, hq * d), o_w), post_attn, eps))
+            gate, up = linear(rms_norm(x, None, eps), gu_w).chunk(2, 1)  # [N, I] each
+            x.add_(rms_norm(linear(act(gate).mul_(up), down_w), post_ff, eps))
         if logits_rows is not None:
             x = x[logits_rows]
-        logits = linear(rms_norm(x, self.norm, eps), self.lm_head)
+        logits = linear(rms_norm(x, self.norm, eps), self.lm_head)  # [R, k * V / k]
+        if logits.shape[1] != cfg.vocab_size:
+            logits = logits[:, : cfg.vocab_size].contiguous()
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

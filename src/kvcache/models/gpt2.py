@@ -1,6 +1,8 @@
-"""GPT-2: learned position embeddings (indexed by the explicit positions), LayerNorm, fused c_attn.
+"""GPT-2: learned position embeddings (indexed by the explicit positions), LayerNorm, fused c_attn,
+gelu_new, output head tied to the token embeddings.
 
-HF's Conv1D stores weights as [in, out], the layout ``linear`` wants: they load as they are.
+HF's Conv1D stores weights as [in, out] (transposed relative to nn.Linear); they are packed from
+their transpose. HF's scale_attn_weights / scale_attn_by_inverse_layer_idx options are honoured.
 """
 
 from __future__ import annotations
@@ -13,18 +15,24 @@ from kvcache.attention.context import AttentionContext
 from kvcache.errors import ModelLoadError
 from kvcache.models.base import CausalLM
 from kvcache.models.config import ModelConfig
-from kvcache.models.layers import activation, frozen, frozen_t, linear, strip_prefix
+from kvcache.models.layers import activation, frozen, linear, pack, pack_bias, packed_rows, strip_prefix
+
+
+def _conv1d(sd: dict[str, torch.Tensor], key: str) -> tuple[nn.Parameter, nn.Parameter | None]:
+    """A Conv1D's weight [in, out] and bias [out] -> packed [k, in, out / k] and [k, 1, out / k]."""
+    w = pack(sd[f"{key}.weight"].t())
+    return w, pack_bias(sd.get(f"{key}.bias"), w)
 
 
 class GPT2Layer(nn.Module):
     def __init__(self, sd: dict[str, torch.Tensor], p: str) -> None:
         super().__init__()
-        self.ln1_w, self.ln1_b = frozen(sd[f"{p}.ln_1.weight"]), frozen(sd[f"{p}.ln_1.bias"])
-        self.ln2_w, self.ln2_b = frozen(sd[f"{p}.ln_2.weight"]), frozen(sd[f"{p}.ln_2.bias"])
-        self.qkv, self.qkv_b = frozen(sd[f"{p}.attn.c_attn.weight"]), frozen(sd[f"{p}.attn.c_attn.bias"])
-        self.o, self.o_b = frozen(sd[f"{p}.attn.c_proj.weight"]), frozen(sd[f"{p}.attn.c_proj.bias"])
-        self.fc, self.fc_b = frozen(sd[f"{p}.mlp.c_fc.weight"]), frozen(sd[f"{p}.mlp.c_fc.bias"])
-        self.proj, self.proj_b = frozen(sd[f"{p}.mlp.c_proj.weight"]), frozen(sd[f"{p}.mlp.c_proj.bias"])
+        self.ln1_w, self.ln1_b = frozen(sd[f"{p}.ln_1.weight"]), frozen(sd[f"{p}.ln_1.bias"])  # [H]
+        self.ln2_w, self.ln2_b = frozen(sd[f"{p}.ln_2.weight"]), frozen(sd[f"{p}.ln_2.bias"])  # [H]
+        self.qkv, self.qkv_b = _conv1d(sd, f"{p}.attn.c_attn")  # [k, H, 3H / k]
+        self.o, self.o_b = _conv1d(sd, f"{p}.attn.c_proj")  # [k, H, H / k]
+        self.fc, self.fc_b = _conv1d(sd, f"{p}.mlp.c_fc")  # [k, H, I / k]
+        self.proj, self.proj_b = _conv1d(sd, f"{p}.mlp.c_proj")  # [k, I, H / k]
 
 
 class GPT2ForCausalLM(CausalLM):
@@ -35,33 +43,41 @@ class GPT2ForCausalLM(CausalLM):
             sd = {f"transformer.{k}": v for k, v in sd.items()}
         sd = strip_prefix(sd, ("transformer.",))
         try:
-            self.wte = frozen(sd["wte.weight"])  # [V, H]
+            self.lm_head = pack(sd["wte.weight"])  # [k, H, V / k]; the tied table, read for embeddings too
             self.wpe = frozen(sd["wpe.weight"])  # [P, H]
             self.layers = nn.ModuleList(GPT2Layer(sd, f"h.{i}") for i in range(config.num_layers))
-            self.lnf_w, self.lnf_b = frozen(sd["ln_f.weight"]), frozen(sd["ln_f.bias"])
+            self.lnf_w, self.lnf_b = frozen(sd["ln_f.weight"]), frozen(sd["ln_f.bias"])  # [H]
         except KeyError as e:
             raise ModelLoadError(f"weights are missing tensor {e.args[0]!r} for a gpt2 model") from None
-        self.lm_head = frozen_t(self.wte)  # [H, V]
         self.act = activation(config.hidden_act)
+        raw = config.raw
+        base = config.scale if raw.get("scale_attn_weights", True) else 1.0
+        by_layer = bool(raw.get("scale_attn_by_inverse_layer_idx", False))
+        self.scales = [base / (i + 1) if by_layer else base for i in range(config.num_layers)]
+        # the per-layer tensors as plain tuples: the loop skips nn.Module attribute lookups
+        names = ("ln1_w", "ln1_b", "qkv", "qkv_b", "o", "o_b", "ln2_w", "ln2_b", "fc", "fc_b", "proj", "proj_b")
+        self.plan = [tuple(getattr(ly, a) for a in names) for ly in self.layers]
 
     def forward(  # type: ignore[override]
         self,
-        input_ids: torch.Tensor,  # [N]
-        positions: torch.Tensor,  # [N]
+        input_ids: torch.Tensor,  # [N] int64
+        positions: torch.Tensor,  # [N] int64
         ctx: AttentionContext,
-        logits_rows: torch.Tensor | None = None,  # [R]
-    ) -> torch.Tensor:  # [R or N, V]
+        logits_rows: torch.Tensor | None = None,  # [R] int64
+    ) -> torch.Tensor:  # [R or N, V] float32
         cfg = self.config
-        n, h_, d, eps = input_ids.shape[0], cfg.num_heads, cfg.head_dim, cfg.norm_eps
-        x = F.embedding(input_ids, self.wte) + F.embedding(positions, self.wpe)  # [N, H]
-        hid = cfg.hidden_size
-        for i, layer in enumerate(self.layers):
-            h = F.layer_norm(x, (hid,), layer.ln1_w, layer.ln1_b, eps)
-            q, k, v = linear(h, layer.qkv, layer.qkv_b).view(n, 3, h_, d).unbind(1)
-            o = ctx.attend(i, q, k, v, cfg.scale)  # [N, heads, D]
-            x = x + linear(o.reshape(n, hid), layer.o, layer.o_b)
-            h = F.layer_norm(x, (hid,), layer.ln2_w, layer.ln2_b, eps)
-            x = x + linear(self.act(linear(h, layer.fc, layer.fc_b)), layer.proj, layer.proj_b)
+        n, heads, d, eps, hid = input_ids.shape[0], cfg.num_heads, cfg.head_dim, cfg.norm_eps, cfg.hidden_size
+        x = packed_rows(self.lm_head, input_ids).add_(self.wpe[positions])  # [N, H]
+        for i, weights in enumerate(self.plan):
+            ln1_w, ln1_b, qkv_w, qkv_b, o_w, o_b, ln2_w, ln2_b, fc_w, fc_b, proj_w, proj_b = weights
+            h = F.layer_norm(x, (hid,), ln1_w, ln1_b, eps)
+            qkv = linear(h, qkv_w, qkv_b).view(n, 3, heads, d)
+            q, k, v = qkv.unbind(1)  # [N, heads, D] each
+            o = ctx.attend(i, q, k, v, self.scales[i])  # [N, heads, D]
+            x.add_(linear(o.reshape(n, hid), o_w, o_b))
+            h = F.layer_norm(x, (hid,), ln2_w, ln2_b, eps)
+            x.add_(linear(self.act(linear(h, fc_w, fc_b)), proj_w, proj_b))
         if logits_rows is not None:
             x = x[logits_rows]
-        return linear(F.layer_norm(x, (hid,), self.lnf_w, self.lnf_b, eps), self.lm_head)
+        logits = linear(F.layer_norm(x, (hid,), self.lnf_w, self.lnf_b, eps), self.lm_head)  # [R, k * V / k]
+        return logits if logits.shape[1] == cfg.vocab_size else logits[:, : cfg.vocab_size].contiguous()

@@ -1,12 +1,14 @@
 """Llama family: Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2 (QKV bias), Qwen3 (QK norm), Phi-3.
 
-Q/K/V are fused into one matrix and gate/up into another at load time: one matmul each.
+Q/K/V are fused into one packed matrix and gate/up into another at load time (one matmul each;
+Phi-3 checkpoints ship them fused already). The RMSNorm weights before attention and MLP are
+folded into those matrices. Biases are taken wherever the checkpoint has them (Qwen2's q/k/v,
+Llama's attention_bias / mlp_bias).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvcache.attention.context import AttentionContext
@@ -14,77 +16,102 @@ from kvcache.errors import ModelLoadError
 from kvcache.models.base import CausalLM
 from kvcache.models.config import ModelConfig
 from kvcache.models.layers import (
-    Rotary, activation, apply_rotary, fold_norm, frozen, frozen_t, linear, rms_norm, strip_prefix,
+    Rotary, activation, apply_rotary, fold_norm, frozen, linear, pack, pack_bias, packed_rows, rms_norm,
+    text_model_names,
 )
+
+
+def _cat_bias(sd: dict[str, torch.Tensor], keys: list[str], sizes: list[int]) -> torch.Tensor | None:
+    """Concatenated biases [sum(sizes)] of fused projections; zeros for a part without one; None
+    when no part has a bias."""
+    if not any(k in sd for k in keys):
+        return None
+    return torch.cat([sd[k].float() if k in sd else torch.zeros(n) for k, n in zip(keys, sizes)])
 
 
 class LlamaLayer(nn.Module):
     def __init__(self, sd: dict[str, torch.Tensor], p: str, cfg: ModelConfig) -> None:
         super().__init__()
         a, m = f"{p}.self_attn", f"{p}.mlp"
+        hq, hkv, d, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
         if f"{a}.qkv_proj.weight" in sd:  # Phi-3 ships it fused
-            self.qkv = frozen_t(sd[f"{a}.qkv_proj.weight"])  # [H, (Hq + 2 Hkv) D]
+            qkv, qkv_b = sd[f"{a}.qkv_proj.weight"], sd.get(f"{a}.qkv_proj.bias")  # [(Hq + 2 Hkv) D, H]
         else:
-            self.qkv = frozen_t(torch.cat([sd[f"{a}.{n}_proj.weight"] for n in "qkv"]))
-        bias = [sd.get(f"{a}.{n}_proj.bias") for n in "qkv"]
-        self.qkv_b = frozen(torch.cat(bias)) if all(b is not None for b in bias) else None  # type: ignore[arg-type]
-        self.o = frozen_t(sd[f"{a}.o_proj.weight"])
-        self.o_b = frozen(sd[f"{a}.o_proj.bias"]) if f"{a}.o_proj.bias" in sd else None
-        self.q_norm = frozen(sd[f"{a}.q_norm.weight"]) if cfg.qk_norm else None
-        self.k_norm = frozen(sd[f"{a}.k_norm.weight"]) if cfg.qk_norm else None
-        if f"{m}.gate_up_proj.weight" in sd:
-            self.gate_up = frozen_t(sd[f"{m}.gate_up_proj.weight"])  # [H, 2 I]
+            qkv = torch.cat([sd[f"{a}.{n}_proj.weight"] for n in "qkv"])
+            qkv_b = _cat_bias(sd, [f"{a}.{n}_proj.bias" for n in "qkv"], [hq * d, hkv * d, hkv * d])
+        if f"{m}.gate_up_proj.weight" in sd:  # Phi-3
+            gate_up, gate_up_b = sd[f"{m}.gate_up_proj.weight"], sd.get(f"{m}.gate_up_proj.bias")  # [2 I, H]
         else:
-            self.gate_up = frozen_t(torch.cat([sd[f"{m}.gate_proj.weight"], sd[f"{m}.up_proj.weight"]]))
-        self.down = frozen_t(sd[f"{m}.down_proj.weight"])  # [I, H]
+            gate_up = torch.cat([sd[f"{m}.gate_proj.weight"], sd[f"{m}.up_proj.weight"]])
+            gate_up_b = _cat_bias(sd, [f"{m}.gate_proj.bias", f"{m}.up_proj.bias"], [inter, inter])
         # the norms before attention and MLP are folded into the projections they feed
-        self.qkv = frozen(fold_norm(sd[f"{p}.input_layernorm.weight"], self.qkv))
-        self.gate_up = frozen(fold_norm(sd[f"{p}.post_attention_layernorm.weight"], self.gate_up))
+        self.qkv = pack(fold_norm(sd[f"{p}.input_layernorm.weight"], qkv))  # [k, H, (Hq + 2 Hkv) D / k]
+        self.qkv_b = pack_bias(qkv_b, self.qkv)
+        self.o = pack(sd[f"{a}.o_proj.weight"])  # [k, Hq D, H / k]
+        self.o_b = pack_bias(sd.get(f"{a}.o_proj.bias"), self.o)
+        self.gate_up = pack(fold_norm(sd[f"{p}.post_attention_layernorm.weight"], gate_up))  # [k, H, 2I / k]
+        self.gate_up_b = pack_bias(gate_up_b, self.gate_up)
+        self.down = pack(sd[f"{m}.down_proj.weight"])  # [k, I, H / k]
+        self.down_b = pack_bias(sd.get(f"{m}.down_proj.bias"), self.down)
+        # Qwen3: per-head RMSNorm of q and k; one weight [Hq + Hkv, D] normalizes both in one call
+        self.qk_norm = None
+        if cfg.qk_norm:
+            q_w, k_w = sd[f"{a}.q_norm.weight"].float(), sd[f"{a}.k_norm.weight"].float()  # [D] each
+            self.qk_norm = frozen(torch.cat((q_w.expand(hq, d), k_w.expand(hkv, d))))
 
 
 class LlamaForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig, sd: dict[str, torch.Tensor]) -> None:
         super().__init__()
         self.config = config
-        sd = strip_prefix(sd, ("model.language_model.", "language_model."))
+        sd = text_model_names(sd)
         try:
-            self.embed = frozen(sd["model.embed_tokens.weight"])  # [V, H]
+            embed = sd["model.embed_tokens.weight"]  # [V, H]
             self.layers = nn.ModuleList(
                 LlamaLayer(sd, f"model.layers.{i}", config) for i in range(config.num_layers)
             )
-            final_norm = sd["model.norm.weight"]
+            self.norm = frozen(sd["model.norm.weight"])  # [H]
         except KeyError as e:
-            raise ModelLoadError(f"weights are missing tensor {e.args[0]!r} for a {config.model_type} model") from None
+            missing = e.args[0]
+            raise ModelLoadError(f"weights are missing tensor {missing!r} for a {config.model_type} model") from None
         head = sd.get("lm_head.weight")
-        head_t = (self.embed if config.tie_embeddings or head is None else head).t()
-        self.lm_head = frozen(fold_norm(final_norm, head_t))  # [H, V], final norm folded in
-        partial = float(config.raw.get("partial_rotary_factor", 1.0))
-        self.rope = Rotary(int(config.head_dim * partial), config.rope_theta, config.rope_scaling)
+        self.tied = config.tie_embeddings or head is None
+        self.lm_head = pack(embed if self.tied else head)  # [k, H, V / k] (padded)
+        # a tied table is read from the packed head: one copy of it in memory
+        self.embed = None if self.tied else frozen(embed)  # [V, H]
+        rot = int(config.head_dim * config.partial_rotary_factor)
+        self.rope = Rotary(rot, config.rope_theta, config.rope_scaling, config.max_position)
         self.act = activation(config.hidden_act)
+        # the per-layer tensors as plain tuples: the decode loop skips nn.Module attribute lookups
+        # (a Parameter keeps its identity through .to()/.float(), so these stay valid)
+        self.plan = [
+            (ly.qkv, ly.qkv_b, ly.qk_norm, ly.o, ly.o_b, ly.gate_up, ly.gate_up_b, ly.down, ly.down_b)
+            for ly in self.layers
+        ]
 
     def forward(  # type: ignore[override]
         self,
-        input_ids: torch.Tensor,  # [N]
-        positions: torch.Tensor,  # [N]
+        input_ids: torch.Tensor,  # [N] int64
+        positions: torch.Tensor,  # [N] int64
         ctx: AttentionContext,
-        logits_rows: torch.Tensor | None = None,  # [R]
-    ) -> torch.Tensor:  # [R or N, V]
+        logits_rows: torch.Tensor | None = None,  # [R] int64
+    ) -> torch.Tensor:  # [R or N, V] float32
         cfg = self.config
         n, hq, hkv, d, eps = input_ids.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps
-        x = F.embedding(input_ids, self.embed)  # [N, H]
-        cos, sin = self.rope.tables(positions)  # [N, 1, R]
-        for i, layer in enumerate(self.layers):
-            h = rms_norm(x, None, eps)
-            qkv = linear(h, layer.qkv, layer.qkv_b).view(n, hq + 2 * hkv, d)
-            qk, v = qkv[:, : hq + hkv], qkv[:, hq + hkv :]
-            if layer.q_norm is not None:
-                qk = torch.cat((rms_norm(qk[:, :hq], layer.q_norm, eps), rms_norm(qk[:, hq:], layer.k_norm, eps)), 1)
-            qk = apply_rotary(qk, cos, sin)  # q and k heads in one pass
-            o = ctx.attend(i, qk[:, :hq], qk[:, hq:], v, cfg.scale)  # [N, Hq, D]
-            x.add_(linear(o.reshape(n, hq * d), layer.o, layer.o_b))
-            h = rms_norm(x, None, eps)
-            gate, up = linear(h, layer.gate_up).chunk(2, -1)
-            x.add_(linear(self.act(gate).mul_(up), layer.down))
+        scale, act, qk_v, q_k = cfg.scale, self.act, (hq + hkv, hkv), (hq, hkv)
+        x = packed_rows(self.lm_head, input_ids) if self.embed is None else self.embed[input_ids]  # [N, H]
+        cos, sin = self.rope.tables(positions)  # [N, 1, R] each
+        for i, (qkv_w, qkv_b, qk_norm, o_w, o_b, gu_w, gu_b, down_w, down_b) in enumerate(self.plan):
+            qkv = linear(rms_norm(x, None, eps), qkv_w, qkv_b).view(n, hq + 2 * hkv, d)
+            qk, v = qkv.split(qk_v, 1)  # [N, Hq + Hkv, D]: q and k heads get norm and RoPE together
+            if qk_norm is not None:
+                qk = rms_norm(qk, qk_norm, eps)
+            q, k = apply_rotary(qk, cos, sin).split(q_k, 1)
+            o = ctx.attend(i, q, k, v, scale)  # [N, Hq, D]
+            x.add_(linear(o.reshape(n, hq * d), o_w, o_b))
+            gate, up = linear(rms_norm(x, None, eps), gu_w, gu_b).chunk(2, 1)  # [N, I] each
+            x.add_(linear(act(gate).mul_(up), down_w, down_b))
         if logits_rows is not None:
             x = x[logits_rows]
-        return linear(rms_norm(x, None, eps), self.lm_head)
+        logits = linear(rms_norm(x, self.norm, eps), self.lm_head)  # [R, k * V / k]
+        return logits if logits.shape[1] == cfg.vocab_size else logits[:, : cfg.vocab_size].contiguous()
