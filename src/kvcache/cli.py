@@ -1,4 +1,4 @@
-"""The ``kvcache`` console command: generate, chat, models, bench."""
+"""The ``kvcache`` console command: generate, chat, cache-prompt, models, bench."""
 
 from __future__ import annotations
 
@@ -8,6 +8,12 @@ from collections.abc import Sequence
 
 from kvcache.errors import KVCacheError
 
+KV_HELP = (
+    "cache spec, comma-separated (default: dynamic). Presets: none, dynamic, static, offloaded, "
+    "offloaded_static, quantized (int4), sliding_window, sink. Axes: dynamic|static[,max_tokens=N]; "
+    "window=N[,sinks=K]; fp32|fp16|bf16|int8|int4|int2[,group_size=G][,residual=R]; "
+    "device|host|disk[,dir=PATH]; page_size=N. Example: static,int4,sinks=4,window=1024"
+)
 DEFAULT_PROMPT = "What is a KV cache in a language model? Answer in two sentences."
 
 
@@ -22,8 +28,7 @@ def _human(n: float) -> str:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
                    help="GGUF file, HF model folder, hub id or bundled name (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--kv", default="dynamic",
-                   help="cache spec: none | dynamic | static[,max_tokens=N] [,page_size=N] (default: dynamic)")
+    p.add_argument("--kv", default="dynamic", help=KV_HELP)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all available cores)")
 
 
@@ -57,9 +62,9 @@ def _load(args: argparse.Namespace):  # -> LLM
 def cmd_generate(args: argparse.Namespace) -> int:
     params = _params(args)
     llm = _load(args)
-    prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    prompt = args.prompt if args.prompt is not None else ("" if args.prompt_cache else DEFAULT_PROMPT)
     chat = args.chat or args.prompt is None
-    run = llm.request(prompt, params, chat)
+    run = llm.request(prompt, params, chat and not args.prompt_cache, args.prompt_cache)
     for delta in run:
         sys.stdout.write(delta.text)
         sys.stdout.flush()
@@ -72,13 +77,42 @@ def cmd_generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     if args.stats:
-        stats = llm.kv_stats()
-        if stats is None:
-            print("KV cache: none (every step recomputes the whole sequence)", file=sys.stderr)
-        else:
-            for key, value in stats.as_dict().items():
-                if key != "per_layer_bytes_allocated":
-                    print(f"  {key:<22} {value}", file=sys.stderr)
+        print_stats(r.kv_stats)
+    return 0
+
+
+def print_stats(stats) -> None:  # stats: CacheStats | None
+    """The cache's memory accounting, per layer, on stderr."""
+    err = sys.stderr
+    if stats is None:
+        print("KV cache: none (every step recomputes the whole sequence)", file=err)
+        return
+    print(f"KV cache · kv={stats.strategy} · {stats.encoding} · page {stats.page_size} tokens · "
+          f"{stats.bytes_per_token:,} B/token stored", file=err)
+    print(f"  pages {stats.pages_used}/{stats.pages_total} used · tokens {stats.tokens_stored} · "
+          f"allocated {_human(stats.bytes_allocated)} · used {_human(stats.bytes_used)}", file=err)
+    print(f"  {'layer':>5} {'window':>7} {'sinks':>5} {'B/token':>8} {'pages':>11} {'allocated':>11} {'used':>11}",
+          file=err)
+    for s in stats.per_layer:
+        window = "full" if s.window is None else str(s.window)
+        print(f"  {s.layer:>5} {window:>7} {s.sinks:>5} {s.bytes_per_token:>8.1f} {s.pages_used:>5}/{s.pages_total:<5} "
+              f"{_human(s.bytes_allocated):>11} {_human(s.bytes_used):>11}", file=err)
+
+
+def cmd_cache_prompt(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    try:
+        text = Path(args.prompt_file).read_text() if args.prompt_file != "-" else sys.stdin.read()
+    except OSError as e:
+        raise KVCacheError(f"cannot read {args.prompt_file}: {e.strerror or e}") from None
+    if not text.strip():
+        raise KVCacheError(f"{args.prompt_file} is empty: nothing to cache")
+    llm = _load(args)
+    n = llm.save_cache(args.out, text, chat=False)
+    size = Path(args.out).stat().st_size
+    print(f"cached {n} tokens of {args.prompt_file} in {args.out} ({_human(size)}, kv={llm.cache_config.spec()})",
+          file=sys.stderr)
     return 0
 
 
@@ -142,8 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     _add_sampling_args(g, 128)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--stats", action="store_true", help="print the KV cache's memory accounting")
+    g.add_argument("--stats", action="store_true", help="print the KV cache's memory accounting, per layer")
+    g.add_argument("--prompt-cache", default=None, metavar="FILE",
+                   help="continue a prompt cached by `kvcache cache-prompt` (its K/V are loaded, not computed)")
     g.set_defaults(func=cmd_generate)
+
+    cp = sub.add_parser("cache-prompt", help="compute a prompt's KV cache once and save it to a file")
+    cp.add_argument("--prompt-file", required=True, help="text file with the prompt ('-' reads stdin)")
+    cp.add_argument("--out", required=True, help="cache file to write (safetensors)")
+    _add_model_args(cp)
+    cp.set_defaults(func=cmd_cache_prompt)
 
     c = sub.add_parser("chat", help="multi-turn chat that reuses its KV cache between turns")
     _add_model_args(c)

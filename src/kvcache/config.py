@@ -1,44 +1,77 @@
-"""Cache configuration: a frozen dataclass and the compact ``--kv`` spec parser.
+"""Cache configuration: one frozen dataclass over four independent axes, and the ``--kv`` parser.
 
-A spec is a comma-separated list of a preset name and ``key=value`` options, e.g.
-``static,max_tokens=4096`` or ``dynamic,page_size=32``. Combinations that cannot work are refused
-here, when the config is built, with the list of what works.
+Axes (every combination works unless it is impossible in principle; those are refused here, when
+the config is built, with the list of what works):
+
+- capacity: ``dynamic`` (pages allocated as sequences grow) | ``static`` (``max_tokens`` per
+  sequence preallocated) | ``none`` (no cache: recompute everything, the baseline);
+- visibility: full | ``window=N`` (the last N tokens) | ``sinks=K,window=N`` (the first K tokens
+  plus the last N - K: StreamingLLM). The model's own sliding layers keep their window;
+- encoding: ``fp32`` | ``fp16`` | ``bf16`` | ``int8`` | ``int4`` | ``int2`` (KIVI: keys per channel
+  over ``group_size`` tokens, values per token over ``group_size`` channels, the last ``residual``
+  tokens in fp32);
+- placement: ``device`` | ``host`` | ``disk`` (pages in memory-mapped files under ``dir``).
+
+A spec is a comma-separated list of a preset or axis value and ``key=value`` options, e.g.
+``static,int4,sinks=4,window=1024``. Later items override earlier ones.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from kvcache.errors import InvalidParams
 
-STRATEGIES = ("none", "dynamic", "static")
-_OPTIONS = {"page_size": int, "max_tokens": int, "max_seqs": int, "initial_tokens": int}
+CAPACITIES = ("dynamic", "static", "none")
+ENCODINGS = ("fp32", "fp16", "bf16", "int8", "int4", "int2")
+PLACEMENTS = ("device", "host", "disk")
+# preset name -> the fields it sets (the names transformers users know)
+PRESETS: dict[str, dict[str, object]] = {
+    "none": {"capacity": "none"},
+    "dynamic": {"capacity": "dynamic"},
+    "static": {"capacity": "static"},
+    "offloaded": {"capacity": "dynamic", "placement": "host"},
+    "offloaded_static": {"capacity": "static", "placement": "host"},
+    "quantized": {"encoding": "int4"},
+    "sliding_window": {"window": 1024, "sinks": 0},
+    "sink": {"window": 1024, "sinks": 4},
+}
+_INT_OPTIONS = ("page_size", "max_tokens", "max_seqs", "initial_tokens", "window", "sinks",
+                "group_size", "residual")
+_OPTIONS = _INT_OPTIONS + ("dir",)
+
+
+def _works() -> str:
+    return (f"presets: {', '.join(PRESETS)}; encodings: {', '.join(ENCODINGS)}; "
+            f"placements: {', '.join(PLACEMENTS)}; options: {', '.join(o + '=' for o in _OPTIONS)}")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """How K/V are kept.
+    """How K/V are kept. See the module docstring for the axes."""
 
-    strategy: ``none`` (recompute the whole sequence every step: the baseline), ``dynamic`` (pages
-    allocated as sequences grow; the pool doubles when full) or ``static`` (capacity for
-    ``max_seqs`` sequences of ``max_tokens`` preallocated; never grows).
-    """
-
-    strategy: str = "dynamic"
-    page_size: int = 16
-    # static: capacity per sequence (None: the model's context length, capped at 4096)
-    max_tokens: int | None = None
-    # static: how many sequences the preallocated pool holds at once
-    max_seqs: int = 1
-    # dynamic: tokens of room the pool starts with
-    initial_tokens: int = 1024
+    capacity: str = "dynamic"
+    page_size: int | None = None  # None: 16, or group_size for a quantized encoding
+    max_tokens: int | None = None  # static: per sequence (None: the model's context, at most 4096)
+    max_seqs: int = 1  # static: sequences the preallocated pool holds at once
+    initial_tokens: int = 1024  # dynamic: tokens of room the pool starts with
+    window: int | None = None  # tokens visible to a query (sinks included); None: all
+    sinks: int = 0  # first tokens kept visible beside the window
+    encoding: str = "fp32"
+    group_size: int = 32  # quantized: tokens per key group, channels per value group
+    residual: int = 128  # quantized: the most recent tokens kept in fp32
+    placement: str = "device"
+    dir: str | None = None  # disk: where the page files go (None: a temporary folder)
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise InvalidParams(
-                f"unknown cache strategy {self.strategy!r}; choose one of: {', '.join(STRATEGIES)}"
-            )
-        if not 1 <= self.page_size <= 4096:
+        if self.capacity not in CAPACITIES:
+            raise InvalidParams(f"unknown capacity {self.capacity!r}; {_works()}")
+        if self.encoding not in ENCODINGS:
+            raise InvalidParams(f"unknown encoding {self.encoding!r} (bits must be 8, 4 or 2); "
+                                f"encodings: {', '.join(ENCODINGS)}")
+        if self.placement not in PLACEMENTS:
+            raise InvalidParams(f"unknown placement {self.placement!r}; placements: {', '.join(PLACEMENTS)}")
+        if self.page_size is not None and not 1 <= self.page_size <= 4096:
             raise InvalidParams(f"page_size must be between 1 and 4096, got {self.page_size}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidParams(f"max_tokens must be at least 1, got {self.max_tokens}")
@@ -46,31 +79,83 @@ class CacheConfig:
             raise InvalidParams(f"max_seqs must be at least 1, got {self.max_seqs}")
         if self.initial_tokens < 1:
             raise InvalidParams(f"initial_tokens must be at least 1, got {self.initial_tokens}")
-        if self.strategy != "static" and self.max_tokens is not None:
-            raise InvalidParams(
-                f"max_tokens applies to the static strategy only (got {self.strategy!r}); "
-                "use static,max_tokens=N"
-            )
+        if self.capacity != "static" and self.max_tokens is not None:
+            raise InvalidParams(f"max_tokens applies to the static capacity only (got {self.capacity!r}); "
+                                "use static,max_tokens=N")
+        if self.sinks < 0:
+            raise InvalidParams(f"sinks must be 0 or more, got {self.sinks}")
+        if self.window is not None and self.window < 1:
+            raise InvalidParams(f"window must be at least 1, got {self.window}")
+        if self.sinks and self.window is None:
+            raise InvalidParams(f"sinks={self.sinks} needs a window: e.g. sinks={self.sinks},window=1024")
+        if self.window is not None and self.window <= self.sinks:
+            raise InvalidParams(f"window ({self.window}) must be larger than sinks ({self.sinks}): "
+                                "the window counts the sink tokens too")
+        if self.residual < 0:
+            raise InvalidParams(f"residual (the fp32 window of recent tokens) must be 0 or more, got {self.residual}")
+        if self.group_size < 1:
+            raise InvalidParams(f"group_size must be at least 1, got {self.group_size}")
+        if self.quantized and self.page_size is not None and self.page_size % self.group_size:
+            raise InvalidParams(f"page_size ({self.page_size}) must be a multiple of group_size "
+                                f"({self.group_size}) for {self.encoding}: keys are quantized per page")
+        if self.dir is not None and self.placement != "disk":
+            raise InvalidParams("dir= applies to the disk placement only; add 'disk' to the spec")
+        if self.capacity == "none":
+            other = [f.name for f in fields(self) if f.name != "capacity"
+                     and getattr(self, f.name) != getattr(_DEFAULT, f.name)]
+            if other:
+                raise InvalidParams(f"the 'none' strategy keeps no cache, so {', '.join(other)} cannot apply; "
+                                    "drop them or choose dynamic or static")
+
+    @property
+    def strategy(self) -> str:
+        """The capacity axis (``none``, ``dynamic`` or ``static``)."""
+        return self.capacity
 
     @property
     def uses_cache(self) -> bool:
-        return self.strategy != "none"
+        return self.capacity != "none"
+
+    @property
+    def quantized(self) -> bool:
+        return self.encoding.startswith("int")
+
+    @property
+    def bits(self) -> int:
+        return int(self.encoding[3:]) if self.quantized else 0
+
+    @property
+    def pages_of(self) -> int:
+        """The page size in effect."""
+        if self.page_size is not None:
+            return self.page_size
+        return self.group_size if self.quantized else 16
+
+    @property
+    def exact(self) -> bool:
+        """Whether attention sees exactly what recomputation would (fp32, full visibility)."""
+        return self.encoding == "fp32" and self.window is None
 
     def with_capacity(self, model_context: int) -> "CacheConfig":
         """Fill in a static cache's default capacity from the model's context length."""
-        if self.strategy == "static" and self.max_tokens is None:
+        if self.capacity == "static" and self.max_tokens is None:
             return replace(self, max_tokens=min(model_context, 4096))
         return self
 
     def spec(self) -> str:
         """The compact spec that rebuilds this config."""
-        parts = [self.strategy]
-        default = CacheConfig(strategy=self.strategy)
-        for name in _OPTIONS:
-            value = getattr(self, name)
-            if value != getattr(default, name):
-                parts.append(f"{name}={value}")
+        parts = [self.capacity]
+        for f in fields(self):
+            if f.name in ("capacity",):
+                continue
+            value = getattr(self, f.name)
+            if value == getattr(_DEFAULT, f.name):
+                continue
+            parts.append(value if f.name in ("encoding", "placement") else f"{f.name}={value}")  # type: ignore[arg-type]
         return ",".join(parts)
+
+
+_DEFAULT = CacheConfig()
 
 
 def parse_kv_spec(spec: str | CacheConfig | None) -> CacheConfig:
@@ -81,27 +166,33 @@ def parse_kv_spec(spec: str | CacheConfig | None) -> CacheConfig:
         return spec
     parts = [p.strip() for p in str(spec).split(",") if p.strip()]
     if not parts:
-        raise InvalidParams(f"empty --kv spec; choose one of: {', '.join(STRATEGIES)}")
-    fields: dict[str, object] = {}
+        raise InvalidParams(f"empty --kv spec; {_works()}")
+    values: dict[str, object] = {}
     for part in parts:
         if "=" in part:
             key, _, raw = part.partition("=")
             key = key.strip().replace("-", "_")
+            raw = raw.strip()
+            if key in ("bits",):
+                if raw not in ("8", "4", "2", "16", "32"):
+                    raise InvalidParams(f"bits must be 8, 4 or 2 (or 16/32 for floats), got {raw!r}")
+                values["encoding"] = {"16": "fp16", "32": "fp32"}.get(raw, f"int{raw}")
+                continue
             if key not in _OPTIONS:
-                raise InvalidParams(
-                    f"unknown --kv option {key!r}; options: {', '.join(sorted(_OPTIONS))}"
-                )
+                raise InvalidParams(f"unknown --kv option {key!r}; {_works()}")
+            if key == "dir":
+                values[key] = raw
+                continue
             try:
-                fields[key] = _OPTIONS[key](raw)
+                values[key] = int(raw)
             except ValueError:
                 raise InvalidParams(f"--kv option {key} needs an integer, got {raw!r}") from None
-        elif part in STRATEGIES:
-            if "strategy" in fields:
-                raise InvalidParams(f"--kv names two strategies: {fields['strategy']!r} and {part!r}")
-            fields["strategy"] = part
+        elif part in PRESETS:
+            values.update(PRESETS[part])
+        elif part in ENCODINGS:
+            values["encoding"] = part
+        elif part in PLACEMENTS:
+            values["placement"] = part
         else:
-            raise InvalidParams(
-                f"unknown --kv item {part!r}; strategies: {', '.join(STRATEGIES)}; "
-                f"options: {', '.join(sorted(_OPTIONS))}"
-            )
-    return CacheConfig(**fields)  # type: ignore[arg-type]
+            raise InvalidParams(f"unknown --kv item {part!r}; {_works()}")
+    return CacheConfig(**values)  # type: ignore[arg-type]

@@ -11,27 +11,35 @@ import torch.nn.functional as F
 Mask = Union[None, Literal["causal"], torch.Tensor]
 
 
-def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+def visibility_mask(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, sinks: int = 0
+) -> torch.Tensor:
     """Boolean mask [T, L]: key j is visible to query i when k_pos[j] <= q_pos[i] and, with a
-    window, q_pos[i] - k_pos[j] < window (HF's sliding-window convention).
+    window, q_pos[i] - k_pos[j] < window - sinks (HF's sliding-window convention when sinks is
+    0) or k_pos[j] < sinks (attention sinks: the window counts them).
 
     q_pos: [T] int64, k_pos: [L] int64.
     """
     diff = q_pos[:, None] - k_pos[None, :]  # [T, L]
     mask = diff >= 0
     if window is not None:
-        mask &= diff < window
+        near = diff < window - sinks
+        if sinks:
+            near |= (k_pos < sinks)[None, :]
+        mask &= near
     return mask
 
 
-def build_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> Mask:
+def build_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, sinks: int = 0) -> Mask:
     """The cheapest mask that is equivalent to visibility_mask (q_pos: [T], k_pos: [L])."""
     t, L = q_pos.shape[0], k_pos.shape[0]
-    if t == 1 and (window is None or int(q_pos[0] - k_pos[0]) < window) and int(k_pos[-1]) <= int(q_pos[0]):
+    if L == 0:
+        raise ValueError("attention over no keys")
+    if t == 1 and window is None and int(k_pos[-1]) <= int(q_pos[0]):
         return None  # decode with every key in view (keys are in position order)
     if window is None and t == L and torch.equal(q_pos, k_pos):
         return "causal"
-    mask = visibility_mask(q_pos, k_pos, window)
+    mask = visibility_mask(q_pos, k_pos, window, sinks)
     return None if bool(mask.all()) else mask
 
 
@@ -66,3 +74,33 @@ def attend_dense(
     """Attention of T queries over L keys of one sequence: q [Hq, T, D], k/v [Hkv, L, D],
     q_pos [T], k_pos [L] -> [Hq, T, D]."""
     return attend(q, k, v, build_mask(q_pos, k_pos, window), scale)
+
+
+def attend_with_sinks(
+    q: torch.Tensor, q_sink: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, n_sink: int,
+    scale: float, rows_per_block: int = 256,
+) -> torch.Tensor:
+    """Attention where the first ``n_sink`` keys are scored against ``q_sink`` (the queries turned
+    back to the sinks' cache positions) and the rest against ``q``.
+
+    q, q_sink: [Hq, T, D]; k, v: [Hkv, L, D]; mask: None or bool [T, L] -> [Hq, T, D]. Queries go
+    in blocks of ``rows_per_block`` so a long prefill never holds a [Hq, T, L] score tensor.
+    """
+    hq, t, d = q.shape
+    hkv = k.shape[0]
+    g = hq // hkv
+    if isinstance(mask, str):
+        raise ValueError("a sink cache never uses the plain causal mask")
+    outs = []
+    for a in range(0, t, rows_per_block):
+        b = min(t, a + rows_per_block)
+        qq = q[:, a:b].reshape(hkv, g * (b - a), d)
+        qs = q_sink[:, a:b].reshape(hkv, g * (b - a), d)
+        scores = torch.matmul(qq, k.transpose(1, 2))  # [Hkv, g*T', L]
+        scores[:, :, :n_sink] = torch.matmul(qs, k[:, :n_sink].transpose(1, 2))
+        scores = scores.view(hkv, g, b - a, -1).mul_(scale)
+        if mask is not None:
+            scores.masked_fill_(~mask[a:b], float("-inf"))
+        p = torch.softmax(scores, -1).view(hkv, g * (b - a), -1)
+        outs.append(torch.matmul(p, v).view(hq, b - a, d))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 1)

@@ -1,4 +1,9 @@
-"""PagedContext: one forward's view of the paged cache (writes new K/V, reads each sequence's)."""
+"""PagedContext: one forward's view of the paged cache (writes new K/V, reads each sequence's).
+
+Building it reserves pages for the new tokens (all sequences or none) and advances each
+sequence's length; the forward that uses it then writes those tokens' K/V in every layer and
+attends over what each layer's group keeps visible.
+"""
 
 from __future__ import annotations
 
@@ -6,92 +11,158 @@ from collections.abc import Sequence
 
 import torch
 
-from kvcache.attention.dense import Mask, attend, build_mask
+from kvcache.attention.dense import Mask, attend, attend_with_sinks, build_mask
 from kvcache.cache.paged import PagedKVCache
-from kvcache.cache.sequence import SeqKV
+from kvcache.cache.pool import PagePool
+from kvcache.cache.qpool import QuantPool
+from kvcache.cache.sequence import HOLE, SeqKV
+from kvcache.models.layers import Rotary
 
 
-class _SeqPlan:
-    """What one sequence needs in every layer of this forward (computed once per forward)."""
+class _GroupPlan:
+    """What one sequence needs from one layer group in every layer of this forward."""
 
-    __slots__ = ("rows", "length", "first_page", "slots", "q_pos", "k_pos", "masks")
+    __slots__ = ("first_page", "slots", "k_pos", "mask", "n_sink", "delta", "pages", "n_old", "new_pages",
+                 "run")
 
-    def __init__(self, rows: slice, seq: SeqKV, q_pos: torch.Tensor, page_size: int) -> None:
-        self.rows = rows
-        self.length = seq.length
-        self.first_page = seq.first_page_if_contiguous()
-        self.slots: torch.Tensor | None = None
-        if self.first_page is None:
-            idx = torch.arange(seq.length)
-            pages = torch.tensor(seq.pages, dtype=torch.long)
-            self.slots = pages[idx // page_size] * page_size + idx % page_size  # [L]
-        self.q_pos = q_pos  # [T]
-        self.k_pos = torch.arange(seq.length)  # [L]: slot i holds position i
-        self.masks: dict[int | None, Mask] = {}
-
-    def mask(self, window: int | None) -> Mask:
-        if window not in self.masks:
-            self.masks[window] = build_mask(self.q_pos, self.k_pos, window)
-        return self.masks[window]
+    def __init__(self, cache: PagedKVCache, seq: SeqKV, gi: int, q_pos: torch.Tensor, old_len: int,
+                 old_pages: int) -> None:
+        g, ps = cache.groups[gi], cache.page_size
+        table = seq.tables[gi]
+        self.first_page = self.slots = self.pages = self.run = None
+        self.n_old = 0
+        if cache.quantized:
+            live = [i for i in range(old_pages) if table[i] != HOLE]
+            pages = [table[i] for i in live]
+            self.n_old = len(pages)
+            if pages and pages[-1] - pages[0] == len(pages) - 1 and pages == list(range(pages[0], pages[-1] + 1)):
+                self.run = pages[0]
+            else:
+                self.pages = torch.tensor(pages, dtype=torch.long)
+            self.new_pages = torch.tensor(table[old_pages:], dtype=torch.long)
+            idx = torch.tensor(live, dtype=torch.long)
+            page_pos = (idx[:, None] * ps + torch.arange(ps)).reshape(-1)
+            k_pos = torch.cat((page_pos, torch.arange(old_pages * ps, seq.length)))
+        else:
+            self.new_pages = None
+            live = [i for i, p in enumerate(table) if p != HOLE]
+            idx = torch.tensor(live, dtype=torch.long)
+            k_pos = (idx[:, None] * ps + torch.arange(ps)).reshape(-1)
+            k_pos = k_pos[k_pos < seq.length]
+            self.first_page = seq.first_page_if_contiguous(gi) if len(live) == len(table) else None
+            if self.first_page is None:
+                t = torch.tensor(table, dtype=torch.long)
+                self.slots = t[k_pos // ps] * ps + k_pos % ps  # [L]
+        self.k_pos = k_pos  # [L] positions, increasing
+        self.mask: Mask = build_mask(q_pos, k_pos, g.window, g.sinks)
+        # attention sinks: a query at t sees the sink tokens as if they sat just before its window
+        self.n_sink = int((k_pos < g.sinks).sum()) if g.sinks else 0
+        self.delta = None
+        if self.n_sink and g.window is not None:
+            delta = (q_pos - (g.window - 1)).clamp(min=0)  # [T]
+            if bool((delta > 0).any()):
+                self.delta = delta
 
 
 class PagedContext:
-    """Attention context over a PagedKVCache for a flat batch of sequences.
-
-    Building it reserves pages for the new tokens and advances each sequence's length; the
-    forward that uses it then writes those tokens' K/V in every layer.
-    """
-
     def __init__(
         self,
         cache: PagedKVCache,
         seqs: Sequence[SeqKV],
         new_tokens: Sequence[int],
         positions: torch.Tensor,  # [N] int64
+        rotaries: Sequence[Rotary | None] | None = None,  # per layer, for attention sinks
     ) -> None:
         self.cache = cache
-        self.windows = cache.model.layer_windows
-        ps = cache.config.page_size
+        self.rotaries = rotaries
+        ps = cache.page_size
         start = 0
         for seq, n in zip(seqs, new_tokens):  # check everything before touching the cache
             q_pos = positions[start : start + n]
             if n and (int(q_pos[0]) != seq.length or int(q_pos[-1]) != seq.length + n - 1):
                 raise ValueError(
                     f"positions {int(q_pos[0])}..{int(q_pos[-1])} do not continue a sequence of "
-                    f"{seq.length} cached tokens"
-                )
+                    f"{seq.length} cached tokens")
             start += n
+        before = [[len(t) for t in seq.tables] for seq in seqs]
         try:
             for seq, n in zip(seqs, new_tokens):
                 cache.reserve(seq, n)  # all reservations before any length moves
         except Exception:
-            for seq in seqs:  # give back what was reserved: nothing leaks on overflow
-                cache.truncate(seq, seq.length)
+            for seq, lens in zip(seqs, before):  # give back what was reserved: nothing leaks
+                for gi, n_pages in enumerate(lens):
+                    table = seq.tables[gi]
+                    cache.allocators[gi].release([p for p in table[n_pages:] if p != HOLE])
+                    del table[n_pages:]
             raise
-        slots: list[torch.Tensor] = []
-        self.plans: list[_SeqPlan] = []
+        self.rows: list[slice] = []
+        self.plans: list[list[_GroupPlan]] = []  # [seq][group]
+        write_slots: list[list[torch.Tensor]] = [[] for _ in cache.groups]
         start = 0
-        for seq, n in zip(seqs, new_tokens):
+        for seq, n, lens in zip(seqs, new_tokens, before):
             q_pos = positions[start : start + n]
-            idx = torch.arange(seq.length, seq.length + n)
-            pages = torch.tensor(seq.pages, dtype=torch.long)
-            slots.append(pages[idx // ps] * ps + idx % ps)
+            old = seq.length
             seq.length += n
-            self.plans.append(_SeqPlan(slice(start, start + n), seq, q_pos, ps))
+            if not cache.quantized:
+                idx = torch.arange(old, old + n)
+                for gi in range(len(cache.groups)):
+                    t = torch.tensor(seq.tables[gi], dtype=torch.long)
+                    write_slots[gi].append(t[idx // ps] * ps + idx % ps)
+            self.plans.append([_GroupPlan(cache, seq, gi, q_pos, old, lens[gi]) for gi in range(len(cache.groups))])
+            self.rows.append(slice(start, start + n))
             start += n
-        self.write_slots = torch.cat(slots) if len(slots) > 1 else slots[0]  # [N]
+        self.seqs = list(seqs)
+        self.write_slots = [torch.cat(s) if len(s) > 1 else (s[0] if s else None) for s in write_slots]
 
-    def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q: [N, Hq, D]; k, v: [N, Hkv, D] -> [N, Hq, D]."""
-        pool = self.cache.pool
-        pool.write(layer, self.write_slots, k, v)
-        window = self.windows[layer]
+        gi, j = self.cache.where[layer]
+        pool = self.cache.pools[gi]
+        single = len(self.plans) == 1
         outs = []
-        for plan in self.plans:
-            kk, vv = pool.read(layer, plan.first_page, plan.slots, plan.length)  # [Hkv, L, D]
-            qq = q if len(self.plans) == 1 else q[plan.rows]
-            o = attend(qq.transpose(0, 1), kk, vv, plan.mask(window), scale)  # [Hq, T, D]
-            outs.append(o.transpose(0, 1))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+        if isinstance(pool, PagePool):
+            pool.write(j, self.write_slots[gi], k, v)  # type: ignore[arg-type]
+            for rows, plans, seq in zip(self.rows, self.plans, self.seqs):
+                plan = plans[gi]
+                kv = pool.read(j, plan.first_page, plan.slots, plan.k_pos.shape[0])  # [2, Hkv, L, D]
+                outs.append(self._attend(layer, q if single else q[rows], kv, plan, scale))
+        else:
+            for rows, plans, seq in zip(self.rows, self.plans, self.seqs):
+                plan = plans[gi]
+                kv_new = torch.stack((k[rows], v[rows])).transpose(1, 2)  # [2, Hkv, n, D]
+                outs.append(self._attend_quant(layer, gi, j, pool, q if single else q[rows], kv_new, plan, seq, scale))
+        return outs[0] if single else torch.cat(outs, 0)
+
+    def _attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor, plan: _GroupPlan, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D]; kv: [2, Hkv, L, D] -> [T, Hq, D]."""
+        if plan.delta is not None:
+            rot = self.rotaries[layer] if self.rotaries is not None else None
+            if rot is not None:
+                q_sink = rot.rotate(q, -plan.delta)  # [T, Hq, D]
+                o = attend_with_sinks(q.transpose(0, 1), q_sink.transpose(0, 1), kv[0], kv[1], plan.mask,
+                                      plan.n_sink, scale)
+                return o.transpose(0, 1)
+        return attend(q.transpose(0, 1), kv[0], kv[1], plan.mask, scale).transpose(0, 1)
+
+    def _attend_quant(self, layer: int, gi: int, j: int, pool: QuantPool, q: torch.Tensor, kv_new: torch.Tensor,
+                      plan: _GroupPlan, seq: SeqKV, scale: float) -> torch.Tensor:
+        """Dequantize the sealed pages, add the fp32 tail and the new tokens, attend, then seal
+        the pages that left the residual window."""
+        tails = seq.tails[gi]
+        assert tails is not None
+        tail = tails[j]
+        n_q = plan.n_old * pool.page_size
+        t, n = tail.shape[2], kv_new.shape[2]
+        hkv, d = kv_new.shape[1], kv_new.shape[3]
+        buf = torch.empty(2, hkv, n_q + t + n, d)
+        if plan.n_old:
+            pool.read_into(j, plan.pages, plan.run or 0, plan.n_old, buf[:, :, :n_q])
+        buf[:, :, n_q : n_q + t] = tail
+        buf[:, :, n_q + t :] = kv_new
+        out = self._attend(layer, q, buf, plan, scale)
+        m = plan.new_pages.shape[0]
+        rest = buf[:, :, n_q:]
+        if m:
+            pool.write_pages(j, plan.new_pages, rest[:, :, : m * pool.page_size])
+        tails[j] = rest[:, :, m * pool.page_size :].clone()
+        return out

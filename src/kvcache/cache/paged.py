@@ -1,167 +1,233 @@
-"""PagedKVCache: pool + allocator + page tables, for the dynamic and static strategies."""
+"""PagedKVCache: per layer group a pool and an allocator; per sequence a page table per group.
+
+dynamic: every pool starts with room for ``initial_tokens`` and doubles when it runs out.
+static: room for ``max_seqs`` x ``max_tokens`` preallocated; a request beyond it is refused
+(ContextOverflow) before anything is written.
+Windows: pages whose tokens no query can see again go back to their group's pool (sink pages stay).
+Quantized encodings: a group's pool holds whole quantized pages; each sequence keeps its latest
+tokens (at most ``residual + page_size - 1``) in fp32 until whole pages can be sealed.
+"""
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 
 import torch
 
+from kvcache.cache.accounting import CacheStats, cache_stats, check_integrity
 from kvcache.cache.allocator import PageAllocator
+from kvcache.cache.groups import LayerGroup, plan_groups
+from kvcache.cache.placement import Placement
 from kvcache.cache.pool import PagePool
-from kvcache.cache.sequence import SeqKV
+from kvcache.cache.qpool import QuantPool
+from kvcache.cache.sequence import HOLE, SeqKV
 from kvcache.config import CacheConfig
-from kvcache.errors import ContextOverflow
+from kvcache.errors import ContextOverflow, InvalidParams
 from kvcache.models.config import ModelConfig
 
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
-@dataclass(frozen=True)
-class CacheStats:
-    strategy: str
-    page_size: int
-    bytes_per_token: int
-    pages_total: int
-    pages_used: int
-    tokens_stored: int
-    bytes_allocated: int
-    bytes_used: int  # tokens_stored * bytes_per_token
-    per_layer_bytes_allocated: tuple[int, ...] = field(default=())
-
-    def as_dict(self) -> dict[str, object]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+__all__ = ["CacheStats", "PagedKVCache"]
 
 
 class PagedKVCache:
-    """K/V of many sequences in one page pool.
-
-    dynamic: starts with room for ``initial_tokens`` and doubles the pool when it runs out.
-    static: room for ``max_seqs`` x ``max_tokens`` preallocated; a sequence longer than
-    ``max_tokens`` is refused (ContextOverflow) before anything is written.
-    """
-
-    def __init__(
-        self,
-        model: ModelConfig,
-        config: CacheConfig,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ) -> None:
+    def __init__(self, model: ModelConfig, config: CacheConfig, device: torch.device | str = "cpu") -> None:
         if not config.uses_cache:
             raise ValueError("PagedKVCache needs a caching strategy, not 'none'")
         config = config.with_capacity(model.max_position)
-        self.model = model
-        self.config = config
-        ps = config.page_size
-        if config.strategy == "static":
+        self.model, self.config = model, config
+        self.page_size = ps = config.pages_of
+        self.groups: list[LayerGroup] = plan_groups(model, config)
+        if config.capacity == "static":
             assert config.max_tokens is not None
+            for g in self.groups:
+                if g.window is not None and config.max_tokens < g.window + ps:
+                    raise InvalidParams(
+                        f"static max_tokens={config.max_tokens} is smaller than the window ({g.window}) "
+                        f"plus one page ({ps}); raise max_tokens or shrink the window")
             pages = config.max_seqs * -(-config.max_tokens // ps)
         else:
             pages = -(-config.initial_tokens // ps)
-        self.pool = PagePool(model.num_layers, model.num_kv_heads, model.head_dim, ps, pages, dtype, device)
-        self.allocator = PageAllocator(pages)
+        self.placement = Placement(config.placement, torch.device(device), config.dir)
+        self.where: list[tuple[int, int]] = [(0, 0)] * model.num_layers  # layer -> (group, index)
+        self.pools: list[PagePool | QuantPool] = []
+        self.allocators: list[PageAllocator] = []
+        for g in self.groups:
+            for j, layer in enumerate(g.layers):
+                self.where[layer] = (g.index, j)
+            n, hkv, d = len(g.layers), model.num_kv_heads, model.head_dim
+            if config.quantized:
+                pool: PagePool | QuantPool = QuantPool(n, hkv, d, ps, pages, config.bits, config.group_size,
+                                                       self.placement)
+            else:
+                pool = PagePool(n, hkv, d, ps, pages, _DTYPES[config.encoding], self.placement)
+            self.pools.append(pool)
+            self.allocators.append(PageAllocator(pages))
         self._ids = itertools.count()
         self.sequences: dict[int, SeqKV] = {}
 
+    @property
+    def quantized(self) -> bool:
+        return self.config.quantized
+
     # -- sequences ---------------------------------------------------------------------------
     def new_sequence(self) -> SeqKV:
-        seq = SeqKV(next(self._ids))
+        seq = SeqKV(next(self._ids), [[] for _ in self.groups],
+                    tails=[[] if self.quantized else None for _ in self.groups])
+        if self.quantized:
+            hkv, d = self.model.num_kv_heads, self.model.head_dim
+            for g in self.groups:
+                seq.tails[g.index] = [torch.empty(2, hkv, 0, d) for _ in g.layers]
         self.sequences[seq.seq_id] = seq
         return seq
 
     def capacity_per_sequence(self) -> int | None:
-        return self.config.max_tokens if self.config.strategy == "static" else None
+        """Most tokens one sequence can hold (None: unbounded, every group has a window)."""
+        if self.config.capacity != "static" or all(g.window is not None for g in self.groups):
+            return None
+        return self.config.max_tokens
+
+    def pages_after(self, seq: SeqKV, group: int, length: int) -> int:
+        """Logical pages the group's table holds once the sequence has ``length`` tokens."""
+        ps = self.page_size
+        if not self.quantized:
+            return -(-length // ps)
+        sealed = len(seq.tables[group]) * ps
+        return len(seq.tables[group]) + max(0, (length - sealed - self.config.residual) // ps)
 
     def reserve(self, seq: SeqKV, new_tokens: int) -> None:
-        """Make sure ``seq`` has pages for ``new_tokens`` more tokens."""
+        """Give ``seq`` the pages for ``new_tokens`` more tokens (all groups, or none on overflow)."""
         total = seq.length + new_tokens
         cap = self.capacity_per_sequence()
         if cap is not None and total > cap:
             raise ContextOverflow(
                 f"sequence of {total} tokens exceeds the static cache capacity of {cap} tokens "
-                "(raise it with --kv static,max_tokens=N)"
-            )
-        need = -(-total // self.config.page_size) - len(seq.pages)
-        if need <= 0:
-            return
-        seq.pages.extend(self._take_pages(need))
+                "(raise it with --kv static,max_tokens=N)")
+        self.release_dead(seq)
+        taken: list[tuple[int, int]] = []
+        try:
+            for g in self.groups:
+                need = self.pages_after(seq, g.index, total) - len(seq.tables[g.index])
+                if need > 0:
+                    seq.tables[g.index].extend(self._take_pages(g.index, need))
+                    taken.append((g.index, need))
+        except ContextOverflow:
+            for gi, n in taken:
+                self.allocators[gi].release(seq.tables[gi][-n:])
+                del seq.tables[gi][-n:]
+            raise
+
+    def release_dead(self, seq: SeqKV) -> None:
+        """Windowed groups: give back pages no query at ``seq.length`` or later can see."""
+        ps = self.page_size
+        for g in self.groups:
+            dead = g.dead_before(seq.length)
+            table = seq.tables[g.index]
+            first = -(-g.sinks // ps)  # pages holding a sink token stay
+            for i in range(first, min(dead // ps, len(table))):
+                if table[i] != HOLE:
+                    self.allocators[g.index].release([table[i]])
+                    table[i] = HOLE
+
+    def can_truncate(self, seq: SeqKV, length: int) -> bool:
+        """Whether a query at ``length`` would find every token it may see still stored."""
+        ps = self.page_size
+        for g in self.groups:
+            lo, table = max(g.sinks, g.dead_before(length)), seq.tables[g.index]
+            if any(table[i] == HOLE for i in range(lo // ps, min(-(-length // ps), len(table)))):
+                return False
+        return True
 
     def fork(self, seq: SeqKV) -> SeqKV:
         """A new sequence with the same tokens: full pages are shared (ref + 1); a partly filled
-        last page is copied, since the branches will write into it."""
+        last page is copied, since the branches will write into it; fp32 tails are copied."""
         child = self.new_sequence()
-        ps = self.config.page_size
-        full = seq.length // ps
-        shared = seq.pages[:full]
-        self.allocator.incref(shared)
-        child.pages = list(shared)
-        child.length = full * ps
-        rest = seq.length - child.length
-        if rest:
-            self.reserve(child, rest)
-            self.pool.copy_page(seq.pages[full], child.pages[-1])
-            child.length = seq.length
+        ps = self.page_size
+        for g in self.groups:
+            table = seq.tables[g.index]
+            full = len(table) if self.quantized else seq.length // ps
+            shared = table[:full]
+            self.allocators[g.index].incref([p for p in shared if p != HOLE])
+            child.tables[g.index] = list(shared)
+            if len(table) > full:
+                (page,) = self._take_pages(g.index, 1)
+                self.pools[g.index].copy_page(table[full], page)
+                child.tables[g.index].append(page)
+            if self.quantized:
+                child.tails[g.index] = [t.clone() for t in seq.tails[g.index]]  # type: ignore[union-attr]
+        child.length = seq.length
         return child
 
     def truncate(self, seq: SeqKV, length: int) -> None:
-        """Forget tokens from ``length`` on; pages no longer needed go back to the pool."""
+        """Forget tokens from ``length`` on; pages no longer needed go back to the pool. A shared
+        partial page is copied first (copy-on-write). Quantized: a cut inside the quantized pages
+        moves the kept part of the last page back to the fp32 tail (as it was dequantized)."""
         if not 0 <= length <= seq.length:
             raise ValueError(f"cannot truncate a sequence of {seq.length} tokens to {length}")
-        keep = -(-length // self.config.page_size)
-        last_shared = keep and self.allocator.refcount(seq.pages[keep - 1]) > 1
-        if last_shared and length % self.config.page_size:
-            # the kept partial page is shared: give this sequence its own copy before writing
-            old = seq.pages[keep - 1]
-            (new,) = self._take_pages(1)
-            self.pool.copy_page(old, new)
-            self.allocator.release([old])
-            seq.pages[keep - 1] = new
-        self.allocator.release(seq.pages[keep:])
-        del seq.pages[keep:]
+        ps = self.page_size
+        for g in self.groups:
+            table, alloc, pool = seq.tables[g.index], self.allocators[g.index], self.pools[g.index]
+            if self.quantized:
+                tails = seq.tails[g.index]
+                assert tails is not None
+                sealed = len(table) * ps
+                if length >= sealed:
+                    seq.tails[g.index] = [t[:, :, : length - sealed] for t in tails]
+                    continue
+                keep, rest = length // ps, length % ps
+                new_tails = []
+                for j, t in enumerate(tails):
+                    part = torch.empty(2, self.model.num_kv_heads, ps, self.model.head_dim)
+                    if rest and table[keep] != HOLE:
+                        assert isinstance(pool, QuantPool)
+                        pool.read_into(j, None, table[keep], 1, part)
+                    new_tails.append(part[:, :, :rest].clone())
+                seq.tails[g.index] = new_tails
+            else:
+                keep = -(-length // ps)
+                if length % ps and keep and table[keep - 1] != HOLE and alloc.refcount(table[keep - 1]) > 1:
+                    old = table[keep - 1]
+                    (new,) = self._take_pages(g.index, 1)
+                    pool.copy_page(old, new)
+                    alloc.release([old])
+                    table[keep - 1] = new
+            alloc.release([p for p in table[keep:] if p != HOLE])
+            del table[keep:]
         seq.length = length
 
-    def _take_pages(self, n: int) -> list[int]:
-        """Allocate ``n`` pages; a dynamic pool at least doubles when it runs out."""
-        if n > self.allocator.num_free and self.config.strategy == "dynamic":
-            extra = max(self.allocator.total, n - self.allocator.num_free)
-            self.pool.resize(self.pool.num_pages + extra)
-            self.allocator.grow(extra)
-        return self.allocator.allocate(n)
+    def _take_pages(self, group: int, n: int) -> list[int]:
+        """Allocate ``n`` pages of a group; a dynamic pool at least doubles when it runs out."""
+        alloc = self.allocators[group]
+        if n > alloc.num_free and self.config.capacity == "dynamic":
+            extra = max(alloc.total, n - alloc.num_free)
+            self.pools[group].resize(self.pools[group].num_pages + extra)
+            alloc.grow(extra)
+        return alloc.allocate(n)
 
     def free(self, seq: SeqKV) -> None:
-        self.allocator.release(seq.pages)
-        seq.pages = []
+        for g in self.groups:
+            self.allocators[g.index].release([p for p in seq.tables[g.index] if p != HOLE])
+            seq.tables[g.index] = []
+            if self.quantized:
+                seq.tails[g.index] = []
         seq.length = 0
         self.sequences.pop(seq.seq_id, None)
 
+    def write(self, layer: int, seq: SeqKV, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store n tokens' K/V (k, v: [n, Hkv, D]) at positions start.. of a float-encoded cache
+        whose pages were reserved."""
+        if self.quantized:
+            raise ValueError("write() stores float encodings; quantized pages are written by a forward")
+        gi, j = self.where[layer]
+        ps, table = self.page_size, torch.tensor(seq.tables[gi], dtype=torch.long)
+        idx = torch.arange(start, start + k.shape[0])
+        pool = self.pools[gi]
+        assert isinstance(pool, PagePool)
+        pool.write(j, table[idx // ps] * ps + idx % ps, k, v)
+
     # -- accounting ----------------------------------------------------------------------------
     def stats(self) -> CacheStats:
-        bpt = self.pool.page_bytes // self.config.page_size
-        tokens = sum(s.length for s in self.sequences.values())
-        per_layer = self.pool.nbytes // self.model.num_layers
-        return CacheStats(
-            strategy=self.config.strategy,
-            page_size=self.config.page_size,
-            bytes_per_token=bpt,
-            pages_total=self.allocator.total,
-            pages_used=self.allocator.num_referenced,
-            tokens_stored=tokens,
-            bytes_allocated=self.pool.nbytes,
-            bytes_used=tokens * bpt,
-            per_layer_bytes_allocated=(per_layer,) * self.model.num_layers,
-        )
+        return cache_stats(self)
 
     def check_integrity(self) -> None:
-        """Page accounting: allocator consistent, and every referenced page's count equals the
-        number of sequences whose page table holds it."""
-        self.allocator.check_integrity()
-        counts: dict[int, int] = {}
-        for s in self.sequences.values():
-            if len(s.pages) != -(-s.length // self.config.page_size):
-                raise AssertionError(f"sequence {s.seq_id}: {len(s.pages)} pages for {s.length} tokens")
-            for p in s.pages:
-                counts[p] = counts.get(p, 0) + 1
-        for p in range(self.allocator.total):
-            if self.allocator.refcount(p) != counts.get(p, 0):
-                raise AssertionError(
-                    f"page {p}: ref count {self.allocator.refcount(p)} but {counts.get(p, 0)} holders"
-                )
+        check_integrity(self)

@@ -1,13 +1,17 @@
-"""Page pool: the K/V storage of every layer, in pages of ``page_size`` tokens.
+"""Page pool for float encodings (fp32, fp16, bf16): the K/V of one layer group, in pages of
+``page_size`` tokens.
 
 Layout per layer, K and V together:  # kv[layer]: [2, Hkv, P, page_size, D]
 so that a run of consecutive pages reads as a view [2, Hkv, n * page_size, D] with no copy, and
-one forward writes K and V of a layer with a single index_copy_.
+one forward writes K and V of a layer with a single index_copy_. fp16/bf16 are storage
+encodings: written converted, read back as fp32.
 """
 
 from __future__ import annotations
 
 import torch
+
+from kvcache.cache.placement import Placement
 
 
 class PagePool:
@@ -19,14 +23,14 @@ class PagePool:
         page_size: int,
         num_pages: int,
         dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
+        placement: Placement | None = None,
     ) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.page_size = page_size
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.placement = placement or Placement("device", torch.device("cpu"))
         self.num_pages = 0
         self.kv: list[torch.Tensor] = []  # per layer [2, Hkv, P, page_size, D]
         self.flat: list[torch.Tensor] = []  # the same storage as [2, Hkv, P * page_size, D]
@@ -39,7 +43,7 @@ class PagePool:
         old = self.num_pages
         shape = (2, self.num_kv_heads, num_pages, self.page_size, self.head_dim)
         for i in range(self.num_layers):
-            new = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            new = self.placement.zeros(shape, self.dtype)
             if old:
                 new[:, :, :old] = self.kv[i]
             flat = new.view(2, self.num_kv_heads, num_pages * self.page_size, self.head_dim)
@@ -51,10 +55,14 @@ class PagePool:
         self.num_pages = num_pages
 
     @property
+    def token_bytes(self) -> int:
+        """Bytes of one token in one layer, K and V."""
+        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
     def page_bytes(self) -> int:
-        """Bytes of one page across all layers, K and V."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.page_size * self.head_dim * elem
+        """Bytes of one page across the group's layers, K and V."""
+        return self.token_bytes * self.page_size * self.num_layers
 
     @property
     def nbytes(self) -> int:
@@ -63,28 +71,35 @@ class PagePool:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V of n tokens. slots: [n] int64 (page * page_size + offset); k, v: [n, Hkv, D]."""
         kv = torch.stack((k, v)).transpose(1, 2)  # [2, Hkv, n, D]
-        if kv.dtype != self.dtype:
-            kv = kv.to(self.dtype)
-        self.flat[layer].index_copy_(2, slots, kv)
+        if kv.dtype != self.dtype or kv.device != self.flat[layer].device:
+            kv = kv.to(self.flat[layer].device, self.dtype)
+        self.flat[layer].index_copy_(2, slots.to(kv.device), kv)
 
     def read(
         self, layer: int, first_page: int | None, slots: torch.Tensor | None, length: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of one sequence: [Hkv, length, D] each.
+    ) -> torch.Tensor:
+        """K and V of one sequence: [2, Hkv, length, D] fp32 on the compute device.
 
-        With ``first_page`` set the sequence's pages are consecutive and the result is a view;
-        otherwise ``slots`` ([length] int64) gathers them.
+        With ``first_page`` set the tokens are consecutive slots and the result is a view (a copy
+        when the pool is away from the compute or not fp32); otherwise ``slots`` ([length] int64)
+        gathers them.
         """
         if first_page is not None:
             start = first_page * self.page_size
-            kv = self.flat[layer][:, :, start : start + length]  # [2, Hkv, L, D] view
+            kv = self.placement.fetch(self.flat[layer][:, :, start : start + length])  # [2, Hkv, L, D]
         else:
             assert slots is not None
-            kv = self.flat[layer].index_select(2, slots)  # [2, Hkv, L, D]
-        if kv.dtype != torch.float32:
-            kv = kv.float()
-        return kv[0], kv[1]
+            kv = self.flat[layer].index_select(2, slots.to(self.flat[layer].device))  # [2, Hkv, L, D]
+            kv = kv.to(self.placement.compute, non_blocking=True)
+        return kv if kv.dtype == torch.float32 else kv.float()
 
     def copy_page(self, src: int, dst: int) -> None:
         for layer in self.kv:
             layer[:, :, dst] = layer[:, :, src]
+
+    def page_state(self, layer: int, pages: list[int]) -> torch.Tensor:
+        """The stored K/V of some pages: [2, Hkv, n, page_size, D] in the pool's dtype."""
+        return self.kv[layer][:, :, torch.tensor(pages, dtype=torch.long)].cpu()
+
+    def load_pages(self, layer: int, pages: list[int], data: torch.Tensor) -> None:
+        self.kv[layer][:, :, torch.tensor(pages, dtype=torch.long)] = data.to(self.kv[layer].device, self.dtype)

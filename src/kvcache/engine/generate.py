@@ -70,6 +70,7 @@ class RequestRun:
         p, runner = self.params, self.runner
         t0 = time.perf_counter()
         reuse = min(common_prefix(self.seq.tokens, self.prompt_ids), len(self.prompt_ids) - 1)
+        reuse = runner.reusable(self.seq, reuse)
         runner.truncate(self.seq, reuse)
         self.result.cached_tokens = reuse
         seqs = [self.seq]
@@ -109,9 +110,8 @@ class RequestRun:
             t_end = time.perf_counter()
         finally:
             stats = runner.stats()
-            self.result.kv_bytes = (
-                sum(len(s.tokens) for s in seqs) * stats.bytes_per_token if stats is not None else 0
-            )
+            self.result.kv_stats = stats
+            self.result.kv_bytes = stats.bytes_used if stats is not None else 0
             for i, s in enumerate(seqs):
                 if not (self.keep_seq and i == 0):
                     runner.free(s)

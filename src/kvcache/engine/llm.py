@@ -16,7 +16,7 @@ from kvcache.engine.params import RequestOutput, SamplingParams
 from kvcache.engine.runner import ModelRunner
 from kvcache.errors import InvalidParams
 from kvcache.models.config import ModelConfig
-from kvcache.models.loading import load_weights, read_config, resolve_model
+from kvcache.models.loading import load_weights, model_fingerprint, read_config, resolve_model
 from kvcache.models.registry import build_model
 from kvcache.models.tokenizer import Tokenizer
 
@@ -59,6 +59,7 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(resolved.path)
         self.model_path = str(resolved.source)
         self.model_name = resolved.name
+        self.fingerprint = model_fingerprint(resolved.path)
         self.cache_config = parse_kv_spec(kv)
         self.runner = ModelRunner(self.model, self.cache_config)
         self.load_s = time.perf_counter() - t0
@@ -83,13 +84,16 @@ class LLM:
         prompts: Prompt | Messages | Sequence[Prompt | Messages],
         params: SamplingParams | None = None,
         chat: bool = False,
+        prompt_cache: str | None = None,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt (a single prompt is a list of one)."""
+        """One RequestOutput per prompt (a single prompt is a list of one). With ``prompt_cache``
+        (a file from save_cache) each prompt continues the cached tokens, whose K/V are loaded
+        instead of computed."""
         params = params or SamplingParams()
         batch = _as_batch(prompts)
         outs = []
         for prompt in batch:
-            run = self.request(prompt, params, chat)
+            run = self.request(prompt, params, chat, prompt_cache)
             for _ in run:
                 pass
             outs.append(run.result)
@@ -101,11 +105,31 @@ class LLM:
         """Yield text pieces as they are generated (every sample's, tagged with its index)."""
         yield from self.request(prompt, params or SamplingParams(), chat)
 
-    def request(self, prompt: Prompt | Messages, params: SamplingParams, chat: bool = False) -> RequestRun:
+    def request(
+        self, prompt: Prompt | Messages, params: SamplingParams, chat: bool = False, prompt_cache: str | None = None
+    ) -> RequestRun:
         """A request ready to run: iterate it for text pieces; ``.result`` is complete after."""
         ids = self.encode(prompt, chat)
         text = prompt if isinstance(prompt, str) else None
-        return RequestRun(self.runner, self.tokenizer, ids, params, prompt=text)
+        if prompt_cache is None:
+            return RequestRun(self.runner, self.tokenizer, ids, params, prompt=text)
+        seq = self.runner.load(prompt_cache, self.fingerprint)
+        bos = self.tokenizer.bos_token_id
+        if ids and bos is not None and ids[0] == bos and not isinstance(prompt, list):
+            ids = ids[1:]  # the text continues the cached tokens: no second BOS
+        return RequestRun(self.runner, self.tokenizer, seq.tokens + ids, params, prompt=text, seq=seq)
+
+    def save_cache(self, path: str, prompt: Prompt | Messages, chat: bool = False) -> int:
+        """Compute the K/V of ``prompt`` once and save them (with its token ids) to ``path``, for
+        ``generate(..., prompt_cache=path)`` here or in another process. Returns tokens saved."""
+        ids = self.encode(prompt, chat)
+        seq = self.runner.new_sequence()
+        try:
+            self.runner.step([seq], [ids])
+            self.runner.save(seq, path, self.fingerprint)
+        finally:
+            self.runner.free(seq)
+        return len(ids)
 
     def chat_session(self, system: str | None = None) -> "ChatSession":
         from kvcache.engine.session import ChatSession

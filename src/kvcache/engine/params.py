@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from typing import Any
 from dataclasses import dataclass, field
 
 from kvcache.errors import InvalidParams
@@ -70,6 +71,7 @@ class RequestOutput:
     prefill_s: float = 0.0  # time to first token
     decode_s: float = 0.0  # time for the remaining tokens
     kv_bytes: int = 0  # K/V bytes held for this request at its end
+    kv_stats: Any = None  # the cache's CacheStats at the request's end, before its pages are freed
     metrics: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -15,8 +15,11 @@ from kvcache.cache.context import PagedContext
 from kvcache.cache.paged import CacheStats, PagedKVCache
 from kvcache.cache.sequence import SeqKV
 from kvcache.config import CacheConfig
-from kvcache.errors import ContextOverflow
+from kvcache.errors import ContextOverflow, InvalidParams
 from kvcache.models.base import CausalLM
+
+
+UNBOUNDED = 2**62
 
 
 class Seq:
@@ -35,14 +38,27 @@ class ModelRunner:
         self.config = model.config
         self.cache_config = cache_config.with_capacity(model.config.max_position)
         self.cache = PagedKVCache(model.config, self.cache_config) if cache_config.uses_cache else None
+        self.rotaries = [model.rotary_for_layer(i) for i in range(model.config.num_layers)]
 
     @property
     def capacity(self) -> int:
-        """Most tokens one sequence can hold: the model's context, or a static cache's size."""
+        """Most tokens one sequence can hold: the model's context, or a static cache's size.
+        When every layer sees only a window and positions are rotary, generation goes on past
+        the model's context (positions stay relative; sinks are moved to their cache positions)."""
         cap = self.config.max_position
-        if self.cache is not None and self.cache.capacity_per_sequence() is not None:
-            cap = min(cap, self.cache.capacity_per_sequence())  # type: ignore[type-var]
+        if self.cache is not None:
+            if all(g.window is not None for g in self.cache.groups) and all(r is not None for r in self.rotaries):
+                cap = UNBOUNDED
+            if self.cache.capacity_per_sequence() is not None:
+                cap = min(cap, self.cache.capacity_per_sequence())  # type: ignore[type-var]
         return cap
+
+    def reusable(self, seq: Seq, length: int) -> int:
+        """How many of ``seq``'s first ``length`` tokens can be kept for the next request: all of
+        them, or 0 when a window has already dropped tokens a query there would see."""
+        if self.cache is None or seq.kv is None or self.cache.can_truncate(seq.kv, length):
+            return length
+        return 0
 
     def new_sequence(self) -> Seq:
         return Seq(self.cache.new_sequence() if self.cache is not None else None)
@@ -86,12 +102,31 @@ class ModelRunner:
         if self.cache is None:
             ctx = RecomputeContext(lens, positions, self.config.layer_windows)
         else:
-            ctx = PagedContext(self.cache, [s.kv for s in seqs], lens, positions)  # type: ignore[misc]
+            ctx = PagedContext(self.cache, [s.kv for s in seqs], lens, positions, self.rotaries)  # type: ignore[misc]
         rows = torch.tensor(lens).cumsum(0) - 1  # [B] last token of each sequence
         logits = self.model(ids, positions, ctx, logits_rows=rows)  # [B, vocab]
         for seq, toks in zip(seqs, new_tokens):
             seq.tokens.extend(toks)
         return logits
+
+    def save(self, seq: Seq, path: str, fingerprint: str) -> int:
+        """Write ``seq``'s K/V and token ids to a file; returns its size in bytes."""
+        from kvcache.cache.persist import save_sequence
+
+        if self.cache is None or seq.kv is None:
+            raise InvalidParams("the 'none' strategy keeps no cache to save; use dynamic or static")
+        return save_sequence(self.cache, seq.kv, seq.tokens, path, fingerprint)
+
+    def load(self, path: str, fingerprint: str) -> Seq:
+        """A sequence holding a saved cache (see save)."""
+        from kvcache.cache.persist import load_sequence
+
+        if self.cache is None:
+            raise InvalidParams("the 'none' strategy keeps no cache to load into; use dynamic or static")
+        kv, tokens = load_sequence(self.cache, path, fingerprint)
+        seq = Seq(kv)
+        seq.tokens = tokens
+        return seq
 
     def stats(self) -> CacheStats | None:
         return self.cache.stats() if self.cache is not None else None

@@ -11,6 +11,7 @@ from torch import nn
 
 from kvcache.attention.context import AttentionContext
 from kvcache.models.config import ModelConfig
+from kvcache.models.layers import Rotary
 
 
 class CausalLM(nn.Module):
@@ -24,6 +25,11 @@ class CausalLM(nn.Module):
         logits_rows: torch.Tensor | None = None,  # [R] int64 rows of N to project; None: all
     ) -> torch.Tensor:  # [R or N, vocab] float32
         raise NotImplementedError
+
+    def rotary_for_layer(self, layer: int) -> "Rotary | None":
+        """The rotary embedding layer ``layer`` applies to its q and k (None: learned absolute
+        positions). The cache uses it to move attention-sink keys to their cache positions."""
+        return None
 
     @classmethod
     def from_state_dict(cls, config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> "CausalLM":

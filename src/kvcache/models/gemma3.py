@@ -78,6 +78,9 @@ class Gemma3ForCausalLM(CausalLM):
             for ly in self.layers
         ]
 
+    def rotary_for_layer(self, layer: int) -> Rotary:
+        return self.rope_local if self.config.layer_windows[layer] is not None else self.rope_global
+
     def forward(  # type: ignore[override]
         self,
         input_ids: torch.Tensor,  # [N] int64

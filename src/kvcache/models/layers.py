@@ -194,6 +194,16 @@ class Rotary:
         return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
 
 
+    def rotate(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Turn already-rotated x: [N, H, D] by a further ``delta`` positions: [N] int64 (may be
+        negative). RoPE rotations compose, so R(delta) R(p) x = R(p + delta) x."""
+        cos, sin = self.tables(delta.abs())  # [N, 1, R] each
+        sign = torch.where(delta < 0, -1.0, 1.0)[:, None, None]
+        if self.attention_factor != 1.0:
+            cos, sin = cos / self.attention_factor, sin / self.attention_factor
+        return apply_rotary(x, cos, sin * sign)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [N, H, D]; cos, signed sin from Rotary.tables: [N, 1, R] with R <= D (partial rotary
     leaves the last D - R dims alone) -> [N, H, D]. HF's x * cos + rotate_half(x) * sin, where

@@ -89,6 +89,9 @@ class LlamaForCausalLM(CausalLM):
             for ly in self.layers
         ]
 
+    def rotary_for_layer(self, layer: int) -> Rotary:
+        return self.rope
+
     def forward(  # type: ignore[override]
         self,
         input_ids: torch.Tensor,  # [N] int64

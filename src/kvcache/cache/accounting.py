@@ -1,0 +1,110 @@
+"""Memory accounting and the page-integrity check of a PagedKVCache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvcache.cache.sequence import HOLE
+
+if TYPE_CHECKING:
+    from kvcache.cache.paged import PagedKVCache
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    layer: int
+    group: int
+    window: int | None
+    sinks: int
+    bytes_per_token: float  # stored form, scales included
+    pages_total: int
+    pages_used: int
+    bytes_allocated: int  # the layer's share of its pool, plus fp32 tails
+    bytes_used: int  # tokens held in pages x bytes per token, plus fp32 tails
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    strategy: str  # the spec
+    page_size: int
+    bytes_per_token: int  # all layers, the stored form (quantized: scales included, tails not)
+    pages_total: int
+    pages_used: int
+    tokens_stored: int  # sum of the sequences' lengths
+    bytes_allocated: int
+    bytes_used: int
+    encoding: str = "fp32"
+    per_layer: tuple[LayerStats, ...] = field(default=())
+
+    @property
+    def per_layer_bytes_allocated(self) -> tuple[int, ...]:
+        return tuple(s.bytes_allocated for s in self.per_layer)
+
+    def as_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "per_layer"}
+        out["per_layer"] = [s.__dict__ for s in self.per_layer]
+        return out
+
+
+def _tail_bytes(cache: "PagedKVCache", group: int, j: int) -> int:
+    total = 0
+    for s in cache.sequences.values():
+        tails = s.tails[group] if s.tails else None
+        if tails:
+            total += tails[j].numel() * tails[j].element_size()
+    return total
+
+
+def cache_stats(cache: "PagedKVCache") -> CacheStats:
+    ps = cache.page_size
+    layers: list[LayerStats] = []
+    for g in cache.groups:
+        pool, alloc = cache.pools[g.index], cache.allocators[g.index]
+        tokens_in_pages = 0
+        for s in cache.sequences.values():
+            table = s.tables[g.index]
+            for i, p in enumerate(table):
+                if p != HOLE:
+                    tokens_in_pages += min(ps, s.length - i * ps) if not cache.quantized else ps
+        per_tok = pool.token_bytes
+        share = pool.nbytes // len(g.layers)
+        for j, layer in enumerate(g.layers):
+            tail = _tail_bytes(cache, g.index, j)
+            layers.append(LayerStats(layer, g.index, g.window, g.sinks, per_tok, alloc.total,
+                                     alloc.num_referenced, share + tail, int(tokens_in_pages * per_tok) + tail))
+    layers.sort(key=lambda s: s.layer)
+    return CacheStats(
+        strategy=cache.config.spec(),
+        page_size=ps,
+        bytes_per_token=int(round(sum(s.bytes_per_token for s in layers))),
+        pages_total=sum(a.total for a in cache.allocators),
+        pages_used=sum(a.num_referenced for a in cache.allocators),
+        tokens_stored=sum(s.length for s in cache.sequences.values()),
+        bytes_allocated=sum(s.bytes_allocated for s in layers),
+        bytes_used=sum(s.bytes_used for s in layers),
+        encoding=cache.config.encoding,
+        per_layer=tuple(layers),
+    )
+
+
+def check_integrity(cache: "PagedKVCache") -> None:
+    """Each group's allocator is consistent; every page's ref count equals the number of page
+    tables that hold it; every table covers its sequence's length."""
+    ps = cache.page_size
+    for g in cache.groups:
+        alloc = cache.allocators[g.index]
+        alloc.check_integrity()
+        counts: dict[int, int] = {}
+        for s in cache.sequences.values():
+            table = s.tables[g.index]
+            covered = len(table) * ps + s.tail_len(g.index) if cache.quantized else -(-s.length // ps)
+            if (cache.quantized and covered != s.length) or (not cache.quantized and len(table) != covered):
+                raise AssertionError(f"sequence {s.seq_id}, group {g.index}: {len(table)} pages for {s.length} tokens")
+            for p in table:
+                if p != HOLE:
+                    counts[p] = counts.get(p, 0) + 1
+        for p in range(alloc.total):
+            if alloc.refcount(p) != counts.get(p, 0):
+                raise AssertionError(
+                    f"group {g.index} page {p}: ref count {alloc.refcount(p)} but {counts.get(p, 0)} holders")

@@ -1,0 +1,138 @@
+"""Save one sequence's cache to a file and load it back (llama.cpp's slot save/restore, MLX-LM's
+prompt-cache files).
+
+The file is safetensors: per layer the sequence's stored pages (in their stored form: fp32/fp16/
+bf16 K/V, or quantized codes with their scales) and, for quantized encodings, the fp32 tail;
+its metadata holds the format version, the model fingerprint, the cache settings that shape the
+data, the token ids and each group's page table shape (which pages a window already dropped).
+It is written to a temporary file beside the target and renamed, so a crash never leaves half a
+file under the target name. Loading into another model, encoding or layout is a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from kvcache.cache.paged import PagedKVCache
+from kvcache.cache.pool import PagePool
+from kvcache.cache.sequence import HOLE, SeqKV
+from kvcache.errors import KVCacheError
+
+FORMAT = "kvcache-sequence/1"
+_SHAPING = ("encoding", "page_size", "group_size", "residual", "window", "sinks")
+
+
+def _layout(cache: PagedKVCache) -> dict[str, object]:
+    c, m = cache.config, cache.model
+    out: dict[str, object] = {k: getattr(c, k) for k in _SHAPING}
+    out["page_size"] = cache.page_size
+    out.update(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+               groups=[list(g.layers) for g in cache.groups])
+    return out
+
+
+def save_sequence(cache: PagedKVCache, seq: SeqKV, tokens: list[int], path: str | Path, fingerprint: str) -> int:
+    """Write ``seq``'s K/V and ``tokens`` (its token ids, len == seq.length) to ``path``;
+    returns the bytes written."""
+    from safetensors.torch import save_file
+
+    if len(tokens) != seq.length:
+        raise ValueError(f"{len(tokens)} token ids for a sequence of {seq.length} tokens")
+    tensors: dict[str, torch.Tensor] = {}
+    for g in cache.groups:
+        live = [p for p in seq.tables[g.index] if p != HOLE]
+        pool = cache.pools[g.index]
+        for j, layer in enumerate(g.layers):
+            if live:
+                state = pool.page_state(j, live)
+                if isinstance(state, torch.Tensor):
+                    tensors[f"layer{layer}.kv"] = state.contiguous()
+                else:
+                    tensors.update({f"layer{layer}.{n}": t.contiguous() for n, t in state.items()})
+            tails = seq.tails[g.index]
+            if tails is not None:
+                tensors[f"layer{layer}.tail"] = tails[j].contiguous()
+    meta = {"format": FORMAT, "fingerprint": fingerprint, "layout": json.dumps(_layout(cache)),
+            "tokens": json.dumps(tokens), "length": str(seq.length),
+            "holes": json.dumps([[i for i, p in enumerate(t) if p == HOLE] for t in seq.tables]),
+            "table_lens": json.dumps([len(t) for t in seq.tables])}
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise KVCacheError(f"cannot write cache file {path}: folder {path.parent} does not exist")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    except Exception as e:  # OSError, or safetensors' own error wrapping one
+        reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
+        raise KVCacheError(f"cannot write cache file {path}: {reason}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path.stat().st_size
+
+
+def read_meta(path: str | Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except FileNotFoundError:
+        raise KVCacheError(f"cache file {path} does not exist") from None
+    except Exception as e:  # safetensors raises its own error types for bad headers
+        raise KVCacheError(f"cache file {path} is corrupt or truncated ({type(e).__name__})") from None
+    if meta.get("format") != FORMAT:
+        raise KVCacheError(f"{path} is not a kvcache sequence file (format {meta.get('format')!r})")
+    return meta
+
+
+def load_sequence(cache: PagedKVCache, path: str | Path, fingerprint: str) -> tuple[SeqKV, list[int]]:
+    """A new sequence in ``cache`` holding the saved K/V; returns it and its token ids."""
+    from safetensors.torch import load_file
+
+    meta = read_meta(path)
+    if meta["fingerprint"] != fingerprint:
+        raise KVCacheError(f"cache file {path} was made with another model (fingerprint "
+                           f"{meta['fingerprint'][:12]}, this model {fingerprint[:12]})")
+    saved, mine = json.loads(meta["layout"]), _layout(cache)
+    diff = [f"{k}={saved.get(k)!r} (here {v!r})" for k, v in mine.items() if saved.get(k) != v]
+    if diff:
+        raise KVCacheError(f"cache file {path} does not fit this cache: {', '.join(diff)}")
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:
+        raise KVCacheError(f"cache file {path} is corrupt or truncated ({type(e).__name__})") from None
+    tokens = json.loads(meta["tokens"])
+    holes, lens = json.loads(meta["holes"]), json.loads(meta["table_lens"])
+    seq = cache.new_sequence()
+    try:
+        for g in cache.groups:
+            hole = set(holes[g.index])
+            n_live = lens[g.index] - len(hole)
+            pages = cache._take_pages(g.index, n_live) if n_live else []
+            it = iter(pages)
+            seq.tables[g.index] = [HOLE if i in hole else next(it) for i in range(lens[g.index])]
+            pool = cache.pools[g.index]
+            for j, layer in enumerate(g.layers):
+                if pages:
+                    if isinstance(pool, PagePool):
+                        pool.load_pages(j, pages, tensors[f"layer{layer}.kv"])
+                    else:
+                        pool.load_pages(j, pages, {n: tensors[f"layer{layer}.{n}"] for n in pool.parts[j]})
+                if seq.tails[g.index] is not None:
+                    seq.tails[g.index][j] = tensors[f"layer{layer}.tail"].clone()  # type: ignore[index]
+        seq.length = int(meta["length"])
+        if len(tokens) != seq.length:
+            raise KVCacheError(f"cache file {path} holds {len(tokens)} token ids for {seq.length} tokens")
+        cache.check_integrity()
+    except (KeyError, RuntimeError, ValueError, AssertionError) as e:
+        cache.free(seq)
+        raise KVCacheError(f"cache file {path} is inconsistent: {e}") from None
+    except KVCacheError:
+        cache.free(seq)
+        raise
+    return seq, tokens

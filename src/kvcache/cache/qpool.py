@@ -1,0 +1,132 @@
+"""Page pool for quantized encodings (int8, int4, int2), KIVI's layout.
+
+Per layer of the group:
+  kc: [Hkv, P, page_size, D*bits/8] uint8   key codes; keys per channel over groups of G tokens
+  ks, km: [Hkv, P, page_size/G, D] fp32      their scale and minimum
+  vc: [Hkv, P, page_size, D*bits/8] uint8   value codes; values per token over groups of G channels
+  vs, vm: [Hkv, P, page_size, D/G] fp32      their scale and minimum
+Only full pages are stored here; a sequence's latest tokens stay in fp32 (its tail) until they
+are older than the residual window, then whole pages are quantized at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcache.cache.placement import Placement
+from kvcache.errors import InvalidParams
+
+_PARTS = ("kc", "ks", "km", "vc", "vs", "vm")
+
+
+class QuantPool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        num_pages: int,
+        bits: int,
+        group: int,
+        placement: Placement | None = None,
+    ) -> None:
+        if head_dim % group or page_size % group:
+            raise InvalidParams(
+                f"group_size={group} must divide the head dimension ({head_dim}) and the page size "
+                f"({page_size}); try group_size=32 or 16"
+            )
+        if (head_dim * bits) % 8:
+            raise InvalidParams(f"head dimension {head_dim} cannot be packed at {bits} bits")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.page_size, self.bits, self.group = page_size, bits, group
+        self.placement = placement or Placement("device", torch.device("cpu"))
+        self.num_pages = 0
+        self.parts: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
+        self.resize(num_pages)
+
+    def _shapes(self, pages: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        h, ps, d, g = self.num_kv_heads, self.page_size, self.head_dim, self.group
+        packed = d * self.bits // 8
+        f32, u8 = torch.float32, torch.uint8
+        return {"kc": ((h, pages, ps, packed), u8), "ks": ((h, pages, ps // g, d), f32),
+                "km": ((h, pages, ps // g, d), f32), "vc": ((h, pages, ps, packed), u8),
+                "vs": ((h, pages, ps, d // g), f32), "vm": ((h, pages, ps, d // g), f32)}
+
+    def resize(self, num_pages: int) -> None:
+        if num_pages < self.num_pages:
+            raise ValueError("the page pool does not shrink")
+        old = self.num_pages
+        for layer in self.parts:
+            for name, (shape, dtype) in self._shapes(num_pages).items():
+                new = self.placement.zeros(shape, dtype)
+                if old:
+                    new[:, :old] = layer[name]
+                layer[name] = new
+        self.num_pages = num_pages
+
+    @property
+    def token_bytes(self) -> float:
+        """Bytes of one token in one layer, K and V, scales included."""
+        return sum(s[0][-1] * (s[0][-2] / self.page_size) * (1 if s[1] == torch.uint8 else 4) * s[0][0]
+                   for s in self._shapes(1).values())
+
+    @property
+    def page_bytes(self) -> int:
+        return int(round(self.token_bytes * self.page_size)) * self.num_layers
+
+    @property
+    def nbytes(self) -> int:
+        return self.page_bytes * self.num_pages
+
+    def write_pages(self, layer: int, pages: torch.Tensor, kv: torch.Tensor) -> None:
+        """Quantize whole pages. pages: [m] int64; kv: [2, Hkv, m * page_size, D] fp32."""
+        from kvcache.cache import quant
+
+        h, d, ps, g = self.num_kv_heads, self.head_dim, self.page_size, self.group
+        m = pages.shape[0]
+        kc, ks, km = quant.quantize_keys(kv[0].reshape(h, m * ps // g, g, d), self.bits)
+        vc, vs, vm = quant.quantize_values(kv[1].reshape(h, m * ps, d), self.bits, g)
+        new = {"kc": kc.view(h, m, ps, -1), "ks": ks.view(h, m, ps // g, d), "km": km.view(h, m, ps // g, d),
+               "vc": vc.view(h, m, ps, -1), "vs": vs.view(h, m, ps, d // g), "vm": vm.view(h, m, ps, d // g)}
+        dst = self.parts[layer]
+        idx = pages.to(dst["kc"].device)
+        for name in _PARTS:
+            dst[name].index_copy_(1, idx, new[name].to(dst[name].device))
+
+    def read_into(self, layer: int, pages: torch.Tensor | None, first: int, m: int, out: torch.Tensor) -> None:
+        """Dequantize m pages into out: [2, Hkv, m * page_size, D] fp32 (a view of a larger buffer
+        is fine). ``pages`` ([m] int64) gathers them, or None for the run ``first .. first + m``."""
+        h, d, ps, g = self.num_kv_heads, self.head_dim, self.page_size, self.group
+        src = self.parts[layer]
+        if pages is None:
+            p = {n: src[n][:, first : first + m] for n in _PARTS}
+        else:
+            idx = pages.to(src["kc"].device)
+            p = {n: src[n].index_select(1, idx) for n in _PARTS}
+        p = {n: self.placement.fetch(t) if self.placement.offloaded else t for n, t in p.items()}
+        kc, vc = p["kc"], p["vc"]
+        if self.bits != 8:
+            from kvcache.cache import quant
+
+            kc, vc = quant.unpack_codes(kc, self.bits), quant.unpack_codes(vc, self.bits)
+        k_out = out[0].view(h, m, ps // g, g, d)
+        torch.mul(kc.view(h, m, ps // g, g, d), p["ks"].unsqueeze(3), out=k_out)
+        k_out.add_(p["km"].unsqueeze(3))
+        v_out = out[1].view(h, m, ps, d // g, g)
+        torch.mul(vc.view(h, m, ps, d // g, g), p["vs"].unsqueeze(4), out=v_out)
+        v_out.add_(p["vm"].unsqueeze(4))
+
+    def copy_page(self, src: int, dst: int) -> None:
+        for layer in self.parts:
+            for t in layer.values():
+                t[:, dst] = t[:, src]
+
+    def page_state(self, layer: int, pages: list[int]) -> dict[str, torch.Tensor]:
+        idx = torch.tensor(pages, dtype=torch.long)
+        return {n: t.index_select(1, idx.to(t.device)).cpu() for n, t in self.parts[layer].items()}
+
+    def load_pages(self, layer: int, pages: list[int], data: dict[str, torch.Tensor]) -> None:
+        idx = torch.tensor(pages, dtype=torch.long)
+        for n, t in self.parts[layer].items():
+            t.index_copy_(1, idx.to(t.device), data[n].to(t.device, t.dtype))

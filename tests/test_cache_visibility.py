@@ -1,0 +1,94 @@
+"""Window and attention-sink visibility against a small reference: for every query, the kept
+tokens with StreamingLLM's cache positions, attended directly (pre-RoPE q/k rotated here)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvcache.cache import PagedContext, PagedKVCache
+from kvcache.cache.sequence import HOLE
+from kvcache.config import CacheConfig
+from kvcache.models.config import ModelConfig
+from kvcache.models.layers import Rotary, apply_rotary
+
+ONE = ModelConfig(model_type="llama", vocab_size=8, hidden_size=16, intermediate_size=16, num_layers=1,
+                  num_heads=4, num_kv_heads=2, head_dim=8, max_position=64, layer_windows=(None,))
+
+
+def rope(rot: Rotary, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    cos, sin = rot.tables(pos)
+    return apply_rotary(x, cos, sin)
+
+
+def reference(q_raw, k_raw, v, t: int, window: int | None, sinks: int, rot: Rotary) -> torch.Tensor:
+    """Output [Hq, D] of the query at position t: keys kept by the policy, at cache positions."""
+    if window is None:
+        kept = list(range(t + 1))
+    else:
+        recent = list(range(max(0, t - (window - sinks) + 1), t + 1))
+        kept = sorted(set(range(min(sinks, t + 1))) | set(recent))
+    cache_pos = torch.arange(len(kept))  # StreamingLLM: positions assigned inside the cache
+    q_pos = torch.tensor([len(kept) - 1])
+    if window is None or sinks == 0:  # plain windows keep absolute positions (same distances)
+        cache_pos, q_pos = torch.tensor(kept), torch.tensor([t])
+    q = rope(rot, q_raw[t : t + 1], q_pos)[0]  # [Hq, D]
+    k = rope(rot, k_raw[kept], cache_pos)  # [L, Hkv, D]
+    g = q.shape[0] // k.shape[1]
+    k = k.repeat_interleave(g, 1)
+    vv = v[kept].repeat_interleave(g, 1)
+    scores = torch.einsum("hd,lhd->hl", q, k) / math.sqrt(q.shape[-1])
+    return torch.einsum("hl,lhd->hd", scores.softmax(-1), vv)
+
+
+@pytest.mark.parametrize("window,sinks,encoding", [(12, 0, "fp32"), (12, 3, "fp32"), (9, 4, "fp32"),
+                                                   (12, 3, "fp16"), (None, 0, "fp32")])
+@pytest.mark.parametrize("chunks", [[1] * 40, [10, 1, 1, 7, 1, 20], [40]])
+def test_window_and_sinks_match_reference(window, sinks, encoding, chunks):
+    torch.manual_seed(0)
+    n = sum(chunks)
+    rot = Rotary(8, 10000.0)
+    q_raw, k_raw, v = torch.randn(n, 4, 8), torch.randn(n, 2, 8), torch.randn(n, 2, 8)
+    cfg = CacheConfig(page_size=4, initial_tokens=8, window=window, sinks=sinks, encoding=encoding)
+    cache = PagedKVCache(ONE, cfg)
+    seq = cache.new_sequence()
+    start = 0
+    for c in chunks:
+        pos = torch.arange(start, start + c)
+        ctx = PagedContext(cache, [seq], [c], pos, [rot])
+        out = ctx.attend(0, rope(rot, q_raw[pos], pos), rope(rot, k_raw[pos], pos), v[pos], 1 / math.sqrt(8))
+        for i, t in enumerate(range(start, start + c)):
+            ref = reference(q_raw, k_raw, v, t, window, sinks, rot)
+            tol = 2e-3 if encoding == "fp16" else 2e-5
+            torch.testing.assert_close(out[i], ref, atol=tol, rtol=tol)
+        start += c
+        cache.check_integrity()
+        live = [p for p in seq.tables[0] if p != HOLE]
+        if window is not None:  # out-of-window pages went back to the pool
+            assert len(live) <= -(-sinks // 4) + -(-window // 4) + 1 + -(-c // 4)
+            assert cache.allocators[0].num_referenced == len(live)
+    cache.free(seq)
+    cache.check_integrity()
+    assert cache.allocators[0].num_referenced == 0
+
+
+def test_hybrid_model_windows_get_their_own_groups():
+    cfg = ModelConfig(model_type="gemma3", vocab_size=8, hidden_size=16, intermediate_size=16, num_layers=6,
+                      num_heads=2, num_kv_heads=1, head_dim=8, max_position=256,
+                      layer_windows=(4, 4, None, 4, 4, None))
+    cache = PagedKVCache(cfg, CacheConfig(page_size=2))
+    assert [(g.layers, g.window) for g in cache.groups] == [((0, 1, 3, 4), 4), ((2, 5), None)]
+    seq = cache.new_sequence()
+    for t in range(30):
+        PagedContext(cache, [seq], [1], torch.tensor([t]))
+    sliding, full = cache.allocators
+    assert full.num_referenced == 15  # every token kept
+    assert sliding.num_referenced <= 4  # only the window's pages
+    stats = cache.stats()
+    assert [s.window for s in stats.per_layer] == [4, 4, None, 4, 4, None]
+    assert stats.per_layer[0].bytes_used < stats.per_layer[2].bytes_used
+    # a user window narrower than the model's applies to every layer, with its sinks on all
+    narrow = PagedKVCache(cfg, CacheConfig(page_size=2, window=3, sinks=1))
+    assert [(g.window, g.sinks) for g in narrow.groups] == [(3, 1)]
