@@ -13,6 +13,7 @@ import torch
 
 from kvcache.attention.dense import Mask, attend, attend_with_sinks, build_mask
 from kvcache.cache.paged import PagedKVCache
+from kvcache.cache.prefetch import Prefetcher
 from kvcache.cache.pool import PagePool
 from kvcache.cache.qpool import QuantPool
 from kvcache.cache.sequence import HOLE, SeqKV
@@ -112,6 +113,9 @@ class PagedContext:
             self.rows.append(slice(start, start + n))
             start += n
         self.seqs = list(seqs)
+        self.prefetcher = Prefetcher(self) if cache.placement.offloaded else None
+        if self.prefetcher is not None:
+            self.prefetcher.start(0)
         self.write_slots = [torch.cat(s) if len(s) > 1 else (s[0] if s else None) for s in write_slots]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -119,19 +123,59 @@ class PagedContext:
         gi, j = self.cache.where[layer]
         pool = self.cache.pools[gi]
         single = len(self.plans) == 1
+        offloaded = self.cache.placement.offloaded
+        if offloaded and self.prefetcher is not None:
+            olds = self.prefetcher.take(layer)  # fetched while the previous layer computed
+            if layer + 1 < len(self.cache.where):
+                self.prefetcher.start(layer + 1)
+        elif isinstance(pool, QuantPool) or offloaded:
+            olds = self.load_old(layer)
         outs = []
         if isinstance(pool, PagePool):
             pool.write(j, self.write_slots[gi], k, v)  # type: ignore[arg-type]
-            for rows, plans, seq in zip(self.rows, self.plans, self.seqs):
-                plan = plans[gi]
+        for i, (rows, plans, seq) in enumerate(zip(self.rows, self.plans, self.seqs)):
+            plan = plans[gi]
+            qq = q if single else q[rows]
+            if isinstance(pool, PagePool) and not offloaded:
                 kv = pool.read(j, plan.first_page, plan.slots, plan.k_pos.shape[0])  # [2, Hkv, L, D]
-                outs.append(self._attend(layer, q if single else q[rows], kv, plan, scale))
-        else:
-            for rows, plans, seq in zip(self.rows, self.plans, self.seqs):
-                plan = plans[gi]
-                kv_new = torch.stack((k[rows], v[rows])).transpose(1, 2)  # [2, Hkv, n, D]
-                outs.append(self._attend_quant(layer, gi, j, pool, q if single else q[rows], kv_new, plan, seq, scale))
+                outs.append(self._attend(layer, qq, kv, plan, scale))
+                continue
+            kv = olds[i]  # [2, Hkv, L, D], the part stored before this forward filled in
+            kv_new = torch.stack((k[rows], v[rows])).transpose(1, 2)  # [2, Hkv, n, D]
+            n = kv_new.shape[2]
+            if isinstance(pool, PagePool):
+                kv[:, :, kv.shape[2] - n :] = kv_new
+                outs.append(self._attend(layer, qq, kv, plan, scale))
+            else:
+                outs.append(self._attend_quant(layer, gi, j, pool, qq, kv, kv_new, plan, seq, scale))
         return outs[0] if single else torch.cat(outs, 0)
+
+    def load_old(self, layer: int) -> list[torch.Tensor]:
+        """Per sequence, a fresh buffer [2, Hkv, L, D] fp32 on the compute device holding the
+        layer's K/V stored before this forward (dequantized), with room after them for the fp32
+        tail and the new tokens. Runs on the prefetch thread for offloaded caches."""
+        gi, j = self.cache.where[layer]
+        pool = self.cache.pools[gi]
+        hkv, d = self.cache.model.num_kv_heads, self.cache.model.head_dim
+        out = []
+        for rows, plans, seq in zip(self.rows, self.plans, self.seqs):
+            plan = plans[gi]
+            n = rows.stop - rows.start
+            buf = torch.empty(2, hkv, plan.k_pos.shape[0], d, device=self.cache.placement.compute)
+            if isinstance(pool, QuantPool):
+                if plan.n_old:
+                    pool.read_into(j, plan.pages, plan.run or 0, plan.n_old, buf[:, :, : plan.n_old * pool.page_size])
+            else:
+                m = plan.k_pos.shape[0] - n
+                if m:
+                    if plan.first_page is not None:
+                        src = pool.flat[j][:, :, plan.first_page * pool.page_size :][:, :, :m]
+                    else:
+                        assert plan.slots is not None
+                        src = pool.flat[j].index_select(2, plan.slots[:m].to(pool.flat[j].device))
+                    buf[:, :, :m].copy_(src, non_blocking=True)
+            out.append(buf)
+        return out
 
     def _attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor, plan: _GroupPlan, scale: float) -> torch.Tensor:
         """q: [T, Hq, D]; kv: [2, Hkv, L, D] -> [T, Hq, D]."""
@@ -144,19 +188,15 @@ class PagedContext:
                 return o.transpose(0, 1)
         return attend(q.transpose(0, 1), kv[0], kv[1], plan.mask, scale).transpose(0, 1)
 
-    def _attend_quant(self, layer: int, gi: int, j: int, pool: QuantPool, q: torch.Tensor, kv_new: torch.Tensor,
-                      plan: _GroupPlan, seq: SeqKV, scale: float) -> torch.Tensor:
-        """Dequantize the sealed pages, add the fp32 tail and the new tokens, attend, then seal
-        the pages that left the residual window."""
+    def _attend_quant(self, layer: int, gi: int, j: int, pool: QuantPool, q: torch.Tensor, buf: torch.Tensor,
+                      kv_new: torch.Tensor, plan: _GroupPlan, seq: SeqKV, scale: float) -> torch.Tensor:
+        """buf: [2, Hkv, L, D] with the sealed pages dequantized: add the fp32 tail and the new
+        tokens, attend, then seal the pages that left the residual window."""
         tails = seq.tails[gi]
         assert tails is not None
         tail = tails[j]
         n_q = plan.n_old * pool.page_size
-        t, n = tail.shape[2], kv_new.shape[2]
-        hkv, d = kv_new.shape[1], kv_new.shape[3]
-        buf = torch.empty(2, hkv, n_q + t + n, d)
-        if plan.n_old:
-            pool.read_into(j, plan.pages, plan.run or 0, plan.n_old, buf[:, :, :n_q])
+        t = tail.shape[2]
         buf[:, :, n_q : n_q + t] = tail
         buf[:, :, n_q + t :] = kv_new
         out = self._attend(layer, q, buf, plan, scale)
