@@ -151,6 +151,11 @@ class TestGemma:
         with torch.no_grad():
             ref2 = hf(torch.tensor([ids + [nxt]])).logits[0, -1]
         torch.testing.assert_close(llm.runner.step([seq], [[nxt]])[0], ref2, atol=1e-3, rtol=1e-4)
+        stats = llm.kv_stats()  # hybrid: sliding layers gave their out-of-window pages back
+        sliding = [s for s in stats.per_layer if s.window == 512]
+        full = [s for s in stats.per_layer if s.window is None]
+        assert len(sliding) == 15 and len(full) == 3
+        assert sliding[0].pages_used <= 512 // 16 + 2 < full[0].pages_used == -(-(len(ids) + 1) // 16)
         llm.runner.free(seq)
         llm.check_integrity()
 
