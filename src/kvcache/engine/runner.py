@@ -20,6 +20,7 @@ from kvcache.models.base import CausalLM
 
 
 UNBOUNDED = 2**62
+WINDOW_CHUNK = 512  # prefill tokens per forward when some layers see only a window
 
 
 class Seq:
@@ -90,6 +91,20 @@ class ModelRunner:
                     f"sequence of {len(seq.tokens) + len(toks)} tokens exceeds the capacity of "
                     f"{self.capacity} tokens"
                 )
+        if self.cache is not None and any(g.window is not None for g in self.cache.groups) and any(
+            len(t) > WINDOW_CHUNK for t in new_tokens
+        ):
+            # windowed layers: a long prefill goes in chunks, so masks stay [chunk, window] and
+            # pages leaving the window return to the pool between chunks
+            out = []
+            for seq, toks in zip(seqs, new_tokens):
+                for a in range(0, len(toks), WINDOW_CHUNK):
+                    logits = self._forward([seq], [toks[a : a + WINDOW_CHUNK]])
+                out.append(logits[0])
+            return torch.stack(out)
+        return self._forward(seqs, new_tokens)
+
+    def _forward(self, seqs: Sequence[Seq], new_tokens: Sequence[Sequence[int]]) -> torch.Tensor:
         if self.cache is None:
             feeds = [seq.tokens + list(toks) for seq, toks in zip(seqs, new_tokens)]
             starts = [0] * len(seqs)
