@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcache.cache import quant
 from kvcache.cache.placement import Placement
 from kvcache.errors import InvalidParams
 
@@ -36,8 +37,8 @@ class QuantPool:
                 f"group_size={group} must divide the head dimension ({head_dim}) and the page size "
                 f"({page_size}); try group_size=32 or 16"
             )
-        if (head_dim * bits) % 8:
-            raise InvalidParams(f"head dimension {head_dim} cannot be packed at {bits} bits")
+        if head_dim % 8:
+            raise InvalidParams(f"head dimension {head_dim} is not a multiple of 8: codes cannot be packed")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.page_size, self.bits, self.group = page_size, bits, group
         self.placement = placement or Placement("device", torch.device("cpu"))
@@ -68,8 +69,7 @@ class QuantPool:
     @property
     def token_bytes(self) -> float:
         """Bytes of one token in one layer, K and V, scales included."""
-        return sum(s[0][-1] * (s[0][-2] / self.page_size) * (1 if s[1] == torch.uint8 else 4) * s[0][0]
-                   for s in self._shapes(1).values())
+        return quant.bytes_per_token(self.num_kv_heads, self.head_dim, self.bits, self.group)
 
     @property
     def page_bytes(self) -> int:
@@ -81,8 +81,6 @@ class QuantPool:
 
     def write_pages(self, layer: int, pages: torch.Tensor, kv: torch.Tensor) -> None:
         """Quantize whole pages. pages: [m] int64; kv: [2, Hkv, m * page_size, D] fp32."""
-        from kvcache.cache import quant
-
         h, d, ps, g = self.num_kv_heads, self.head_dim, self.page_size, self.group
         m = pages.shape[0]
         kc, ks, km = quant.quantize_keys(kv[0].reshape(h, m * ps // g, g, d), self.bits)
@@ -107,8 +105,6 @@ class QuantPool:
         p = {n: self.placement.fetch(t) if self.placement.offloaded else t for n, t in p.items()}
         kc, vc = p["kc"], p["vc"]
         if self.bits != 8:
-            from kvcache.cache import quant
-
             kc, vc = quant.unpack_codes(kc, self.bits), quant.unpack_codes(vc, self.bits)
         k_out = out[0].view(h, m, ps // g, g, d)
         torch.mul(kc.view(h, m, ps // g, g, d), p["ks"].unsqueeze(3), out=k_out)
