@@ -59,7 +59,7 @@ def test_truncated_and_garbage_files_are_refused(tiny, saved, tmp_path):
 def test_other_model_or_encoding_is_refused(tiny, saved):
     with pytest.raises(KVCacheError, match="another model"):
         tiny.runner.load(str(saved), "0" * 64)
-    other = ModelRunner(tiny.model, parse_kv_spec("int8,page_size=4,group_size=4"))
+    other = ModelRunner(tiny.model, parse_kv_spec("int8,page_size=8,group_size=8"))
     with pytest.raises(KVCacheError, match="encoding='fp32' \\(here 'int8'\\)"):
         other.load(str(saved), tiny.fingerprint)
     paged = ModelRunner(tiny.model, parse_kv_spec("dynamic,page_size=8"))

@@ -17,8 +17,8 @@ PROMPT = [5, 17, 42, 8, 99, 23, 4, 61, 77, 12, 30, 3, 9, 14]
 FOLLOW = [7, 21, 33, 2, 50, 6, 18, 40]
 CAPACITY = ["dynamic", "static,max_tokens=48"]
 VISIBILITY = ["", "window=8", "sinks=2,window=8"]
-ENCODING = ["fp32", "fp16", "bf16", "int8,group_size=4,residual=4", "int4,group_size=4,residual=4",
-            "int2,group_size=4,residual=4"]
+ENCODING = ["fp32", "fp16", "bf16", "int8,group_size=8,residual=4", "int4,group_size=8,residual=4",
+            "int2,group_size=8,residual=4"]
 PLACEMENT = ["device", "host", "disk"]
 MATRIX = [",".join(x for x in combo if x) for combo in itertools.product(CAPACITY, VISIBILITY, ENCODING, PLACEMENT)]
 
@@ -41,7 +41,7 @@ def recompute(tiny_llm):
 
 
 def _runner(llm, spec, tmp_path):
-    spec = f"{spec},page_size=4" + (f",dir={tmp_path}" if "disk" in spec else "")
+    spec = f"{spec},page_size={8 if 'int' in spec else 4}" + (f",dir={tmp_path}" if "disk" in spec else "")
     return ModelRunner(llm.model, parse_kv_spec(spec))
 
 
@@ -92,7 +92,7 @@ def test_combination(tiny_llm, recompute, spec, tmp_path):
 
 
 def test_quantized_with_residual_covering_everything_is_exact(tiny_llm, recompute):
-    runner = ModelRunner(tiny_llm.model, parse_kv_spec("int2,page_size=4,group_size=4,residual=64"))
+    runner = ModelRunner(tiny_llm.model, parse_kv_spec("int2,page_size=8,group_size=8,residual=64"))
     seq = runner.new_sequence()
     torch.testing.assert_close(runner.step([seq], [PROMPT])[0], recompute[0], atol=1e-4, rtol=1e-4)
     for i, t in enumerate(FOLLOW):
@@ -102,9 +102,9 @@ def test_quantized_with_residual_covering_everything_is_exact(tiny_llm, recomput
 
 @pytest.mark.parametrize("bits,bound", [(8, 0.05), (4, 0.5)])
 def test_quantized_logits_stay_close(tiny_llm, recompute, bits, bound):
-    runner = ModelRunner(tiny_llm.model, parse_kv_spec(f"int{bits},page_size=4,group_size=4,residual=0"))
+    runner = ModelRunner(tiny_llm.model, parse_kv_spec(f"int{bits},page_size=8,group_size=8,residual=0"))
     seq = runner.new_sequence()
     got = [runner.step([seq], [PROMPT])[0]] + [runner.step([seq], [[t]])[0] for t in FOLLOW]
-    assert runner.stats().pages_used == -(-(len(PROMPT) + len(FOLLOW)) // 4) - 1 or runner.stats().pages_used > 0
+    assert runner.stats().pages_used == (len(PROMPT) + len(FOLLOW)) // 8  # every full page quantized
     worst = max(float((a - b).abs().max()) for a, b in zip(got[1:], recompute[1:]))
     assert 0 < worst < bound

@@ -95,6 +95,9 @@ class CacheConfig:
             raise InvalidParams(f"residual (the fp32 window of recent tokens) must be 0 or more, got {self.residual}")
         if self.group_size < 1:
             raise InvalidParams(f"group_size must be at least 1, got {self.group_size}")
+        if self.quantized and self.group_size % 8:
+            raise InvalidParams(f"group_size must be a multiple of 8 for {self.encoding} (codes are packed "
+                                f"by eight), got {self.group_size}")
         if self.quantized and self.page_size is not None and self.page_size % self.group_size:
             raise InvalidParams(f"page_size ({self.page_size}) must be a multiple of group_size "
                                 f"({self.group_size}) for {self.encoding}: keys are quantized per page")

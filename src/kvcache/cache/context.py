@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvcache import kernels
 from kvcache.attention.dense import Mask, attend, attend_with_sinks, build_mask
 from kvcache.cache.paged import PagedKVCache
 from kvcache.cache.prefetch import Prefetcher
@@ -124,12 +125,11 @@ class PagedContext:
         pool = self.cache.pools[gi]
         single = len(self.plans) == 1
         offloaded = self.cache.placement.offloaded
+        olds: list[torch.Tensor | None] = [None] * len(self.plans)
         if offloaded and self.prefetcher is not None:
-            olds = self.prefetcher.take(layer)  # fetched while the previous layer computed
+            olds = list(self.prefetcher.take(layer))  # fetched while the previous layer computed
             if layer + 1 < len(self.cache.where):
                 self.prefetcher.start(layer + 1)
-        elif isinstance(pool, QuantPool) or offloaded:
-            olds = self.load_old(layer)
         outs = []
         if isinstance(pool, PagePool):
             pool.write(j, self.write_slots[gi], k, v)  # type: ignore[arg-type]
@@ -140,42 +140,42 @@ class PagedContext:
                 kv = pool.read(j, plan.first_page, plan.slots, plan.k_pos.shape[0])  # [2, Hkv, L, D]
                 outs.append(self._attend(layer, qq, kv, plan, scale))
                 continue
-            kv = olds[i]  # [2, Hkv, L, D], the part stored before this forward filled in
             kv_new = torch.stack((k[rows], v[rows])).transpose(1, 2)  # [2, Hkv, n, D]
-            n = kv_new.shape[2]
-            if isinstance(pool, PagePool):
-                kv[:, :, kv.shape[2] - n :] = kv_new
-                outs.append(self._attend(layer, qq, kv, plan, scale))
-            else:
-                outs.append(self._attend_quant(layer, gi, j, pool, qq, kv, kv_new, plan, seq, scale))
+            if isinstance(pool, QuantPool):
+                outs.append(self._attend_quant(layer, gi, j, i, pool, qq, olds[i], kv_new, plan, seq, scale))
+                continue
+            kv = olds[i]  # [2, Hkv, L, D], the part stored before this forward filled in
+            assert kv is not None
+            kv[:, :, kv.shape[2] - kv_new.shape[2] :] = kv_new
+            outs.append(self._attend(layer, qq, kv, plan, scale))
         return outs[0] if single else torch.cat(outs, 0)
 
     def load_old(self, layer: int) -> list[torch.Tensor]:
         """Per sequence, a fresh buffer [2, Hkv, L, D] fp32 on the compute device holding the
         layer's K/V stored before this forward (dequantized), with room after them for the fp32
         tail and the new tokens. Runs on the prefetch thread for offloaded caches."""
+        return [self._load_old_one(layer, i) for i in range(len(self.plans))]
+
+    def _load_old_one(self, layer: int, i: int) -> torch.Tensor:
         gi, j = self.cache.where[layer]
         pool = self.cache.pools[gi]
         hkv, d = self.cache.model.num_kv_heads, self.cache.model.head_dim
-        out = []
-        for rows, plans, seq in zip(self.rows, self.plans, self.seqs):
-            plan = plans[gi]
-            n = rows.stop - rows.start
-            buf = torch.empty(2, hkv, plan.k_pos.shape[0], d, device=self.cache.placement.compute)
-            if isinstance(pool, QuantPool):
-                if plan.n_old:
-                    pool.read_into(j, plan.pages, plan.run or 0, plan.n_old, buf[:, :, : plan.n_old * pool.page_size])
+        plan, rows = self.plans[i][gi], self.rows[i]
+        n = rows.stop - rows.start
+        buf = torch.empty(2, hkv, plan.k_pos.shape[0], d, device=self.cache.placement.compute)
+        if isinstance(pool, QuantPool):
+            if plan.n_old:
+                pool.read_into(j, plan.pages, plan.run or 0, plan.n_old, buf[:, :, : plan.n_old * pool.page_size])
+            return buf
+        m = plan.k_pos.shape[0] - n
+        if m:
+            if plan.first_page is not None:
+                src = pool.flat[j][:, :, plan.first_page * pool.page_size :][:, :, :m]
             else:
-                m = plan.k_pos.shape[0] - n
-                if m:
-                    if plan.first_page is not None:
-                        src = pool.flat[j][:, :, plan.first_page * pool.page_size :][:, :, :m]
-                    else:
-                        assert plan.slots is not None
-                        src = pool.flat[j].index_select(2, plan.slots[:m].to(pool.flat[j].device))
-                    buf[:, :, :m].copy_(src, non_blocking=True)
-            out.append(buf)
-        return out
+                assert plan.slots is not None
+                src = pool.flat[j].index_select(2, plan.slots[:m].to(pool.flat[j].device))
+            buf[:, :, :m].copy_(src, non_blocking=True)
+        return buf
 
     def _attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor, plan: _GroupPlan, scale: float) -> torch.Tensor:
         """q: [T, Hq, D]; kv: [2, Hkv, L, D] -> [T, Hq, D]."""
@@ -188,20 +188,31 @@ class PagedContext:
                 return o.transpose(0, 1)
         return attend(q.transpose(0, 1), kv[0], kv[1], plan.mask, scale).transpose(0, 1)
 
-    def _attend_quant(self, layer: int, gi: int, j: int, pool: QuantPool, q: torch.Tensor, buf: torch.Tensor,
-                      kv_new: torch.Tensor, plan: _GroupPlan, seq: SeqKV, scale: float) -> torch.Tensor:
-        """buf: [2, Hkv, L, D] with the sealed pages dequantized: add the fp32 tail and the new
-        tokens, attend, then seal the pages that left the residual window."""
+    def _attend_quant(self, layer: int, gi: int, j: int, i: int, pool: QuantPool, q: torch.Tensor,
+                      buf: torch.Tensor | None, kv_new: torch.Tensor, plan: _GroupPlan, seq: SeqKV,
+                      scale: float) -> torch.Tensor:
+        """Attend over the sealed pages, the fp32 tail and the new tokens, then seal the pages
+        that left the residual window. A lone decode query with everything in view goes to the
+        native kernel, which reads the codes in place; otherwise the pages are dequantized into
+        ``buf`` ([2, Hkv, L, D], filled here unless the prefetcher did)."""
         tails = seq.tails[gi]
         assert tails is not None
         tail = tails[j]
         n_q = plan.n_old * pool.page_size
-        t = tail.shape[2]
-        buf[:, :, n_q : n_q + t] = tail
-        buf[:, :, n_q + t :] = kv_new
-        out = self._attend(layer, q, buf, plan, scale)
+        rest = torch.cat((tail, kv_new), 2)  # [2, Hkv, t + n, D]
+        out = None
+        if buf is None and q.shape[0] == 1 and plan.mask is None and plan.delta is None and plan.n_old:
+            hkv, d = kv_new.shape[1], kv_new.shape[3]
+            pages = plan.pages if plan.pages is not None else torch.arange(plan.run, plan.run + plan.n_old)
+            o = kernels.quant_decode((q[0] * scale).view(hkv, -1, d), pages, pool.parts[j], pool.page_size,
+                                     pool.group, pool.bits, rest)
+            out = None if o is None else o.view(1, -1, d)
+        if out is None:
+            if buf is None:
+                buf = self._load_old_one(layer, i)
+            buf[:, :, n_q:] = rest
+            out = self._attend(layer, q, buf, plan, scale)
         m = plan.new_pages.shape[0]
-        rest = buf[:, :, n_q:]
         if m:
             pool.write_pages(j, plan.new_pages, rest[:, :, : m * pool.page_size])
         tails[j] = rest[:, :, m * pool.page_size :].clone()

@@ -1,7 +1,8 @@
 """Page pool for quantized encodings (int8, int4, int2), KIVI's layout.
 
 Per layer of the group:
-  kc: [Hkv, P, page_size, D*bits/8] uint8   key codes; keys per channel over groups of G tokens
+  kc: [Hkv, P, page_size/G, D, G*bits/8] uint8  key codes, per channel over groups of G tokens,
+                                            stored channel-major (a channel's G codes together)
   ks, km: [Hkv, P, page_size/G, D] fp32      their scale and minimum
   vc: [Hkv, P, page_size, D*bits/8] uint8   value codes; values per token over groups of G channels
   vs, vm: [Hkv, P, page_size, D/G] fp32      their scale and minimum
@@ -50,7 +51,7 @@ class QuantPool:
         h, ps, d, g = self.num_kv_heads, self.page_size, self.head_dim, self.group
         packed = d * self.bits // 8
         f32, u8 = torch.float32, torch.uint8
-        return {"kc": ((h, pages, ps, packed), u8), "ks": ((h, pages, ps // g, d), f32),
+        return {"kc": ((h, pages, ps // g, d, g * self.bits // 8), u8), "ks": ((h, pages, ps // g, d), f32),
                 "km": ((h, pages, ps // g, d), f32), "vc": ((h, pages, ps, packed), u8),
                 "vs": ((h, pages, ps, d // g), f32), "vm": ((h, pages, ps, d // g), f32)}
 
@@ -83,9 +84,9 @@ class QuantPool:
         """Quantize whole pages. pages: [m] int64; kv: [2, Hkv, m * page_size, D] fp32."""
         h, d, ps, g = self.num_kv_heads, self.head_dim, self.page_size, self.group
         m = pages.shape[0]
-        kc, ks, km = quant.quantize_keys(kv[0].reshape(h, m * ps // g, g, d), self.bits)
+        kc, ks, km = quant.quantize_keys_channel_major(kv[0].reshape(h, m * ps // g, g, d), self.bits)
         vc, vs, vm = quant.quantize_values(kv[1].reshape(h, m * ps, d), self.bits, g)
-        new = {"kc": kc.view(h, m, ps, -1), "ks": ks.view(h, m, ps // g, d), "km": km.view(h, m, ps // g, d),
+        new = {"kc": kc.view(h, m, ps // g, d, -1), "ks": ks.view(h, m, ps // g, d), "km": km.view(h, m, ps // g, d),
                "vc": vc.view(h, m, ps, -1), "vs": vs.view(h, m, ps, d // g), "vm": vm.view(h, m, ps, d // g)}
         dst = self.parts[layer]
         idx = pages.to(dst["kc"].device)
@@ -107,7 +108,7 @@ class QuantPool:
         if self.bits != 8:
             kc, vc = quant.unpack_codes(kc, self.bits), quant.unpack_codes(vc, self.bits)
         k_out = out[0].view(h, m, ps // g, g, d)
-        torch.mul(kc.view(h, m, ps // g, g, d), p["ks"].unsqueeze(3), out=k_out)
+        torch.mul(kc.view(h, m, ps // g, d, g).transpose(3, 4), p["ks"].unsqueeze(3), out=k_out)
         k_out.add_(p["km"].unsqueeze(3))
         v_out = out[1].view(h, m, ps, d // g, g)
         torch.mul(vc.view(h, m, ps, d // g, g), p["vs"].unsqueeze(4), out=v_out)

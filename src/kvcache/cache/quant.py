@@ -28,7 +28,7 @@ import torch
 BITS = (8, 4, 2)
 
 __all__ = ["BITS", "bytes_per_token", "dequantize_keys", "dequantize_values", "pack_codes",
-           "quantize_keys", "quantize_values", "unpack_codes"]
+           "quantize_keys", "quantize_keys_channel_major", "quantize_values", "unpack_codes"]
 
 
 def _check_bits(bits: int) -> int:
@@ -91,6 +91,17 @@ def quantize_keys(k: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
     _check_dim(k.shape[-1])
     codes, scale, mn = _quantize(k.float(), 2, bits)
     return pack_codes(codes, bits), scale, mn
+
+
+def quantize_keys_channel_major(k: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Like quantize_keys, with each channel's G codes stored together (the layout the decode
+    kernel scores G tokens at a time from): codes [H, n, D, G*bits//8] uint8 (G a multiple of 8)."""
+    _check_bits(bits)
+    if k.dim() != 4:
+        raise ValueError(f"keys must be [H, n, G, D], got shape {tuple(k.shape)}")
+    _check_dim(k.shape[2])
+    codes, scale, mn = _quantize(k.float(), 2, bits)
+    return pack_codes(codes.transpose(2, 3).contiguous(), bits), scale, mn
 
 
 def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, bits: int) -> torch.Tensor:
