@@ -20,7 +20,7 @@ def test_generate_prints_text_and_summary():
                         p.stderr)
     assert summary, p.stderr
     assert int(summary.group(1)) == 5 and int(summary.group(2)) == 8
-    assert "bytes_per_token        46080" in p.stderr  # 2 x 30 layers x 3 KV heads x 64 x 4 bytes
+    assert "46,080 B/token stored" in p.stderr  # 2 x 30 layers x 3 KV heads x 64 x 4 bytes
 
 
 def test_chat_reuses_the_cache_between_turns():

@@ -5,32 +5,80 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 from pathlib import Path
 
 from kvcache.errors import InvalidParams
 
-SUITES = ("decode",)
+SUITES = ("decode", "context", "growth")
+
+DEFAULT_SPECS = "dynamic,fp16,int8,int4,sink"
+QUICK_SPECS = "dynamic,static"
+DEFAULT_CONTEXTS, QUICK_CONTEXTS = "512,2048,8000", "256,1024"
+DEFAULT_MAX_CONTEXT, QUICK_MAX_CONTEXT = 8192, 2048
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="benchmarks beside transformers, in the same run")
     b.add_argument("suite", help=f"suite to run: {', '.join(SUITES)}")
     b.add_argument("--model", "-m", default=None, help="model (default: bundled SmolLM2-135M-Instruct)")
-    b.add_argument("--new-tokens", type=int, default=200, help="new tokens per run (default 200)")
-    b.add_argument("--repeats", type=int, default=3, help="timed runs per system (default 3)")
-    b.add_argument("--kv", default="dynamic,static", help="kvcache strategies, comma-separated (default dynamic,static)")
-    b.add_argument("--peers", default="dynamic,static",
-                   help="transformers caches to run: none,dynamic,static (default dynamic,static; '' skips)")
+    b.add_argument("--new-tokens", type=int, default=None,
+                   help="new tokens per run (default: decode 200, context 64)")
+    b.add_argument("--repeats", type=int, default=None,
+                   help="timed runs per system (default: decode 3, context 2, growth 1)")
+    b.add_argument("--kv", default=None,
+                   help="kvcache specs, comma-separated (default: decode dynamic,static; "
+                        f"context {DEFAULT_SPECS}); in context, key=value items belong to the spec before "
+                        "them (int8,sinks=4,window=1024 is one spec) and ';' separates specs explicitly")
+    b.add_argument("--peers", default=None,
+                   help="decode: transformers caches to run: none,dynamic,static (default dynamic,static; '' skips)")
+    b.add_argument("--contexts", default=None,
+                   help="context: prompt lengths in tokens, comma-separated (default 512,2048,8000)")
+    b.add_argument("--max-context", type=int, default=None,
+                   help=f"growth: tokens to grow the caches to (default {DEFAULT_MAX_CONTEXT}, "
+                        f"--quick {QUICK_MAX_CONTEXT})")
     b.add_argument("--threads", type=int, default=None, help="torch threads for every system")
-    b.add_argument("--quick", action="store_true", help="fewer tokens and one repeat")
+    b.add_argument("--quick", action="store_true",
+                   help="a short run: decode 32 tokens, 1 repeat; context 256,1024 with 16 tokens, 1 repeat, "
+                        f"kv {QUICK_SPECS}; growth to {QUICK_MAX_CONTEXT} tokens")
     b.add_argument("--json", default=None, help="write results to this JSON file")
     b.set_defaults(func=cmd_bench)
+
+
+# options each suite reads (the others are refused when given)
+OPTIONS = {
+    "decode": ("new_tokens", "repeats", "kv", "peers"),
+    "context": ("new_tokens", "repeats", "kv", "contexts"),
+    "growth": ("repeats", "max_context"),
+}
+_FLAGS = ("new_tokens", "repeats", "kv", "peers", "contexts", "max_context")
+
+
+def _refuse_foreign(args: argparse.Namespace) -> None:
+    for name in _FLAGS:
+        if getattr(args, name) is not None and name not in OPTIONS[args.suite]:
+            users = [s for s in SUITES if name in OPTIONS[s]]
+            flag = "--" + name.replace("_", "-")
+            raise InvalidParams(f"{flag} does not apply to the {args.suite} suite (only to {', '.join(users)})")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.suite not in SUITES:
         raise InvalidParams(f"unknown bench suite {args.suite!r}; suites: {', '.join(SUITES)}")
+    _refuse_foreign(args)
+    if args.suite == "context":
+        return cmd_context(args)
+    if args.suite == "growth":
+        return cmd_growth(args)
+    return cmd_decode(args)
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    args.new_tokens = 200 if args.new_tokens is None else args.new_tokens
+    args.repeats = 3 if args.repeats is None else args.repeats
+    args.kv = "dynamic,static" if args.kv is None else args.kv
+    args.peers = "dynamic,static" if args.peers is None else args.peers
     if args.new_tokens < 2 or args.repeats < 1:
         raise InvalidParams("--new-tokens must be >= 2 and --repeats >= 1")
     from tqdm import tqdm
@@ -70,4 +118,128 @@ def cmd_bench(args: argparse.Namespace) -> int:
         meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                 "torch": torch.__version__, "new_tokens": new, "repeats": repeats, "prompt_tokens": len(ids)}
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    return 0
+
+
+def _meta(**extra: object) -> dict[str, object]:
+    import torch
+
+    return {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, **extra}
+
+
+def _fmt(x: float | None, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def cmd_context(args: argparse.Namespace) -> int:
+    from kvcache.bench.context import (
+        bench_context, check_contexts, parse_contexts, reference_spec, resolve_spec, split_specs, with_ratios,
+    )
+    from kvcache.models.config import ModelConfig
+    from kvcache.models.loading import read_config, resolve_model
+
+    quick = args.quick
+    new = args.new_tokens if args.new_tokens is not None else (16 if quick else 64)
+    repeats = args.repeats if args.repeats is not None else (1 if quick else 2)
+    if new < 2:
+        raise InvalidParams(f"--new-tokens must be >= 2, got {new}")
+    if repeats < 1:
+        raise InvalidParams(f"--repeats must be >= 1, got {repeats}")
+    contexts = parse_contexts(args.contexts if args.contexts is not None
+                              else QUICK_CONTEXTS if quick else DEFAULT_CONTEXTS)
+    specs = split_specs(args.kv if args.kv is not None else (QUICK_SPECS if quick else DEFAULT_SPECS))
+    if not specs:
+        raise InvalidParams("--kv needs at least one cache spec, e.g. --kv dynamic,int8")
+    model_context = ModelConfig.from_hf(read_config(resolve_model(args.model).path)).max_position
+    configs = {s: resolve_spec(s, max(contexts) + new, model_context) for s in dict.fromkeys(specs)}
+    check_contexts(contexts, new, model_context, configs)
+
+    from tqdm import tqdm
+
+    import torch
+
+    from kvcache.engine.llm import LLM
+
+    llm = LLM(args.model, threads=args.threads)
+    bar = tqdm(total=len(configs) * len(contexts) * repeats, desc="bench context", file=sys.stderr)
+    rows = bench_context(llm, configs, contexts, new, repeats, bar.update)
+    bar.close()
+    ref = reference_spec(list(configs))
+    results = with_ratios([r.summary() for r in rows], ref)
+    width = max(12, *(len(s) for s in configs))
+    print(f"\ncontext: {llm.model_name}, {new} new tokens after a prompt of C tokens of English text, batch 1, "
+          f"fp32 weights, {torch.get_num_threads()} threads, median of {repeats} (min-max)")
+    if repeats > 1:
+        print("repeats keep the prompt's K/V where the spec still holds them; prefill s: runs that prefilled it all")
+    if ref is None:
+        print("(no fp32 dynamic row in --kv: the ratio columns are empty)")
+    header = (f"{'kv':<{width}} {'tok/s':>7} {'min-max':>13} {'prefill s':>9} {'KV B/token':>10} {'KV held':>9} "
+              f"{'GB/s':>6} {'tok/s vs fp32':>13} {'bytes vs fp32':>13}")
+    for c in contexts:
+        print(f"\ncontext {c} tokens")
+        print(header)
+        for r in results:
+            if r["context"] != c:
+                continue
+            held = f"{r['kv_bytes_used'] / 2**20:.1f} MiB" if r["kv_bytes_used"] else "-"
+            tok = f"{_fmt(r['tok_s_min'])}-{_fmt(r['tok_s_max'])}"
+            vs_tok = "-" if r["tok_s_vs_ref"] is None else f"{r['tok_s_vs_ref']:.2f}x"
+            vs_b = "-" if r["bytes_vs_ref"] is None else f"{r['bytes_vs_ref']:.3f}x"
+            line = (f"{r['spec']:<{width}} {_fmt(r['tok_s']):>7} {tok:>13} {_fmt(r['prefill_s'], '.2f'):>9} "
+                    f"{r['kv_bytes_per_token']:>10.0f} {held:>9} {_fmt(r['gb_s'], '.2f'):>6} {vs_tok:>13} {vs_b:>13}")
+            print(line + (f"  ({r['note']})" if r["note"] else ""))
+    print("\nKV B/token: bytes the cache holds / tokens stored, after the last step (windows and fp32 tails "
+          "included); GB/s: (weights + KV read per step) x tok/s")
+    if args.json:
+        meta = _meta(model=llm.model_name, new_tokens=new, repeats=repeats, contexts=contexts,
+                     kv=list(configs), reference=ref, prompt="pydoc_data.topics, first C tokens")
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    return 0
+
+
+def cmd_growth(args: argparse.Namespace) -> int:
+    from kvcache.bench.growth import bench_growth, buckets
+    from kvcache.engine.llm import default_threads
+    from kvcache.models.config import ModelConfig
+    from kvcache.models.loading import read_config, resolve_model
+
+    max_context = args.max_context if args.max_context is not None else (
+        QUICK_MAX_CONTEXT if args.quick else DEFAULT_MAX_CONTEXT)
+    repeats = args.repeats if args.repeats is not None else 1
+    if repeats < 1:
+        raise InvalidParams(f"--repeats must be >= 1, got {repeats}")
+    buckets(max_context)  # refuses a bad --max-context
+    resolved = resolve_model(args.model)
+    model = ModelConfig.from_hf(read_config(resolved.path))
+
+    from tqdm import tqdm
+
+    import torch
+
+    torch.set_num_threads(args.threads or default_threads())
+    bar = tqdm(total=2 * max_context * repeats, desc="bench growth", unit="tok", file=sys.stderr)
+    rows, totals, note = bench_growth(model, max_context, repeats, bar.update)
+    bar.close()
+    results = [r.summary() for r in rows]
+    print(f"\ngrowth: appending one token's K/V to every layer ({model.num_layers} layers, {model.num_kv_heads} KV "
+          f"heads, head_dim {model.head_dim}, fp32) from 0 to {max_context} tokens, {torch.get_num_threads()} "
+          f"threads; mean microseconds per append, median of {repeats}")
+    print(f"{'context':<11} {'kvcache us':>10} {'DynamicCache us':>15} {'DynamicCache/kvcache':>20}")
+    for r in results:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.1f}x"
+        print(f"{r['bucket']:<11} {_fmt(r['kvcache_us']):>10} {_fmt(r['transformers_us']):>15} {ratio:>20}")
+    med = {k: (statistics.median(v) if v else None) for k, v in totals.items()}
+    ratio = f"{med['transformers'] / med['kvcache']:.1f}x" if med["transformers"] and med["kvcache"] else "-"
+    print(f"{'total s':<11} {_fmt(med['kvcache'], '.2f'):>10} {_fmt(med['transformers'], '.2f'):>15} {ratio:>20}")
+    print("kvcache: PagedKVCache reserve + write per layer (pages, pool doubling when full); "
+          "DynamicCache: update per layer (torch.cat of the whole K and V)")
+    if note:
+        print(note)
+    if args.json:
+        meta = _meta(model=resolved.name, max_context=max_context, repeats=repeats, layers=model.num_layers,
+                     kv_heads=model.num_kv_heads, head_dim=model.head_dim, note=note)
+        total = {f"{k}_s": v for k, v in med.items()}
+        total.update({f"{k}_s_all": v for k, v in totals.items()})
+        Path(args.json).write_text(json.dumps({"meta": meta, "buckets": results, "total": total}, indent=2))
     return 0

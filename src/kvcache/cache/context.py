@@ -106,9 +106,10 @@ class PagedContext:
             old = seq.length
             seq.length += n
             if not cache.quantized:
-                idx = torch.arange(old, old + n)
+                first = old // ps
+                idx = torch.arange(old, old + n) - first * ps
                 for gi in range(len(cache.groups)):
-                    t = torch.tensor(seq.tables[gi], dtype=torch.long)
+                    t = torch.tensor(seq.tables[gi][first : (old + n - 1) // ps + 1], dtype=torch.long)
                     write_slots[gi].append(t[idx // ps] * ps + idx % ps)
             self.plans.append([_GroupPlan(cache, seq, gi, q_pos, old, lens[gi]) for gi in range(len(cache.groups))])
             self.rows.append(slice(start, start + n))

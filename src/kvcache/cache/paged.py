@@ -219,8 +219,10 @@ class PagedKVCache:
         if self.quantized:
             raise ValueError("write() stores float encodings; quantized pages are written by a forward")
         gi, j = self.where[layer]
-        ps, table = self.page_size, torch.tensor(seq.tables[gi], dtype=torch.long)
-        idx = torch.arange(start, start + k.shape[0])
+        ps, n = self.page_size, k.shape[0]
+        first = start // ps
+        table = torch.tensor(seq.tables[gi][first : (start + n - 1) // ps + 1], dtype=torch.long)  # touched pages
+        idx = torch.arange(start, start + n) - first * ps
         pool = self.pools[gi]
         assert isinstance(pool, PagePool)
         pool.write(j, table[idx // ps] * ps + idx % ps, k, v)

@@ -1,0 +1,153 @@
+"""Growth benchmark: the cost of appending one token's K/V (every layer) as the context grows.
+
+kvcache's PagedKVCache writes into reserved pages (its pool doubles when full, so an append is
+amortised O(1)); transformers' DynamicCache concatenates each layer's whole K and V tensors on
+every update (O(context) per append). Both get the same pre-made fp32 K/V of one token per layer;
+each append is timed with perf_counter, and the times are averaged over buckets of context
+length: 0-1k, 1k-2k, 2k-4k, 4k-8k, ... (k = 1024).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcache.config import CacheConfig
+from kvcache.errors import InvalidParams
+from kvcache.models.config import ModelConfig
+
+def buckets(max_context: int) -> list[tuple[int, int]]:
+    """[start, end) context ranges: [0, 1024), then doubling, the last one cut at max_context."""
+    if max_context < 2:
+        raise InvalidParams(f"--max-context must be at least 2 tokens, got {max_context}")
+    edges = [0, min(1024, max_context)]
+    while edges[-1] < max_context:
+        edges.append(min(edges[-1] * 2, max_context))
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def bucket_label(start: int, end: int) -> str:
+    def k(n: int) -> str:
+        return f"{n // 1024}k" if n and n % 1024 == 0 else str(n)
+
+    return f"{k(start)}-{k(end)}"
+
+
+@dataclass
+class Bucket:
+    start: int
+    end: int
+    kvcache_us: list[float] = field(default_factory=list)  # per repeat: mean microseconds per append
+    transformers_us: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict[str, object]:
+        def med(xs: list[float]) -> float | None:
+            return statistics.median(xs) if xs else None
+
+        kv, hf = med(self.kvcache_us), med(self.transformers_us)
+        return {
+            "bucket": bucket_label(self.start, self.end), "start": self.start, "end": self.end,
+            "tokens": self.end - self.start,
+            "kvcache_us": kv, "kvcache_us_min": min(self.kvcache_us, default=None),
+            "kvcache_us_max": max(self.kvcache_us, default=None),
+            "transformers_us": hf, "transformers_us_min": min(self.transformers_us, default=None),
+            "transformers_us_max": max(self.transformers_us, default=None),
+            "ratio": hf / kv if kv and hf is not None else None,
+        }
+
+
+def _per_bucket(times: list[float], ranges: list[tuple[int, int]]) -> list[float]:
+    """Mean microseconds per append over each range of positions."""
+    return [sum(times[a:b]) / (b - a) * 1e6 for a, b in ranges]
+
+
+def _writer(cache) -> Callable[[int, object, int, torch.Tensor, torch.Tensor], None]:
+    """``cache.write(layer, seq, start, k, v)``, or the same through the page pool where the
+    cache has no write of its own."""
+    if hasattr(cache, "write"):
+        return cache.write
+    pool, ps = cache.pool, cache.page_size
+
+    def write(layer: int, seq, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        slots = torch.tensor([seq.pages[p // ps] * ps + p % ps for p in range(start, start + k.shape[0])])
+        pool.write(layer, slots, k, v)
+
+    return write
+
+
+@torch.inference_mode()
+def grow_kvcache(model: ModelConfig, max_context: int, progress=None) -> list[float]:
+    """Seconds of each append (reserve, write every layer, advance) from 0 to max_context tokens."""
+    from kvcache.cache.paged import PagedKVCache
+
+    cache = PagedKVCache(model, CacheConfig())
+    write = _writer(cache)
+    layers = model.num_layers
+    torch.manual_seed(0)
+    ks = [torch.randn(1, model.num_kv_heads, model.head_dim) for _ in range(layers)]
+    vs = [torch.randn(1, model.num_kv_heads, model.head_dim) for _ in range(layers)]
+    seq = cache.new_sequence()
+    times = [0.0] * max_context
+    clock = time.perf_counter
+    for pos in range(max_context):
+        t0 = clock()
+        cache.reserve(seq, 1)
+        for layer in range(layers):
+            write(layer, seq, pos, ks[layer], vs[layer])
+        seq.length += 1
+        times[pos] = clock() - t0
+        if progress and pos % 256 == 255:
+            progress(256)
+    cache.free(seq)
+    return times
+
+
+@torch.inference_mode()
+def grow_transformers(model: ModelConfig, max_context: int, progress=None) -> list[float] | None:
+    """Seconds of each DynamicCache append (update every layer); None without transformers."""
+    try:
+        from transformers import DynamicCache
+    except ImportError:
+        return None
+    cache = DynamicCache()
+    layers = model.num_layers
+    torch.manual_seed(0)
+    ks = [torch.randn(1, model.num_kv_heads, 1, model.head_dim) for _ in range(layers)]
+    vs = [torch.randn(1, model.num_kv_heads, 1, model.head_dim) for _ in range(layers)]
+    times = [0.0] * max_context
+    clock = time.perf_counter
+    for pos in range(max_context):
+        t0 = clock()
+        for layer in range(layers):
+            cache.update(ks[layer], vs[layer], layer)
+        times[pos] = clock() - t0
+        if progress and pos % 256 == 255:
+            progress(256)
+    return times
+
+
+def bench_growth(model: ModelConfig, max_context: int, repeats: int, progress=None
+                 ) -> tuple[list[Bucket], dict[str, list[float]], str]:
+    """Per bucket the mean append time of each system (one value per repeat), the total seconds
+    per repeat, and a note ('' or why transformers was skipped)."""
+    ranges = buckets(max_context)
+    rows = [Bucket(a, b) for a, b in ranges]
+    totals: dict[str, list[float]] = {"kvcache": [], "transformers": []}
+    note = ""
+    for _ in range(repeats):
+        kv = grow_kvcache(model, max_context, progress)
+        totals["kvcache"].append(sum(kv))
+        for row, us in zip(rows, _per_bucket(kv, ranges)):
+            row.kvcache_us.append(us)
+        hf = grow_transformers(model, max_context, progress)
+        if hf is None:
+            note = "transformers not installed: DynamicCache skipped"
+            continue
+        totals["transformers"].append(sum(hf))
+        for row, us in zip(rows, _per_bucket(hf, ranges)):
+            row.transformers_us.append(us)
+    return rows, totals, note
