@@ -39,8 +39,10 @@ class LLM:
     """A loaded model, its tokenizer and its KV cache.
 
     ``model`` is None (the bundled SmolLM2-135M-Instruct), a bundled name, a GGUF file, an HF
-    model folder or a hub id. ``kv`` is a CacheConfig or a compact spec (``dynamic``, ``static``,
-    ``none``, ...).
+    model folder or a hub id. ``kv`` is a CacheConfig or a compact spec over four axes: capacity
+    (``dynamic``, ``static,max_tokens=N``, ``none``), visibility (``window=N``, ``sinks=K``),
+    encoding (``fp32`` ... ``int2``) and placement (``device``, ``host``, ``disk``), e.g.
+    ``static,int4,sinks=4,window=1024``; presets: ``offloaded``, ``quantized``, ``sink``, ...
     """
 
     def __init__(
