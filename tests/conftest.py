@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,6 +94,12 @@ def tiny_dir(tmp_path_factory):
         return made[family]
 
     return get
+
+
+def run_kvcache(*args: str, stdin: str | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """The console command in a fresh process, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "kvcache", *args], capture_output=True, text=True,
+                          input=stdin, timeout=timeout)
 
 
 def gemma_installed() -> bool:

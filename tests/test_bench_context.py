@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+
+from conftest import run_kvcache
 
 from kvcache.bench.context import parse_contexts, split_specs
 from kvcache.bench.growth import bucket_label, buckets
@@ -15,8 +15,7 @@ from kvcache.errors import InvalidParams
 FP32_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4  # K and V x layers x KV heads x head_dim x fp32
 
 
-def kvcache(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvcache", *args], capture_output=True, text=True, timeout=300)
+kvcache = run_kvcache
 
 
 def test_context_quick_writes_a_row_per_spec_and_context(tmp_path):

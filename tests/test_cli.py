@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
+
+from conftest import run_kvcache
 
 
-def kvcache(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvcache", *args], capture_output=True, text=True,
-                          input=stdin, timeout=300)
+kvcache = run_kvcache
 
 
 def test_generate_prints_text_and_summary():

@@ -4,11 +4,10 @@ lossy ones are measured against the full cache."""
 from __future__ import annotations
 
 import pydoc_data.topics
-import subprocess
-import sys
 
 import pytest
 import torch
+from conftest import run_kvcache
 
 from kvcache.config import parse_kv_spec
 from kvcache.engine.runner import ModelRunner
@@ -77,8 +76,7 @@ def test_sink_and_window_logits_equal_full_while_everything_fits(smollm, ids, re
     assert max(float((a - b).abs().max()) for a, b in zip(narrow, reference)) > 1e-3  # it did drop tokens
 
 
-def kvcache(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvcache", *args], capture_output=True, text=True, timeout=600)
+kvcache = run_kvcache
 
 
 def test_cli_prompt_cache_and_stats(tmp_path):
