@@ -54,10 +54,13 @@ def test_combination(tiny_llm, recompute, spec, tmp_path):
     seq = runner.new_sequence()
     logits = [runner.step([seq], [PROMPT])[0]]
     runner.check_integrity()
-    child = runner.fork(seq)  # copy-on-write: full pages shared
-    shared = set(seq.kv.tables[0]) & set(child.kv.tables[0])
-    assert all(runner.cache.allocators[0].refcount(p) == 2 for p in shared)
-    runner.step([child], [[FOLLOW[1]]])
+    child = runner.fork(seq)  # copy-on-write: every page shared, nothing copied yet
+    assert child.kv.tables == seq.kv.tables
+    assert all(runner.cache.allocators[0].refcount(p) == 2 for p in seq.kv.tables[0] if p >= 0)
+    copies = runner.cache.cow_copies
+    runner.step([child], [[FOLLOW[1]]])  # the child writes: only a shared partial page is copied
+    partial = len(PROMPT) % runner.cache.page_size and not cfg.quantized
+    assert runner.cache.cow_copies - copies == (1 if partial else 0) * len(runner.cache.groups)
     runner.check_integrity()
     for t in FOLLOW:
         logits.append(runner.step([seq], [[t]])[0])

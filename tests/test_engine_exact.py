@@ -92,10 +92,13 @@ def test_fork_shares_pages_and_stays_exact(tiny_dir):
     parent = r.new_sequence()
     r.step([parent], [PROMPT[:10]])  # 2 full pages + a partial one
     child = r.fork(parent)
+    assert child.kv.pages == parent.kv.pages  # everything shared: nothing copied at fork
+    assert llm.kv_stats().pages_used == 3
+    a = r.step([parent], [[7]])[0]  # the first writer into the shared partial page copies it
     assert child.kv.pages[:2] == parent.kv.pages[:2] and child.kv.pages[2] != parent.kv.pages[2]
     assert llm.kv_stats().pages_used == 4
-    a = r.step([parent], [[7]])[0]
-    b = r.step([child], [[9]])[0]
+    b = r.step([child], [[9]])[0]  # the other branch now owns the original alone: no copy
+    assert llm.kv_stats().pages_used == 4 and r.cache.cow_copies == 1
     ref = ModelRunner(llm.model, parse_kv_spec("none"))
     torch.testing.assert_close(a, ref.step([ref.new_sequence()], [PROMPT[:10] + [7]])[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(b, ref.step([ref.new_sequence()], [PROMPT[:10] + [9]])[0], atol=1e-4, rtol=1e-4)

@@ -65,6 +65,7 @@ class PagedKVCache:
             self.allocators.append(PageAllocator(pages))
         self._ids = itertools.count()
         self.sequences: dict[int, SeqKV] = {}
+        self.cow_copies = 0  # pages copied because a branch wrote into a shared one
 
     @property
     def quantized(self) -> bool:
@@ -104,6 +105,7 @@ class PagedKVCache:
                 f"sequence of {total} tokens exceeds the static cache capacity of {cap} tokens "
                 "(raise it with --kv static,max_tokens=N)")
         self.release_dead(seq)
+        self._own_last_page(seq)
         taken: list[tuple[int, int]] = []
         try:
             for g in self.groups:
@@ -139,28 +141,37 @@ class PagedKVCache:
         return True
 
     def fork(self, seq: SeqKV) -> SeqKV:
-        """A new sequence with the same tokens: full pages are shared (ref + 1); a partly filled
-        last page is copied, since the branches will write into it; fp32 tails are copied."""
+        """A new sequence with the same tokens sharing every page (ref + 1): nothing is copied
+        until a branch writes into a shared partly filled page (copy-on-write, in reserve);
+        quantized groups copy their small fp32 tails."""
         child = self.new_sequence()
-        ps = self.page_size
         for g in self.groups:
             table = seq.tables[g.index]
-            full = len(table) if self.quantized else seq.length // ps
-            shared = table[:full]
-            self.allocators[g.index].incref([p for p in shared if p != HOLE])
-            child.tables[g.index] = list(shared)
-            if len(table) > full:
-                (page,) = self._take_pages(g.index, 1)
-                self.pools[g.index].copy_page(table[full], page)
-                child.tables[g.index].append(page)
+            self.allocators[g.index].incref([p for p in table if p != HOLE])
+            child.tables[g.index] = list(table)
             if self.quantized:
                 child.tails[g.index] = [t.clone() for t in seq.tails[g.index]]  # type: ignore[union-attr]
         child.length = seq.length
         return child
 
+    def _own_last_page(self, seq: SeqKV) -> None:
+        """Copy-on-write: before new tokens go into a partly filled page that another sequence
+        also holds, give this sequence its own copy."""
+        if self.quantized or not seq.length % self.page_size:
+            return
+        last = (seq.length - 1) // self.page_size
+        for g in self.groups:
+            table, alloc = seq.tables[g.index], self.allocators[g.index]
+            if last < len(table) and table[last] != HOLE and alloc.refcount(table[last]) > 1:
+                (new,) = self._take_pages(g.index, 1)
+                self.pools[g.index].copy_page(table[last], new)
+                alloc.release([table[last]])
+                table[last] = new
+                self.cow_copies += 1
+
     def truncate(self, seq: SeqKV, length: int) -> None:
-        """Forget tokens from ``length`` on; pages no longer needed go back to the pool. A shared
-        partial page is copied first (copy-on-write). Quantized: a cut inside the quantized pages
+        """Forget tokens from ``length`` on; pages no longer needed go back to the pool (a shared
+        partial page stays shared until written). Quantized: a cut inside the quantized pages
         moves the kept part of the last page back to the fp32 tail (as it was dequantized)."""
         if not 0 <= length <= seq.length:
             raise ValueError(f"cannot truncate a sequence of {seq.length} tokens to {length}")
@@ -184,13 +195,7 @@ class PagedKVCache:
                     new_tails.append(part[:, :, :rest].clone())
                 seq.tails[g.index] = new_tails
             else:
-                keep = -(-length // ps)
-                if length % ps and keep and table[keep - 1] != HOLE and alloc.refcount(table[keep - 1]) > 1:
-                    old = table[keep - 1]
-                    (new,) = self._take_pages(g.index, 1)
-                    pool.copy_page(old, new)
-                    alloc.release([old])
-                    table[keep - 1] = new
+                keep = -(-length // ps)  # a kept shared partial page is copied when next written
             alloc.release([p for p in table[keep:] if p != HOLE])
             del table[keep:]
         seq.length = length
