@@ -151,3 +151,22 @@ def test_tiny_rotary_model_runs_past_its_context_with_sinks(tiny_dir):
     r = g.generate([PROMPT], SamplingParams(max_tokens=300, ignore_eos=True))[0]
     assert len(PROMPT) + len(r.token_ids) == 257
     assert torch.get_num_threads() >= 1
+
+
+def test_layer_ahead_prefetch_is_exact(tiny, tmp_path, monkeypatch):
+    """The path a GPU takes for host/disk pages (fetch layer i+1 on a worker while layer i
+    computes), forced on here: same logits as the plain cache."""
+    from kvcache.cache.placement import Placement
+
+    plain = ModelRunner(tiny.model, parse_kv_spec("dynamic,page_size=4"))
+    monkeypatch.setattr(Placement, "offloaded", property(lambda self: self.kind != "device"))
+    for spec in (f"disk,dir={tmp_path},page_size=4", "host,int8,page_size=8,group_size=8,residual=0"):
+        ref = plain if "int8" not in spec else ModelRunner(tiny.model, parse_kv_spec("int8,page_size=8,group_size=8,residual=0"))
+        off = ModelRunner(tiny.model, parse_kv_spec(spec))
+        assert off.cache.placement.offloaded
+        a, b = ref.new_sequence(), off.new_sequence()
+        for feed in (PROMPT, [7], [21], [33]):
+            torch.testing.assert_close(off.step([b], [feed]), ref.step([a], [feed]), atol=1e-5, rtol=1e-5)
+        ref.free(a)
+        off.free(b)
+        off.check_integrity()

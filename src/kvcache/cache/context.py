@@ -131,6 +131,10 @@ class PagedContext:
             olds = list(self.prefetcher.take(layer))  # fetched while the previous layer computed
             if layer + 1 < len(self.cache.where):
                 self.prefetcher.start(layer + 1)
+        elif self.cache.placement.kind == "disk" and layer + 1 < len(self.cache.where):
+            nxt_g, nxt_j = self.cache.where[layer + 1]  # read-ahead of the next layer's page files
+            for t in self.cache.pools[nxt_g].layer_tensors(nxt_j):
+                self.cache.placement.advise(t)
         outs = []
         if isinstance(pool, PagePool):
             pool.write(j, self.write_slots[gi], k, v)  # type: ignore[arg-type]

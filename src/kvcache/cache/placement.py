@@ -9,7 +9,10 @@ unlinked as soon as it is mapped, so nothing is left behind, even after a crash.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import itertools
+import mmap
 import os
 import tempfile
 from pathlib import Path
@@ -19,6 +22,13 @@ import torch
 from kvcache.errors import KVCacheError
 
 _names = itertools.count()
+_PAGE = mmap.PAGESIZE
+_MADV_WILLNEED = 3
+try:
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+except (OSError, AttributeError):  # pragma: no cover - not Linux
+    _LIBC = None
 
 
 class Placement:
@@ -32,8 +42,18 @@ class Placement:
 
     @property
     def offloaded(self) -> bool:
-        """Pages are away from the compute and come back layer by layer."""
-        return self.kind == "disk" or (self.kind == "host" and self.compute.type != "cpu")
+        """Pages are away from the compute and come back layer by layer (a GPU computes; on a
+        CPU, host and disk pages are read where they lie: disk pages through the mapping)."""
+        return self.kind in ("host", "disk") and self.compute.type != "cpu"
+
+    def advise(self, t: torch.Tensor) -> None:
+        """Disk: ask the kernel to start reading a tensor's pages in (madvise WILLNEED), so the
+        next layer's K/V arrive while this one computes."""
+        if self.kind != "disk" or _LIBC is None or not t.numel():
+            return
+        start = t.data_ptr() & ~(_PAGE - 1)
+        end = t.data_ptr() + t.numel() * t.element_size()
+        _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_WILLNEED)
 
     @staticmethod
     def _check_dir(path: Path) -> None:
@@ -80,6 +100,4 @@ class Placement:
         """A tensor's data on the compute device (a copy when it lives elsewhere)."""
         if t.device != self.compute:
             return t.to(self.compute, non_blocking=True)
-        if self.kind == "disk":
-            return t.clone()
         return t

@@ -93,6 +93,9 @@ class PagePool:
             kv = kv.to(self.placement.compute, non_blocking=True)
         return kv if kv.dtype == torch.float32 else kv.float()
 
+    def layer_tensors(self, layer: int) -> list[torch.Tensor]:
+        return [self.kv[layer]]
+
     def copy_page(self, src: int, dst: int) -> None:
         for layer in self.kv:
             layer[:, :, dst] = layer[:, :, src]

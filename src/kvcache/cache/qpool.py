@@ -114,6 +114,9 @@ class QuantPool:
         torch.mul(vc.view(h, m, ps, d // g, g), p["vs"].unsqueeze(4), out=v_out)
         v_out.add_(p["vm"].unsqueeze(4))
 
+    def layer_tensors(self, layer: int) -> list[torch.Tensor]:
+        return list(self.parts[layer].values())
+
     def copy_page(self, src: int, dst: int) -> None:
         for layer in self.parts:
             for t in layer.values():
