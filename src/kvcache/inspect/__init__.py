@@ -1,0 +1,1 @@
+"""Measuring instruments that look inside the cache: the KV size calculator."""

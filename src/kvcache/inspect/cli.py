@@ -1,0 +1,73 @@
+"""``kvcache size``: the KV size calculator on the command line."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvcache.errors import InvalidParams
+
+DEFAULT_SPECS = "dynamic;fp16;int8;int4;int2;sink"
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def add_size_parser(sub: argparse._SubParsersAction) -> None:
+    from kvcache.inspect.size import known_names
+
+    s = sub.add_parser("size", help="KV cache bytes of a model under each strategy, and what fits a budget",
+                       description=f"Known models: {known_names()}; or a config.json, model folder or GGUF file.")
+    s.add_argument("model", nargs="?", default=None, help="model (default: SmolLM2-135M)")
+    s.add_argument("--context", type=int, default=None, help="tokens per sequence (default: the model's context)")
+    s.add_argument("--batch", type=int, default=1, help="sequences held at once (default 1)")
+    s.add_argument("--kv", default=DEFAULT_SPECS,
+                   help=f"cache specs separated by ';' (default {DEFAULT_SPECS!r}), e.g. 'fp16;int4,window=4096'")
+    s.add_argument("--budget", type=float, default=None, help="memory budget in GiB: longest context and largest batch")
+    s.set_defaults(func=cmd_size)
+
+
+def cmd_size(args: argparse.Namespace) -> int:
+    from kvcache.config import parse_kv_spec
+    from kvcache.inspect.size import bounded, kv_size, largest_batch, load_model_config, longest_context
+
+    specs = [x.strip() for x in args.kv.split(";") if x.strip()]
+    if not specs:
+        raise InvalidParams("--kv needs at least one cache spec")
+    configs = [(s, parse_kv_spec(s)) for s in specs]
+    for s, c in configs:
+        if not c.uses_cache:
+            raise InvalidParams(f"--kv {s!r}: the 'none' strategy keeps no cache to size")
+    if args.budget is not None and args.budget <= 0:
+        raise InvalidParams(f"--budget must be a positive number of GiB, got {args.budget}")
+    name, model = load_model_config(args.model)
+    context = args.context if args.context is not None else model.max_position
+    if context < 1 or args.batch < 1:
+        raise InvalidParams(f"--context and --batch must be at least 1 (got {context} and {args.batch})")
+    sliding = sum(w is not None for w in model.layer_windows)
+    budget = int(args.budget * 2**30) if args.budget is not None else None
+    fp32 = kv_size(model, parse_kv_spec("dynamic"), context, args.batch).bytes_total
+    rows = []  # computed before anything is printed: a bad budget is one line, no half table
+    for s, c in configs:
+        size = kv_size(model, c, context, args.batch)
+        per_token = size.bytes_total / (context * args.batch)
+        row = f"{s:<24} {per_token:>10,.0f} {_human(size.bytes_total):>11} {size.bytes_total / fp32:>7.2f}x"
+        if budget is not None:
+            longest = longest_context(model, c, args.batch, budget)
+            text = f"{longest}" + ("+" if longest == model.max_position and bounded(model, c) else "")
+            row += f" {text:>16} {largest_batch(model, c, context, budget):>14}"
+        rows.append(row)
+    print(f"{name}: {model.num_layers} layers ({sliding} sliding), {model.num_kv_heads} KV heads x "
+          f"{model.head_dim}, context {context}, batch {args.batch}")
+    head = f"{'kv':<24} {'B/token':>10} {'KV':>11} {'vs fp32':>8}"
+    if budget is not None:
+        head += f" {'longest context':>16} {'largest batch':>14}"
+    print(head)
+    print("\n".join(rows))
+    print("B/token: the cache's bytes at this context per token held (windows keep fewer tokens); "
+          "'+': every layer keeps a window, so any length fits")
+    return 0

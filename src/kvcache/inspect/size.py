@@ -1,0 +1,138 @@
+"""``kvcache size``: how many bytes a model's KV cache takes under each strategy, and what fits.
+
+Counts the bytes the cache holds for ``context`` tokens of ``batch`` sequences: per layer, the
+tokens its visibility keeps (the model's sliding layers and a configured window keep at most the
+window; sinks count inside it) times the bytes one token costs in the encoding (quantized:
+codes with their fp32 scales and minimums; the latest ``residual`` tokens stay fp32). Page
+rounding is left out: it adds at most one page per layer and sequence.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvcache.cache import quant
+from kvcache.cache.groups import layer_visibility
+from kvcache.config import CacheConfig
+from kvcache.errors import InvalidParams, ModelLoadError
+from kvcache.models.config import ModelConfig
+
+_COMMON = {"vocab_size": 32000, "intermediate_size": 1, "hidden_act": "silu"}
+# public config.json values of well-known models (only what the KV size depends on)
+KNOWN: dict[str, dict[str, Any]] = {
+    "Llama-2-7B": {"model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32,
+                   "num_key_value_heads": 32, "hidden_size": 4096, "max_position_embeddings": 4096},
+    "Llama-3-8B": {"model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32,
+                   "num_key_value_heads": 8, "hidden_size": 4096, "max_position_embeddings": 8192},
+    "Llama-3-70B": {"model_type": "llama", "num_hidden_layers": 80, "num_attention_heads": 64,
+                    "num_key_value_heads": 8, "hidden_size": 8192, "max_position_embeddings": 8192},
+    "Mistral-7B": {"model_type": "mistral", "num_hidden_layers": 32, "num_attention_heads": 32,
+                   "num_key_value_heads": 8, "hidden_size": 4096, "max_position_embeddings": 32768,
+                   "sliding_window": 4096},
+    "Qwen2.5-7B": {"model_type": "qwen2", "num_hidden_layers": 28, "num_attention_heads": 28,
+                   "num_key_value_heads": 4, "hidden_size": 3584, "max_position_embeddings": 32768},
+    "Gemma-3-27B": {"model_type": "gemma3_text", "num_hidden_layers": 62, "num_attention_heads": 32,
+                    "num_key_value_heads": 16, "head_dim": 128, "hidden_size": 5376,
+                    "max_position_embeddings": 131072, "sliding_window": 1024,
+                    "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                    for i in range(62)]},
+    "Phi-3-mini": {"model_type": "phi3", "num_hidden_layers": 32, "num_attention_heads": 32,
+                   "num_key_value_heads": 32, "hidden_size": 3072, "max_position_embeddings": 4096,
+                   "sliding_window": 2047},
+    "SmolLM2-135M": {"model_type": "llama", "num_hidden_layers": 30, "num_attention_heads": 9,
+                     "num_key_value_heads": 3, "hidden_size": 576, "max_position_embeddings": 8192},
+}
+_ALIASES = {None: "SmolLM2-135M", "smollm2": "SmolLM2-135M"}
+_FLOAT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def known_names() -> str:
+    return ", ".join(KNOWN)
+
+
+def load_model_config(model: str | None) -> tuple[str, ModelConfig]:
+    """(display name, config) of a known name, a config.json, a model folder or a GGUF file."""
+    name = _ALIASES.get(model.lower() if model else None, model)
+    for known in KNOWN:
+        if name and known.lower() == name.lower():
+            return known, ModelConfig.from_hf({**_COMMON, **KNOWN[known]})
+    path = Path(str(model))
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".gguf" and path.is_file():
+        from kvcache.models.gguf_convert import metadata, open_gguf
+        from kvcache.models.gguf_names import hf_config_from_meta
+
+        reader = open_gguf(path)
+        meta = metadata(reader)
+        arch = str(meta.get("general.architecture", ""))
+        cfg = hf_config_from_meta(arch, meta, None, has_output=True)
+        return path.stem, ModelConfig.from_hf({**_COMMON, **cfg})
+    if path.name == "config.json" and path.is_file():
+        try:
+            cfg = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{path} cannot be read ({e})") from None
+        return path.parent.name, ModelConfig.from_hf({**_COMMON, **cfg})
+    raise InvalidParams(f"unknown model {model!r}: give a config.json, a model folder, a GGUF file or one of: "
+                        f"{known_names()}")
+
+
+@dataclass(frozen=True)
+class Size:
+    bytes_total: int  # all layers, all sequences
+    per_layer: tuple[int, ...]  # one sequence
+    kept: tuple[int, ...]  # tokens each layer keeps for one sequence
+
+
+def token_bytes(model: ModelConfig, cfg: CacheConfig) -> tuple[float, float]:
+    """(stored bytes, fp32 bytes) of one token in one layer, K and V."""
+    fp32 = 2 * model.num_kv_heads * model.head_dim * 4
+    if cfg.quantized:
+        return quant.bytes_per_token(model.num_kv_heads, model.head_dim, cfg.bits, cfg.group_size), fp32
+    return fp32 / 4 * _FLOAT_BYTES[cfg.encoding], fp32
+
+
+def kv_size(model: ModelConfig, cfg: CacheConfig, context: int, batch: int = 1) -> Size:
+    if context < 1 or batch < 1:
+        raise InvalidParams(f"context and batch must be at least 1 (got {context} and {batch})")
+    stored, fp32 = token_bytes(model, cfg)
+    per_layer, kept = [], []
+    for i in range(model.num_layers):
+        window, _ = layer_visibility(model, cfg, i)
+        n = context if window is None else min(context, window)
+        fp_tokens = min(n, cfg.residual) if cfg.quantized else 0
+        per_layer.append(int(round((n - fp_tokens) * stored + fp_tokens * fp32)))
+        kept.append(n)
+    return Size(sum(per_layer) * batch, tuple(per_layer), tuple(kept))
+
+
+def bounded(model: ModelConfig, cfg: CacheConfig) -> bool:
+    """Whether the cache stops growing with the context (every layer keeps a window)."""
+    return all(layer_visibility(model, cfg, i)[0] is not None for i in range(model.num_layers))
+
+
+def longest_context(model: ModelConfig, cfg: CacheConfig, batch: int, budget: int) -> int:
+    """The longest context (up to the model's) whose KV for ``batch`` sequences fits ``budget``
+    bytes; raises when not even one token fits."""
+    one = kv_size(model, cfg, 1, batch).bytes_total
+    if one > budget:
+        raise InvalidParams(f"a budget of {budget:,} bytes is smaller than one token's KV for batch {batch} "
+                            f"({one:,} bytes)")
+    lo, hi = 1, model.max_position
+    if kv_size(model, cfg, hi, batch).bytes_total <= budget:
+        return hi
+    while lo < hi:  # bytes grow monotonically with the context
+        mid = (lo + hi + 1) // 2
+        if kv_size(model, cfg, mid, batch).bytes_total <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def largest_batch(model: ModelConfig, cfg: CacheConfig, context: int, budget: int) -> int:
+    return int(budget // kv_size(model, cfg, context, 1).bytes_total)

@@ -1,0 +1,79 @@
+"""The KV size calculator against hand-computed values, and its bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import run_kvcache
+
+from kvcache.config import parse_kv_spec
+from kvcache.errors import InvalidParams
+from kvcache.inspect.size import kv_size, largest_batch, load_model_config, longest_context
+
+GIB = 2**30
+
+
+def test_known_models_by_hand():
+    _, llama2 = load_model_config("llama-2-7b")
+    # 2 (K, V) x 32 layers x 32 KV heads x 128 x 2 bytes = 0.5 MiB per token
+    assert kv_size(llama2, parse_kv_spec("fp16"), 4096).bytes_total == 2 * 32 * 32 * 128 * 2 * 4096 == 2 * GIB
+    _, llama3 = load_model_config("Llama-3-8B")
+    assert kv_size(llama3, parse_kv_spec("fp16"), 8192, batch=4).bytes_total == 4 * GIB
+    _, mistral = load_model_config("Mistral-7B")  # sliding window 4096 on every layer
+    assert kv_size(mistral, parse_kv_spec("fp16"), 32768).bytes_total == 32 * 4096 * 2 * 8 * 128 * 2
+    _, gemma = load_model_config("Gemma-3-27B")  # 52 sliding layers (1024), 10 full
+    full, sliding = 10 * 131072 * 8192, 52 * 1024 * 8192  # 2 x 16 KV heads x 128 x 2 bytes = 8 KiB
+    assert kv_size(gemma, parse_kv_spec("fp16"), 131072).bytes_total == full + sliding
+
+
+def test_quantized_and_sink_bytes():
+    _, smol = load_model_config(None)  # SmolLM2-135M: 30 layers, 3 KV heads x 64
+    fp32_token = 2 * 3 * 64 * 4
+    int4_token = 3 * (32 + 16) * 2  # codes 32 B + scale/min per head for K and V (group 32)
+    size = kv_size(smol, parse_kv_spec("int4"), 8192)
+    assert size.bytes_total == 30 * ((8192 - 128) * int4_token + 128 * fp32_token)
+    sink = kv_size(smol, parse_kv_spec("sinks=4,window=1024"), 8192)
+    assert sink.kept == (1024,) * 30 and sink.bytes_total == 30 * 1024 * fp32_token
+
+
+def test_budget_questions():
+    _, llama3 = load_model_config("Llama-3-8B")
+    fp16 = parse_kv_spec("fp16")
+    assert longest_context(llama3, fp16, 1, GIB // 2) == 4096
+    assert longest_context(llama3, fp16, 1, 10 * GIB) == 8192  # the model's context caps it
+    assert largest_batch(llama3, fp16, 8192, 16 * GIB) == 16
+    with pytest.raises(InvalidParams, match="smaller than one token's KV"):
+        longest_context(llama3, fp16, 1, 1000)
+
+
+def test_config_json_and_unknown_model(tmp_path):
+    cfg = {"model_type": "qwen2", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "hidden_size": 64, "max_position_embeddings": 128, "vocab_size": 10, "intermediate_size": 8}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    _, model = load_model_config(str(tmp_path))
+    assert kv_size(model, parse_kv_spec("dynamic"), 100).bytes_total == 2 * 2 * 2 * 16 * 4 * 100
+    with pytest.raises(InvalidParams, match="unknown model 'nope'.*Llama-3-8B"):
+        load_model_config("nope")
+
+
+def test_size_command():
+    r = run_kvcache("size", "Llama-3-8B", "--budget", "16", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "8 KV heads x 128" in r.stdout
+    row = next(line for line in r.stdout.splitlines() if line.startswith("fp16 "))
+    assert "1.0 GiB" in row and row.split()[-1] == "16"
+    bad = run_kvcache("size", "Llama-3-70B", "--budget", "0.0001", timeout=120)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip() == ("kvcache: a budget of 107,374 bytes is smaller than one token's KV for "
+                                  "batch 1 (655,360 bytes)")
+    assert run_kvcache("size", "--kv", "none", timeout=120).returncode == 2
+
+
+def test_gguf_metadata_gives_the_same_answer():
+    from kvcache.models.bundled import default_gguf
+
+    _, from_gguf = load_model_config(str(default_gguf()))
+    _, known = load_model_config("SmolLM2-135M")
+    spec = parse_kv_spec("int8")
+    assert kv_size(from_gguf, spec, 2000).bytes_total == kv_size(known, spec, 2000).bytes_total
