@@ -1,4 +1,4 @@
-"""The ``kvcache`` console command: generate, chat, cache-prompt, models, bench, size."""
+"""The ``kvcache`` console command: generate, chat, cache-prompt, models, bench, size, eval."""
 
 from __future__ import annotations
 
@@ -197,10 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_models)
 
     from kvcache.bench.cli import add_bench_parser
+    from kvcache.eval.cli import add_eval_parser
     from kvcache.inspect.cli import add_size_parser
 
     add_bench_parser(sub)
     add_size_parser(sub)
+    add_eval_parser(sub)
     return parser
 
 

@@ -104,7 +104,18 @@ class ModelRunner:
             return torch.stack(out)
         return self._forward(seqs, new_tokens)
 
-    def _forward(self, seqs: Sequence[Seq], new_tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+    @torch.inference_mode()
+    def score(self, seq: Seq, tokens: Sequence[int]) -> torch.Tensor:
+        """Append ``tokens`` to one sequence and return the logits after every one of them:
+        [len(tokens), vocab] (for perplexity and fidelity measurements)."""
+        if not tokens:
+            raise ValueError("score needs at least one token")
+        if len(seq.tokens) + len(tokens) > self.capacity:
+            raise ContextOverflow(f"sequence of {len(seq.tokens) + len(tokens)} tokens exceeds the capacity of "
+                                  f"{self.capacity} tokens")
+        return self._forward([seq], [tokens], all_rows=True)[-len(tokens) :]  # none: the prefix is recomputed too
+
+    def _forward(self, seqs: Sequence[Seq], new_tokens: Sequence[Sequence[int]], all_rows: bool = False) -> torch.Tensor:
         if self.cache is None:
             feeds = [seq.tokens + list(toks) for seq, toks in zip(seqs, new_tokens)]
             starts = [0] * len(seqs)
@@ -118,7 +129,7 @@ class ModelRunner:
             ctx = RecomputeContext(lens, positions, self.config.layer_windows)
         else:
             ctx = PagedContext(self.cache, [s.kv for s in seqs], lens, positions, self.rotaries)  # type: ignore[misc]
-        rows = torch.tensor(lens).cumsum(0) - 1  # [B] last token of each sequence
+        rows = None if all_rows else torch.tensor(lens).cumsum(0) - 1  # [B] last token of each sequence
         logits = self.model(ids, positions, ctx, logits_rows=rows)  # [B, vocab]
         for seq, toks in zip(seqs, new_tokens):
             seq.tokens.extend(toks)

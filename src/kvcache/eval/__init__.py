@@ -1,0 +1,1 @@
+"""Fidelity of lossy caches against the full cache on the same model."""

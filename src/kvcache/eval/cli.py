@@ -1,0 +1,70 @@
+"""``kvcache eval``: fidelity of cache strategies against the full cache, on real English text."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvcache.errors import InvalidParams, KVCacheError
+
+DEFAULT_SPECS = "int8;int4;int2;window=256;sinks=4,window=256"
+
+
+def add_eval_parser(sub: argparse._SubParsersAction) -> None:
+    e = sub.add_parser("eval", help="fidelity of lossy caches (perplexity, agreement, KL) against the full cache")
+    e.add_argument("--model", "-m", default=None, help="model (default: bundled SmolLM2-135M-Instruct)")
+    e.add_argument("--kv", default=DEFAULT_SPECS, help=f"cache specs separated by ';' (default {DEFAULT_SPECS!r})")
+    e.add_argument("--text", default=None,
+                   help="UTF-8 text file to read (default: the Python standard library's pydoc topics)")
+    e.add_argument("--tokens", type=int, default=2048, help="tokens of the text to read (default 2048)")
+    e.add_argument("--chunk", type=int, default=64, help="tokens per forward (default 64)")
+    e.add_argument("--threads", type=int, default=None, help="torch threads (default: all available cores)")
+    e.add_argument("--json", default=None, help="write the results to this JSON file")
+    e.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from kvcache.config import parse_kv_spec
+    from kvcache.engine.llm import LLM
+    from kvcache.eval.fidelity import builtin_text, compare
+
+    specs = [s.strip() for s in args.kv.split(";") if s.strip()]
+    if not specs:
+        raise InvalidParams("--kv needs at least one cache spec")
+    for s in specs:
+        if not parse_kv_spec(s).uses_cache:
+            raise InvalidParams(f"--kv {s!r}: 'none' recomputes exactly; compare cache strategies")
+    if args.tokens < 2:
+        raise InvalidParams(f"--tokens must be at least 2, got {args.tokens}")
+    if args.chunk < 1:
+        raise InvalidParams(f"--chunk must be at least 1, got {args.chunk}")
+    if args.text is None:
+        text, source = builtin_text(), "pydoc_data.topics"
+    else:
+        try:
+            text, source = Path(args.text).read_text(encoding="utf-8"), args.text
+        except (OSError, UnicodeDecodeError) as e:
+            raise KVCacheError(f"cannot read {args.text}: {getattr(e, 'strerror', None) or e}") from None
+        if not text.strip():
+            raise InvalidParams(f"{args.text} is empty: nothing to evaluate")
+    llm = LLM(args.model, threads=args.threads)
+    ids = llm.encode(text)[: args.tokens]
+    if len(ids) < 2:
+        raise InvalidParams(f"{source} gives {len(ids)} token: at least 2 are needed")
+    bar = tqdm(total=(len(ids) - 1) * len(specs), desc="eval", unit="tok", file=sys.stderr)
+    rows = [compare(llm.model, ids, s, args.chunk, progress=bar.update) for s in specs]
+    bar.close()
+    print(f"\neval: {llm.model_name}, {len(ids)} tokens of {source}, chunks of {args.chunk}; "
+          f"full fp32 cache perplexity {rows[0].ppl_full:.3f}")
+    print(f"{'kv':<28} {'ppl':>8} {'vs full':>8} {'top-1 agree':>11} {'KL nats':>9} {'KV B/token':>11}")
+    for r in rows:
+        print(f"{r.spec:<28} {r.ppl:>8.3f} {r.ppl / r.ppl_full:>7.3f}x {r.agreement:>10.1%} {r.kl:>9.4f} "
+              f"{r.bytes_per_token:>11,.0f}")
+    if args.json:
+        meta = {"model": llm.model_name, "tokens": len(ids), "chunk": args.chunk, "text": source}
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": [r.as_dict() for r in rows]}, indent=2))
+    return 0
