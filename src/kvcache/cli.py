@@ -1,4 +1,4 @@
-"""The ``kvcache`` console command: generate, chat, cache-prompt, models, bench, size, eval."""
+"""The ``kvcache`` console command: generate, chat, cache-prompt, models, bench, size, eval, inspect."""
 
 from __future__ import annotations
 
@@ -199,10 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     from kvcache.bench.cli import add_bench_parser
     from kvcache.eval.cli import add_eval_parser
     from kvcache.inspect.cli import add_size_parser
+    from kvcache.inspect.cli_inspect import add_inspect_parser
 
     add_bench_parser(sub)
     add_size_parser(sub)
     add_eval_parser(sub)
+    add_inspect_parser(sub)
     return parser
 
 
