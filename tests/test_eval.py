@@ -70,3 +70,24 @@ def test_eval_command_on_the_default_model(tmp_path):
 
     rows = json.loads(out.read_text())["results"]
     assert rows[0]["agreement"] > 0.95 and rows[1]["kl"] > rows[0]["kl"]
+
+
+def test_passkey_prompt_and_retrieval(smollm, tmp_path):
+    from kvcache.eval.passkey import passkey, passkey_prompt
+
+    ids = passkey_prompt(smollm.tokenizer, 400, 0.25, 51234)
+    text = smollm.tokenizer.decode(ids)
+    unit = len(smollm.tokenizer.encode("The grass is green. The sky is blue. The sun is yellow. Here we go. "
+                                       "There and back again. "))
+    assert 400 - unit <= len(ids) <= 405 and text.endswith("The pass key is")
+    assert 0.15 < text.index("51234") / len(text) < 0.35
+    full = passkey(smollm, "dynamic", 400, (0.1, 0.5))
+    blind = passkey(smollm, "window=32", 400, (0.1, 0.5))  # the key left the window long ago
+    assert full.accuracy == 1.0 and blind.accuracy == 0.0
+    r = run_kvcache("eval", "--tokens", "64", "--kv", "int8", "--passkey-depths", "0.5,2", timeout=300)
+    assert r.returncode == 2 and "--passkey-depths takes numbers between 0 and 1" in r.stderr
+    plot = tmp_path / "f.png"
+    r = run_kvcache("eval", "--tokens", "64", "--kv", "int8", "--passkey-tokens", "0", "--plot", str(plot),
+                    timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -47,12 +47,16 @@ def test_prefix_reuse_check_can_tell(smollm):
 
 def test_inspect_command(tmp_path):
     out, tensors = tmp_path / "r.json", tmp_path / "t.safetensors"
+    png = tmp_path / "png"
     r = run_kvcache("inspect", A, "--layers", "0,-1", "--heads", "0,4", "--reuse", B, "--save", str(tensors),
-                    "--json", str(out), timeout=300)
+                    "--json", str(out), "--png", str(png), timeout=300)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
     assert len(report["layers"]) == 30 and report["layers"][0]["shape"] == [1, 3, report["tokens"], 64]
     assert report["reuse"]["max_diff"] < 1e-4
+    assert sorted(p.name for p in png.iterdir()) == sorted(
+        [f"attention-layer{x}-head{h}.png" for x in (0, 29) for h in (0, 4)]
+        + [f"{m}-layer{x}.png" for m in "kv" for x in (0, 29)])
     from safetensors.torch import load_file
 
     saved = load_file(str(tensors))

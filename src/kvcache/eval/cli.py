@@ -20,6 +20,10 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                    help="UTF-8 text file to read (default: the Python standard library's pydoc topics)")
     e.add_argument("--tokens", type=int, default=2048, help="tokens of the text to read (default 2048)")
     e.add_argument("--chunk", type=int, default=64, help="tokens per forward (default 64)")
+    e.add_argument("--passkey-tokens", type=int, default=1024,
+                   help="length of the passkey-retrieval prompts (default 1024; 0 skips the test)")
+    e.add_argument("--passkey-depths", default="0.1,0.5,0.9", help="where the key hides, 0..1 (default 0.1,0.5,0.9)")
+    e.add_argument("--plot", default=None, metavar="PNG", help="plot KL and perplexity against KV bytes per token")
     e.add_argument("--threads", type=int, default=None, help="torch threads (default: all available cores)")
     e.add_argument("--json", default=None, help="write the results to this JSON file")
     e.set_defaults(func=cmd_eval)
@@ -42,6 +46,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise InvalidParams(f"--tokens must be at least 2, got {args.tokens}")
     if args.chunk < 1:
         raise InvalidParams(f"--chunk must be at least 1, got {args.chunk}")
+    try:
+        depths = tuple(float(x) for x in args.passkey_depths.split(",") if x.strip())
+    except ValueError:
+        raise InvalidParams(f"--passkey-depths takes numbers between 0 and 1, got {args.passkey_depths!r}") from None
+    if args.passkey_tokens and (not depths or any(not 0 <= d <= 1 for d in depths)):
+        raise InvalidParams(f"--passkey-depths takes numbers between 0 and 1, got {args.passkey_depths!r}")
+    if args.passkey_tokens < 0:
+        raise InvalidParams(f"--passkey-tokens must be 0 (skip) or more, got {args.passkey_tokens}")
     if args.text is None:
         text, source = builtin_text(), "pydoc_data.topics"
     else:
@@ -58,13 +70,36 @@ def cmd_eval(args: argparse.Namespace) -> int:
     bar = tqdm(total=(len(ids) - 1) * len(specs), desc="eval", unit="tok", file=sys.stderr)
     rows = [compare(llm.model, ids, s, args.chunk, progress=bar.update) for s in specs]
     bar.close()
+    keys = []
+    if args.passkey_tokens:
+        from kvcache.eval.passkey import passkey
+
+        keys = [passkey(llm, s, args.passkey_tokens, depths) for s in ["dynamic", *specs]]
     print(f"\neval: {llm.model_name}, {len(ids)} tokens of {source}, chunks of {args.chunk}; "
           f"full fp32 cache perplexity {rows[0].ppl_full:.3f}")
-    print(f"{'kv':<28} {'ppl':>8} {'vs full':>8} {'top-1 agree':>11} {'KL nats':>9} {'KV B/token':>11}")
-    for r in rows:
-        print(f"{r.spec:<28} {r.ppl:>8.3f} {r.ppl / r.ppl_full:>7.3f}x {r.agreement:>10.1%} {r.kl:>9.4f} "
-              f"{r.bytes_per_token:>11,.0f}")
+    head = f"{'kv':<32} {'ppl':>8} {'vs full':>8} {'top-1 agree':>11} {'KL nats':>9} {'KV B/token':>11}"
+    print(head + (f" {'passkey':>8}" if keys else ""))
+    if keys:
+        print(f"{'dynamic (full)':<32} {rows[0].ppl_full:>8.3f} {1:>7.3f}x {1:>10.1%} {0:>9.4f} {'':>11} "
+              f"{keys[0].accuracy:>7.0%}")
+    for i, r in enumerate(rows):
+        line = (f"{r.spec:<32} {r.ppl:>8.3f} {r.ppl / r.ppl_full:>7.3f}x {r.agreement:>10.1%} {r.kl:>9.4f} "
+                f"{r.bytes_per_token:>11,.0f}")
+        print(line + (f" {keys[i + 1].accuracy:>7.0%}" if keys else ""))
+    if keys:
+        print(f"passkey: a 5-digit key at depths {', '.join(map(str, depths))} of {keys[0].tokens}-token prompts, "
+              "8 greedy tokens")
+    results = [r.as_dict() for r in rows]
+    for i, r in enumerate(results):
+        if keys:
+            r["passkey"] = {"accuracy": keys[i + 1].accuracy, "found": list(keys[i + 1].found)}
+    if args.plot:
+        from kvcache.inspect.plots import fidelity_plot
+
+        fidelity_plot(results, Path(args.plot), f"{llm.model_name}: fidelity against KV bytes ({len(ids)} tokens)")
+        print(f"plot: {args.plot}")
     if args.json:
-        meta = {"model": llm.model_name, "tokens": len(ids), "chunk": args.chunk, "text": source}
-        Path(args.json).write_text(json.dumps({"meta": meta, "results": [r.as_dict() for r in rows]}, indent=2))
+        meta = {"model": llm.model_name, "tokens": len(ids), "chunk": args.chunk, "text": source,
+                "passkey_full": keys[0].accuracy if keys else None, "passkey_depths": list(depths)}
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     return 0

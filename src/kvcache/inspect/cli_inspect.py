@@ -28,6 +28,8 @@ def add_inspect_parser(sub: argparse._SubParsersAction) -> None:
                    help="a second prompt sharing a prefix: check that attention over the reused K/V equals recomputation")
     i.add_argument("--save", default=None, metavar="FILE",
                    help="write the captured q, k, v, attention weights to a safetensors file")
+    i.add_argument("--png", default=None, metavar="DIR",
+                   help="write PNG heatmaps (attention per layer and head, K and V per layer) to this folder")
     i.add_argument("--json", default=None, help="write the report to this JSON file")
     i.set_defaults(func=cmd_inspect)
 
@@ -87,6 +89,28 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print(f"  head {h} (KV head {kv_head}): last token attends most to " +
                   ", ".join(f"{t!r} {p:.3f}" for t, p in pairs))
     report["attention_top"] = attn
+    if args.png:
+        from kvcache.inspect.plots import heatmap
+
+        out = Path(args.png)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise InvalidParams(f"cannot write to {out}: {e.strerror or e}") from None
+        files = []
+        for layer in layers:
+            c = seen[layer]
+            for h in heads:
+                w = tensors[f"layer{layer}.head{h}.attention"]
+                files.append(heatmap(w, out / f"attention-layer{layer}-head{h}.png",
+                                     f"layer {layer}, head {h}: attention", labels, labels, "key", "query"))
+            for name, t in (("k", c.k), ("v", c.v)):
+                flat = t.transpose(0, 1).reshape(-1, t.shape[-1])  # [Hkv * N, D]: KV heads stacked
+                files.append(heatmap(flat, out / f"{name}-layer{layer}.png",
+                                     f"layer {layer}: {name.upper()} (KV heads stacked)",
+                                     labels * t.shape[1], None, "channel", "token"))
+        report["png"] = [str(f) for f in files]
+        print(f"\nwrote {len(files)} PNG files to {out}")
     if args.reuse is not None:
         second = llm.encode(args.reuse)
         check = prefix_reuse(ModelRunner(model, cfg), ids, second)
