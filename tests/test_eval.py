@@ -91,3 +91,13 @@ def test_passkey_prompt_and_retrieval(smollm, tmp_path):
                     timeout=300)
     assert r.returncode == 0, r.stderr
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_greedy_agreement(tiny):
+    from kvcache.eval.passkey import greedy_agreement
+
+    llm, _ = tiny
+    assert greedy_agreement(llm, "window=512", IDS[:40], 12) == 1.0  # the window holds everything
+    assert greedy_agreement(llm, "window=4", IDS[:40], 12) < 1.0
+    r = run_kvcache("eval", "--tokens", "64", "--greedy-tokens", "-1", timeout=300)
+    assert r.returncode == 2 and "--greedy-tokens must be 0 (skip) or more" in r.stderr

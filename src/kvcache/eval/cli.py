@@ -23,6 +23,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--passkey-tokens", type=int, default=1024,
                    help="length of the passkey-retrieval prompts (default 1024; 0 skips the test)")
     e.add_argument("--passkey-depths", default="0.1,0.5,0.9", help="where the key hides, 0..1 (default 0.1,0.5,0.9)")
+    e.add_argument("--greedy-tokens", type=int, default=64,
+                   help="greedy tokens generated after the text's first half, compared with the full cache's "
+                        "(default 64; 0 skips)")
     e.add_argument("--plot", default=None, metavar="PNG", help="plot KL and perplexity against KV bytes per token")
     e.add_argument("--threads", type=int, default=None, help="torch threads (default: all available cores)")
     e.add_argument("--json", default=None, help="write the results to this JSON file")
@@ -52,6 +55,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise InvalidParams(f"--passkey-depths takes numbers between 0 and 1, got {args.passkey_depths!r}") from None
     if args.passkey_tokens and (not depths or any(not 0 <= d <= 1 for d in depths)):
         raise InvalidParams(f"--passkey-depths takes numbers between 0 and 1, got {args.passkey_depths!r}")
+    if args.greedy_tokens < 0:
+        raise InvalidParams(f"--greedy-tokens must be 0 (skip) or more, got {args.greedy_tokens}")
     if args.passkey_tokens < 0:
         raise InvalidParams(f"--passkey-tokens must be 0 (skip) or more, got {args.passkey_tokens}")
     if args.text is None:
@@ -70,6 +75,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     bar = tqdm(total=(len(ids) - 1) * len(specs), desc="eval", unit="tok", file=sys.stderr)
     rows = [compare(llm.model, ids, s, args.chunk, progress=bar.update) for s in specs]
     bar.close()
+    greedy: list[float] = []
+    if args.greedy_tokens:
+        from kvcache.eval.passkey import greedy_agreement
+
+        greedy = [greedy_agreement(llm, s, ids[: max(1, len(ids) // 2)], args.greedy_tokens) for s in specs]
     keys = []
     if args.passkey_tokens:
         from kvcache.eval.passkey import passkey
@@ -78,19 +88,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print(f"\neval: {llm.model_name}, {len(ids)} tokens of {source}, chunks of {args.chunk}; "
           f"full fp32 cache perplexity {rows[0].ppl_full:.3f}")
     head = f"{'kv':<32} {'ppl':>8} {'vs full':>8} {'top-1 agree':>11} {'KL nats':>9} {'KV B/token':>11}"
-    print(head + (f" {'passkey':>8}" if keys else ""))
-    if keys:
-        print(f"{'dynamic (full)':<32} {rows[0].ppl_full:>8.3f} {1:>7.3f}x {1:>10.1%} {0:>9.4f} {'':>11} "
-              f"{keys[0].accuracy:>7.0%}")
+    print(head + (f" {'greedy':>7}" if greedy else "") + (f" {'passkey':>8}" if keys else ""))
+    full = f"{'dynamic (full)':<32} {rows[0].ppl_full:>8.3f} {1:>7.3f}x {1:>10.1%} {0:>9.4f} {'':>11}"
+    print(full + (f" {1:>6.0%}" if greedy else "") + (f" {keys[0].accuracy:>7.0%}" if keys else ""))
     for i, r in enumerate(rows):
         line = (f"{r.spec:<32} {r.ppl:>8.3f} {r.ppl / r.ppl_full:>7.3f}x {r.agreement:>10.1%} {r.kl:>9.4f} "
                 f"{r.bytes_per_token:>11,.0f}")
-        print(line + (f" {keys[i + 1].accuracy:>7.0%}" if keys else ""))
+        print(line + (f" {greedy[i]:>6.0%}" if greedy else "") + (f" {keys[i + 1].accuracy:>7.0%}" if keys else ""))
+    if greedy:
+        print(f"greedy: share of {args.greedy_tokens} greedy tokens after the text's first {max(1, len(ids) // 2)} "
+              "tokens equal to the full cache's, position by position")
     if keys:
         print(f"passkey: a 5-digit key at depths {', '.join(map(str, depths))} of {keys[0].tokens}-token prompts, "
               "8 greedy tokens")
     results = [r.as_dict() for r in rows]
     for i, r in enumerate(results):
+        if greedy:
+            r["greedy_agreement"] = greedy[i]
         if keys:
             r["passkey"] = {"accuracy": keys[i + 1].accuracy, "found": list(keys[i + 1].found)}
     if args.plot:

@@ -52,3 +52,16 @@ def passkey(llm, spec: str, n_tokens: int, depths: tuple[float, ...], seed: int 
             pass
         found.append(str(key) in run.result.text)
     return Passkey(runner.cache_config.spec(), length, depths, tuple(found))
+
+
+def greedy_agreement(llm, spec: str, prompt: list[int], n: int) -> float:  # llm: LLM
+    """Share of ``n`` greedily generated tokens (EOS ignored) that equal the full cache's, position
+    by position."""
+    outs = []
+    for s in ("dynamic", spec):
+        run = RequestRun(ModelRunner(llm.model, parse_kv_spec(s)), llm.tokenizer, prompt,
+                         SamplingParams(max_tokens=n, ignore_eos=True))
+        for _ in run:
+            pass
+        outs.append(run.result.token_ids)
+    return sum(a == b for a, b in zip(*outs)) / n
