@@ -93,11 +93,11 @@ def test_passkey_prompt_and_retrieval(smollm, tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_greedy_agreement(tiny):
+def test_greedy_agreement(smollm):
     from kvcache.eval.passkey import greedy_agreement
 
-    llm, _ = tiny
-    assert greedy_agreement(llm, "window=512", IDS[:40], 12) == 1.0  # the window holds everything
-    assert greedy_agreement(llm, "window=4", IDS[:40], 12) < 1.0
+    ids = smollm.encode(builtin_text())[:120]
+    assert greedy_agreement(smollm, "window=512", ids, 16) == 1.0  # the window holds everything
+    assert greedy_agreement(smollm, "window=8", ids, 16) < 1.0
     r = run_kvcache("eval", "--tokens", "64", "--greedy-tokens", "-1", timeout=300)
     assert r.returncode == 2 and "--greedy-tokens must be 0 (skip) or more" in r.stderr
