@@ -40,9 +40,10 @@ class ModelRunner:
         self.cache_config = cache_config.with_capacity(model.config.max_position)
         self.cache = PagedKVCache(model.config, self.cache_config) if cache_config.uses_cache else None
         self.rotaries = [model.rotary_for_layer(i) for i in range(model.config.num_layers)]
+        self.capacity = self._capacity()  # fixed for the runner's life; checked every step
+        self.windowed = self.cache is not None and any(g.window is not None for g in self.cache.groups)
 
-    @property
-    def capacity(self) -> int:
+    def _capacity(self) -> int:
         """Most tokens one sequence can hold: the model's context, or a static cache's size.
         When every layer sees only a window and positions are rotary, generation goes on past
         the model's context (positions stay relative; sinks are moved to their cache positions)."""
@@ -50,9 +51,15 @@ class ModelRunner:
         if self.cache is not None:
             if all(g.window is not None for g in self.cache.groups) and all(r is not None for r in self.rotaries):
                 cap = UNBOUNDED
-            if self.cache.capacity_per_sequence() is not None:
-                cap = min(cap, self.cache.capacity_per_sequence())  # type: ignore[type-var]
+            per_seq = self.cache.capacity_per_sequence()
+            if per_seq is not None:
+                cap = min(cap, per_seq)
         return cap
+
+    def _check_room(self, seq: Seq, n: int) -> None:
+        if len(seq.tokens) + n > self.capacity:
+            raise ContextOverflow(
+                f"sequence of {len(seq.tokens) + n} tokens exceeds the capacity of {self.capacity} tokens")
 
     def reusable(self, seq: Seq, length: int) -> int:
         """How many of ``seq``'s first ``length`` tokens can be kept for the next request: all of
@@ -86,14 +93,8 @@ class ModelRunner:
         for seq, toks in zip(seqs, new_tokens):
             if not toks:
                 raise ValueError("a step needs at least one new token per sequence")
-            if len(seq.tokens) + len(toks) > self.capacity:
-                raise ContextOverflow(
-                    f"sequence of {len(seq.tokens) + len(toks)} tokens exceeds the capacity of "
-                    f"{self.capacity} tokens"
-                )
-        if self.cache is not None and any(g.window is not None for g in self.cache.groups) and any(
-            len(t) > WINDOW_CHUNK for t in new_tokens
-        ):
+            self._check_room(seq, len(toks))
+        if self.windowed and any(len(t) > WINDOW_CHUNK for t in new_tokens):
             # windowed layers: a long prefill goes in chunks, so masks stay [chunk, window] and
             # pages leaving the window return to the pool between chunks
             out = []
@@ -110,9 +111,7 @@ class ModelRunner:
         [len(tokens), vocab] (for perplexity and fidelity measurements)."""
         if not tokens:
             raise ValueError("score needs at least one token")
-        if len(seq.tokens) + len(tokens) > self.capacity:
-            raise ContextOverflow(f"sequence of {len(seq.tokens) + len(tokens)} tokens exceeds the capacity of "
-                                  f"{self.capacity} tokens")
+        self._check_room(seq, len(tokens))
         return self._forward([seq], [tokens], all_rows=True)[-len(tokens) :]  # none: the prefix is recomputed too
 
     def _forward(self, seqs: Sequence[Seq], new_tokens: Sequence[Sequence[int]], all_rows: bool = False) -> torch.Tensor:
