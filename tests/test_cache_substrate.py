@@ -128,3 +128,14 @@ def test_random_workload_keeps_page_accounting(ops):
         cache.free(s)
     cache.check_integrity()
     assert cache.allocators[0].num_free == cache.allocators[0].total
+
+
+def test_batch_reservation_is_all_or_nothing():
+    cache = PagedKVCache(TINY, parse_kv_spec("static,max_tokens=8,max_seqs=2,page_size=4"))
+    a, b = cache.new_sequence(), cache.new_sequence()
+    PagedContext(cache, [a, b], [4, 4], torch.arange(4).repeat(2))
+    used = cache.allocators[0].num_referenced
+    with pytest.raises(ContextOverflow):  # a's extra page is taken, then b overflows
+        PagedContext(cache, [a, b], [4, 5], torch.cat((torch.arange(4, 8), torch.arange(4, 9))))
+    assert (a.length, b.length) == (4, 4) and cache.allocators[0].num_referenced == used
+    cache.check_integrity()

@@ -17,7 +17,7 @@ from kvcache.cache.paged import PagedKVCache
 from kvcache.cache.prefetch import Prefetcher
 from kvcache.cache.pool import PagePool
 from kvcache.cache.qpool import QuantPool
-from kvcache.cache.sequence import HOLE, SeqKV
+from kvcache.cache.sequence import HOLE, SeqKV, run_start
 from kvcache.models.layers import Rotary
 
 
@@ -37,9 +37,8 @@ class _GroupPlan:
             live = [i for i in range(old_pages) if table[i] != HOLE]
             pages = [table[i] for i in live]
             self.n_old = len(pages)
-            if pages and pages[-1] - pages[0] == len(pages) - 1 and pages == list(range(pages[0], pages[-1] + 1)):
-                self.run = pages[0]
-            else:
+            self.run = run_start(pages)
+            if self.run is None:
                 self.pages = torch.tensor(pages, dtype=torch.long)
             self.new_pages = torch.tensor(table[old_pages:], dtype=torch.long)
             idx = torch.tensor(live, dtype=torch.long)
@@ -77,7 +76,6 @@ class PagedContext:
     ) -> None:
         self.cache = cache
         self.rotaries = rotaries
-        ps = cache.page_size
         start = 0
         for seq, n in zip(seqs, new_tokens):  # check everything before touching the cache
             q_pos = positions[start : start + n]
@@ -92,10 +90,7 @@ class PagedContext:
                 cache.reserve(seq, n)  # all reservations before any length moves
         except Exception:
             for seq, lens in zip(seqs, before):  # give back what was reserved: nothing leaks
-                for gi, n_pages in enumerate(lens):
-                    table = seq.tables[gi]
-                    cache.allocators[gi].release([p for p in table[n_pages:] if p != HOLE])
-                    del table[n_pages:]
+                cache.unreserve(seq, lens)
             raise
         self.rows: list[slice] = []
         self.plans: list[list[_GroupPlan]] = []  # [seq][group]
@@ -106,11 +101,8 @@ class PagedContext:
             old = seq.length
             seq.length += n
             if not cache.quantized:
-                first = old // ps
-                idx = torch.arange(old, old + n) - first * ps
                 for gi in range(len(cache.groups)):
-                    t = torch.tensor(seq.tables[gi][first : (old + n - 1) // ps + 1], dtype=torch.long)
-                    write_slots[gi].append(t[idx // ps] * ps + idx % ps)
+                    write_slots[gi].append(cache.slots(seq, gi, old, n))
             self.plans.append([_GroupPlan(cache, seq, gi, q_pos, old, lens[gi]) for gi in range(len(cache.groups))])
             self.rows.append(slice(start, start + n))
             start += n
@@ -127,7 +119,7 @@ class PagedContext:
         single = len(self.plans) == 1
         offloaded = self.cache.placement.offloaded
         olds: list[torch.Tensor | None] = [None] * len(self.plans)
-        if offloaded and self.prefetcher is not None:
+        if self.prefetcher is not None:  # offloaded
             olds = list(self.prefetcher.take(layer))  # fetched while the previous layer computed
             if layer + 1 < len(self.cache.where):
                 self.prefetcher.start(layer + 1)

@@ -106,18 +106,30 @@ class PagedKVCache:
                 "(raise it with --kv static,max_tokens=N)")
         self.release_dead(seq)
         self._own_last_page(seq)
-        taken: list[tuple[int, int]] = []
+        before = [len(t) for t in seq.tables]
         try:
             for g in self.groups:
                 need = self.pages_after(seq, g.index, total) - len(seq.tables[g.index])
                 if need > 0:
                     seq.tables[g.index].extend(self._take_pages(g.index, need))
-                    taken.append((g.index, need))
         except ContextOverflow:
-            for gi, n in taken:
-                self.allocators[gi].release(seq.tables[gi][-n:])
-                del seq.tables[gi][-n:]
+            self.unreserve(seq, before)
             raise
+
+    def unreserve(self, seq: SeqKV, table_lens: list[int]) -> None:
+        """Give back the pages reserved after each group's table had ``table_lens[g]`` entries."""
+        for gi, n in enumerate(table_lens):
+            table = seq.tables[gi]
+            self.allocators[gi].release([p for p in table[n:] if p != HOLE])
+            del table[n:]
+
+    def slots(self, seq: SeqKV, group: int, start: int, n: int) -> torch.Tensor:
+        """Pool slots (page * page_size + offset) of positions start .. start + n - 1: [n] int64.
+        Only the touched pages are looked up."""
+        ps, first = self.page_size, start // self.page_size
+        table = torch.tensor(seq.tables[group][first : (start + n - 1) // ps + 1], dtype=torch.long)
+        idx = torch.arange(start, start + n) - first * ps
+        return table[idx // ps] * ps + idx % ps
 
     def release_dead(self, seq: SeqKV) -> None:
         """Windowed groups: give back pages no query at ``seq.length`` or later can see."""
@@ -224,13 +236,9 @@ class PagedKVCache:
         if self.quantized:
             raise ValueError("write() stores float encodings; quantized pages are written by a forward")
         gi, j = self.where[layer]
-        ps, n = self.page_size, k.shape[0]
-        first = start // ps
-        table = torch.tensor(seq.tables[gi][first : (start + n - 1) // ps + 1], dtype=torch.long)  # touched pages
-        idx = torch.arange(start, start + n) - first * ps
         pool = self.pools[gi]
         assert isinstance(pool, PagePool)
-        pool.write(j, table[idx // ps] * ps + idx % ps, k, v)
+        pool.write(j, self.slots(seq, gi, start, k.shape[0]), k, v)
 
     # -- accounting ----------------------------------------------------------------------------
     def stats(self) -> CacheStats:

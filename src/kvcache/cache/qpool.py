@@ -103,7 +103,7 @@ class QuantPool:
         else:
             idx = pages.to(src["kc"].device)
             p = {n: src[n].index_select(1, idx) for n in _PARTS}
-        p = {n: self.placement.fetch(t) if self.placement.offloaded else t for n, t in p.items()}
+        p = {n: self.placement.fetch(t) for n, t in p.items()}  # to the compute device if elsewhere
         kc, vc = p["kc"], p["vc"]
         if self.bits != 8:
             kc, vc = quant.unpack_codes(kc, self.bits), quant.unpack_codes(vc, self.bits)

@@ -26,16 +26,16 @@ class SeqKV:
 
     def first_page_if_contiguous(self, group: int = 0) -> int | None:
         """The first page when the group's page table is a run of consecutive ids (read as a view)."""
-        table = self.tables[group]
-        if not table:
-            return None
-        first = table[0]
-        if first < 0 or table[-1] - first != len(table) - 1:
-            return None
-        if all(p == first + i for i, p in enumerate(table)):
-            return first
-        return None
+        return run_start(self.tables[group])
 
     def tail_len(self, group: int) -> int:
         tails = self.tails[group]
         return 0 if not tails else int(tails[0].shape[2])
+
+
+def run_start(pages: list[int]) -> int | None:
+    """pages[0] when ``pages`` are consecutive ids (no holes), else None."""
+    if not pages or pages[0] < 0 or pages[-1] - pages[0] != len(pages) - 1:
+        return None
+    first = pages[0]
+    return first if all(p == first + i for i, p in enumerate(pages)) else None
