@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvcache.fmt import human_bytes
 from kvcache.errors import KVCacheError
 
 KV_HELP = (
@@ -15,14 +16,6 @@ KV_HELP = (
     "device|host|disk[,dir=PATH]; page_size=N. Example: static,int4,sinks=4,window=1024"
 )
 DEFAULT_PROMPT = "What is a KV cache in a language model? Answer in two sentences."
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -73,7 +66,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(
         f"[{llm.model_name} · kv={llm.cache_config.spec()}] prompt {len(r.prompt_token_ids)} tokens · "
         f"new {len(r.token_ids)} tokens · TTFT {r.prefill_s * 1000:.0f} ms · {r.decode_tok_s:.1f} tok/s · "
-        f"KV {_human(r.kv_bytes)} · finish {r.finish_reason}",
+        f"KV {human_bytes(r.kv_bytes)} · finish {r.finish_reason}",
         file=sys.stderr,
     )
     if args.stats:
@@ -90,13 +83,13 @@ def print_stats(stats) -> None:  # stats: CacheStats | None
     print(f"KV cache · kv={stats.strategy} · {stats.encoding} · page {stats.page_size} tokens · "
           f"{stats.bytes_per_token:,} B/token stored", file=err)
     print(f"  pages {stats.pages_used}/{stats.pages_total} used · tokens {stats.tokens_stored} · "
-          f"allocated {_human(stats.bytes_allocated)} · used {_human(stats.bytes_used)}", file=err)
+          f"allocated {human_bytes(stats.bytes_allocated)} · used {human_bytes(stats.bytes_used)}", file=err)
     print(f"  {'layer':>5} {'window':>7} {'sinks':>5} {'B/token':>8} {'pages':>11} {'allocated':>11} {'used':>11}",
           file=err)
     for s in stats.per_layer:
         window = "full" if s.window is None else str(s.window)
         print(f"  {s.layer:>5} {window:>7} {s.sinks:>5} {s.bytes_per_token:>8.1f} {s.pages_used:>5}/{s.pages_total:<5} "
-              f"{_human(s.bytes_allocated):>11} {_human(s.bytes_used):>11}", file=err)
+              f"{human_bytes(s.bytes_allocated):>11} {human_bytes(s.bytes_used):>11}", file=err)
 
 
 def cmd_cache_prompt(args: argparse.Namespace) -> int:
@@ -111,7 +104,7 @@ def cmd_cache_prompt(args: argparse.Namespace) -> int:
     llm = _load(args)
     n = llm.save_cache(args.out, text, chat=False)
     size = Path(args.out).stat().st_size
-    print(f"cached {n} tokens of {args.prompt_file} in {args.out} ({_human(size)}, kv={llm.cache_config.spec()})",
+    print(f"cached {n} tokens of {args.prompt_file} in {args.out} ({human_bytes(size)}, kv={llm.cache_config.spec()})",
           file=sys.stderr)
     return 0
 

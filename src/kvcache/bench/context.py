@@ -20,6 +20,7 @@ from kvcache.config import CacheConfig, parse_kv_spec
 from kvcache.engine.llm import LLM
 from kvcache.engine.params import SamplingParams
 from kvcache.errors import InvalidParams
+from kvcache.eval.fidelity import builtin_text
 
 def split_specs(text: str) -> list[str]:
     """Split this suite's ``--kv`` into specs: comma-separated items, where an option
@@ -78,15 +79,9 @@ def check_contexts(contexts: list[int], new: int, model_context: int, configs: d
                                     f"max_tokens={cfg.max_tokens}")
 
 
-def english_text() -> str:
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics.values())
-
-
 def english_prompt(llm: LLM, n: int, text: str | None = None) -> list[int]:
     """Exactly ``n`` token ids of English prose (the text repeats if it is too short)."""
-    text = text or english_text()
+    text = text or builtin_text()
     chars = max(64, n * 6)
     while True:
         piece = text
@@ -148,11 +143,9 @@ def _run_once(llm: LLM, ids: list[int], params: SamplingParams, seq):
     from kvcache.engine.generate import RequestRun
 
     run = RequestRun(llm.runner, llm.tokenizer, ids, params, seq=seq, keep_seq=True)
-    stats = None
-    for delta in run:
-        if delta.finish_reason is not None:
-            stats = llm.kv_stats()
-    return run.result, stats
+    for _ in run:
+        pass
+    return run.result, run.result.kv_stats
 
 
 def bench_context(llm: LLM, specs: dict[str, CacheConfig], contexts: list[int], new: int, repeats: int,
@@ -161,7 +154,7 @@ def bench_context(llm: LLM, specs: dict[str, CacheConfig], contexts: list[int], 
 
     wbytes = weight_bytes(llm.model, llm.model.lm_head)
     params = SamplingParams(max_tokens=new, ignore_eos=True)
-    text = english_text()
+    text = builtin_text()
     prompts = {c: english_prompt(llm, c, text) for c in contexts}
     rows: list[ContextRow] = []
     original = llm.cache_config

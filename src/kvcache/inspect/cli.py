@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from kvcache.fmt import human_bytes
 from kvcache.errors import InvalidParams
 
 DEFAULT_SPECS = "dynamic;fp16;int8;int4;int2;sink"
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def add_size_parser(sub: argparse._SubParsersAction) -> None:
@@ -55,7 +48,7 @@ def cmd_size(args: argparse.Namespace) -> int:
     for s, c in configs:
         size = kv_size(model, c, context, args.batch)
         per_token = size.bytes_total / (context * args.batch)
-        row = f"{s:<24} {per_token:>10,.0f} {_human(size.bytes_total):>11} {size.bytes_total / fp32:>7.2f}x"
+        row = f"{s:<24} {per_token:>10,.0f} {human_bytes(size.bytes_total):>11} {size.bytes_total / fp32:>7.2f}x"
         if budget is not None:
             longest = longest_context(model, c, args.batch, budget)
             text = f"{longest}" + ("+" if longest == model.max_position and bounded(model, c) else "")
