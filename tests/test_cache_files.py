@@ -37,7 +37,7 @@ def test_resume_from_file_equals_one_pass(tiny, saved):
     assert resumed.token_ids == direct.token_ids
     assert resumed.cached_tokens == len(PROMPT)
     tiny.check_integrity()
-    assert tiny.kv_stats().pages_used == 0
+    assert tiny.kv_stats().pages_in_use == 0
 
 
 def test_truncated_and_garbage_files_are_refused(tiny, saved, tmp_path):
@@ -53,7 +53,7 @@ def test_truncated_and_garbage_files_are_refused(tiny, saved, tmp_path):
     with pytest.raises(KVCacheError, match="does not exist"):
         tiny.runner.load(str(tmp_path / "missing.kv"), tiny.fingerprint)
     tiny.check_integrity()
-    assert tiny.kv_stats().pages_used == 0  # nothing leaked by the failed loads
+    assert tiny.kv_stats().pages_in_use == 0  # nothing leaked by the failed loads
 
 
 def test_other_model_or_encoding_is_refused(tiny, saved):
@@ -72,7 +72,7 @@ def test_failed_write_leaves_nothing(tiny, tmp_path):
     with pytest.raises(KVCacheError, match="cannot write cache file"):
         tiny.save_cache(str(target), PROMPT)
     assert not target.parent.exists() or not any(target.parent.iterdir())
-    assert tiny.kv_stats().pages_used == 0
+    assert tiny.kv_stats().pages_in_use == 0
 
 
 def test_none_strategy_has_nothing_to_save(tiny, tmp_path):

@@ -83,4 +83,4 @@ def test_prompt_longer_than_context(smollm):
     with pytest.raises(ContextOverflow, match="does not fit the context"):
         smollm.generate([list(range(100, 100 + 8200))], SamplingParams(max_tokens=1))
     smollm.check_integrity()
-    assert smollm.kv_stats().pages_used == 0
+    assert smollm.kv_stats().pages_in_use == 0

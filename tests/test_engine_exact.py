@@ -70,7 +70,7 @@ def test_greedy_generate_matches_hf_generate(tiny_dir, family):
     assert out.token_ids == ref
     assert out.finish_reason == "length"
     llm.check_integrity()
-    assert llm.kv_stats().pages_used == 0  # the request's pages went back
+    assert llm.kv_stats().pages_in_use == 0  # the request's pages went back
 
 
 def test_prefill_in_pieces_equals_one_prefill(tiny_dir):
@@ -117,7 +117,7 @@ def test_n_samples_batched_decode(tiny_dir):
     assert [o.token_ids for o in s1.outputs] == [o.token_ids for o in s2.outputs]
     assert s1.outputs[0].token_ids != s1.outputs[1].token_ids  # different seeds per sample
     llm.check_integrity()
-    assert llm.kv_stats().pages_used == 0
+    assert llm.kv_stats().pages_in_use == 0
 
 
 def test_chat_session_reuses_cache_and_equals_recompute(tiny_dir):
@@ -135,4 +135,4 @@ def test_chat_session_reuses_cache_and_equals_recompute(tiny_dir):
             assert r.cached_tokens > 0 and r.cached_tokens < len(r.prompt_token_ids)
     llm.check_integrity()
     session.close()
-    assert llm.kv_stats().pages_used == 0
+    assert llm.kv_stats().pages_in_use == 0

@@ -30,12 +30,18 @@ class CacheStats:
     page_size: int
     bytes_per_token: int  # all layers, the stored form (quantized: scales included, tails not)
     pages_total: int
-    pages_used: int
+    pages_used: int  # referenced: by running sequences or by the prefix index
     tokens_stored: int  # sum of the sequences' lengths
     bytes_allocated: int
     bytes_used: int
     encoding: str = "fp32"
+    pages_cached: int = 0  # held only by the prefix index (evictable); part of pages_used
     per_layer: tuple[LayerStats, ...] = field(default=())
+
+    @property
+    def pages_in_use(self) -> int:
+        """Pages held by running sequences (referenced, not merely cached)."""
+        return self.pages_used - self.pages_cached
 
     @property
     def per_layer_bytes_allocated(self) -> tuple[int, ...]:
@@ -43,6 +49,7 @@ class CacheStats:
 
     def as_dict(self) -> dict[str, object]:
         out: dict[str, object] = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "per_layer"}
+        out["pages_in_use"] = self.pages_in_use
         out["per_layer"] = [s.__dict__ for s in self.per_layer]
         return out
 
@@ -84,18 +91,32 @@ def cache_stats(cache: "PagedKVCache") -> CacheStats:
         bytes_allocated=sum(s.bytes_allocated for s in layers),
         bytes_used=sum(s.bytes_used for s in layers),
         encoding=cache.config.encoding,
+        pages_cached=sum(cached_pages(cache).values()),
         per_layer=tuple(layers),
     )
 
 
+def cached_pages(cache: "PagedKVCache") -> dict[int, int]:
+    """Per group, pages only the prefix index holds (cached, evictable)."""
+    held = cache.index_pages() if cache.index_pages is not None else {}
+    return {g: sum(1 for p in pages if cache.allocators[g].refcount(p) == 1) for g, pages in held.items()}
+
+
 def check_integrity(cache: "PagedKVCache") -> None:
-    """Each group's allocator is consistent; every page's ref count equals the number of page
-    tables that hold it; every table covers its sequence's length."""
+    """Each group's allocator is consistent; every page's ref count equals the number of holders
+    (page tables of live sequences, plus the prefix index); every table covers its sequence's
+    length; free + referenced by sequences + cached only by the index == total."""
     ps = cache.page_size
+    held = cache.index_pages() if cache.index_pages is not None else {}
     for g in cache.groups:
         alloc = cache.allocators[g.index]
         alloc.check_integrity()
         counts: dict[int, int] = {}
+        index_pages = held.get(g.index, [])
+        if len(set(index_pages)) != len(index_pages):
+            raise AssertionError(f"group {g.index}: the prefix index holds a page twice")
+        for p in index_pages:
+            counts[p] = counts.get(p, 0) + 1
         for s in cache.sequences.values():
             table = s.tables[g.index]
             covered = len(table) * ps + s.tail_len(g.index) if cache.quantized else -(-s.length // ps)
@@ -108,3 +129,8 @@ def check_integrity(cache: "PagedKVCache") -> None:
             if alloc.refcount(p) != counts.get(p, 0):
                 raise AssertionError(
                     f"group {g.index} page {p}: ref count {alloc.refcount(p)} but {counts.get(p, 0)} holders")
+        cached = sum(1 for p in index_pages if alloc.refcount(p) == 1)
+        in_use = sum(1 for p in range(alloc.total) if alloc.refcount(p) > 0) - cached
+        if alloc.num_free + in_use + cached != alloc.total:
+            raise AssertionError(f"group {g.index}: free {alloc.num_free} + referenced {in_use} + cached "
+                                 f"{cached} != total {alloc.total}")

@@ -11,6 +11,7 @@ tokens (at most ``residual + page_size - 1``) in fp32 until whole pages can be s
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 
@@ -66,6 +67,10 @@ class PagedKVCache:
         self._ids = itertools.count()
         self.sequences: dict[int, SeqKV] = {}
         self.cow_copies = 0  # pages copied because a branch wrote into a shared one
+        # set by a prefix cache: frees cached pages when a pool runs short (group, pages short),
+        # and lists the pages its index holds (per group) for accounting and integrity checks
+        self.reclaim: Callable[[int, int], None] | None = None
+        self.index_pages: Callable[[], dict[int, list[int]]] | None = None
 
     @property
     def quantized(self) -> bool:
@@ -215,6 +220,8 @@ class PagedKVCache:
     def _take_pages(self, group: int, n: int) -> list[int]:
         """Allocate ``n`` pages of a group; a dynamic pool at least doubles when it runs out."""
         alloc = self.allocators[group]
+        if n > alloc.num_free and self.reclaim is not None:
+            self.reclaim(group, n - alloc.num_free)
         if n > alloc.num_free and self.config.capacity == "dynamic":
             extra = max(alloc.total, n - alloc.num_free)
             self.pools[group].resize(self.pools[group].num_pages + extra)

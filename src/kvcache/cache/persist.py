@@ -35,9 +35,10 @@ def _layout(cache: PagedKVCache) -> dict[str, object]:
     return out
 
 
-def save_sequence(cache: PagedKVCache, seq: SeqKV, tokens: list[int], path: str | Path, fingerprint: str) -> int:
-    """Write ``seq``'s K/V and ``tokens`` (its token ids, len == seq.length) to ``path``;
-    returns the bytes written."""
+def save_sequence(cache: PagedKVCache, seq: SeqKV, tokens: list[int], path: str | Path, fingerprint: str,
+                  extra: dict[str, str] | None = None) -> int:
+    """Write ``seq``'s K/V and ``tokens`` (its token ids, len == seq.length) to ``path``, with
+    ``extra`` metadata (a chat session's messages); returns the bytes written."""
     from safetensors.torch import save_file
 
     if len(tokens) != seq.length:
@@ -59,7 +60,7 @@ def save_sequence(cache: PagedKVCache, seq: SeqKV, tokens: list[int], path: str 
     meta = {"format": FORMAT, "fingerprint": fingerprint, "layout": json.dumps(_layout(cache)),
             "tokens": json.dumps(tokens), "length": str(seq.length),
             "holes": json.dumps([[i for i, p in enumerate(t) if p == HOLE] for t in seq.tables]),
-            "table_lens": json.dumps([len(t) for t in seq.tables])}
+            "table_lens": json.dumps([len(t) for t in seq.tables]), **(extra or {})}
     path = Path(path)
     if not path.parent.is_dir():
         raise KVCacheError(f"cannot write cache file {path}: folder {path.parent} does not exist")

@@ -35,9 +35,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class RequestRun:
     """Iterate to run the request; ``result`` is complete when iteration ends.
 
-    ``seq`` may already hold tokens (a chat session): the longest common prefix with the prompt is
-    kept (never the whole prompt: its last token is recomputed for its logits) and only the rest is
-    prefilled. With ``keep_seq`` the first sample's sequence is left in place for the next turn.
+    ``seq`` may already hold tokens (a chat session, a loaded prompt cache); without one, the
+    prefix cache gives a sequence holding the longest cached prefix of the prompt. The longest
+    common prefix with the prompt is kept (never the whole prompt: its last token is recomputed for
+    its logits) and only the rest is prefilled. With ``keep_seq`` the first sample's sequence is
+    left in place for the next turn; the others go to the prefix cache (under ``salt``) or are
+    freed.
     """
 
     def __init__(
@@ -49,6 +52,7 @@ class RequestRun:
         prompt: str | None = None,
         seq: Seq | None = None,
         keep_seq: bool = False,
+        salt: str | None = None,
     ) -> None:
         if not prompt_ids:
             raise ContextOverflow("the prompt is empty: give at least one token")
@@ -61,14 +65,17 @@ class RequestRun:
         self.tokenizer = tokenizer
         self.prompt_ids = prompt_ids
         self.params = params
-        self.seq = seq if seq is not None else runner.new_sequence()
+        self.seq = seq  # None: looked up in the prefix cache when the run starts
         self.keep_seq = keep_seq
+        self.salt = salt
         self.eos = set(tokenizer.eos_token_ids) | set(runner.config.eos_token_ids)
         self.result = RequestOutput(prompt=prompt, prompt_token_ids=list(prompt_ids), outputs=[])
 
     def __iter__(self) -> Iterator[Delta]:
         p, runner = self.params, self.runner
         t0 = time.perf_counter()
+        if self.seq is None:
+            self.seq = runner.lookup(self.prompt_ids, self.salt)
         reuse = min(common_prefix(self.seq.tokens, self.prompt_ids), len(self.prompt_ids) - 1)
         reuse = runner.reusable(self.seq, reuse)
         runner.truncate(self.seq, reuse)
@@ -114,7 +121,7 @@ class RequestRun:
             self.result.kv_bytes = stats.bytes_used if stats is not None else 0
             for i, s in enumerate(seqs):
                 if not (self.keep_seq and i == 0):
-                    runner.free(s)
+                    runner.release(s, self.salt)  # frees a sequence whose last forward failed
         self.result.prefill_s = t_first - t0
         self.result.decode_s = t_end - t_first
         self.result.outputs = [

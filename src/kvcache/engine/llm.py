@@ -19,6 +19,8 @@ from kvcache.models.config import ModelConfig
 from kvcache.models.loading import load_weights, model_fingerprint, read_config, resolve_model
 from kvcache.models.registry import build_model
 from kvcache.models.tokenizer import Tokenizer
+from kvcache.prefix.cache import PrefixStats
+from kvcache.prefix.config import PrefixConfig, parse_prefix
 
 Prompt = Union[str, list[int]]
 Messages = list[dict[str, str]]
@@ -43,6 +45,8 @@ class LLM:
     (``dynamic``, ``static,max_tokens=N``, ``none``), visibility (``window=N``, ``sinks=K``),
     encoding (``fp32`` ... ``int2``) and placement (``device``, ``host``, ``disk``), e.g.
     ``static,int4,sinks=4,window=1024``; presets: ``offloaded``, ``quantized``, ``sink``, ...
+    ``prefix``: automatic prefix caching (on by default; False turns it off; a PrefixConfig sets
+    its budget, eviction policy and disk/Redis tiers).
     """
 
     def __init__(
@@ -50,6 +54,7 @@ class LLM:
         model: str | None = None,
         kv: str | CacheConfig | None = "dynamic",
         threads: int | None = None,
+        prefix: PrefixConfig | bool | None = None,
     ) -> None:
         torch.set_num_threads(threads or default_threads())
         t0 = time.perf_counter()
@@ -63,7 +68,8 @@ class LLM:
         self.model_name = resolved.name
         self.fingerprint = model_fingerprint(resolved.path)
         self.cache_config = parse_kv_spec(kv)
-        self.runner = ModelRunner(self.model, self.cache_config)
+        self.prefix_config = parse_prefix(prefix)
+        self.runner = ModelRunner(self.model, self.cache_config, self.prefix_config, self.fingerprint)
         self.load_s = time.perf_counter() - t0
 
     # -- prompts -----------------------------------------------------------------------------
@@ -87,15 +93,16 @@ class LLM:
         params: SamplingParams | None = None,
         chat: bool = False,
         prompt_cache: str | None = None,
+        salt: str | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt (a single prompt is a list of one). With ``prompt_cache``
         (a file from save_cache) each prompt continues the cached tokens, whose K/V are loaded
-        instead of computed."""
+        instead of computed. ``salt`` separates tenants in the prefix cache."""
         params = params or SamplingParams()
         batch = _as_batch(prompts)
         outs = []
         for prompt in batch:
-            run = self.request(prompt, params, chat, prompt_cache)
+            run = self.request(prompt, params, chat, prompt_cache, salt)
             for _ in run:
                 pass
             outs.append(run.result)
@@ -108,18 +115,19 @@ class LLM:
         yield from self.request(prompt, params or SamplingParams(), chat)
 
     def request(
-        self, prompt: Prompt | Messages, params: SamplingParams, chat: bool = False, prompt_cache: str | None = None
+        self, prompt: Prompt | Messages, params: SamplingParams, chat: bool = False, prompt_cache: str | None = None,
+        salt: str | None = None,
     ) -> RequestRun:
         """A request ready to run: iterate it for text pieces; ``.result`` is complete after."""
         ids = self.encode(prompt, chat)
         text = prompt if isinstance(prompt, str) else None
         if prompt_cache is None:
-            return RequestRun(self.runner, self.tokenizer, ids, params, prompt=text)
+            return RequestRun(self.runner, self.tokenizer, ids, params, prompt=text, salt=salt)
         seq = self.runner.load(prompt_cache, self.fingerprint)
         bos = self.tokenizer.bos_token_id
         if ids and bos is not None and ids[0] == bos and not isinstance(prompt, list):
             ids = ids[1:]  # the text continues the cached tokens: no second BOS
-        return RequestRun(self.runner, self.tokenizer, seq.tokens + ids, params, prompt=text, seq=seq)
+        return RequestRun(self.runner, self.tokenizer, seq.tokens + ids, params, prompt=text, seq=seq, salt=salt)
 
     def save_cache(self, path: str, prompt: Prompt | Messages, chat: bool = False) -> int:
         """Compute the K/V of ``prompt`` once and save them (with its token ids) to ``path``, for
@@ -133,17 +141,39 @@ class LLM:
             self.runner.free(seq)
         return len(ids)
 
-    def chat_session(self, system: str | None = None) -> "ChatSession":
+    def chat_session(self, system: str | None = None, resume: str | None = None,
+                     salt: str | None = None) -> "ChatSession":
+        """A multi-turn chat; ``resume``: a file written by ``ChatSession.save``."""
         from kvcache.engine.session import ChatSession
 
-        return ChatSession(self, system=system)
+        if resume is not None:
+            if system is not None:
+                raise InvalidParams("a resumed session keeps its saved system prompt; drop system=")
+            return ChatSession.resume(self, resume, salt)
+        return ChatSession(self, system=system, salt=salt)
 
     # -- inspection ----------------------------------------------------------------------------
     def kv_stats(self) -> CacheStats | None:
         """Memory accounting of the KV cache (None for the ``none`` strategy)."""
         return self.runner.stats()
 
+    def prefix_stats(self) -> PrefixStats | None:
+        """Prefix-cache statistics: hit tokens and rate, evictions, cached pages, tier hits (None
+        when prefix caching is off or there is no cache)."""
+        return self.runner.prefix.stats() if self.runner.prefix is not None else None
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix held in RAM (disk and Redis tiers keep theirs)."""
+        if self.runner.prefix is not None:
+            self.runner.prefix.clear()
+
+    def flush(self) -> None:
+        """Wait until every page queued for the disk/Redis tiers is written."""
+        if self.runner.prefix is not None:
+            self.runner.prefix.flush()
+
     def check_integrity(self) -> None:
+        """Assert the page accounting: every page free, referenced or cached (see PagedKVCache)."""
         self.runner.check_integrity()
 
 

@@ -17,6 +17,8 @@ from kvcache.cache.sequence import SeqKV
 from kvcache.config import CacheConfig
 from kvcache.errors import ContextOverflow, InvalidParams
 from kvcache.models.base import CausalLM
+from kvcache.prefix.cache import PrefixCache
+from kvcache.prefix.config import PrefixConfig
 
 
 UNBOUNDED = 2**62
@@ -34,7 +36,8 @@ class Seq:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache_config: CacheConfig) -> None:
+    def __init__(self, model: CausalLM, cache_config: CacheConfig, prefix: PrefixConfig | None = None,
+                 fingerprint: str = "") -> None:
         self.model = model
         self.config = model.config
         self.cache_config = cache_config.with_capacity(model.config.max_position)
@@ -42,6 +45,9 @@ class ModelRunner:
         self.rotaries = [model.rotary_for_layer(i) for i in range(model.config.num_layers)]
         self.capacity = self._capacity()  # fixed for the runner's life; checked every step
         self.windowed = self.cache is not None and any(g.window is not None for g in self.cache.groups)
+        self.prefix: PrefixCache | None = None
+        if self.cache is not None and prefix is not None and prefix.enabled:
+            self.prefix = PrefixCache(self.cache, prefix, fingerprint)
 
     def _capacity(self) -> int:
         """Most tokens one sequence can hold: the model's context, or a static cache's size.
@@ -70,6 +76,26 @@ class ModelRunner:
 
     def new_sequence(self) -> Seq:
         return Seq(self.cache.new_sequence() if self.cache is not None else None)
+
+    def lookup(self, tokens: list[int], salt: str | None = None, whole: bool = False) -> Seq:
+        """A sequence already holding the longest cached prefix of ``tokens`` (never all of them
+        unless ``whole``: a prompt's last token is recomputed for its logits), or an empty one
+        without a prefix cache."""
+        if self.prefix is None:
+            return self.new_sequence()
+        kv, n = self.prefix.lookup(tokens, salt, whole)
+        seq = Seq(kv)
+        seq.tokens = list(tokens[:n])
+        return seq
+
+    def release(self, seq: Seq, salt: str | None = None) -> None:
+        """A finished sequence: its pages go to the prefix index (when there is one), then it is
+        freed."""
+        if self.prefix is not None and seq.kv is not None and seq.kv.length == len(seq.tokens):
+            self.prefix.release(seq.kv, seq.tokens, salt)
+            seq.tokens = []
+        else:
+            self.free(seq)
 
     def fork(self, seq: Seq) -> Seq:
         child = Seq(self.cache.fork(seq.kv) if self.cache is not None and seq.kv else None)

@@ -1,16 +1,23 @@
 """ChatSession: multi-turn chat that keeps its KV cache between turns.
 
-Each turn renders the whole conversation with the chat template, keeps the longest common token
-prefix the session's sequence already holds, and prefills only the rest.
+Each turn renders the whole conversation with the chat template, reuses the longest cached token
+prefix and prefills only the rest. With the prefix cache (the default) a finished turn's pages go
+into the radix index: sessions with the same system prompt share its pages, and a session holds no
+pages between turns (under memory pressure its oldest pages are evicted and recomputed when
+needed). Without it, the session keeps its own sequence between turns.
+
+A session saves to one file (its messages and its K/V) and resumes in another process.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from kvcache.engine.generate import RequestRun
+from kvcache.engine.generate import RequestRun, common_prefix
 from kvcache.engine.params import RequestOutput, SamplingParams
+from kvcache.engine.runner import Seq
 from kvcache.errors import InvalidParams
 
 if TYPE_CHECKING:
@@ -18,12 +25,14 @@ if TYPE_CHECKING:
 
 
 class ChatSession:
-    def __init__(self, llm: "LLM", system: str | None = None) -> None:
+    def __init__(self, llm: "LLM", system: str | None = None, salt: str | None = None) -> None:
         self.llm = llm
+        self.salt = salt
         self.messages: list[dict[str, str]] = []
         if system:
             self.messages.append({"role": "system", "content": system})
-        self.seq = llm.runner.new_sequence()
+        shared = llm.runner.prefix is not None
+        self.seq: Seq | None = None if shared else llm.runner.new_sequence()
         self.last: RequestOutput | None = None
         self.closed = False
 
@@ -36,7 +45,8 @@ class ChatSession:
         if not isinstance(user, str) or not user.strip():
             raise InvalidParams("a chat message must be non-empty text")
         ids = self.llm.tokenizer.encode_chat(self.messages + [{"role": "user", "content": user}])
-        return RequestRun(self.llm.runner, self.llm.tokenizer, ids, params, prompt=user, seq=self.seq, keep_seq=True)
+        return RequestRun(self.llm.runner, self.llm.tokenizer, ids, params, prompt=user, seq=self.seq,
+                          keep_seq=self.seq is not None, salt=self.salt)
 
     def send(self, user: str, params: SamplingParams | None = None) -> RequestOutput:
         """Add a user turn, generate the reply, add it to the conversation."""
@@ -60,10 +70,64 @@ class ChatSession:
 
     @property
     def cached_tokens(self) -> int:
-        return len(self.seq.tokens)
+        """Tokens of the conversation whose K/V the next turn can reuse right now."""
+        if self.seq is not None:
+            return len(self.seq.tokens)
+        runner = self.llm.runner
+        if not self.messages or runner.prefix is None:
+            return 0
+        ids = self.llm.tokenizer.encode_chat(self.messages)
+        salt = runner.prefix.config.salt if self.salt is None else self.salt
+        return runner.prefix.index.match(ids, salt, touch=False).length
+
+    def save(self, path: str) -> int:
+        """Write the conversation and its K/V to ``path`` (resume with ``LLM.chat_session(resume=)``
+        here or in another process); returns the bytes written."""
+        from kvcache.cache.persist import save_sequence
+
+        if self.closed:
+            raise InvalidParams("this chat session is closed")
+        runner, llm = self.llm.runner, self.llm
+        if runner.cache is None:
+            raise InvalidParams("the 'none' strategy keeps no cache to save; use dynamic or static")
+        ids = llm.tokenizer.encode_chat(self.messages) if self.messages else []
+        if not ids:
+            raise InvalidParams("an empty chat session has nothing to save")
+        seq = self.seq if self.seq is not None else runner.lookup(ids, self.salt, whole=True)
+        try:
+            keep = runner.reusable(seq, common_prefix(seq.tokens, ids))
+            runner.truncate(seq, keep)
+            if keep < len(ids):  # evicted, never computed, or the held tokens differ: compute now
+                runner.step([seq], [ids[keep:]])
+            assert seq.kv is not None
+            return save_sequence(runner.cache, seq.kv, seq.tokens, path, llm.fingerprint,
+                                 extra={"messages": json.dumps(self.messages)})
+        finally:
+            if seq is not self.seq:
+                runner.release(seq, self.salt)
+
+    @classmethod
+    def resume(cls, llm: "LLM", path: str, salt: str | None = None) -> "ChatSession":
+        """A session continuing the conversation saved in ``path``; its K/V are loaded, not
+        recomputed (checked against this model and cache layout)."""
+        from kvcache.cache.persist import read_meta
+
+        meta = read_meta(path)
+        if "messages" not in meta:
+            raise InvalidParams(f"{path} is a prompt cache, not a saved chat session")
+        session = cls(llm, salt=salt)
+        session.messages = json.loads(meta["messages"])
+        seq = llm.runner.load(path, llm.fingerprint)
+        if session.seq is not None:
+            llm.runner.free(session.seq)
+            session.seq = seq
+        else:
+            llm.runner.release(seq, salt)
+        return session
 
     def close(self) -> None:
-        """Give the session's pages back to the pool."""
+        """Give the session's pages back to the pool (with the prefix cache they stay cached)."""
         if not self.closed:
-            self.llm.runner.free(self.seq)
+            if self.seq is not None:
+                self.llm.runner.free(self.seq)
             self.closed = True

@@ -1,0 +1,278 @@
+"""PrefixCache: the radix index bound to a PagedKVCache's pools and allocators, and its tiers.
+
+- ``lookup(tokens, salt)``: a new sequence holding the longest reusable cached prefix of
+  ``tokens`` (never all of them: the last token is recomputed for its logits). RAM first; then,
+  page by page, the disk and Redis tiers (their entries are loaded into fresh pool pages).
+- ``release(seq, tokens, salt)``: a finished sequence's pages go into the index (one reference
+  each, held by the index), then the sequence lets go of its own references.
+- ``reclaim(group, short)``: called by the cache when a pool lacks pages: evicts unreferenced
+  cached pages (LRU/LFU). A static pool evicts as much as it needs; a dynamic pool evicts only
+  what exceeds ``max_cached_tokens`` and otherwise grows.
+
+With tiers, every full page the index takes is written through (on a background thread) under a
+chained key of (model fingerprint, cache layout, tenant salt, the token ids up to that page), so
+other processes and later runs find it. A tier entry that is missing, corrupt or for another
+layout is a miss; the tokens are recomputed.
+
+Locking: none; the engine calls it from one thread (the tier writer thread only sees bytes).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from kvcache.cache.paged import PagedKVCache
+from kvcache.cache.pool import PagePool
+from kvcache.cache.sequence import HOLE, SeqKV
+from kvcache.prefix.config import PrefixConfig
+from kvcache.prefix.radix import Match, Node, RadixIndex
+
+
+@dataclass
+class PrefixStats:
+    requests: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0  # prompt tokens whose K/V came from the index or a tier
+    tier_tokens: int = 0  # of those, restored from disk or Redis
+    evicted_pages: int = 0
+    cached_pages: int = 0  # pages only the index holds (evictable)
+    nodes: int = 0
+    tiers: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        out = dict(self.__dict__)
+        out["hit_rate"] = round(self.hit_rate, 4)
+        return out
+
+
+class PrefixCache:
+    def __init__(self, cache: PagedKVCache, config: PrefixConfig, fingerprint: str) -> None:
+        self.cache, self.config, self.fingerprint = cache, config, fingerprint
+        self.index = RadixIndex(cache.page_size, len(cache.groups), config.policy, partial=not cache.quantized)
+        self.stats_ = PrefixStats()
+        self.layout = _layout_text(cache)
+        self.tiers = _open_tiers(config) if config.tiers else None
+        cache.reclaim = self.reclaim
+        cache.index_pages = self.index.held_pages
+
+    # -- lookup -----------------------------------------------------------------------------------
+    def lookup(self, tokens: list[int], salt: str | None = None, whole: bool = False) -> tuple[SeqKV, int]:
+        """A new sequence holding the K/V of the longest reusable prefix of ``tokens[:-1]`` (of all
+        of ``tokens`` when ``whole``)."""
+        salt = self.config.salt if salt is None else salt
+        want = tokens if whole else tokens[:-1]
+        m = self.index.match(want, salt)
+        if self.tiers is not None and m.length % self.cache.page_size == 0:
+            self._restore(want, m, salt)
+        length = self._usable(m)
+        seq = self.cache.new_sequence()
+        nodes = m.nodes[: -(-length // self.cache.page_size)] if length else []
+        for g in range(len(self.cache.groups)):
+            table = [n.pages[g] for n in nodes]
+            self.cache.allocators[g].incref([p for p in table if p != HOLE])
+            seq.tables[g] = table
+        seq.length = length
+        self.stats_.requests += 1
+        self.stats_.prompt_tokens += len(tokens)
+        self.stats_.hit_tokens += length
+        return seq, length
+
+    def _usable(self, m: Match) -> int:
+        """The longest prefix of the match a query could continue from: every token its windowed
+        layers may see must still be stored (a window may have dropped early pages)."""
+        ps, length = self.cache.page_size, m.length
+        while length > 0:
+            ok = True
+            for g in self.cache.groups:
+                lo = max(g.sinks, g.dead_before(length))
+                if any(m.nodes[i].pages[g.index] == HOLE for i in range(lo // ps, -(-length // ps))):
+                    ok = False
+                    break
+            if ok:
+                return length
+            length = (length - 1) // ps * ps  # the previous page boundary
+        return 0
+
+    def _restore(self, tokens: list[int], m: Match, salt: str) -> None:
+        """Extend a page-aligned RAM match with full pages found in the tiers."""
+        from kvcache.prefix.entry import decode_entry
+
+        ps = self.cache.page_size
+        parent = m.nodes[-1] if m.nodes else self.index.root(salt)
+        key = self._key(parent, salt)
+        while m.length + ps <= len(tokens):
+            chunk = tuple(tokens[m.length : m.length + ps])
+            key = _page_key(key, chunk)
+            blob = self.tiers.get(key)  # type: ignore[union-attr]
+            tensors = decode_entry(blob, key) if blob is not None else None
+            if tensors is None:
+                break
+            pages = self._load_entry(tensors)
+            if pages is None:
+                break
+            node = self.index.add_child(parent, chunk, pages)
+            node.key = key
+            m.nodes.append(node)
+            m.length += ps
+            self.stats_.tier_tokens += ps
+            parent = node
+
+    def _load_entry(self, tensors: dict) -> list[int] | None:
+        """Pool pages (per group, or HOLE) holding one page entry; None if it does not fit."""
+        cache, pages = self.cache, []
+        try:
+            for g in cache.groups:
+                if f"layer{g.layers[0]}.kv" not in tensors and f"layer{g.layers[0]}.kc" not in tensors:
+                    pages.append(HOLE)
+                    continue
+                (p,) = cache._take_pages(g.index, 1)
+                pages.append(p)
+                pool = cache.pools[g.index]
+                for j, layer in enumerate(g.layers):
+                    if isinstance(pool, PagePool):
+                        pool.load_pages(j, [p], tensors[f"layer{layer}.kv"])
+                    else:
+                        pool.load_pages(j, [p], {n: tensors[f"layer{layer}.{n}"] for n in pool.parts[j]})
+        except (KeyError, RuntimeError, ValueError):
+            for g, p in enumerate(pages):
+                if p != HOLE:
+                    cache.allocators[g].release([p])
+            return None
+        return pages
+
+    # -- insertion --------------------------------------------------------------------------------
+    def release(self, seq: SeqKV, tokens: list[int], salt: str | None = None) -> None:
+        """Put a finished sequence's pages into the index, then free the sequence."""
+        salt = self.config.salt if salt is None else salt
+        n = seq.length
+        if self.cache.quantized:  # only sealed pages; the fp32 tail stays with the sequence
+            n = min(n, min(len(t) for t in seq.tables) * self.cache.page_size)
+        if n and len(tokens) >= n:
+            path, taken = self.index.insert(tokens[:n], seq.tables, salt)
+            for g, p in taken:
+                self.cache.allocators[g].incref([p])
+            if self.tiers is not None:
+                self._write_through(path, salt)
+        self.cache.free(seq)
+        self._trim()
+
+    def _write_through(self, path: list[Node], salt: str) -> None:
+        from kvcache.prefix.entry import encode_entry
+
+        key = self._key(None, salt)
+        for node in path:
+            if len(node.tokens) < self.cache.page_size:
+                break
+            if node.key is not None:
+                key = node.key
+                continue
+            key = node.key = _page_key(key, node.tokens)
+            self.tiers.put_async(key, encode_entry(key, self._page_tensors(node)))  # type: ignore[union-attr]
+
+    def _page_tensors(self, node: Node) -> dict:
+        out = {}
+        for g in self.cache.groups:
+            p = node.pages[g.index]
+            if p == HOLE:
+                continue
+            pool = self.cache.pools[g.index]
+            for j, layer in enumerate(g.layers):
+                state = pool.page_state(j, [p])
+                if isinstance(state, dict):
+                    out.update({f"layer{layer}.{n}": t.contiguous() for n, t in state.items()})
+                else:
+                    out[f"layer{layer}.kv"] = state.contiguous()
+        return out
+
+    def _key(self, node: Node | None, salt: str) -> bytes:
+        """The chained tier key of ``node`` (the root's when None), computed along its path."""
+        from kvcache.prefix.keys import root_key
+
+        path = []
+        while node is not None and node.parent is not None:
+            if node.key is not None:
+                break
+            path.append(node)
+            node = node.parent
+        key = node.key if node is not None and node.key is not None else root_key(self.fingerprint, self.layout, salt)
+        for n in reversed(path):
+            key = n.key = _page_key(key, n.tokens)
+        return key
+
+    # -- eviction ---------------------------------------------------------------------------------
+    def _in_use(self, g: int, p: int) -> bool:
+        return self.cache.allocators[g].refcount(p) > 1  # someone besides the index holds it
+
+    def _drop(self, nodes: list[Node]) -> None:
+        for n in nodes:
+            for g, p in n.live_pages():
+                self.cache.allocators[g].release([p])
+        self.stats_.evicted_pages += sum(len(list(n.live_pages())) for n in nodes)
+
+    def reclaim(self, group: int, short: int) -> None:
+        """Free at least ``short`` pages of ``group`` if the policy allows (see the module doc)."""
+        if self.cache.config.capacity == "static":
+            self._drop(self.index.evict(short, group, self._in_use))
+        else:
+            self._trim()
+
+    def _trim(self) -> None:
+        """Dynamic pools: evict cached pages beyond ``max_cached_tokens``."""
+        limit = -(-self.config.max_cached_tokens // self.cache.page_size)
+        for g in range(len(self.cache.groups)):
+            over = self.cached_pages(g) - limit
+            if over > 0:
+                self._drop(self.index.evict(over, g, self._in_use))
+
+    def cached_pages(self, group: int | None = None) -> int:
+        held = self.index.held_pages()
+        groups = held if group is None else {group: held[group]}
+        return sum(1 for g, pages in groups.items() for p in pages if not self._in_use(g, p))
+
+    def clear(self) -> None:
+        """Drop the RAM index (tiers keep their entries)."""
+        self._drop(self.index.clear())
+
+    def stats(self) -> PrefixStats:
+        s = self.stats_
+        s.cached_pages, s.nodes = self.cached_pages(), self.index.num_nodes
+        if self.tiers is not None:
+            s.tiers = self.tiers.stats_dict()
+        return s
+
+    def flush(self) -> None:
+        if self.tiers is not None:
+            self.tiers.flush()
+
+    def close(self) -> None:
+        if self.tiers is not None:
+            self.tiers.close()
+
+
+def _page_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
+    from kvcache.prefix.keys import page_key
+
+    return page_key(parent, tokens)
+
+
+def _layout_text(cache: PagedKVCache) -> str:
+    c, m = cache.config, cache.model
+    return json.dumps({"encoding": c.encoding, "page_size": cache.page_size, "group_size": c.group_size,
+                       "layers": m.num_layers, "kv_heads": m.num_kv_heads, "head_dim": m.head_dim,
+                       "groups": [[list(g.layers), g.window, g.sinks] for g in cache.groups]}, sort_keys=True)
+
+
+def _open_tiers(config: PrefixConfig):
+    from kvcache.prefix.tiers import DiskTier, RedisTier, TierChain
+
+    tiers = []
+    if config.disk is not None:
+        tiers.append(DiskTier(config.disk, config.disk_bytes))
+    if config.redis is not None:
+        tiers.append(RedisTier(config.redis))
+    return TierChain(tiers)

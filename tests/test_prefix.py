@@ -1,0 +1,240 @@
+"""Automatic prefix caching: the radix index alone, then bound to a real cache and model.
+
+Recompute from scratch is the oracle: a prefix hit must give its logits (fp32, 1e-4); a windowed
+strategy must give what the same strategy gives without the hit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcache import LLM, SamplingParams
+from kvcache.config import parse_kv_spec
+from kvcache.engine.runner import ModelRunner
+from kvcache.errors import ContextOverflow
+from kvcache.prefix.config import PrefixConfig
+from kvcache.prefix.radix import HOLE, RadixIndex
+
+SYSTEM = [5, 17, 42, 8, 99, 23, 4, 61, 77, 12, 30, 3, 44, 45]  # 3 full pages of 4 + 2 tokens
+
+
+# -- the index alone -------------------------------------------------------------------------
+def test_index_matches_full_and_partial_pages():
+    idx = RadixIndex(page_size=4, num_groups=1)
+    path, taken = idx.insert([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [[10, 11, 12]])
+    assert [n.tokens for n in path] == [(1, 2, 3, 4), (5, 6, 7, 8), (9, 10)]
+    assert taken == [(0, 10), (0, 11), (0, 12)]
+    assert idx.match([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]).length == 10
+    m = idx.match([1, 2, 3, 4, 5, 6, 99])  # ends inside the second page
+    assert m.length == 6 and m.tables(1) == [[10, 11]]
+    assert idx.match([2, 2, 3]).length == 0
+    # a second sequence with the same first page: the index keeps its own page, takes the new ones
+    _, taken = idx.insert([1, 2, 3, 4, 0, 0, 0, 0], [[20, 21]])
+    assert taken == [(0, 21)]
+    assert sorted(idx.held_pages()[0]) == [10, 11, 12, 21]
+
+
+def test_index_separates_salts_and_refuses_partial_pages_when_told():
+    idx = RadixIndex(page_size=4, num_groups=1, partial=False)
+    idx.insert([1, 2, 3, 4, 5, 6], [[0, 1]], salt="tenant-a")
+    assert idx.match([1, 2, 3, 4, 5, 6, 7], salt="tenant-a").length == 4  # the partial page is not kept
+    assert idx.match([1, 2, 3, 4, 5, 6, 7], salt="tenant-b").length == 0
+    assert idx.held_pages()[0] == [0]
+
+
+def test_index_holes_adopted_from_a_later_sequence():
+    idx = RadixIndex(page_size=2, num_groups=2)
+    idx.insert([1, 2, 3, 4], [[HOLE, 7], [0, 1]])
+    _, taken = idx.insert([1, 2, 3, 4], [[5, 9], [2, 3]])
+    assert taken == [(0, 5)]  # only the page the index lacked
+    assert sorted(idx.held_pages()[0]) == [5, 7]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_eviction_order_and_live_pages(policy):
+    idx = RadixIndex(page_size=2, num_groups=1, policy=policy)
+    idx.insert([1, 2], [[0]])
+    idx.insert([3, 4], [[1]])
+    idx.insert([5, 6], [[2]])
+    for _ in range(3):
+        idx.match([1, 2, 9])  # used often and last
+    idx.match([3, 4, 9])  # used once, later than 5 6
+    live = {1}
+    dropped = idx.evict(5, None, lambda g, p: p in live)
+    assert [n.pages[0] for n in dropped] == ([2, 0] if policy == "lru" else [2, 0])
+    assert idx.held_pages()[0] == [1]  # a page a running sequence holds is never evicted
+
+
+def test_eviction_walks_up_to_parents_that_become_leaves():
+    idx = RadixIndex(page_size=2, num_groups=1)
+    idx.insert([1, 2, 3, 4, 5, 6], [[0, 1, 2]])
+    dropped = idx.evict(3, 0, lambda g, p: False)
+    assert [n.pages[0] for n in dropped] == [2, 1, 0] and idx.num_nodes == 0
+
+
+# -- bound to a model ------------------------------------------------------------------------
+def _recompute(llm: LLM, tokens: list[int]) -> torch.Tensor:
+    ref = ModelRunner(llm.model, parse_kv_spec("none"))
+    return ref.step([ref.new_sequence()], [tokens])[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tiny_dir):
+    return str(tiny_dir("llama")[0])
+
+
+EXACT = ["dynamic,page_size=4", "static,max_tokens=64,max_seqs=2,page_size=4", "host,page_size=4",
+         "disk,page_size=4", "dynamic,page_size=1"]
+
+
+@pytest.mark.parametrize("spec", EXACT)
+def test_prefix_hit_gives_recompute_logits(tiny_path, spec):
+    llm = LLM(tiny_path, kv=spec)
+    r = llm.runner
+    first = SYSTEM + [60, 61, 62]
+    seq = r.lookup(first)
+    assert seq.tokens == []
+    r.step([seq], [first])
+    r.release(seq)
+    for second in (SYSTEM + [70, 71], SYSTEM[:13] + [80], first[:-1] + [90]):  # page end, inside a page
+        seq = r.lookup(second)
+        hit = len(seq.tokens)
+        assert hit == min(len(second) - 1, _common(first, second))
+        logits = r.step([seq], [second[hit:]])[0]
+        torch.testing.assert_close(logits, _recompute(llm, second), atol=1e-4, rtol=1e-4)
+        r.release(seq)
+        llm.check_integrity()
+    stats = llm.prefix_stats()
+    assert stats.hit_tokens > 0 and 0 < stats.hit_rate < 1
+    assert llm.kv_stats().pages_in_use == 0 and llm.kv_stats().pages_cached > 0
+
+
+def _common(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_a_hit_never_covers_the_whole_prompt(tiny_path):
+    llm = LLM(tiny_path, kv="dynamic,page_size=4")
+    out1 = llm.generate([SYSTEM], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    out2 = llm.generate([SYSTEM], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert out1.cached_tokens == 0 and out2.cached_tokens == len(SYSTEM) - 1
+    assert out2.token_ids == out1.token_ids
+
+
+@pytest.mark.parametrize("family,spec", [("mistral", "dynamic,page_size=2"), ("gemma3", "dynamic,page_size=2"),
+                                         ("llama", "dynamic,page_size=2,window=6"),
+                                         ("llama", "dynamic,page_size=2,sinks=2,window=6")])
+def test_windowed_hits_equal_the_same_strategy_without_them(tiny_dir, family, spec):
+    path = str(tiny_dir(family)[0])
+    cached, fresh = LLM(path, kv=spec), LLM(path, kv=spec, prefix=False)
+    long = SYSTEM + [60, 61, 62, 63, 64, 65]  # 20 tokens, past the windows of 6 and 8
+    seq = cached.runner.lookup(long)
+    cached.runner.step([seq], [long])
+    cached.runner.release(seq)
+    for prompt in (long[:-1] + [7, 8], long[:9] + [9]):
+        seq = cached.runner.lookup(prompt)
+        got = cached.runner.step([seq], [prompt[len(seq.tokens):]])[0]
+        ref = fresh.runner.new_sequence()
+        want = fresh.runner.step([ref], [prompt])[0]
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        cached.runner.release(seq)
+        fresh.runner.free(ref)
+        cached.check_integrity()
+
+
+def test_quantized_hits_reuse_sealed_pages_only(tiny_path):
+    llm = LLM(tiny_path, kv="int8,page_size=8,group_size=8,residual=0")
+    prompt = SYSTEM + list(range(60, 80))  # 34 tokens: 4 sealed pages
+    r = llm.runner
+    seq = r.lookup(prompt)
+    r.step([seq], [prompt])
+    r.release(seq)
+    seq = r.lookup(prompt[:-2] + [7, 8])
+    assert len(seq.tokens) == 32  # whole pages only; the fp32 tail was not cached
+    got = r.step([seq], [(prompt[:-2] + [7, 8])[32:]])[0]
+    want = _recompute(llm, prompt[:-2] + [7, 8])
+    assert float((got - want).abs().max()) < 0.05  # int8 pages: close, not exact
+    r.release(seq)
+    llm.check_integrity()
+
+
+def test_eviction_under_pressure_stays_exact(tiny_path):
+    llm = LLM(tiny_path, kv="static,max_tokens=32,max_seqs=1,page_size=4")  # 8 pages in all
+    r = llm.runner
+    prompts = [[i, i + 1, i + 2] + SYSTEM[:12] for i in range(30, 90, 6)]
+    for p in prompts + prompts[:2]:
+        seq = r.lookup(p)
+        logits = r.step([seq], [p[len(seq.tokens):]])[0]
+        torch.testing.assert_close(logits, _recompute(llm, p), atol=1e-4, rtol=1e-4)
+        r.release(seq)
+        llm.check_integrity()
+    assert llm.prefix_stats().evicted_pages > 0
+
+
+def test_pool_exhaustion_with_every_page_referenced_is_refused_cleanly(tiny_path):
+    llm = LLM(tiny_path, kv="static,max_tokens=32,max_seqs=1,page_size=4")
+    r = llm.runner
+    holder = r.new_sequence()
+    r.step([holder], [list(range(10, 38))])  # 7 of 8 pages held by a running sequence
+    with pytest.raises(ContextOverflow, match="KV cache is full"):
+        llm.generate([list(range(40, 52))], SamplingParams(max_tokens=2))
+    llm.check_integrity()
+    assert llm.kv_stats().pages_in_use == 7  # nothing leaked by the refused request
+    r.free(holder)
+    out = llm.generate([list(range(40, 52))], SamplingParams(max_tokens=2, ignore_eos=True))[0]
+    assert len(out.token_ids) == 2
+
+
+def test_tenant_salts_never_share(tiny_path):
+    llm = LLM(tiny_path, kv="dynamic,page_size=4")
+    p = SamplingParams(max_tokens=2, ignore_eos=True)
+    assert llm.generate([SYSTEM], p, salt="a")[0].cached_tokens == 0
+    assert llm.generate([SYSTEM], p, salt="b")[0].cached_tokens == 0
+    assert llm.generate([SYSTEM], p, salt="a")[0].cached_tokens == len(SYSTEM) - 1
+
+
+def test_dynamic_pool_keeps_at_most_the_budget(tiny_path):
+    llm = LLM(tiny_path, kv="dynamic,page_size=4", prefix=PrefixConfig(max_cached_tokens=16))
+    for i in range(6):
+        llm.generate([[i + 60] + SYSTEM], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert llm.kv_stats().pages_cached <= 4
+        llm.check_integrity()
+    assert llm.prefix_stats().evicted_pages > 0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(5, 8), min_size=1, max_size=14),
+                              st.integers(0, 3)), min_size=1, max_size=12),
+       spec=st.sampled_from(["static,max_tokens=24,max_seqs=2,page_size=4", "dynamic,page_size=3",
+                             "dynamic,page_size=2,window=5", "int4,page_size=8,group_size=8,residual=0"]))
+def test_integrity_under_random_workloads(tiny_path, ops, spec):
+    """Requests over a 4-token alphabet (many shared prefixes) start, fork, grow and finish in
+    random order; after every step free + referenced + cached == total and ref counts match."""
+    llm = LLM(tiny_path, kv=spec, prefix=PrefixConfig(max_cached_tokens=12))
+    r, live = llm.runner, []
+    for kind, toks, which in ops:
+        try:
+            if kind == 0 or not live:
+                seq = r.lookup(toks)
+                r.step([seq], [toks[len(seq.tokens):]])
+                live.append(seq)
+            elif kind == 1:
+                live.append(r.fork(live[which % len(live)]))
+            elif kind == 2:
+                r.step([live[which % len(live)]], [toks[:3]])
+            else:
+                r.release(live.pop(which % len(live)))
+        except ContextOverflow:
+            pass  # a full static pool refuses; accounting must still hold
+        llm.check_integrity()
+    for seq in live:
+        r.release(seq)
+    llm.check_integrity()
+    stats = llm.kv_stats()
+    assert stats.pages_in_use == 0 and stats.pages_used == stats.pages_cached
