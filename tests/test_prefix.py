@@ -238,3 +238,47 @@ def test_integrity_under_random_workloads(tiny_path, ops, spec):
     llm.check_integrity()
     stats = llm.kv_stats()
     assert stats.pages_in_use == 0 and stats.pages_used == stats.pages_cached
+
+
+# -- chat sessions -----------------------------------------------------------------------------
+def test_sessions_share_the_system_prompt_and_resume_in_another_process(tiny_path, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    llm = LLM(tiny_path, kv="dynamic,page_size=4")
+    system = " ".join(f"t{i}" for i in range(10, 40))
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    a = llm.chat_session(system=system)
+    a.send("t5 t6 t7", greedy)
+    b = llm.chat_session(system=system)
+    rb = b.send("t8 t9", greedy)
+    assert rb.cached_tokens >= 31  # "<system> t10 .. t39" came from session a's pages
+    assert a.cached_tokens > rb.cached_tokens  # a's whole conversation is still cached
+    path = tmp_path / "session.kv"
+    assert a.save(str(path)) > 0
+    code = (
+        "import json, sys; from kvcache import LLM, SamplingParams\n"
+        f"llm = LLM({tiny_path!r}, kv='dynamic,page_size=4')\n"
+        f"s = llm.chat_session(resume={str(path)!r})\n"
+        "r = s.send('t11 t12', SamplingParams(max_tokens=6, ignore_eos=True))\n"
+        "print(json.dumps([r.cached_tokens, len(r.prompt_token_ids), r.token_ids, len(s.messages)]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    cached, prompt_len, tokens, n_messages = json.loads(out.stdout.strip().splitlines()[-1])
+    here = a.send("t11 t12", greedy)
+    assert tokens == here.token_ids and n_messages == len(a.messages) == 5
+    assert cached >= prompt_len - 12  # the saved conversation was loaded, not recomputed
+    llm.check_integrity()
+
+
+def test_resuming_a_prompt_cache_file_as_a_session_is_refused(tiny_path, tmp_path):
+    from kvcache.errors import InvalidParams
+
+    llm = LLM(tiny_path, kv="dynamic,page_size=4")
+    llm.save_cache(str(tmp_path / "p.kv"), SYSTEM)
+    with pytest.raises(InvalidParams, match="prompt cache, not a saved chat session"):
+        llm.chat_session(resume=str(tmp_path / "p.kv"))
+    with pytest.raises(InvalidParams, match="nothing to save"):
+        llm.chat_session().save(str(tmp_path / "empty.kv"))

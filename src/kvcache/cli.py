@@ -25,6 +25,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all available cores)")
 
 
+def _add_prefix_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="do not keep finished requests' K/V for reuse by later prompts")
+    p.add_argument("--prefix-dir", default=None, metavar="DIR",
+                   help="disk tier of the prefix cache: pages are written here and restored by later runs")
+    p.add_argument("--redis", default=None, metavar="URL",
+                   help="Redis tier of the prefix cache (redis://host:port/db), shared by several processes")
+    p.add_argument("--prefix-tokens", type=int, default=16384, metavar="N",
+                   help="tokens of finished requests kept in RAM for reuse (default 16384)")
+
+
 def _add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
     p.add_argument("--max-new-tokens", "-n", type=int, default=max_new, help=f"tokens to generate (default {max_new})")
     p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 is greedy (default 0)")
@@ -48,8 +59,14 @@ def _load(args: argparse.Namespace):  # -> LLM
     from kvcache.config import parse_kv_spec
     from kvcache.engine.llm import LLM
 
+    from kvcache.prefix.config import PrefixConfig
+
     parse_kv_spec(args.kv)  # refuse a bad spec before the model loads
-    return LLM(args.model, kv=args.kv, threads=args.threads)
+    prefix = PrefixConfig(enabled=not getattr(args, "no_prefix_cache", False),
+                          max_cached_tokens=getattr(args, "prefix_tokens", 16384),
+                          disk=getattr(args, "prefix_dir", None), redis=getattr(args, "redis", None))
+    llm = LLM(args.model, kv=args.kv, threads=args.threads, prefix=prefix)
+    return llm
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -63,8 +80,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     r = run.result
+    llm.flush()  # pages bound for the disk/Redis tiers are written before the process ends
+    reused = f" ({r.cached_tokens} reused)" if r.cached_tokens else ""
     print(
-        f"[{llm.model_name} · kv={llm.cache_config.spec()}] prompt {len(r.prompt_token_ids)} tokens · "
+        f"[{llm.model_name} · kv={llm.cache_config.spec()}] prompt {len(r.prompt_token_ids)} tokens{reused} · "
         f"new {len(r.token_ids)} tokens · TTFT {r.prefill_s * 1000:.0f} ms · {r.decode_tok_s:.1f} tok/s · "
         f"KV {human_bytes(r.kv_bytes)} · finish {r.finish_reason}",
         file=sys.stderr,
@@ -112,7 +131,9 @@ def cmd_cache_prompt(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     params = _params(args)
     llm = _load(args)
-    session = llm.chat_session(system=args.system)
+    session = llm.chat_session(system=args.system, resume=args.resume)
+    if args.resume:
+        print(f"(resumed {len(session.messages)} messages from {args.resume})", file=sys.stderr)
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"kvcache chat · {llm.model_name} · kv={llm.cache_config.spec()} · /reset to start over, /exit to leave")
@@ -147,7 +168,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
             f"new {len(r.token_ids)} · {r.decode_tok_s:.1f} tok/s]",
             file=sys.stderr,
         )
+    if args.save and session.messages:
+        size = session.save(args.save)
+        print(f"(saved {len(session.messages)} messages and their KV cache to {args.save}, {human_bytes(size)})",
+              file=sys.stderr)
     session.close()
+    llm.flush()
     return 0
 
 
@@ -167,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("prompt", nargs="?", default=None, help="prompt text (default: a short question, with --chat)")
     _add_model_args(g)
+    _add_prefix_args(g)
     _add_sampling_args(g, 128)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--stats", action="store_true", help="print the KV cache's memory accounting, per layer")
@@ -182,8 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("chat", help="multi-turn chat that reuses its KV cache between turns")
     _add_model_args(c)
+    _add_prefix_args(c)
     _add_sampling_args(c, 256)
     c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("--save", default=None, metavar="FILE",
+                   help="at the end, save the conversation and its KV cache to FILE")
+    c.add_argument("--resume", default=None, metavar="FILE",
+                   help="continue a conversation saved with --save (its KV cache is loaded, not recomputed)")
     c.set_defaults(func=cmd_chat)
 
     m = sub.add_parser("models", help="list the bundled and converted models")
