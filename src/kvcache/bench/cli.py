@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvcache.errors import InvalidParams
 
-SUITES = ("decode", "context", "growth")
+SUITES = ("decode", "context", "growth", "prefix")
 
 DEFAULT_SPECS = "dynamic,fp16,int8,int4,sink"
 QUICK_SPECS = "dynamic,static"
@@ -38,6 +38,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--max-context", type=int, default=None,
                    help=f"growth: tokens to grow the caches to (default {DEFAULT_MAX_CONTEXT}, "
                         f"--quick {QUICK_MAX_CONTEXT})")
+    b.add_argument("--system-tokens", type=int, default=None,
+                   help="prefix: tokens of the shared system prompt (default 2000, --quick 256)")
+    b.add_argument("--redis", default=None, metavar="URL",
+                   help="prefix: Redis to use for the Redis tier (default: start a local redis-server if installed)")
     b.add_argument("--threads", type=int, default=None, help="torch threads for every system")
     b.add_argument("--quick", action="store_true",
                    help="a short run: decode 32 tokens, 1 repeat; context 256,1024 with 16 tokens, 1 repeat, "
@@ -51,8 +55,9 @@ OPTIONS = {
     "decode": ("new_tokens", "repeats", "kv", "peers"),
     "context": ("new_tokens", "repeats", "kv", "contexts"),
     "growth": ("repeats", "max_context"),
+    "prefix": ("repeats", "system_tokens", "redis", "new_tokens"),
 }
-_FLAGS = ("new_tokens", "repeats", "kv", "peers", "contexts", "max_context")
+_FLAGS = ("new_tokens", "repeats", "kv", "peers", "contexts", "max_context", "system_tokens", "redis")
 
 
 def _refuse_foreign(args: argparse.Namespace) -> None:
@@ -71,6 +76,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_context(args)
     if args.suite == "growth":
         return cmd_growth(args)
+    if args.suite == "prefix":
+        from kvcache.bench.cli_prefix import cmd_prefix
+
+        return cmd_prefix(args)
     return cmd_decode(args)
 
 
