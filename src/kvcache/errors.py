@@ -24,5 +24,9 @@ class ContextOverflow(KVCacheError):
     """A prompt (plus requested tokens) does not fit the model context or the cache capacity."""
 
 
+class CacheFull(ContextOverflow):
+    """The KV pool has no free page left and nothing evictable (every page is referenced)."""
+
+
 class InvalidParams(KVCacheError):
     """A sampling or cache parameter is out of range."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable
 
-from kvcache.errors import ContextOverflow
+from kvcache.errors import CacheFull
 
 
 class PageAllocator:
@@ -44,7 +44,7 @@ class PageAllocator:
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free pages (lowest ids first), each with ref count 1."""
         if n > len(self._free):
-            raise ContextOverflow(
+            raise CacheFull(
                 f"KV cache is full: need {n} more pages, {len(self._free)} free of {self.total}"
             )
         pages = [heapq.heappop(self._free) for _ in range(n)]

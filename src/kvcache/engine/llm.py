@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator, Sequence
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import torch
 
@@ -21,6 +21,9 @@ from kvcache.models.registry import build_model
 from kvcache.models.tokenizer import Tokenizer
 from kvcache.prefix.cache import PrefixStats
 from kvcache.prefix.config import PrefixConfig, parse_prefix
+
+if TYPE_CHECKING:
+    from kvcache.engine.scheduler import SchedulerConfig
 
 Prompt = Union[str, list[int]]
 Messages = list[dict[str, str]]
@@ -100,12 +103,55 @@ class LLM:
         instead of computed. ``salt`` separates tenants in the prefix cache."""
         params = params or SamplingParams()
         batch = _as_batch(prompts)
+        if len(batch) > 1 and prompt_cache is None:
+            return self.generate_batch(batch, params, chat, salt)
         outs = []
         for prompt in batch:
             run = self.request(prompt, params, chat, prompt_cache, salt)
             for _ in run:
                 pass
             outs.append(run.result)
+        return outs
+
+    def generate_batch(
+        self,
+        prompts: Sequence[Prompt | Messages],
+        params: SamplingParams | Sequence[SamplingParams],
+        chat: bool = False,
+        salt: str | None = None,
+        scheduler: "SchedulerConfig | None" = None,
+    ) -> list[RequestOutput]:
+        """Run all prompts together with continuous batching (one forward serves every running
+        request; prompts prefill in chunks). ``params`` may differ per prompt."""
+        from kvcache.engine.scheduler import Request, Scheduler, SchedulerConfig
+
+        per = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(per) != len(prompts):
+            raise InvalidParams(f"{len(per)} sampling params for {len(prompts)} prompts")
+        sched = Scheduler(self.runner, self.tokenizer, scheduler or SchedulerConfig(max_running=len(prompts)))
+        reqs = []
+        for i, (prompt, p) in enumerate(zip(prompts, per)):
+            req = Request(str(i), self.encode(prompt, chat), p, salt=salt,
+                          prompt=prompt if isinstance(prompt, str) else None)
+            sched.add(req)
+            reqs.append(req)
+        try:
+            while sched.has_work:
+                sched.step()
+        finally:
+            for req in reqs:
+                sched.abort(req.request_id)  # pages of anything left behind by an error go back
+        failed = [r for r in reqs if r.error]
+        if failed:
+            from kvcache.errors import CacheFull
+
+            raise CacheFull(f"request {failed[0].request_id}: {failed[0].error}")
+        stats = self.runner.stats()
+        outs = []
+        for req in reqs:
+            out = req.output()
+            out.kv_stats = stats
+            outs.append(out)
         return outs
 
     def stream(

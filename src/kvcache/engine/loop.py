@@ -1,0 +1,113 @@
+"""EngineLoop: the scheduler on its own thread, for servers and concurrent callers.
+
+Callers on any thread ``submit`` requests and ``abort`` them; the loop thread drains those
+commands between steps, runs ``Scheduler.step`` while there is work and sleeps when there is none.
+Deltas and completions are delivered by callbacks on the loop thread (a server hands them to its
+event loop with ``call_soon_threadsafe``). ``call`` runs a function on the loop thread between
+steps (statistics, integrity checks) and returns its result.
+
+Locking: one lock guards the inbox; the scheduler, runner and cache are touched only by the loop
+thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from kvcache.engine.scheduler import Request, Scheduler
+
+
+class EngineLoop:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self._inbox: list[tuple[str, Any]] = []
+        self._cv = threading.Condition()
+        self._stop = False
+        self._done: dict[str, Callable[[Request], None]] = {}
+        self.step_s = 0.0  # time spent in steps (busy time)
+        self._thread = threading.Thread(target=self._run, name="kvcache-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: Request, on_done: Callable[[Request], None]) -> None:
+        """Queue ``req``; ``on_done(req)`` runs on the loop thread when it finishes, fails (see
+        ``req.error``) or is refused at admission."""
+        self._post("add", (req, on_done))
+
+    def abort(self, request_id: str) -> None:
+        self._post("abort", request_id)
+
+    def call(self, fn: Callable[[], Any], timeout: float | None = 60) -> Any:
+        """Run ``fn`` on the loop thread between steps and return its result."""
+        fut: Future = Future()
+        self._post("call", (fn, fut))
+        return fut.result(timeout)
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    def _post(self, kind: str, payload: Any) -> None:
+        with self._cv:
+            self._inbox.append((kind, payload))
+            self._cv.notify()
+
+    def _run(self) -> None:
+        sched = self.scheduler
+        while True:
+            with self._cv:
+                while not self._inbox and not sched.has_work and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                inbox, self._inbox = self._inbox, []
+            for kind, payload in inbox:
+                self._handle(kind, payload)
+            if sched.has_work:
+                t0 = time.perf_counter()
+                try:
+                    finished = sched.step()
+                except Exception as e:  # a bug must not hang every client: fail what is running
+                    finished = self._fail_all(f"internal error: {type(e).__name__}: {e}")
+                self.step_s += time.perf_counter() - t0
+                for req in finished:
+                    self._finish(req)
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        sched = self.scheduler
+        if kind == "add":
+            req, on_done = payload
+            try:
+                sched.add(req)
+                self._done[req.request_id] = on_done
+            except Exception as e:
+                req.error = str(e)
+                on_done(req)
+        elif kind == "abort":
+            if sched.abort(payload):
+                self._done.pop(payload, None)  # not reported: its client is gone
+        elif kind == "call":
+            fn, fut = payload
+            try:
+                fut.set_result(fn())
+            except Exception as e:
+                fut.set_exception(e)
+
+    def _finish(self, req: Request) -> None:
+        cb = self._done.pop(req.request_id, None)
+        if cb is not None:
+            cb(req)
+
+    def _fail_all(self, message: str) -> list[Request]:
+        sched = self.scheduler
+        failed = []
+        for req in list(sched.running) + list(sched.waiting):
+            sched.abort(req.request_id)
+            req.error = message
+            failed.append(req)
+        return failed

@@ -1,0 +1,275 @@
+"""Scheduler: continuous batching over the paged cache.
+
+Every ``step`` runs one model forward over a batch of sequences of different lengths:
+
+1. waiting requests are admitted (FIFO, or by priority) while fewer than ``max_running`` are
+   served and the pool has room; each sample's sequence starts from the prefix cache;
+2. the batch is planned: every decoding sample feeds its last token, then samples still
+   prefilling feed a chunk of their prompt, so at most ``max_batch_tokens`` tokens go into one
+   forward and a long prompt never stalls the others' decoding (chunked prefill);
+3. when the pool runs out of pages, the latest-admitted, lowest-priority request is preempted: its
+   pages go to the prefix index (still reusable, evictable under pressure) and it waits again at
+   its original place in the queue; resumed, it refills from the index or recomputes;
+4. samples whose feed is done get their next token sampled; a request's first completed prefill
+   forks its ``n`` samples (shared pages).
+
+Each sample has a ``feed``: the tokens whose K/V must be computed before it can sample again
+(the prompt after the cached prefix; then its last sampled token). A preempted sample's feed is
+its prompt and generated tokens after whatever prefix is still cached.
+
+Locking: none; one thread calls add/abort/step (EngineLoop serialises callers).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcache.engine.generate import Delta
+from kvcache.engine.params import CompletionOutput, RequestOutput, SamplingParams
+from kvcache.engine.runner import ModelRunner, Seq
+from kvcache.engine.sampler import make_generator, sample
+from kvcache.engine.stops import TextTracker
+from kvcache.errors import CacheFull, ContextOverflow, InvalidParams
+from kvcache.models.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_tokens: int = 256  # tokens per forward: decodes first, then prefill chunks
+    max_running: int = 32  # requests served at once
+    policy: str = "fifo"  # fifo | priority (higher first, then arrival)
+
+    def __post_init__(self) -> None:
+        if self.max_batch_tokens < 1 or self.max_running < 1:
+            raise InvalidParams("max_batch_tokens and max_running must be at least 1")
+        if self.policy not in ("fifo", "priority"):
+            raise InvalidParams(f"unknown scheduling policy {self.policy!r}: fifo or priority")
+
+
+class Sample:
+    __slots__ = ("index", "seq", "feed", "tokens", "text", "gen", "reason")
+
+    def __init__(self, index: int, text: TextTracker, gen: torch.Generator | None) -> None:
+        self.index = index
+        self.seq: Seq | None = None
+        self.feed: list[int] = []
+        self.tokens: list[int] = []
+        self.text = text
+        self.gen = gen
+        self.reason: str | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    salt: str | None = None
+    priority: int = 0
+    on_delta: Callable[[Delta], None] | None = None  # called on the engine thread
+    prompt: str | None = None
+    samples: list[Sample] = field(default_factory=list)
+    arrival: int = 0
+    cached_tokens: int = -1  # prompt tokens reused at first admission (-1: not admitted yet)
+    preemptions: int = 0
+    error: str | None = None  # set when the request could not be served
+    t_arrival: float = 0.0
+    t_first: float = 0.0
+    t_end: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or (bool(self.samples) and all(s.reason for s in self.samples))
+
+    def output(self) -> RequestOutput:
+        outs = [CompletionOutput(s.index, s.text.text, list(s.tokens), s.reason or "abort") for s in self.samples]
+        r = RequestOutput(prompt=self.prompt, prompt_token_ids=self.prompt_ids, outputs=outs,
+                          cached_tokens=max(0, self.cached_tokens))
+        r.prefill_s = max(0.0, self.t_first - self.t_arrival) if self.t_first else 0.0
+        r.decode_s = max(0.0, self.t_end - self.t_first) if self.t_first else 0.0
+        r.metrics = {"preemptions": self.preemptions}
+        return r
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: SchedulerConfig | None = None) -> None:
+        self.runner, self.tokenizer = runner, tokenizer
+        self.config = config or SchedulerConfig()
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.eos = set(tokenizer.eos_token_ids) | set(runner.config.eos_token_ids)
+        self._arrivals = itertools.count()
+        self.preemptions = 0
+        self.steps = 0
+
+    # -- requests --------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        """Queue a request; a prompt that cannot fit the context is refused here."""
+        if not req.prompt_ids:
+            raise ContextOverflow("the prompt is empty: give at least one token")
+        if len(req.prompt_ids) >= self.runner.capacity:
+            raise ContextOverflow(f"prompt of {len(req.prompt_ids)} tokens does not fit the context of "
+                                  f"{self.runner.capacity} tokens (it needs room for at least one new token)")
+        req.arrival = next(self._arrivals)
+        req.t_arrival = req.t_arrival or time.perf_counter()
+        p = req.params
+        req.samples = [Sample(0, TextTracker(self.tokenizer, p.stop), make_generator(p, 0))]
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and give back its pages; False if it is unknown or finished."""
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    self._drop_pages(req)
+                    for s in req.samples:
+                        s.reason = s.reason or "abort"
+                    req.t_end = time.perf_counter()
+                    return True
+        return False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ---------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Admit, run one forward, sample; returns the requests that finished in this step."""
+        done: list[Request] = []
+        self._admit(done)
+        batch = self._plan()
+        while batch:
+            try:
+                logits = self.runner.step([s.seq for _, s, _ in batch], [s.feed[:n] for _, s, n in batch])  # type: ignore[misc]
+                break
+            except CacheFull as e:
+                victim = self._victim()
+                if victim is None or len(self.running) == 1:
+                    victim = victim or self.running[0]
+                    self._fail(victim, f"{e}; the request needs more KV pages than the pool holds", done)
+                else:
+                    self._preempt(victim)
+                batch = [b for b in batch if b[0] in self.running]
+        else:
+            return done
+        self.steps += 1
+        for row, (req, s, n) in enumerate(batch):
+            del s.feed[:n]
+            if not s.feed:
+                self._sampled(req, s, logits[row])
+            if req.finished and req in self.running:
+                self.running.remove(req)
+                req.t_end = time.perf_counter()
+                done.append(req)
+        return done
+
+    def _order(self, reqs: list[Request]) -> list[Request]:
+        if self.config.policy == "priority":
+            return sorted(reqs, key=lambda r: (-r.priority, r.arrival))
+        return sorted(reqs, key=lambda r: r.arrival)
+
+    def _admit(self, done: list[Request]) -> None:
+        self.waiting = self._order(self.waiting)
+        while self.waiting and len(self.running) < self.config.max_running:
+            req = self.waiting[0]
+            if self.running and not self._room_for(req):
+                break
+            self.waiting.pop(0)
+            for s in req.samples:
+                if s.reason is None:
+                    full = req.prompt_ids + s.tokens
+                    s.seq = self.runner.lookup(full, req.salt)
+                    s.feed = full[len(s.seq.tokens):]
+            if req.cached_tokens < 0:
+                req.cached_tokens = len(req.samples[0].seq.tokens)  # type: ignore[union-attr]
+            self.running.append(req)
+
+    def _room_for(self, req: Request) -> bool:
+        """Whether a static pool has the pages for the request's first prefill (a dynamic pool
+        grows; pages the prefix index could evict count as room)."""
+        cache = self.runner.cache
+        if cache is None or cache.config.capacity != "static":
+            return True
+        need = -(-len(req.prompt_ids) // cache.page_size) + 1
+        cached = self.runner.prefix.cached_pages(0) if self.runner.prefix is not None else 0
+        return cache.allocators[0].num_free + cached >= need
+
+    def _plan(self) -> list[tuple[Request, Sample, int]]:
+        budget = self.config.max_batch_tokens
+        batch: list[tuple[Request, Sample, int]] = []
+        for req in self.running:  # decodes first: one token each
+            for s in req.samples:
+                if s.reason is None and s.tokens and len(s.feed) == 1 and budget > 0:
+                    batch.append((req, s, 1))
+                    budget -= 1
+        for req in self.running:  # then prefill chunks, in admission order
+            for s in req.samples:
+                if s.reason is None and s.feed and not (s.tokens and len(s.feed) == 1) and budget > 0:
+                    n = min(len(s.feed), budget)
+                    batch.append((req, s, n))
+                    budget -= n
+        return batch
+
+    def _sampled(self, req: Request, s: Sample, logits: torch.Tensor) -> None:
+        p = req.params
+        group = [s]
+        if not s.tokens and len(req.samples) == 1 and p.n > 1:  # the prompt is in: fork the samples
+            for i in range(1, p.n):
+                twin = Sample(i, TextTracker(self.tokenizer, p.stop), make_generator(p, i))
+                twin.seq = self.runner.fork(s.seq)  # type: ignore[arg-type]
+                req.samples.append(twin)
+                group.append(twin)
+        if not req.t_first:
+            req.t_first = time.perf_counter()
+        for x in group:
+            tok = sample(logits, p, x.gen)
+            x.tokens.append(tok)
+            if tok in self.eos and not p.ignore_eos:
+                x.tokens.pop()
+                x.reason = "stop"
+            elif x.text.add(tok):
+                x.reason = "stop"
+            elif len(x.tokens) >= p.max_tokens or len(req.prompt_ids) + len(x.tokens) >= self.runner.capacity:
+                x.reason = "length"
+            piece = x.text.pending(final=x.reason is not None)
+            if req.on_delta is not None and (piece or x.reason is not None):
+                req.on_delta(Delta(x.index, piece, tok, x.reason))
+            if x.reason is None:
+                x.feed = [tok]
+            elif x.seq is not None:
+                self.runner.release(x.seq, req.salt)
+                x.seq = None
+
+    # -- pressure ---------------------------------------------------------------------------------
+    def _victim(self) -> Request | None:
+        """The running request to preempt: lowest priority, then latest arrival."""
+        if len(self.running) < 2:
+            return None
+        return max(self.running, key=lambda r: (-r.priority, r.arrival))
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._drop_pages(req)
+        req.preemptions += 1
+        self.preemptions += 1
+        self.waiting.append(req)
+
+    def _drop_pages(self, req: Request) -> None:
+        for s in req.samples:
+            if s.seq is not None:
+                self.runner.release(s.seq, req.salt)  # computed K/V stay reusable in the index
+                s.seq = None
+            s.feed = []
+
+    def _fail(self, req: Request, message: str, done: list[Request]) -> None:
+        self.running.remove(req)
+        self._drop_pages(req)
+        req.error = message
+        req.t_end = time.perf_counter()
+        done.append(req)
