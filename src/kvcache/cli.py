@@ -1,4 +1,4 @@
-"""The ``kvcache`` console command: generate, chat, cache-prompt, models, bench, size, eval, inspect."""
+"""The ``kvcache`` console command: generate, chat, cache-prompt, serve, models, bench, size, eval, inspect."""
 
 from __future__ import annotations
 
@@ -220,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("models", help="list the bundled and converted models")
     m.set_defaults(func=cmd_models)
+
+    from kvcache.server.cli import add_serve_parser
+
+    add_serve_parser(sub, _add_model_args, _add_prefix_args)
 
     from kvcache.bench.cli import add_bench_parser
     from kvcache.eval.cli import add_eval_parser

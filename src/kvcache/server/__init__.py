@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: ``kvcache serve`` (FastAPI on uvicorn) over the engine loop."""

@@ -1,0 +1,50 @@
+"""``kvcache serve``: the OpenAI-compatible server on uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from kvcache.errors import InvalidParams
+
+
+def add_serve_parser(sub: argparse._SubParsersAction, add_model_args, add_prefix_args) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible server (completions, chat, streaming, metrics)")
+    add_model_args(s)
+    add_prefix_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (repeatable: one tenant per key, each with its own "
+                        "prefix-cache salt); also read from KVCACHE_API_KEY")
+    s.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
+    s.add_argument("--max-batch-tokens", type=int, default=256,
+                   help="tokens per forward: decodes first, then prompt chunks (default 256)")
+    s.add_argument("--max-running", type=int, default=32, help="requests served at once (default 32)")
+    s.add_argument("--policy", choices=("fifo", "priority"), default="fifo",
+                   help="admission order (priority: the request's 'priority' field, higher first)")
+    s.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    s.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if not 0 < args.port < 65536:
+        raise InvalidParams(f"--port must be between 1 and 65535, got {args.port}")
+    from kvcache.engine.scheduler import SchedulerConfig
+
+    sched = SchedulerConfig(max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
+                            policy=args.policy)  # refuse bad values before the model loads
+    keys = tuple(args.api_key) + ((os.environ["KVCACHE_API_KEY"],) if os.environ.get("KVCACHE_API_KEY") else ())
+    import uvicorn
+
+    from kvcache.cli import _load
+    from kvcache.server.app import build_app
+
+    llm = _load(args)
+    app = build_app(llm, args.served_model_name, keys, sched)
+    name = app.state.kv.model_name
+    print(f"kvcache serve · model {name!r} · kv={llm.cache_config.spec()} · http://{args.host}:{args.port}/v1"
+          + (f" · {len(keys)} API key(s)" if keys else ""), file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
