@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvcache.errors import InvalidParams
 
-SUITES = ("decode", "context", "growth", "prefix")
+SUITES = ("decode", "context", "growth", "prefix", "throughput")
 
 DEFAULT_SPECS = "dynamic,fp16,int8,int4,sink"
 QUICK_SPECS = "dynamic,static"
@@ -32,7 +32,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         f"context {DEFAULT_SPECS}); in context, key=value items belong to the spec before "
                         "them (int8,sinks=4,window=1024 is one spec) and ';' separates specs explicitly")
     b.add_argument("--peers", default=None,
-                   help="decode: transformers caches to run: none,dynamic,static (default dynamic,static; '' skips)")
+                   help="decode: transformers caches to run: none,dynamic,static (default dynamic,static; '' skips); "
+                        "throughput: sequential,padded,generate_batch (default all)")
     b.add_argument("--contexts", default=None,
                    help="context: prompt lengths in tokens, comma-separated (default 512,2048,8000)")
     b.add_argument("--max-context", type=int, default=None,
@@ -42,6 +43,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="prefix: tokens of the shared system prompt (default 2000, --quick 256)")
     b.add_argument("--redis", default=None, metavar="URL",
                    help="prefix: Redis to use for the Redis tier (default: start a local redis-server if installed)")
+    b.add_argument("--requests", type=int, default=None,
+                   help="throughput: requests arriving at once (default 32, --quick 8)")
     b.add_argument("--threads", type=int, default=None, help="torch threads for every system")
     b.add_argument("--quick", action="store_true",
                    help="a short run: decode 32 tokens, 1 repeat; context 256,1024 with 16 tokens, 1 repeat, "
@@ -56,8 +59,9 @@ OPTIONS = {
     "context": ("new_tokens", "repeats", "kv", "contexts"),
     "growth": ("repeats", "max_context"),
     "prefix": ("repeats", "system_tokens", "redis", "new_tokens"),
+    "throughput": ("requests", "new_tokens", "peers", "kv"),
 }
-_FLAGS = ("new_tokens", "repeats", "kv", "peers", "contexts", "max_context", "system_tokens", "redis")
+_FLAGS = ("new_tokens", "repeats", "kv", "peers", "contexts", "max_context", "system_tokens", "redis", "requests")
 
 
 def _refuse_foreign(args: argparse.Namespace) -> None:
@@ -76,6 +80,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_context(args)
     if args.suite == "growth":
         return cmd_growth(args)
+    if args.suite == "throughput":
+        from kvcache.bench.cli_throughput import cmd_throughput
+
+        return cmd_throughput(args)
     if args.suite == "prefix":
         from kvcache.bench.cli_prefix import cmd_prefix
 

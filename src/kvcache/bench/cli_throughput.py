@@ -1,0 +1,74 @@
+"""``kvcache bench throughput``: many requests at once, kvcache's continuous batching against
+transformers (one at a time, a padded batch, generate_batch)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvcache.errors import InvalidParams
+
+PEERS = ("sequential", "padded", "generate_batch")
+
+
+def cmd_throughput(args: argparse.Namespace) -> int:
+    quick = args.quick
+    count = args.requests if args.requests is not None else (8 if quick else 32)
+    new = args.new_tokens if args.new_tokens is not None else (32 if quick else 128)
+    lo, hi = (32, 128) if quick else (128, 512)
+    peers = [p for p in (args.peers if args.peers is not None else ",".join(PEERS)).split(",") if p]
+    for p in peers:
+        if p not in PEERS:
+            raise InvalidParams(f"unknown transformers mode {p!r}; choose from {', '.join(PEERS)}")
+    if count < 1 or new < 2:
+        raise InvalidParams("--requests must be at least 1 and --new-tokens at least 2")
+
+    from tqdm import tqdm
+
+    import torch
+
+    from kvcache.bench.cli import _fmt, _meta
+    from kvcache.bench.throughput import (
+        bench_hf_generate_batch, bench_hf_padded, bench_hf_sequential, bench_kvcache, make_prompts, ratios, _hf_model,
+    )
+    from kvcache.engine.llm import LLM
+    from kvcache.engine.scheduler import SchedulerConfig
+    from kvcache.models.loading import resolve_model
+
+    llm = LLM(args.model, kv=args.kv or "dynamic", threads=args.threads)
+    prompts = make_prompts(llm, count, lo, hi)
+    bar = tqdm(total=1 + (count if "sequential" in peers else 0) + len([p for p in peers if p != "sequential"]),
+               desc="bench throughput", file=sys.stderr)
+    rows = [bench_kvcache(llm, prompts, new, SchedulerConfig(max_batch_tokens=512, max_running=count))]
+    bar.update()
+    if peers:
+        model = _hf_model(str(resolve_model(args.model).path))
+        runs = {"sequential": bench_hf_sequential, "padded": bench_hf_padded, "generate_batch": bench_hf_generate_batch}
+        for p in peers:
+            rows.append(runs[p](model, prompts, new, bar.update))
+    bar.close()
+    results = [r.summary() for r in rows]
+    ratio = ratios(results)
+    print(f"\nthroughput: {llm.model_name}, {count} requests arriving at once, prompts of {lo}-{hi} tokens of English "
+          f"text, {new} new tokens each (EOS ignored), fp32, {torch.get_num_threads()} threads")
+    print(f"{'system':<38} {'tok/s':>7} {'wall s':>7} {'TTFT p50 s':>10} {'TTFT p99 s':>10} "
+          f"{'TPOT p50 ms':>11} {'TPOT p99 ms':>11}")
+    for r in results:
+        if r["tok_s"] is None:
+            print(f"{r['system']:<38} {r['note']}")
+            continue
+        print(f"{r['system']:<38} {r['tok_s']:>7.1f} {r['wall_s']:>7.1f} {_fmt(r['ttft_p50_s'], '.2f'):>10} "
+              f"{_fmt(r['ttft_p99_s'], '.2f'):>10} {_fmt(r['tpot_p50_ms']):>11} {_fmt(r['tpot_p99_ms']):>11}"
+              + (f"  ({r['note']})" if r["note"] else ""))
+    parts = []
+    if ratio["vs_sequential"]:
+        parts.append(f"kvcache vs one at a time {ratio['vs_sequential']:.1f}x (goal 5x)")
+    if ratio["vs_best_batched"]:
+        parts.append(f"vs transformers' best batched mode {ratio['vs_best_batched']:.2f}x (goal 1.5x)")
+    print("; ".join(parts))
+    if args.json:
+        meta = _meta(model=llm.model_name, requests=count, new_tokens=new, prompt_tokens=[lo, hi], kv=args.kv)
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": results, "ratios": ratio}, indent=2))
+    return 0

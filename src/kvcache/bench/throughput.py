@@ -1,0 +1,183 @@
+"""Throughput benchmark: many requests at once, kvcache's continuous batching against transformers.
+
+Same prompts (distinct slices of real English text, lengths spread evenly over a range), same fp32
+weights, same number of new tokens per request (EOS ignored), same thread count. Systems:
+
+- kvcache: every request submitted at t0, served by the scheduler (continuous batching, chunked
+  prefill over the paged cache);
+- transformers ``generate`` one request at a time;
+- transformers ``generate`` on one left-padded batch of all requests;
+- transformers ``generate_batch`` (its own continuous batching), when it runs here.
+
+Output throughput = all new tokens / wall time. TTFT is measured from t0 (the arrival of every
+request), time per output token per request after its first; p50 and p99 over requests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcache.engine.llm import LLM
+from kvcache.engine.params import SamplingParams
+from kvcache.engine.scheduler import SchedulerConfig
+
+
+@dataclass
+class Result:
+    system: str
+    wall_s: float = 0.0
+    new_tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+    note: str = ""
+
+    def summary(self) -> dict[str, object]:
+        def pct(xs: list[float], q: float) -> float | None:
+            if not xs:
+                return None
+            xs = sorted(xs)
+            return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+        return {"system": self.system, "wall_s": self.wall_s or None, "new_tokens": self.new_tokens,
+                "tok_s": self.new_tokens / self.wall_s if self.wall_s else None,
+                "ttft_p50_s": pct(self.ttft_s, 0.5), "ttft_p99_s": pct(self.ttft_s, 0.99),
+                "tpot_p50_ms": None if not self.tpot_s else pct(self.tpot_s, 0.5) * 1000,  # type: ignore[operator]
+                "tpot_p99_ms": None if not self.tpot_s else pct(self.tpot_s, 0.99) * 1000,  # type: ignore[operator]
+                "note": self.note}
+
+
+def make_prompts(llm: LLM, count: int, shortest: int, longest: int) -> list[list[int]]:
+    """``count`` prompts of token ids, lengths spread evenly from ``shortest`` to ``longest``, each
+    a different slice of the built-in English text (no shared prefixes)."""
+    from kvcache.eval.fidelity import builtin_text
+
+    ids = llm.tokenizer.encode(builtin_text())
+    out, at = [], 0
+    for i in range(count):
+        n = shortest + (longest - shortest) * i // max(1, count - 1)
+        if at + n > len(ids):
+            at = 0
+        out.append(ids[at : at + n])
+        at += n + 7
+    return out
+
+
+def bench_kvcache(llm: LLM, prompts: list[list[int]], new: int, config: SchedulerConfig) -> Result:
+    res = Result("kvcache continuous batching")
+    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    llm.generate_batch([p[:8] for p in prompts[:2]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    llm.clear_prefix_cache()
+    t0 = time.perf_counter()
+    outs = llm.generate_batch(prompts, params, scheduler=config)
+    res.wall_s = time.perf_counter() - t0
+    for o in outs:
+        res.new_tokens += len(o.token_ids)
+        res.ttft_s.append(o.prefill_s)
+        if len(o.token_ids) > 1:
+            res.tpot_s.append(o.decode_s / (len(o.token_ids) - 1))
+    return res
+
+
+class _Clock:
+    """A transformers streamer that records when each generation step's tokens arrive."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.calls = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls > 1:  # the first call carries the prompt
+            self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _hf_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def bench_hf_sequential(model, prompts: list[list[int]], new: int, tick: Callable[[], None]) -> Result:
+    res = Result("transformers generate, one at a time")
+    pad = model.config.eos_token_id
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for p in prompts:
+            clock = _Clock()
+            out = model.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 pad_token_id=pad, streamer=clock)
+            made = out.shape[1] - len(p)
+            res.new_tokens += made
+            res.ttft_s.append(clock.times[0] - t0)
+            if made > 1:
+                res.tpot_s.append((clock.times[-1] - clock.times[0]) / (made - 1))
+            tick()
+    res.wall_s = time.perf_counter() - t0
+    return res
+
+
+def bench_hf_padded(model, prompts: list[list[int]], new: int, tick: Callable[[], None]) -> Result:
+    res = Result("transformers generate, padded batch")
+    pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    clock = _Clock()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             pad_token_id=pad, streamer=clock)
+    res.wall_s = time.perf_counter() - t0
+    made = out.shape[1] - width
+    res.new_tokens = made * len(prompts)
+    res.ttft_s = [clock.times[0] - t0] * len(prompts)
+    if made > 1:
+        res.tpot_s = [(clock.times[-1] - clock.times[0]) / (made - 1)] * len(prompts)
+    tick()
+    return res
+
+
+def bench_hf_generate_batch(model, prompts: list[list[int]], new: int, tick: Callable[[], None]) -> Result:
+    res = Result("transformers generate_batch")
+    if not hasattr(model, "generate_batch"):
+        res.note = "this transformers has no generate_batch: skipped"
+        return res
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    try:
+        model.generate_batch([p[:8] for p in prompts[:2]], generation_config=cfg, progress_bar=False)  # warm-up
+        t0 = time.perf_counter()
+        outs = model.generate_batch(prompts, generation_config=cfg, progress_bar=False, record_timestamps=True)
+        res.wall_s = time.perf_counter() - t0
+    except Exception as e:  # it is young and CUDA-first: report, do not crash the suite
+        res.note = f"failed here: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        return res
+    for o in outs.values():
+        toks = list(o.generated_tokens)
+        res.new_tokens += len(toks)
+        stamps = list(o.timestamps or [])
+        if stamps:
+            res.ttft_s.append(stamps[0] - o.created_time)  # from the request's creation
+            if len(stamps) > 1:
+                res.tpot_s.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    tick()
+    return res
+
+
+def ratios(results: list[dict[str, object]]) -> dict[str, float | None]:
+    """kvcache's throughput against the sequential and the best batched transformers figure."""
+    tok = {str(r["system"]): r["tok_s"] for r in results}
+    ours = tok.get("kvcache continuous batching")
+    seq = tok.get("transformers generate, one at a time")
+    batched = [v for k, v in tok.items() if k.startswith("transformers") and "one at a time" not in k and v]
+    best = max(batched) if batched else None  # type: ignore[type-var]
+    return {"vs_sequential": ours / seq if ours and seq else None,  # type: ignore[operator]
+            "vs_best_batched": ours / best if ours and best else None}  # type: ignore[operator]
