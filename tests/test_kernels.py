@@ -15,7 +15,7 @@ CFG = ModelConfig(model_type="llama", vocab_size=8, hidden_size=64, intermediate
 
 
 def decode_outputs(spec: str, use_kernel: bool, monkeypatch) -> list[torch.Tensor]:
-    monkeypatch.setattr(kernels, "_LIB", None if use_kernel else False)
+    monkeypatch.setattr(kernels, "_LIBS", {} if use_kernel else {"qattn": False, "pattn": False})
     torch.manual_seed(0)
     cache = PagedKVCache(CFG, parse_kv_spec(spec))
     a, b = cache.new_sequence(), cache.new_sequence()
@@ -48,5 +48,42 @@ def test_kernel_equals_torch_path(spec, monkeypatch):
     fast = decode_outputs(spec, True, monkeypatch)
     assert calls and all(calls)  # the decode steps went through the kernel
     slow = decode_outputs(spec, False, monkeypatch)
+    for x, y in zip(fast, slow):
+        torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4)
+
+
+def batched_decode_outputs(spec: str, use_kernel: bool, monkeypatch) -> list[torch.Tensor]:
+    monkeypatch.setattr(kernels, "_LIBS", {} if use_kernel else {"qattn": False, "pattn": False})
+    torch.manual_seed(1)
+    cache = PagedKVCache(CFG, parse_kv_spec(spec))
+    seqs = [cache.new_sequence() for _ in range(3)]
+    for s, n in zip(seqs, (40, 9, 23)):  # page tables interleave
+        PagedContext(cache, [s], [n], torch.arange(n)).attend(0, torch.randn(n, 6, 32), torch.randn(n, 2, 32),
+                                                             torch.randn(n, 2, 32), 0.2)
+    outs = []
+    for _ in range(5):
+        pos = torch.tensor([s.length for s in seqs])
+        ctx = PagedContext(cache, seqs, [1, 1, 1], pos)
+        outs.append(ctx.attend(0, torch.randn(3, 6, 32), torch.randn(3, 2, 32), torch.randn(3, 2, 32), 0.2))
+    cache.check_integrity()
+    return outs
+
+
+@pytest.mark.parametrize("spec", ["dynamic,page_size=4", "static,max_tokens=64,max_seqs=3,page_size=16"])
+def test_batched_float_decode_kernel_equals_torch_path(spec, monkeypatch):
+    if kernels.pattn() is None:
+        pytest.skip("no C compiler here: the torch path is the only one")
+    calls = []
+    real = kernels.paged_decode
+
+    def counted(*args):
+        out = real(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(kernels, "paged_decode", counted)
+    fast = batched_decode_outputs(spec, True, monkeypatch)
+    assert calls and all(calls)
+    slow = batched_decode_outputs(spec, False, monkeypatch)
     for x, y in zip(fast, slow):
         torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4)

@@ -111,6 +111,18 @@ class PagedContext:
         if self.prefetcher is not None:
             self.prefetcher.start(0)
         self.write_slots = [torch.cat(s) if len(s) > 1 else (s[0] if s else None) for s in write_slots]
+        # a batch of decodes over fp32 pages with full visibility: one native call per layer reads
+        # every sequence's pages in place (no gathered copy, no per-sequence loop)
+        self.tables: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(cache.groups)
+        if (len(seqs) > 1 and all(n == 1 for n in new_tokens) and cache.config.encoding == "fp32"
+                and not cache.placement.offloaded):
+            for g in cache.groups:
+                if g.window is None and not g.sinks:
+                    width = max(len(seq.tables[g.index]) for seq in seqs)
+                    t = torch.zeros(len(seqs), width, dtype=torch.long)
+                    for b, seq in enumerate(seqs):
+                        t[b, : len(seq.tables[g.index])] = torch.tensor(seq.tables[g.index], dtype=torch.long)
+                    self.tables[g.index] = (t, torch.tensor([seq.length for seq in seqs], dtype=torch.long))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q: [N, Hq, D]; k, v: [N, Hkv, D] -> [N, Hq, D]."""
@@ -130,6 +142,14 @@ class PagedContext:
         outs = []
         if isinstance(pool, PagePool):
             pool.write(j, self.write_slots[gi], k, v)  # type: ignore[arg-type]
+            batched = self.tables[gi]
+            if batched is not None:
+                b, hq, d = q.shape
+                hkv = pool.num_kv_heads
+                o = kernels.paged_decode((q * scale).view(b, hkv, hq // hkv, d), pool.flat[j], batched[0],
+                                         batched[1], pool.page_size)
+                if o is not None:
+                    return o.view(b, hq, d)
         for i, (rows, plans, seq) in enumerate(zip(self.rows, self.plans, self.seqs)):
             plan = plans[gi]
             qq = q if single else q[rows]

@@ -1,6 +1,7 @@
 """Optional native kernels, compiled on first use with the system's C compiler.
 
-``qattn.c`` decodes attention straight from quantized pages. It is built once per machine into
+``qattn.c`` decodes attention straight from quantized pages; ``pattn.c`` decodes a batch of
+sequences straight from float32 pages through their page tables. Each is built once per machine into
 ``$KVCACHE_HOME/kernels`` (``cc -O3 -march=native -fopenmp``) and loaded with ctypes; when there
 is no compiler, the build fails, or ``KVCACHE_NO_KERNELS=1``, callers fall back to the pure torch
 path (dequantize, then attend), which gives the same result.
@@ -22,47 +23,76 @@ import torch
 
 from kvcache.models.paths import cache_home
 
-_SRC = Path(__file__).with_name("qattn.c")
-_LIB: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable
+_LIBS: dict[str, ctypes.CDLL | bool] = {}  # name -> library, or False: unavailable here
 
 
-def _build() -> Path:
-    src = _SRC.read_bytes()
+def _build(name: str) -> Path:
+    path = Path(__file__).with_name(f"{name}.c")
+    src = path.read_bytes()
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler")
     flags = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC"]
     key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine(), platform.node()]).encode()).hexdigest()[:16]
-    out = cache_home() / "kernels" / f"qattn-{key}.so"
+    out = cache_home() / "kernels" / f"{name}-{key}.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
-        subprocess.run([cc, *flags, str(_SRC), "-o", str(so), "-lm"], check=True, capture_output=True, timeout=300)
+        subprocess.run([cc, *flags, str(path), "-o", str(so), "-lm"], check=True, capture_output=True, timeout=300)
         os.replace(so, out)
     return out
 
 
-def qattn() -> ctypes.CDLL | None:
-    """The quantized decode-attention library, or None when it cannot be had here."""
-    global _LIB
-    if _LIB is None:
+def _load(name: str, symbol: str, argtypes: list) -> ctypes.CDLL | None:
+    """The compiled library ``name`` with ``symbol``'s signature set, or None when it cannot be had."""
+    if name not in _LIBS:
         if os.environ.get("KVCACHE_NO_KERNELS") == "1":
-            _LIB = False
+            _LIBS[name] = False
         else:
             try:
-                lib = ctypes.CDLL(str(_build()))
-                fn = lib.kv_quant_decode
-                i, p, i64 = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64
-                fn.argtypes = [i, i, i, i, i, i, p, p, i, p, p, p, p, p, p, i64, p, p, i, p, i]
+                lib = ctypes.CDLL(str(_build(name)))
+                fn = getattr(lib, symbol)
+                fn.argtypes = argtypes
                 fn.restype = ctypes.c_int
-                _LIB = lib
+                _LIBS[name] = lib
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                warnings.warn(f"kvcache: native quantized attention unavailable ({e}); using the torch path",
-                              stacklevel=2)
-                _LIB = False
-    return _LIB or None
+                warnings.warn(f"kvcache: native kernel {name} unavailable ({e}); using the torch path", stacklevel=3)
+                _LIBS[name] = False
+    return _LIBS[name] or None
+
+
+_I, _P, _I64 = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64
+
+
+def qattn() -> ctypes.CDLL | None:
+    """The quantized decode-attention library, or None when it cannot be had here."""
+    return _load("qattn", "kv_quant_decode",
+                 [_I, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _I, _P, _I])
+
+
+def pattn() -> ctypes.CDLL | None:
+    """The batched float32 paged decode-attention library, or None."""
+    return _load("pattn", "kv_paged_decode", [_I, _I, _I, _I, _I, _I64, _P, _P, _P, _I, _P, _P, _I])
+
+
+def paged_decode(
+    q: torch.Tensor,  # [B, Hkv, g, D] fp32 contiguous, softmax scale applied
+    flat: torch.Tensor,  # [2, Hkv, S, D] fp32 contiguous: a pool layer
+    tables: torch.Tensor,  # [B, max_pages] int64 contiguous
+    lens: torch.Tensor,  # [B] int64: tokens each query attends to (its own included)
+    page_size: int,
+) -> torch.Tensor | None:  # [B, Hkv, g, D], or None when the kernel is unavailable
+    lib = pattn()
+    if lib is None or flat.dtype != torch.float32 or not flat.is_contiguous() or flat.device.type != "cpu":
+        return None
+    b, hkv, g, d = q.shape
+    out = torch.empty(b, hkv, g, d)
+    rc = lib.kv_paged_decode(b, hkv, g, d, page_size, flat.shape[2], q.data_ptr(), flat.data_ptr(),
+                             tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(),
+                             torch.get_num_threads())
+    return out if rc == 0 else None
 
 
 def quant_decode(

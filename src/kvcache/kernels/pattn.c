@@ -1,0 +1,86 @@
+/* Batched decode attention straight from float32 KV pages: one query token per sequence, every
+ * sequence with its own page table, no gathered copy of the cache.
+ *
+ * Work items are (sequence, KV head) pairs, run in parallel (OpenMP). Each scores its g query
+ * heads against the sequence's keys page by page, takes the softmax and accumulates the value
+ * rows. Visibility is full (no window, no sinks): the caller uses this only then.
+ *
+ * Layouts (S = slots in the pool = pages * ps):
+ *   q     [B, hkv, g, D] float, already multiplied by the softmax scale
+ *   kv    [2, hkv, S, D] float (the pool layer's flat view: K then V)
+ *   tables[B, max_pages] int64 (pool page of each logical page)
+ *   lens  [B] int64 (tokens to attend to, the query's own included)
+ *   out   [B, hkv, g, D] float
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAXG 32
+
+static void one(int hkv, int g, int D, int ps, int64_t S, const float *q, const float *kv,
+                const int64_t *table, int64_t len, int h, float *out, float *scores) {
+    const float *K = kv + (int64_t)h * S * D;
+    const float *V = kv + ((int64_t)hkv + h) * S * D;
+    float m[MAXG], l[MAXG];
+    for (int i = 0; i < g; i++) m[i] = -INFINITY;
+    for (int64_t t = 0; t < len; t++) {
+        const float *k = K + (table[t / ps] * ps + t % ps) * D;
+        for (int i = 0; i < g; i++) {
+            const float *qi = q + (int64_t)i * D;
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int c = 0; c < D; c++) s += qi[c] * k[c];
+            scores[(int64_t)i * len + t] = s;
+            if (s > m[i]) m[i] = s;
+        }
+    }
+    for (int i = 0; i < g; i++) {
+        float sum = 0.f, *si = scores + (int64_t)i * len;
+        for (int64_t t = 0; t < len; t++) {
+            si[t] = expf(si[t] - m[i]);
+            sum += si[t];
+        }
+        l[i] = sum;
+    }
+    memset(out, 0, sizeof(float) * (size_t)g * D);
+    for (int64_t t = 0; t < len; t++) {
+        const float *v = V + (table[t / ps] * ps + t % ps) * D;
+        for (int i = 0; i < g; i++) {
+            const float w = scores[(int64_t)i * len + t];
+            float *o = out + (int64_t)i * D;
+#pragma omp simd
+            for (int c = 0; c < D; c++) o[c] += w * v[c];
+        }
+    }
+    for (int i = 0; i < g; i++) {
+        const float inv = 1.f / l[i];
+        for (int c = 0; c < D; c++) out[(int64_t)i * D + c] *= inv;
+    }
+}
+
+int kv_paged_decode(int B, int hkv, int g, int D, int ps, int64_t S, const float *q, const float *kv,
+                    const int64_t *tables, int max_pages, const int64_t *lens, float *out, int n_threads) {
+    if (g > MAXG) return 1;
+    int64_t longest = 1;
+    for (int b = 0; b < B; b++) if (lens[b] > longest) longest = lens[b];
+    int bad = 0;
+#pragma omp parallel num_threads(n_threads)
+    {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)g * (size_t)longest);
+        if (!scores) {
+#pragma omp atomic write
+            bad = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int w = 0; w < B * hkv; w++) {
+            if (!scores) continue;
+            const int b = w / hkv, h = w % hkv;
+            one(hkv, g, D, ps, S, q + ((int64_t)b * hkv + h) * g * D, kv, tables + (int64_t)b * max_pages,
+                lens[b], h, out + ((int64_t)b * hkv + h) * g * D, scores);
+        }
+        free(scores);
+    }
+    return bad ? 2 : 0;
+}
