@@ -1,6 +1,6 @@
 """kvcache: LLM inference with the KV cache at its centre.
 
-Public API: LLM, SamplingParams, CacheConfig, ChatSession (imported lazily, so that
+Public API: LLM, SamplingParams, CacheConfig, PrefixConfig, SchedulerConfig, ChatSession (imported lazily, so that
 ``import kvcache.cache`` does not load the model stack).
 """
 
@@ -18,6 +18,8 @@ _EXPORTS = {
     "CompletionOutput": "kvcache.engine.params",
     "ChatSession": "kvcache.engine.session",
     "CacheConfig": "kvcache.config",
+    "PrefixConfig": "kvcache.prefix.config",
+    "SchedulerConfig": "kvcache.engine.scheduler",
     "parse_kv_spec": "kvcache.config",
     "KVCacheError": "kvcache.errors",
 }
