@@ -84,3 +84,13 @@ def test_prompt_longer_than_context(smollm):
         smollm.generate([list(range(100, 100 + 8200))], SamplingParams(max_tokens=1))
     smollm.check_integrity()
     assert smollm.kv_stats().pages_in_use == 0
+
+
+def test_serve_refuses_bad_settings_before_loading():
+    assert_one_line_error(run_cli("serve", "--port", "70000"), "--port must be between 1 and 65535")
+    assert_one_line_error(run_cli("serve", "--max-batch-tokens", "0"), "max_batch_tokens")
+    assert_one_line_error(run_cli("serve", "--kv", "static,bogus=1"), "unknown --kv option")
+
+
+def test_chat_resume_of_a_missing_file(tmp_path):
+    assert_one_line_error(run_cli("chat", "--resume", str(tmp_path / "gone.kv"), stdin=""), "does not exist")
