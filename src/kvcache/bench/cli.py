@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvcache.errors import InvalidParams
 
-SUITES = ("decode", "context", "growth", "prefix", "throughput")
+SUITES = ("decode", "cache-vs-none", "context", "growth", "prefix", "throughput")
 
 DEFAULT_SPECS = "dynamic,fp16,int8,int4,sink"
 QUICK_SPECS = "dynamic,static"
@@ -43,6 +43,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="prefix: tokens of the shared system prompt (default 2000, --quick 256)")
     b.add_argument("--redis", default=None, metavar="URL",
                    help="prefix: Redis to use for the Redis tier (default: start a local redis-server if installed)")
+    b.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="cache-vs-none: stop a run without a cache after this long (default 120, --quick 10)")
     b.add_argument("--requests", type=int, default=None,
                    help="throughput: requests arriving at once (default 32, --quick 8)")
     b.add_argument("--threads", type=int, default=None, help="torch threads for every system")
@@ -60,8 +62,10 @@ OPTIONS = {
     "growth": ("repeats", "max_context"),
     "prefix": ("repeats", "system_tokens", "redis", "new_tokens"),
     "throughput": ("requests", "new_tokens", "peers", "kv"),
+    "cache-vs-none": ("new_tokens", "time_budget", "peers"),
 }
-_FLAGS = ("new_tokens", "repeats", "kv", "peers", "contexts", "max_context", "system_tokens", "redis", "requests")
+_FLAGS = ("new_tokens", "repeats", "kv", "peers", "contexts", "max_context", "system_tokens", "redis", "requests",
+          "time_budget")
 
 
 def _refuse_foreign(args: argparse.Namespace) -> None:
@@ -80,6 +84,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_context(args)
     if args.suite == "growth":
         return cmd_growth(args)
+    if args.suite == "cache-vs-none":
+        from kvcache.bench.cli_nocache import cmd_cache_vs_none
+
+        return cmd_cache_vs_none(args)
     if args.suite == "throughput":
         from kvcache.bench.cli_throughput import cmd_throughput
 
