@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvcache.errors import InvalidParams
 
-SUITES = ("decode", "cache-vs-none", "context", "growth", "prefix", "throughput")
+SUITES = ("decode", "cache-vs-none", "context", "memory", "growth", "prefix", "throughput")
 
 DEFAULT_SPECS = "dynamic,fp16,int8,int4,sink"
 QUICK_SPECS = "dynamic,static"
@@ -43,6 +43,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="prefix: tokens of the shared system prompt (default 2000, --quick 256)")
     b.add_argument("--redis", default=None, metavar="URL",
                    help="prefix: Redis to use for the Redis tier (default: start a local redis-server if installed)")
+    b.add_argument("--context", type=int, default=None,
+                   help="memory: prompt tokens of each run (default 4096, --quick 256)")
+    b.add_argument("--budget", type=float, default=None, metavar="GIB",
+                   help="memory: KV budget for the longest-context column (default 4 GiB)")
     b.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="cache-vs-none: stop a run without a cache after this long (default 120, --quick 10)")
     b.add_argument("--requests", type=int, default=None,
@@ -63,9 +67,10 @@ OPTIONS = {
     "prefix": ("repeats", "system_tokens", "redis", "new_tokens"),
     "throughput": ("requests", "new_tokens", "peers", "kv"),
     "cache-vs-none": ("new_tokens", "time_budget", "peers"),
+    "memory": ("context", "new_tokens", "kv", "peers", "budget"),
 }
 _FLAGS = ("new_tokens", "repeats", "kv", "peers", "contexts", "max_context", "system_tokens", "redis", "requests",
-          "time_budget")
+          "time_budget", "context", "budget")
 
 
 def _refuse_foreign(args: argparse.Namespace) -> None:
@@ -84,6 +89,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_context(args)
     if args.suite == "growth":
         return cmd_growth(args)
+    if args.suite == "memory":
+        from kvcache.bench.cli_memory import cmd_memory
+
+        return cmd_memory(args)
     if args.suite == "cache-vs-none":
         from kvcache.bench.cli_nocache import cmd_cache_vs_none
 

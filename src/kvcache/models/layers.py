@@ -22,8 +22,10 @@ from kvcache.errors import UnsupportedArchitecture
 
 
 def frozen(t: torch.Tensor) -> nn.Parameter:
-    """A contiguous fp32 parameter that needs no gradient."""
-    return nn.Parameter(t.detach().to(torch.float32).contiguous(), requires_grad=False)
+    """A contiguous fp32 parameter that needs no gradient, in memory of its own (never a view of
+    the loaded file, which would keep the whole file mapped and resident)."""
+    return nn.Parameter(t.detach().to(torch.float32).clone(memory_format=torch.contiguous_format),
+                        requires_grad=False)
 
 
 def pack(w: torch.Tensor, k: int | None = None) -> nn.Parameter:
