@@ -21,7 +21,7 @@ DEFAULT_MAX_CONTEXT, QUICK_MAX_CONTEXT = 8192, 2048
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="benchmarks beside transformers, in the same run")
-    b.add_argument("suite", help=f"suite to run: {', '.join(SUITES)}")
+    b.add_argument("suite", help=f"suite to run: {', '.join(SUITES)}, or all (every suite, one report)")
     b.add_argument("--model", "-m", default=None, help="model (default: bundled SmolLM2-135M-Instruct)")
     b.add_argument("--new-tokens", type=int, default=None,
                    help="new tokens per run (default: decode 200, context 64)")
@@ -32,7 +32,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         f"context {DEFAULT_SPECS}); in context, key=value items belong to the spec before "
                         "them (int8,sinks=4,window=1024 is one spec) and ';' separates specs explicitly")
     b.add_argument("--peers", default=None,
-                   help="decode: transformers caches to run: none,dynamic,static (default dynamic,static; '' skips); "
+                   help="decode: peers to run: none,dynamic,static (transformers' caches), llama.cpp (when "
+                        "llama-cpp-python is installed) (default dynamic,static,llama.cpp; '' skips); "
                         "throughput: sequential,padded,generate_batch (default all)")
     b.add_argument("--contexts", default=None,
                    help="context: prompt lengths in tokens, comma-separated (default 512,2048,8000)")
@@ -56,6 +57,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="a short run: decode 32 tokens, 1 repeat; context 256,1024 with 16 tokens, 1 repeat, "
                         f"kv {QUICK_SPECS}; growth to {QUICK_MAX_CONTEXT} tokens")
     b.add_argument("--json", default=None, help="write results to this JSON file")
+    b.add_argument("--out", default=None, metavar="DIR",
+                   help="write SUITE.json, SUITE.png and a markdown report SUITE.md (machine, versions, command, "
+                        "table) into DIR")
     b.set_defaults(func=cmd_bench)
 
 
@@ -82,9 +86,19 @@ def _refuse_foreign(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.suite == "all":
+        return cmd_all(args)
     if args.suite not in SUITES:
-        raise InvalidParams(f"unknown bench suite {args.suite!r}; suites: {', '.join(SUITES)}")
+        raise InvalidParams(f"unknown bench suite {args.suite!r}; suites: {', '.join(SUITES)}, all")
     _refuse_foreign(args)
+    if args.out:
+        from kvcache.bench.report import run_with_report
+
+        return run_with_report(args.suite, args, lambda: _dispatch(args))
+    return _dispatch(args)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.suite == "context":
         return cmd_context(args)
     if args.suite == "growth":
@@ -108,12 +122,56 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return cmd_decode(args)
 
 
+# ``bench all --quick``: every suite, small enough that the whole run stays near two minutes
+ALL_QUICK: dict[str, dict[str, object]] = {
+    "decode": {"new_tokens": 16, "repeats": 1, "peers": "dynamic"},
+    "cache-vs-none": {"new_tokens": 24, "time_budget": 3.0, "peers": "dynamic,none"},
+    "context": {"contexts": "256", "kv": "dynamic,int8", "new_tokens": 8, "repeats": 1},
+    "memory": {"context": 128, "kv": "dynamic;int4", "new_tokens": 2, "peers": "dynamic"},
+    "growth": {"max_context": 512},
+    "prefix": {"system_tokens": 128, "repeats": 1, "new_tokens": 4},
+    "throughput": {"requests": 4, "new_tokens": 8, "peers": "padded"},
+}
+
+
+def cmd_all(args: argparse.Namespace) -> int:
+    """Every suite in turn (with --quick, reduced further); with --out, one report per suite and
+    an index."""
+    for name in _FLAGS:
+        if getattr(args, name) is not None:
+            raise InvalidParams(f"--{name.replace('_', '-')} does not apply to 'bench all' (run the suite alone)")
+    done = []
+    for suite in SUITES:
+        sub = argparse.Namespace(**vars(args))
+        sub.suite, sub.json = suite, None
+        if args.quick:
+            for k, v in ALL_QUICK[suite].items():
+                setattr(sub, k, v)
+        print(f"\n=== {suite} ===", flush=True)
+        if args.out:
+            from kvcache.bench.report import run_with_report
+
+            run_with_report(suite, sub, lambda sub=sub: _dispatch(sub))
+        else:
+            _dispatch(sub)
+        done.append(suite)
+    if args.out:
+        from kvcache.bench.report import machine
+
+        lines = ["# kvcache benchmarks", "", "| suite | report |", "|---|---|"]
+        lines += [f"| {s} | [{s}.md]({s}.md) |" for s in done]
+        lines += ["", "| machine | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in machine().items()]
+        (Path(args.out) / "README.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
 def cmd_decode(args: argparse.Namespace) -> int:
-    args.new_tokens = 200 if args.new_tokens is None else args.new_tokens
-    args.repeats = 3 if args.repeats is None else args.repeats
+    quick = args.quick
+    new = args.new_tokens if args.new_tokens is not None else (32 if quick else 200)
+    repeats = args.repeats if args.repeats is not None else (1 if quick else 3)
     args.kv = "dynamic,static" if args.kv is None else args.kv
-    args.peers = "dynamic,static" if args.peers is None else args.peers
-    if args.new_tokens < 2 or args.repeats < 1:
+    args.peers = "dynamic,static,llama.cpp" if args.peers is None else args.peers
+    if new < 2 or repeats < 1:
         raise InvalidParams("--new-tokens must be >= 2 and --repeats >= 1")
     from tqdm import tqdm
 
@@ -123,36 +181,77 @@ def cmd_decode(args: argparse.Namespace) -> int:
     from kvcache.engine.llm import LLM
     from kvcache.models.loading import resolve_model
 
-    new, repeats = (32, 1) if args.quick else (args.new_tokens, args.repeats)
     strategies = [s for s in args.kv.split(",") if s]
     peers = [s for s in args.peers.split(",") if s]
     for p in peers:
-        if p not in ("none", "dynamic", "static"):
-            raise InvalidParams(f"unknown transformers cache {p!r}; choose from none, dynamic, static")
+        if p not in ("none", "dynamic", "static", "llama.cpp"):
+            raise InvalidParams(f"unknown peer {p!r}; choose from none, dynamic, static (transformers' caches), "
+                                "llama.cpp")
+    lcpp = "llama.cpp" in peers
+    peers = [p for p in peers if p != "llama.cpp"]
     llm = LLM(args.model, threads=args.threads)
-    bar = tqdm(total=(len(strategies) + len(peers)) * repeats, desc="bench decode", file=sys.stderr)
+    bar = tqdm(total=(len(strategies) + len(peers) + 3 * lcpp) * repeats, desc="bench decode", file=sys.stderr)
     rows = bench_kvcache(llm, strategies, new, repeats, bar.update)
     ids = llm.encode(PROMPT, chat=True)
     if peers:
         rows += bench_transformers(str(resolve_model(args.model).path), ids, peers, new, repeats, bar.update)
+    if lcpp:
+        rows += _llamacpp_rows(args.model, llm, ids, new, repeats, bar.update)
     bar.close()
     results = [r.summary() for r in rows]
     hf_best = max((r["tok_s"] or 0 for r in results if r["system"] == "transformers"), default=0)
+    lcpp_best = max((r["tok_s"] or 0 for r in results if r["system"] == "llama.cpp"), default=0)
     print(f"\ndecode: {llm.model_name}, prompt {len(ids)} tokens, {new} new tokens, batch 1, fp32, "
           f"{torch.get_num_threads()} threads, median of {repeats}")
-    print(f"{'system':<13} {'cache':<16} {'tok/s':>8} {'min-max':>13} {'TTFT ms':>8} {'GB/s':>6} {'vs HF best':>10}")
+    print(f"{'system':<13} {'weights / cache':<22} {'tok/s':>8} {'min-max':>13} {'TTFT ms':>8} {'GB/s':>6} "
+          f"{'vs HF best':>10}")
     for r in results:
         if r["tok_s"] is None:
-            print(f"{r['system']:<13} {r['cache']:<16} {r['note']}")
+            print(f"{r['system']:<13} {r['cache']:<22} {r['note']}")
             continue
         ratio = f"{r['tok_s'] / hf_best:.2f}x" if hf_best else "-"
-        print(f"{r['system']:<13} {r['cache']:<16} {r['tok_s']:>8.1f} {r['tok_s_min']:>6.1f}-{r['tok_s_max']:<6.1f} "
-              f"{r['ttft_ms']:>8.0f} {r['gb_s']:>6.2f} {ratio:>10}")
+        print(f"{r['system']:<13} {r['cache']:<22} {r['tok_s']:>8.1f} {r['tok_s_min']:>6.1f}-{r['tok_s_max']:<6.1f} "
+              f"{r['ttft_ms']:>8.0f} {_fmt(r['gb_s'], '.2f'):>6} {ratio:>10}")
+    if lcpp_best:
+        ours = max((r["tok_s"] or 0 for r in results if r["system"] == "kvcache"), default=0)
+        print(f"kvcache's best / llama.cpp's best: {ours / lcpp_best:.2f}x (llama.cpp computes on its quantized "
+              "weights; its F32 row uses the same fp32 weights as kvcache)")
     if args.json:
         meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                 "torch": torch.__version__, "new_tokens": new, "repeats": repeats, "prompt_tokens": len(ids)}
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     return 0
+
+
+def _llamacpp_rows(model: str | None, llm, ids: list[int], new: int, repeats: int, tick) -> list:
+    """llama.cpp on the model's GGUF (as shipped, F32 and Q8_0), or a row saying why not."""
+    import torch
+
+    from kvcache.bench import llamacpp
+    from kvcache.bench.decode import Row, step_bytes
+    from kvcache.models.loading import resolve_model
+    from kvcache.models.paths import cache_home
+
+    note = llamacpp.missing()
+    src = resolve_model(model).source
+    if note is None and (src is None or not str(src).endswith(".gguf")):
+        note = "the model is not a GGUF file: llama.cpp skipped"
+    if note is not None:
+        return [Row("llama.cpp", "-", note=note)]
+    from pathlib import Path
+
+    src = Path(src)
+    models = {f"{src.stem.rsplit('.', 1)[-1]} (as shipped)": src}
+    for ftype in ("F32", "Q8_0"):
+        try:
+            models[ftype] = llamacpp.convert(src, ftype, cache_home() / "llamacpp")
+        except RuntimeError as e:
+            return [Row("llama.cpp", ftype, note=str(e))]
+    rows = llamacpp.bench(models, ids, new, repeats, torch.get_num_threads(), tick)
+    kv16 = llm.config.kv_bytes_per_token() // 2  # llama.cpp's KV cache is fp16
+    for row, path in zip(rows, models.values()):
+        row.gb_s = [step_bytes(path.stat().st_size, kv16, len(ids), new) * t / 1e9 for t in row.tok_s]
+    return rows
 
 
 def _meta(**extra: object) -> dict[str, object]:

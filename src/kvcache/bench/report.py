@@ -1,0 +1,105 @@
+"""Benchmark reports: the machine and versions, the command, the terminal table, JSON and plots.
+
+``kvcache bench SUITE --out DIR`` writes DIR/SUITE.json, DIR/SUITE.md (this report) and, for suites
+with a picture, DIR/SUITE.png. The terminal output is captured as it is printed (a tee) and kept
+verbatim in the report, so the report and the screen never disagree.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import platform
+import sys
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import TextIO
+
+
+def machine() -> dict[str, str]:
+    """CPU model, cores, memory, OS, and the versions of every system compared."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        kb = int(next(ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal")).split()[1])
+        mem = f"{kb / 2**20:.1f} GiB"
+    except (OSError, StopIteration, ValueError):
+        pass
+    import torch
+
+    info = {"cpu": cpu, "cores available": str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                                else os.cpu_count()),
+            "torch threads": str(torch.get_num_threads()), "memory": mem, "os": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__}
+    for dist, label in (("kvcache", "kvcache"), ("transformers", "transformers"),
+                        ("llama_cpp_python", "llama-cpp-python")):
+        try:
+            info[label] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            info[label] = "not installed"
+    return info
+
+
+class Tee(io.TextIOBase):
+    """Writes to the terminal and keeps a copy."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out, self.buf = out, io.StringIO()
+
+    def write(self, s: str) -> int:
+        self.out.write(s)
+        return self.buf.write(s)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+def write_report(out: Path, suite: str, argv: list[str], text: str, png: Path | None) -> Path:
+    info = machine()
+    lines = [f"# kvcache bench {suite}", "",
+             f"Run {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} with:", "",
+             "```sh", "kvcache " + " ".join(argv), "```", "", "| machine | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in info.items()]
+    lines += ["", "```", text.strip("\n"), "```", ""]
+    if png is not None:
+        lines += [f"![{suite}]({png.name})", ""]
+    lines += [f"Raw results: [{suite}.json]({suite}.json)", ""]
+    path = out / f"{suite}.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def run_with_report(suite: str, args, run) -> int:  # args: argparse.Namespace; run: () -> int
+    """Run a suite with its output teed; then write its JSON, plot and report under ``args.out``."""
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".kvcache-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        from kvcache.errors import KVCacheError
+
+        raise KVCacheError(f"cannot write the report to {out}: {e.strerror or e}") from None
+    if args.json is None:
+        args.json = str(out / f"{suite}.json")
+    tee = Tee(sys.stdout)
+    old, sys.stdout = sys.stdout, tee  # type: ignore[assignment]
+    try:
+        rc = run()
+    finally:
+        sys.stdout = old
+    from kvcache.bench.plots import plot_suite
+
+    png = plot_suite(suite, Path(args.json), out / f"{suite}.png")
+    report = write_report(out, suite, sys.argv[1:], tee.buf.getvalue(), png)
+    print(f"report: {report}" + (f", plot: {png}" if png else ""), file=sys.stderr)
+    return rc
