@@ -6,6 +6,8 @@ strategy must give what the same strategy gives without the hit.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -282,3 +284,123 @@ def test_resuming_a_prompt_cache_file_as_a_session_is_refused(tiny_path, tmp_pat
         llm.chat_session(resume=str(tmp_path / "p.kv"))
     with pytest.raises(InvalidParams, match="nothing to save"):
         llm.chat_session().save(str(tmp_path / "empty.kv"))
+
+
+# -- tiers: disk and Redis ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def redis_server_url():
+    from kvcache.prefix.redis_local import local_redis
+
+    with local_redis() as url:
+        if url is None:
+            pytest.skip("redis-server is not installed (make setup-test installs it)")
+        yield url
+
+
+def _hit_then_check(llm: LLM, prompt: list[int]) -> int:
+    seq = llm.runner.lookup(prompt)
+    hit = len(seq.tokens)
+    logits = llm.runner.step([seq], [prompt[hit:]])[0]
+    torch.testing.assert_close(logits, _recompute(llm, prompt), atol=1e-4, rtol=1e-4)
+    llm.runner.release(seq)
+    llm.check_integrity()
+    return hit
+
+
+LONG = SYSTEM + list(range(60, 90))  # 44 tokens: 11 full pages of 4
+
+
+@pytest.mark.parametrize("spec", ["dynamic,page_size=4", "int8,page_size=8,group_size=8,residual=0"])
+def test_disk_tier_restores_pages_in_a_new_cache(tiny_path, tmp_path, spec):
+    first = LLM(tiny_path, kv=spec, prefix=PrefixConfig(disk=str(tmp_path)))
+    seq = first.runner.lookup(LONG)
+    first.runner.step([seq], [LONG])
+    first.runner.release(seq)
+    first.flush()
+    assert any(tmp_path.rglob("*.kv"))
+    later = LLM(tiny_path, kv=spec, prefix=PrefixConfig(disk=str(tmp_path)))  # an empty RAM index
+    prompt = LONG[:-1] + [7]
+    if "int8" in spec:
+        seq = later.runner.lookup(prompt)
+        assert len(seq.tokens) == 40 and later.prefix_stats().tier_tokens == 40
+        later.runner.release(seq)
+    else:
+        assert _hit_then_check(later, prompt) == 40  # 10 whole pages from disk; the rest recomputed
+        assert later.prefix_stats().tier_tokens == 40
+
+
+def test_corrupt_tier_entries_are_rejected_and_recomputed(tiny_path, tmp_path):
+    a = LLM(tiny_path, kv="dynamic,page_size=4", prefix=PrefixConfig(disk=str(tmp_path)))
+    seq = a.runner.lookup(LONG)
+    a.runner.step([seq], [LONG])
+    a.runner.release(seq)
+    a.flush()
+    files = sorted(tmp_path.rglob("*.kv"), key=lambda f: f.stat().st_mtime)
+    blob = bytearray(files[3].read_bytes())
+    blob[-10] ^= 0xFF  # one flipped byte in the tensor data
+    files[3].write_bytes(bytes(blob))
+    files[5].write_bytes(files[5].read_bytes()[:100])  # a truncated entry
+    b = LLM(tiny_path, kv="dynamic,page_size=4", prefix=PrefixConfig(disk=str(tmp_path)))
+    hit = _hit_then_check(b, LONG)  # exact: the corrupt page and everything after it recomputed
+    stats = b.prefix_stats()
+    assert stats.rejected >= 1 and hit < 43
+
+
+def test_another_model_layout_or_salt_never_hits_a_tier(tiny_path, tmp_path, tiny_dir):
+    a = LLM(tiny_path, kv="dynamic,page_size=4", prefix=PrefixConfig(disk=str(tmp_path)))
+    seq = a.runner.lookup(LONG)
+    a.runner.step([seq], [LONG])
+    a.runner.release(seq)
+    a.flush()
+    for llm in (LLM(tiny_path, kv="fp16,page_size=4", prefix=PrefixConfig(disk=str(tmp_path))),
+                LLM(tiny_path, kv="dynamic,page_size=4", prefix=PrefixConfig(disk=str(tmp_path), salt="other")),
+                LLM(str(tiny_dir("qwen2")[0]), kv="dynamic,page_size=4", prefix=PrefixConfig(disk=str(tmp_path)))):
+        seq = llm.runner.lookup(LONG)
+        assert seq.tokens == [] and llm.prefix_stats().rejected == 0
+        llm.runner.release(seq)
+
+
+def test_two_processes_share_pages_through_redis(tiny_path, redis_server_url):
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys; from kvcache import LLM, PrefixConfig\n"
+        f"llm = LLM({tiny_path!r}, kv='dynamic,page_size=4', prefix=PrefixConfig(redis={redis_server_url!r}))\n"
+        f"seq = llm.runner.lookup({LONG!r})\n"
+        f"llm.runner.step([seq], [{LONG!r}[len(seq.tokens):]])\n"
+        "llm.runner.release(seq); llm.flush()\n"
+        "print(json.dumps(llm.prefix_stats().as_dict()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    here = LLM(tiny_path, kv="dynamic,page_size=4", prefix=PrefixConfig(redis=redis_server_url))
+    assert _hit_then_check(here, LONG[:-1] + [9]) == 40  # whole pages written by the other process
+    assert here.prefix_stats().tiers["hits"]["redis"] == 10
+
+
+def test_a_redis_that_does_not_answer_is_a_miss_with_one_warning(tiny_path):
+    from kvcache.prefix.redis_local import free_port
+
+    llm = LLM(tiny_path, kv="dynamic,page_size=4", prefix=PrefixConfig(redis=f"redis://127.0.0.1:{free_port()}/0"))
+    with pytest.warns(UserWarning, match="did not answer") as record:
+        t0 = time.perf_counter()
+        for p in (LONG, LONG[:-2] + [5, 6]):
+            out = llm.generate([p], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+            assert len(out.token_ids) == 3
+        llm.flush()
+        assert time.perf_counter() - t0 < 10
+    assert len([w for w in record if "did not answer" in str(w.message)]) == 1
+    llm.check_integrity()
+
+
+def test_bad_tier_settings_are_clear_errors(tiny_path, tmp_path):
+    from kvcache.errors import KVCacheError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(KVCacheError, match="is not writable"):
+        LLM(tiny_path, prefix=PrefixConfig(disk=str(blocker / "sub")))
+    with pytest.raises(KVCacheError, match="must start with redis://"):
+        LLM(tiny_path, prefix=PrefixConfig(redis="http://localhost:6379"))

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from kvcache.cache.paged import PagedKVCache
 from kvcache.cache.pool import PagePool
 from kvcache.cache.sequence import HOLE, SeqKV
+from kvcache.errors import CacheFull
 from kvcache.prefix.config import PrefixConfig
 from kvcache.prefix.radix import Match, Node, RadixIndex
 
@@ -36,6 +37,7 @@ class PrefixStats:
     hit_tokens: int = 0  # prompt tokens whose K/V came from the index or a tier
     tier_tokens: int = 0  # of those, restored from disk or Redis
     evicted_pages: int = 0
+    rejected: int = 0  # tier entries found corrupt or mismatched (recomputed)
     cached_pages: int = 0  # pages only the index holds (evictable)
     nodes: int = 0
     tiers: dict[str, int] = field(default_factory=dict)
@@ -67,20 +69,28 @@ class PrefixCache:
         salt = self.config.salt if salt is None else salt
         want = tokens if whole else tokens[:-1]
         m = self.index.match(want, salt)
-        if self.tiers is not None and m.length % self.cache.page_size == 0:
-            self._restore(want, m, salt)
-        length = self._usable(m)
         seq = self.cache.new_sequence()
-        nodes = m.nodes[: -(-length // self.cache.page_size)] if length else []
+        self._hold(seq, m.nodes)  # held first: restoring from a tier may evict, never these
+        if self.tiers is not None and m.length % self.cache.page_size == 0:
+            self._restore(want, m, salt, seq)
+        length = self._usable(m)
+        keep = -(-length // self.cache.page_size)
         for g in range(len(self.cache.groups)):
-            table = [n.pages[g] for n in nodes]
-            self.cache.allocators[g].incref([p for p in table if p != HOLE])
-            seq.tables[g] = table
+            dropped = seq.tables[g][keep:]
+            self.cache.allocators[g].release([p for p in dropped if p != HOLE])
+            del seq.tables[g][keep:]
         seq.length = length
         self.stats_.requests += 1
         self.stats_.prompt_tokens += len(tokens)
         self.stats_.hit_tokens += length
         return seq, length
+
+    def _hold(self, seq: SeqKV, nodes: list[Node]) -> None:
+        """Append the nodes' pages to the sequence's tables (one more reference each)."""
+        for g in range(len(self.cache.groups)):
+            pages = [n.pages[g] for n in nodes]
+            self.cache.allocators[g].incref([p for p in pages if p != HOLE])
+            seq.tables[g].extend(pages)
 
     def _usable(self, m: Match) -> int:
         """The longest prefix of the match a query could continue from: every token its windowed
@@ -98,7 +108,7 @@ class PrefixCache:
             length = (length - 1) // ps * ps  # the previous page boundary
         return 0
 
-    def _restore(self, tokens: list[int], m: Match, salt: str) -> None:
+    def _restore(self, tokens: list[int], m: Match, salt: str, seq: SeqKV) -> None:
         """Extend a page-aligned RAM match with full pages found in the tiers."""
         from kvcache.prefix.entry import decode_entry
 
@@ -109,14 +119,24 @@ class PrefixCache:
             chunk = tuple(tokens[m.length : m.length + ps])
             key = _page_key(key, chunk)
             blob = self.tiers.get(key)  # type: ignore[union-attr]
-            tensors = decode_entry(blob, key) if blob is not None else None
-            if tensors is None:
+            if blob is None:
                 break
-            pages = self._load_entry(tensors)
-            if pages is None:
+            tensors = decode_entry(blob, key)
+            if tensors is None:  # corrupt or not this prefix's: drop it, recompute the tokens
+                self.tiers.discard(key)  # type: ignore[union-attr]
+                self.stats_.rejected += 1
+                break
+            try:
+                pages = self._load_entry(tensors)
+            except CacheFull:  # no room to restore more: the rest is recomputed
+                break
+            if pages is None:  # shapes of another layout
+                self.tiers.discard(key)  # type: ignore[union-attr]
+                self.stats_.rejected += 1
                 break
             node = self.index.add_child(parent, chunk, pages)
             node.key = key
+            self._hold(seq, [node])
             m.nodes.append(node)
             m.length += ps
             self.stats_.tier_tokens += ps
@@ -138,10 +158,12 @@ class PrefixCache:
                         pool.load_pages(j, [p], tensors[f"layer{layer}.kv"])
                     else:
                         pool.load_pages(j, [p], {n: tensors[f"layer{layer}.{n}"] for n in pool.parts[j]})
-        except (KeyError, RuntimeError, ValueError):
+        except (KeyError, RuntimeError, ValueError) as e:
             for g, p in enumerate(pages):
                 if p != HOLE:
                     cache.allocators[g].release([p])
+            if isinstance(e, CacheFull):
+                raise
             return None
         return pages
 
@@ -172,7 +194,8 @@ class PrefixCache:
                 key = node.key
                 continue
             key = node.key = _page_key(key, node.tokens)
-            self.tiers.put_async(key, encode_entry(key, self._page_tensors(node)))  # type: ignore[union-attr]
+            tensors = self._page_tensors(node)  # copies: the page may be evicted and reused later
+            self.tiers.put_async(key, lambda k=key, t=tensors: encode_entry(k, t))  # type: ignore[union-attr]
 
     def _page_tensors(self, node: Node) -> dict:
         out = {}
