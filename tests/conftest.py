@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytest_plugins = ["redis_server"]  # the redis_url fixture
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -287,16 +287,6 @@ def test_resuming_a_prompt_cache_file_as_a_session_is_refused(tiny_path, tmp_pat
 
 
 # -- tiers: disk and Redis ---------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def redis_server_url():
-    from kvcache.prefix.redis_local import local_redis
-
-    with local_redis() as url:
-        if url is None:
-            pytest.skip("redis-server is not installed (make setup-test installs it)")
-        yield url
-
-
 def _hit_then_check(llm: LLM, prompt: list[int]) -> int:
     seq = llm.runner.lookup(prompt)
     hit = len(seq.tokens)
@@ -360,14 +350,14 @@ def test_another_model_layout_or_salt_never_hits_a_tier(tiny_path, tmp_path, tin
         llm.runner.release(seq)
 
 
-def test_two_processes_share_pages_through_redis(tiny_path, redis_server_url):
+def test_two_processes_share_pages_through_redis(tiny_path, redis_url):
     import json
     import subprocess
     import sys
 
     code = (
         "import json, sys; from kvcache import LLM, PrefixConfig\n"
-        f"llm = LLM({tiny_path!r}, kv='dynamic,page_size=4', prefix=PrefixConfig(redis={redis_server_url!r}))\n"
+        f"llm = LLM({tiny_path!r}, kv='dynamic,page_size=4', prefix=PrefixConfig(redis={redis_url!r}))\n"
         f"seq = llm.runner.lookup({LONG!r})\n"
         f"llm.runner.step([seq], [{LONG!r}[len(seq.tokens):]])\n"
         "llm.runner.release(seq); llm.flush()\n"
@@ -375,7 +365,7 @@ def test_two_processes_share_pages_through_redis(tiny_path, redis_server_url):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    here = LLM(tiny_path, kv="dynamic,page_size=4", prefix=PrefixConfig(redis=redis_server_url))
+    here = LLM(tiny_path, kv="dynamic,page_size=4", prefix=PrefixConfig(redis=redis_url))
     assert _hit_then_check(here, LONG[:-1] + [9]) == 40  # whole pages written by the other process
     assert here.prefix_stats().tiers["hits"]["redis"] == 10
 

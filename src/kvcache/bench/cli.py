@@ -127,7 +127,7 @@ ALL_QUICK: dict[str, dict[str, object]] = {
     "decode": {"new_tokens": 16, "repeats": 1, "peers": "dynamic"},
     "cache-vs-none": {"new_tokens": 24, "time_budget": 3.0, "peers": "dynamic,none"},
     "context": {"contexts": "256", "kv": "dynamic,int8", "new_tokens": 8, "repeats": 1},
-    "memory": {"context": 128, "kv": "dynamic;int4", "new_tokens": 2, "peers": "dynamic"},
+    "memory": {"context": 320, "kv": "dynamic;int4", "new_tokens": 2, "peers": "dynamic"},
     "growth": {"max_context": 512},
     "prefix": {"system_tokens": 128, "repeats": 1, "new_tokens": 4},
     "throughput": {"requests": 4, "new_tokens": 8, "peers": "padded"},

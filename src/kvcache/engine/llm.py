@@ -24,6 +24,7 @@ from kvcache.prefix.config import PrefixConfig, parse_prefix
 
 if TYPE_CHECKING:
     from kvcache.engine.scheduler import SchedulerConfig
+    from kvcache.engine.session import ChatSession
 
 Prompt = Union[str, list[int]]
 Messages = list[dict[str, str]]

@@ -40,7 +40,7 @@ class PrefixStats:
     rejected: int = 0  # tier entries found corrupt or mismatched (recomputed)
     cached_pages: int = 0  # pages only the index holds (evictable)
     nodes: int = 0
-    tiers: dict[str, int] = field(default_factory=dict)
+    tiers: dict[str, object] = field(default_factory=dict)  # the tier chain's counters
 
     @property
     def hit_rate(self) -> float:

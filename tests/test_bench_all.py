@@ -1,0 +1,78 @@
+"""``kvcache bench all --quick --out DIR``: every suite runs, and each writes JSON, a PNG and a report."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import run_kvcache
+
+SUITES = ("decode", "cache-vs-none", "context", "memory", "growth", "prefix", "throughput")
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench")
+    p = run_kvcache("bench", "all", "--quick", "--out", str(d), timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return d
+
+
+@pytest.mark.slow
+def test_every_suite_writes_json_png_and_report(out):
+    for suite in SUITES:
+        data = json.loads((out / f"{suite}.json").read_text())
+        assert data["meta"]["torch"] and (data.get("results") or data.get("buckets"))
+        assert (out / f"{suite}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        report = (out / f"{suite}.md").read_text()
+        assert f"# kvcache bench {suite}" in report and "| torch |" in report and "| cpu |" in report
+        assert "kvcache bench all --quick" in report and f"![{suite}]({suite}.png)" in report
+    index = (out / "README.md").read_text()
+    assert all(f"[{s}.md]({s}.md)" in index for s in SUITES)
+
+
+def _rows(out, suite):
+    return json.loads((out / f"{suite}.json").read_text())
+
+
+@pytest.mark.slow
+def test_suites_measure_what_they_say(out):
+    decode = {(r["system"], r["cache"]): r for r in _rows(out, "decode")["results"]}
+    assert decode[("kvcache", "dynamic")]["tok_s"] > 0 and decode[("transformers", "DynamicCache")]["tok_s"] > 0
+    runs = {(r["system"], r["cache"]): r for r in _rows(out, "cache-vs-none")["results"]}
+    assert runs[("kvcache", "dynamic")]["tokens"] == 23 and runs[("kvcache", "none")]["tokens"] >= 1
+    mem = {(r["system"], r["cache"]): r for r in _rows(out, "memory")["results"]}
+    assert mem[("kvcache", "int4")]["kv_used"] < 0.7 * mem[("kvcache", "dynamic")]["kv_used"]
+    assert mem[("transformers", "DynamicCache")]["rss_peak"] > 0
+    prefix = _rows(out, "prefix")
+    cases = {r["case"]: r for r in prefix["results"]}
+    cold, warm = cases["kvcache cold (prefill all)"], cases["kvcache warm (RAM radix)"]
+    disk, hf = cases["kvcache restored from disk"], cases["transformers prefill + deepcopy"]
+    assert cold["reused_tokens"] == 0 and warm["reused_tokens"] >= 128
+    assert hf["reused_tokens"] == warm["reused_tokens"]  # the same split for transformers
+    assert 0 < disk["reused_tokens"] <= warm["reused_tokens"]  # whole pages come back from disk
+    redis = cases["kvcache restored from Redis"]
+    if shutil.which("redis-server"):
+        assert redis["reused_tokens"] == disk["reused_tokens"] and not redis["note"]
+    else:
+        assert "skipped" in redis["note"]
+    shared, own = prefix["chat"]
+    assert shared["hit_rate"] > own["hit_rate"] > 0  # sessions share the system prompt
+    tp = {r["system"]: r for r in _rows(out, "throughput")["results"]}
+    assert tp["kvcache continuous batching"]["new_tokens"] == 4 * 8
+    assert tp["transformers generate, padded batch"]["new_tokens"] == 4 * 8
+
+
+def test_bad_bench_options(tmp_path):
+    p = run_kvcache("bench", "all", "--kv", "dynamic")
+    assert p.returncode == 2 and "does not apply to 'bench all'" in p.stderr
+    p = run_kvcache("bench", "nothing")
+    assert p.returncode == 2 and "unknown bench suite" in p.stderr
+    blocker = tmp_path / "f"
+    blocker.write_text("")
+    p = run_kvcache("bench", "growth", "--quick", "--out", str(blocker / "x"))
+    assert p.returncode == 2 and "cannot write the report" in p.stderr
+    p = run_kvcache("bench", "throughput", "--peers", "vllm")
+    assert p.returncode == 2 and "unknown transformers mode" in p.stderr
