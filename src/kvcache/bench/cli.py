@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvcache.errors import InvalidParams
 
-SUITES = ("decode", "cache-vs-none", "context", "memory", "growth", "prefix", "throughput")
+SUITES = ("decode", "cache-vs-none", "context", "memory", "growth", "prefix", "throughput", "hf")
 
 DEFAULT_SPECS = "dynamic,fp16,int8,int4,sink"
 QUICK_SPECS = "dynamic,static"
@@ -72,6 +72,7 @@ OPTIONS = {
     "throughput": ("requests", "new_tokens", "peers", "kv"),
     "cache-vs-none": ("new_tokens", "time_budget", "peers"),
     "memory": ("context", "new_tokens", "kv", "peers", "budget"),
+    "hf": ("new_tokens", "repeats", "kv", "peers", "contexts"),
 }
 _FLAGS = ("new_tokens", "repeats", "kv", "peers", "contexts", "max_context", "system_tokens", "redis", "requests",
           "time_budget", "context", "budget")
@@ -119,6 +120,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from kvcache.bench.cli_prefix import cmd_prefix
 
         return cmd_prefix(args)
+    if args.suite == "hf":
+        from kvcache.bench.hfbridge import cmd_hf
+
+        return cmd_hf(args)
     return cmd_decode(args)
 
 
@@ -131,6 +136,7 @@ ALL_QUICK: dict[str, dict[str, object]] = {
     "growth": {"max_context": 512},
     "prefix": {"system_tokens": 128, "repeats": 1, "new_tokens": 4},
     "throughput": {"requests": 4, "new_tokens": 8, "peers": "padded"},
+    "hf": {"contexts": "256", "new_tokens": 4, "kv": "dynamic", "peers": "dynamic"},
 }
 
 
