@@ -9,7 +9,7 @@ import pytest
 
 from conftest import run_kvcache
 
-SUITES = ("decode", "cache-vs-none", "context", "memory", "growth", "prefix", "throughput")
+SUITES = ("decode", "cache-vs-none", "context", "memory", "growth", "prefix", "throughput", "hf")
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,10 @@ def test_suites_measure_what_they_say(out):
     tp = {r["system"]: r for r in _rows(out, "throughput")["results"]}
     assert tp["kvcache continuous batching"]["new_tokens"] == 4 * 8
     assert tp["transformers generate, padded batch"]["new_tokens"] == 4 * 8
+    hf = {(r["system"], r["cache"]): r for r in _rows(out, "hf")["results"]}
+    ours, theirs = hf[("kvcache.hf", "dynamic")], hf[("transformers", "DynamicCache")]
+    assert ours["tok_s"] > 0 and theirs["tok_s"] > 0
+    assert ours["kv_bytes_per_token"] == theirs["kv_bytes_per_token"]  # fp32 K/V either way
 
 
 def test_bad_bench_options(tmp_path):

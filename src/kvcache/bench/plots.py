@@ -22,7 +22,7 @@ def plot_suite(suite: str, data_path: Path, out: Path) -> Path | None:
         return None
     data = json.loads(data_path.read_text())
     draw = {"context": _context, "prefix": _prefix, "throughput": _throughput, "cache-vs-none": _nocache,
-            "memory": _memory, "decode": _decode, "growth": _growth}.get(suite)
+            "memory": _memory, "decode": _decode, "growth": _growth, "hf": _hf}.get(suite)
     if draw is None:
         return None
     plt = _plt()
@@ -93,6 +93,23 @@ def _decode(plt, data: dict[str, Any]):
         return None
     return _bars(plt, [f"{r['system']} {r['cache']}" for r in rows], [r["tok_s"] for r in rows],
                  "decode speed, batch 1", "new tokens / s")
+
+
+def _hf(plt, data: dict[str, Any]):
+    rows = [r for r in data["results"] if r.get("tok_s")]
+    if not rows:
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 0.8 + 0.45 * len(rows)))
+    labels = [f"{r['context']}: {r['system']} {r['cache']}" for r in rows]
+    for ax, values, title in ((a, [r["tok_s"] for r in rows], "decode tok/s (same transformers model)"),
+                              (b, [r["kv_bytes"] / 2**20 for r in rows], "KV held (MiB)")):
+        ax.barh(range(len(rows)), values, color="#4477aa")
+        ax.set_yticks(range(len(rows)), labels if ax is a else [""] * len(rows))
+        ax.invert_yaxis()
+        ax.set_title(title)
+        for i, v in enumerate(values):
+            ax.text(v, i, f" {v:.3g}", va="center", fontsize=8)
+    return fig
 
 
 def _nocache(plt, data: dict[str, Any]):
