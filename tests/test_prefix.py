@@ -319,6 +319,24 @@ def test_disk_tier_restores_pages_in_a_new_cache(tiny_path, tmp_path, spec):
         assert later.prefix_stats().tier_tokens == 40
 
 
+@pytest.mark.parametrize("spec", ["dynamic,page_size=4,initial_tokens=8",
+                                  "int8,page_size=8,group_size=8,residual=0,initial_tokens=8"])
+def test_tier_restores_into_a_pool_that_grew_inside_a_forward(tiny_path, tmp_path, spec):
+    """The pool doubles during a forward (under torch.inference_mode); restoring pages into it
+    afterwards, outside one, must still work (and not be taken for a corrupt entry)."""
+    llm = LLM(tiny_path, kv=spec, prefix=PrefixConfig(disk=str(tmp_path)))
+    seq = llm.runner.lookup(LONG)
+    llm.runner.step([seq], [LONG])
+    llm.runner.release(seq)
+    llm.flush()
+    llm.clear_prefix_cache()  # RAM forgets; the pages must come back from disk
+    seq = llm.runner.lookup(LONG[:-1] + [7])
+    stats = llm.prefix_stats()
+    assert stats.rejected == 0 and stats.tier_tokens == len(seq.tokens) == 40
+    llm.runner.release(seq)
+    llm.check_integrity()
+
+
 def test_corrupt_tier_entries_are_rejected_and_recomputed(tiny_path, tmp_path):
     a = LLM(tiny_path, kv="dynamic,page_size=4", prefix=PrefixConfig(disk=str(tmp_path)))
     seq = a.runner.lookup(LONG)

@@ -66,7 +66,13 @@ class Placement:
             raise KVCacheError(f"disk placement: cannot write to {path}: {e.strerror or e}") from None
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A zero-filled tensor where this placement keeps pages."""
+        """A zero-filled tensor where this placement keeps pages. Never an inference tensor, even
+        when a pool grows inside a forward (``torch.inference_mode``): pages are also written
+        outside one (restored from a prefix tier, loaded from a saved session)."""
+        with torch.inference_mode(False):
+            return self._zeros(shape, dtype)
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.kind == "device":
             return torch.zeros(shape, dtype=dtype, device=self.compute)
         if self.kind == "host":
