@@ -15,7 +15,7 @@ SUITES = ("decode", "cache-vs-none", "context", "memory", "growth", "prefix", "t
 
 DEFAULT_SPECS = "dynamic,fp16,int8,int4,sink"
 QUICK_SPECS = "dynamic,static"
-DEFAULT_CONTEXTS, QUICK_CONTEXTS = "512,2048,8000", "256,1024"
+DEFAULT_CONTEXTS, QUICK_CONTEXTS = "128,512,2048,8000", "256,1024"
 DEFAULT_MAX_CONTEXT, QUICK_MAX_CONTEXT = 8192, 2048
 
 
@@ -36,7 +36,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         "llama-cpp-python is installed) (default dynamic,static,llama.cpp; '' skips); "
                         "throughput: sequential,padded,generate_batch (default all)")
     b.add_argument("--contexts", default=None,
-                   help="context: prompt lengths in tokens, comma-separated (default 512,2048,8000)")
+                   help="context: prompt lengths in tokens, comma-separated (default 128,512,2048,8000)")
     b.add_argument("--max-context", type=int, default=None,
                    help=f"growth: tokens to grow the caches to (default {DEFAULT_MAX_CONTEXT}, "
                         f"--quick {QUICK_MAX_CONTEXT})")
