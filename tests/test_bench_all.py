@@ -80,3 +80,20 @@ def test_bad_bench_options(tmp_path):
     assert p.returncode == 2 and "cannot write the report" in p.stderr
     p = run_kvcache("bench", "throughput", "--peers", "vllm")
     assert p.returncode == 2 and "unknown transformers mode" in p.stderr
+
+
+def test_llamacpp_peer_runs_or_is_skipped_with_a_note(tmp_path):
+    """llama.cpp is an optional extra: installed, it gives three rows (as shipped, F32, Q8_0);
+    missing, one row and a line in the report say it was skipped, and the run still succeeds."""
+    import importlib.util
+
+    p = run_kvcache("bench", "decode", "--kv", "dynamic", "--peers", "llama.cpp", "--new-tokens", "2",
+                    "--repeats", "1", "--out", str(tmp_path), timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [r for r in _rows(tmp_path, "decode")["results"] if r["system"] == "llama.cpp"]
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert len(rows) == 1 and rows[0]["tok_s"] is None and "not installed" in rows[0]["note"]
+        assert "llama-cpp-python not installed" in (tmp_path / "decode.md").read_text()
+    else:
+        assert [r["cache"].split()[0] for r in rows] == ["Q4_1", "F32", "Q8_0"]
+        assert all(r["tok_s"] > 0 and r["gb_s"] > 0 for r in rows)
