@@ -84,14 +84,7 @@ class PagedContext:
                     f"positions {int(q_pos[0])}..{int(q_pos[-1])} do not continue a sequence of "
                     f"{seq.length} cached tokens")
             start += n
-        before = [[len(t) for t in seq.tables] for seq in seqs]
-        try:
-            for seq, n in zip(seqs, new_tokens):
-                cache.reserve(seq, n)  # all reservations before any length moves
-        except Exception:
-            for seq, lens in zip(seqs, before):  # give back what was reserved: nothing leaks
-                cache.unreserve(seq, lens)
-            raise
+        before = cache.reserve_all(seqs, new_tokens)  # all reservations before any length moves
         self.rows: list[slice] = []
         self.plans: list[list[_GroupPlan]] = []  # [seq][group]
         write_slots: list[list[torch.Tensor]] = [[] for _ in cache.groups]
@@ -229,8 +222,5 @@ class PagedContext:
                 buf = self._load_old_one(layer, i)
             buf[:, :, n_q:] = rest
             out = self._attend(layer, q, buf, plan, scale)
-        m = plan.new_pages.shape[0]
-        if m:
-            pool.write_pages(j, plan.new_pages, rest[:, :, : m * pool.page_size])
-        tails[j] = rest[:, :, m * pool.page_size :].clone()
+        tails[j] = pool.seal(j, plan.new_pages, rest)
         return out

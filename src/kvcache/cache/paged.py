@@ -11,7 +11,7 @@ tokens (at most ``residual + page_size - 1``) in fp32 until whole pages can be s
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -120,6 +120,19 @@ class PagedKVCache:
         except ContextOverflow:
             self.unreserve(seq, before)
             raise
+
+    def reserve_all(self, seqs: Sequence[SeqKV], new_tokens: Sequence[int]) -> list[list[int]]:
+        """``reserve`` for every sequence, or for none: if one fails, what the others got is given
+        back. Returns each sequence's table lengths from before (per group)."""
+        before = [[len(t) for t in seq.tables] for seq in seqs]
+        try:
+            for seq, n in zip(seqs, new_tokens):
+                self.reserve(seq, n)
+        except Exception:
+            for seq, lens in zip(seqs, before):
+                self.unreserve(seq, lens)
+            raise
+        return before
 
     def unreserve(self, seq: SeqKV, table_lens: list[int]) -> None:
         """Give back the pages reserved after each group's table had ``table_lens[g]`` entries."""

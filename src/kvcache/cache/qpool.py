@@ -93,6 +93,14 @@ class QuantPool:
         for name in _PARTS:
             dst[name].index_copy_(1, idx, new[name].to(dst[name].device))
 
+    def seal(self, layer: int, pages: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """Quantize the first ``len(pages)`` pages' worth of ``kv`` ([2, Hkv, n, D] fp32: the fp32
+        tail followed by new tokens) into ``pages`` ([m] int64); returns the rest, the new tail."""
+        m = pages.shape[0] * self.page_size
+        if m:
+            self.write_pages(layer, pages, kv[:, :, :m])
+        return kv[:, :, m:].clone()
+
     def read_into(self, layer: int, pages: torch.Tensor | None, first: int, m: int, out: torch.Tensor) -> None:
         """Dequantize m pages into out: [2, Hkv, m * page_size, D] fp32 (a view of a larger buffer
         is fine). ``pages`` ([m] int64) gathers them, or None for the run ``first .. first + m``."""

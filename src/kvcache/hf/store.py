@@ -80,14 +80,7 @@ class PageStore:
         if batch > 1 and self.config.sinks:
             raise InvalidParams("attention sinks in kvcache.hf take one row at a time (left padding would turn pad "
                                 "tokens into sinks); run prompts one by one, or use window=N without sinks")
-        before = [[len(t) for t in seq.tables] for seq in self.rows]
-        try:
-            for seq in self.rows:
-                cache.reserve(seq, n)
-        except Exception:
-            for seq, lens in zip(self.rows, before):
-                cache.unreserve(seq, lens)
-            raise
+        before = cache.reserve_all(self.rows, [n] * batch)
         old, self.length = self.length, self.length + n
         self.plans, self.sealed = [], before
         ps = cache.page_size
@@ -137,9 +130,7 @@ class PageStore:
         assert cache is not None
         start = self.length - self.new_tokens
         slots = torch.cat([cache.slots(seq, gi, start, self.new_tokens) for seq in self.rows])  # [B*T]
-        kv = torch.stack((k, v)).transpose(1, 2).flatten(2, 3)  # [2, Hkv, B*T, D]
-        flat = pool.flat[j]
-        flat.index_copy_(2, slots.to(flat.device), kv.to(flat.device, pool.dtype))
+        pool.write(j, slots, k.transpose(1, 2).flatten(0, 1), v.transpose(1, 2).flatten(0, 1))  # [B*T, Hkv, D]
 
     @staticmethod
     def _read_float(pool: PagePool, j: int, plan: ReadPlan) -> torch.Tensor:
@@ -169,12 +160,7 @@ class PageStore:
         else:
             assert plan.index is not None
             out = buf.index_select(2, plan.index.to(buf.device))
-        table = seq.tables[gi]
-        new_pages = torch.tensor(table[self.sealed[b][gi]:], dtype=torch.long)
-        m = new_pages.shape[0]
-        if m:
-            pool.write_pages(j, new_pages, rest[:, :, : m * ps])
-        tails[j] = rest[:, :, m * ps :].clone()
+        tails[j] = pool.seal(j, torch.tensor(seq.tables[gi][self.sealed[b][gi]:], dtype=torch.long), rest)
         return out
 
     def _shift_sinks(self, layer: int, kv: torch.Tensor, plan: ReadPlan) -> torch.Tensor:
