@@ -50,7 +50,8 @@ class PromptCache:
         if not self.tokens:
             raise InvalidParams("nothing to fork: call prefill(prefix_ids) first")
         if input_ids is not None:
-            ids = torch.as_tensor(input_ids).reshape(-1, torch.as_tensor(input_ids).shape[-1])
+            ids = torch.as_tensor(input_ids)
+            ids = ids.reshape(-1, ids.shape[-1])  # [rows, T]
             n = len(self.tokens)
             if ids.shape[1] <= n or any(row[:n].tolist() != self.tokens for row in ids):
                 raise InvalidParams(f"input_ids must start with the {n} cached prefix tokens and add at least one")
