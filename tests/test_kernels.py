@@ -87,3 +87,107 @@ def test_batched_float_decode_kernel_equals_torch_path(spec, monkeypatch):
     slow = batched_decode_outputs(spec, False, monkeypatch)
     for x, y in zip(fast, slow):
         torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4)
+
+
+# -- packed multi-row projections (pgemm.c) --------------------------------------------------------
+
+@pytest.mark.parametrize("out_f,in_f,k", [(960, 576, 2), (1001, 77, 2), (64, 32, 1), (5, 3, 3), (300, 130, 4)])
+@pytest.mark.parametrize("n", [2, 5, 7, 13, 200])
+def test_packed_matmul_equals_reference(out_f, in_f, k, n):
+    """Every column (whole tiles, single vectors, the last odd ones) and row count (a partial tile,
+    more than one row chunk) against float64, with a bias and with rows further apart than ``in``."""
+    from kvcache.models.layers import pack, pack_bias
+
+    if kernels.pgemm() is None:
+        pytest.skip("no C compiler here: the torch path is the only one")
+    torch.manual_seed(n + out_f)
+    w, b = torch.randn(out_f, in_f), torch.randn(out_f)
+    pw = pack(w, k)
+    x = torch.randn(n, in_f + 9)[:, :in_f]  # a view: rows in_f + 9 apart
+    ref = (x.double() @ w.double().T + b.double()).float()
+    got = kernels.packed_matmul(x, pw, pack_bias(b, pw))
+    assert got is not None
+    torch.testing.assert_close(got[:, :out_f], ref, atol=1e-4, rtol=1e-4)
+    got = kernels.packed_matmul(x.contiguous(), pw, None)
+    torch.testing.assert_close(got[:, :out_f], (x.double() @ w.double().T).float(), atol=1e-4, rtol=1e-4)
+
+
+def test_linear_uses_the_kernel_for_several_rows_and_matches_the_batched_product(monkeypatch):
+    from kvcache.models import layers
+
+    if kernels.pgemm() is None:
+        pytest.skip("no C compiler here: the torch path is the only one")
+    torch.manual_seed(3)
+    pw = layers.pack(torch.randn(200, 48), 2)
+    calls = []
+    real = kernels.packed_matmul
+    monkeypatch.setattr(kernels, "packed_matmul", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(9, 48)
+    fast = layers.linear(x, pw)
+    assert len(calls) == 1
+    layers.linear(x[:1], pw)
+    assert len(calls) == 1  # one row stays with the batched product
+    monkeypatch.setattr(layers, "_MULTI_ROW", False)
+    torch.testing.assert_close(fast, layers.linear(x, pw), atol=1e-5, rtol=1e-5)
+
+
+# -- extend attention over float pages (xattn.c) ---------------------------------------------------
+
+def extend_outputs(cfg: ModelConfig, spec: str, steps: list[list[int]], use_kernel: bool, monkeypatch):
+    """Run forwards of ``steps[i][b]`` new tokens for sequence b over shared pool pages."""
+    monkeypatch.setattr(kernels, "_LIBS", {} if use_kernel else {"qattn": False, "pattn": False, "xattn": False})
+    torch.manual_seed(5)
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    cache = PagedKVCache(cfg, parse_kv_spec(spec))
+    seqs = [cache.new_sequence() for _ in steps[0]]
+    outs = []
+    for news in steps:
+        live = [(s, n) for s, n in zip(seqs, news) if n]
+        pos = torch.cat([torch.arange(s.length, s.length + n) for s, n in live])
+        ctx = PagedContext(cache, [s for s, _ in live], [n for _, n in live], pos)
+        m = pos.shape[0]
+        outs.append(ctx.attend(0, torch.randn(m, hq, d), torch.randn(m, hkv, d) * 2, torch.randn(m, hkv, d), 0.3))
+    cache.check_integrity()
+    return outs
+
+
+EXTEND_CASES = {
+    # two sequences written alternately: neither's pages are one run; then extends of a few tokens
+    "interleaved, then extends": [[37, 0], [0, 50], [13, 0], [1, 0], [0, 7], [1, 1]],
+    "a batch of different lengths": [[5, 300], [1, 13], [20, 2], [150, 1]],
+    # 150 new tokens over 50 old ones: chunks of keys that early rows cannot see at all
+    "long extend over a short prefix": [[50], [150], [3]],
+    "a fresh prefill": [[77]],
+}
+
+
+@pytest.mark.parametrize("case", list(EXTEND_CASES))
+@pytest.mark.parametrize("spec", ["dynamic,page_size=4", "static,max_tokens=512,max_seqs=2,page_size=16"])
+def test_extend_kernel_equals_torch_path(case, spec, monkeypatch):
+    if kernels.xattn() is None:
+        pytest.skip("no C compiler here: the torch path is the only one")
+    calls = []
+    real = kernels.paged_extend
+    monkeypatch.setattr(kernels, "paged_extend", lambda *a: calls.append(real(*a) is not None) or real(*a))
+    fast = extend_outputs(CFG, spec, EXTEND_CASES[case], True, monkeypatch)
+    assert calls and all(calls)
+    slow = extend_outputs(CFG, spec, EXTEND_CASES[case], False, monkeypatch)
+    for x, y in zip(fast, slow):
+        torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4)
+
+
+def test_extend_kernel_declines_a_head_size_it_does_not_tile(monkeypatch):
+    """head_dim 20 is no multiple of a vector: the kernel says no and the torch path answers."""
+    if kernels.xattn() is None:
+        pytest.skip("no C compiler here: the torch path is the only one")
+    cfg = ModelConfig(model_type="llama", vocab_size=8, hidden_size=60, intermediate_size=16, num_layers=1,
+                      num_heads=3, num_kv_heads=1, head_dim=20, max_position=512, layer_windows=(None,))
+    steps = EXTEND_CASES["interleaved, then extends"]
+    results = []
+    real = kernels.paged_extend
+    monkeypatch.setattr(kernels, "paged_extend", lambda *a: results.append(real(*a)) or real(*a))
+    fast = extend_outputs(cfg, "dynamic,page_size=4", steps, True, monkeypatch)
+    assert results and all(r is None for r in results)
+    slow = extend_outputs(cfg, "dynamic,page_size=4", steps, False, monkeypatch)
+    for x, y in zip(fast, slow):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)

@@ -21,6 +21,18 @@ from kvcache.cache.sequence import HOLE, SeqKV, run_start
 from kvcache.models.layers import Rotary
 
 
+EXTEND_MAX = 256  # most new tokens per sequence for the native extend attention (SDPA beyond)
+
+
+def _page_tables(seqs: Sequence[SeqKV], group: int) -> torch.Tensor:
+    """The sequences' page tables of one group, zero-padded: [B, max_pages] int64."""
+    width = max(len(seq.tables[group]) for seq in seqs)
+    t = torch.zeros(len(seqs), width, dtype=torch.long)
+    for b, seq in enumerate(seqs):
+        t[b, : len(seq.tables[group])] = torch.tensor(seq.tables[group], dtype=torch.long)
+    return t
+
+
 class _GroupPlan:
     """What one sequence needs from one layer group in every layer of this forward."""
 
@@ -106,16 +118,22 @@ class PagedContext:
         self.write_slots = [torch.cat(s) if len(s) > 1 else (s[0] if s else None) for s in write_slots]
         # a batch of decodes over fp32 pages with full visibility: one native call per layer reads
         # every sequence's pages in place (no gathered copy, no per-sequence loop)
+        # the same for a few new tokens per sequence (an extend after a prefix hit, a chat turn, a
+        # short chunk of prefill): one native call per layer, causal among the new tokens
         self.tables: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(cache.groups)
-        if (len(seqs) > 1 and all(n == 1 for n in new_tokens) and cache.config.encoding == "fp32"
-                and not cache.placement.offloaded):
+        self.extend: list[tuple[torch.Tensor, ...] | None] = [None] * len(cache.groups)
+        if cache.config.encoding == "fp32" and not cache.placement.offloaded and max(new_tokens) <= EXTEND_MAX:
+            decodes = len(seqs) > 1 and all(n == 1 for n in new_tokens)
+            lens = torch.tensor([seq.length for seq in seqs], dtype=torch.long)
             for g in cache.groups:
                 if g.window is None and not g.sinks:
-                    width = max(len(seq.tables[g.index]) for seq in seqs)
-                    t = torch.zeros(len(seqs), width, dtype=torch.long)
-                    for b, seq in enumerate(seqs):
-                        t[b, : len(seq.tables[g.index])] = torch.tensor(seq.tables[g.index], dtype=torch.long)
-                    self.tables[g.index] = (t, torch.tensor([seq.length for seq in seqs], dtype=torch.long))
+                    t = _page_tables(seqs, g.index)
+                    if decodes:
+                        self.tables[g.index] = (t, lens)
+                    elif (len(seqs) > 1 or new_tokens[0] > 1 or seqs[0].first_page_if_contiguous(g.index) is None) \
+                            and kernels.xattn() is not None:  # a lone decode over one run of pages: a view is faster
+                        new = torch.tensor(list(new_tokens), dtype=torch.long)
+                        self.extend[g.index] = (t, torch.cumsum(new, 0) - new, new, lens)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q: [N, Hq, D]; k, v: [N, Hkv, D] -> [N, Hq, D]."""
@@ -143,6 +161,11 @@ class PagedContext:
                                          batched[1], pool.page_size)
                 if o is not None:
                     return o.view(b, hq, d)
+            extend = self.extend[gi]
+            if extend is not None:
+                o = kernels.paged_extend((q * scale).contiguous(), pool.flat[j], *extend, pool.page_size)
+                if o is not None:
+                    return o
         for i, (rows, plans, seq) in enumerate(zip(self.rows, self.plans, self.seqs)):
             plan = plans[gi]
             qq = q if single else q[rows]

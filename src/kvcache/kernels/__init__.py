@@ -1,7 +1,8 @@
 """Optional native kernels, compiled on first use with the system's C compiler.
 
 ``qattn.c`` decodes attention straight from quantized pages; ``pattn.c`` decodes a batch of
-sequences straight from float32 pages through their page tables. Each is built once per machine into
+sequences straight from float32 pages through their page tables; ``pgemm.c`` multiplies several
+rows by packed projection weights (register tiles that reuse every weight across rows). Each is built once per machine into
 ``$KVCACHE_HOME/kernels`` (``cc -O3 -march=native -fopenmp``) and loaded with ctypes; when there
 is no compiler, the build fails, or ``KVCACHE_NO_KERNELS=1``, callers fall back to the pure torch
 path (dequantize, then attend), which gives the same result.
@@ -116,4 +117,53 @@ def quant_decode(
         parts["vs"].data_ptr(), parts["vm"].data_ptr(), kc.shape[1], tail[0].data_ptr(), tail[1].data_ptr(),
         tail.shape[2], out.data_ptr(), torch.get_num_threads(),
     )
+    return out if rc == 0 else None
+
+
+def pgemm() -> ctypes.CDLL | None:
+    """The packed-weight multi-row projection library, or None."""
+    return _load("pgemm", "kv_packed_matmul", [_I, _I, _I, _I, _P, _I64, _P, _P, _P, _I])
+
+
+def packed_matmul(
+    x: torch.Tensor,  # [N, in] fp32 on the CPU, unit stride along in
+    w: torch.Tensor,  # [k, in, part] fp32 contiguous: packed weights (models.layers.pack)
+    bias: torch.Tensor | None,  # [k, 1, part] fp32 contiguous, or None
+) -> torch.Tensor | None:  # [N, k * part], or None when the kernel is unavailable for these inputs
+    lib = pgemm()
+    if (lib is None or x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu"
+            or w.device.type != "cpu" or not w.is_contiguous() or x.dim() != 2 or x.stride(1) != 1
+            or (bias is not None and not bias.is_contiguous())):
+        return None
+    k, inn, part = w.shape
+    n = x.shape[0]
+    y = torch.empty(n, k * part)
+    rc = lib.kv_packed_matmul(n, inn, k, part, x.data_ptr(), x.stride(0), w.data_ptr(),
+                              None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
+    return y if rc == 0 else None
+
+
+def xattn() -> ctypes.CDLL | None:
+    """The float32 paged extend-attention library (several new tokens per sequence), or None."""
+    return _load("xattn", "kv_paged_extend", [_I, _I, _I, _I, _I, _I64, _P, _P, _P, _I, _P, _P, _P, _P, _I])
+
+
+def paged_extend(
+    q: torch.Tensor,  # [N, Hq, D] fp32 contiguous, softmax scale applied; sequences' rows one after another
+    flat: torch.Tensor,  # [2, Hkv, S, D] fp32 contiguous: a pool layer
+    tables: torch.Tensor,  # [B, max_pages] int64 contiguous
+    row0: torch.Tensor,  # [B] int64: each sequence's first row in q
+    new: torch.Tensor,  # [B] int64: its new tokens (rows), at least 1
+    lens: torch.Tensor,  # [B] int64: tokens it holds, the new ones included
+    page_size: int,
+) -> torch.Tensor | None:  # [N, Hq, D], or None when the kernel is unavailable for these inputs
+    lib = xattn()
+    if lib is None or flat.dtype != torch.float32 or not flat.is_contiguous() or flat.device.type != "cpu":
+        return None
+    n, hq, d = q.shape
+    hkv = flat.shape[1]
+    out = torch.empty(n, hq, d)
+    rc = lib.kv_paged_extend(tables.shape[0], hkv, hq // hkv, d, page_size, flat.shape[2], q.data_ptr(),
+                             flat.data_ptr(), tables.data_ptr(), tables.shape[1], row0.data_ptr(), new.data_ptr(),
+                             lens.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out if rc == 0 else None

