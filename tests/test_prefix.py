@@ -319,6 +319,27 @@ def test_disk_tier_restores_pages_in_a_new_cache(tiny_path, tmp_path, spec):
         assert later.prefix_stats().tier_tokens == 40
 
 
+@pytest.mark.parametrize("spec,restored", [("dynamic,page_size=4", 160),
+                                           ("static,page_size=4,max_tokens=128,max_seqs=1", 124)])
+def test_restore_across_batches_of_pages(tiny_path, tmp_path, spec, restored):
+    """Whole pages come back from disk in batches of RESTORE_BATCH (40 and 31 pages here) into a
+    new cache, dynamic or static, and the logits equal recomputation."""
+    from kvcache.prefix.cache import RESTORE_BATCH
+
+    prompt = [(i * 7 + 3) % 97 for i in range(163)]
+    assert 160 // 4 > 2 * RESTORE_BATCH
+    first = LLM(tiny_path, kv="dynamic,page_size=4", prefix=PrefixConfig(disk=str(tmp_path)))
+    seq = first.runner.lookup(prompt)
+    first.runner.step([seq], [prompt])
+    first.runner.release(seq)
+    first.flush()
+    later = LLM(tiny_path, kv=spec, prefix=PrefixConfig(disk=str(tmp_path)))
+    short = prompt[:127] if "static" in spec else prompt  # a static sequence holds at most 128 tokens
+    hit = _hit_then_check(later, short)
+    assert hit == restored and later.prefix_stats().tier_tokens == hit
+    assert later.prefix_stats().rejected == 0
+
+
 @pytest.mark.parametrize("spec", ["dynamic,page_size=4,initial_tokens=8",
                                   "int8,page_size=8,group_size=8,residual=0,initial_tokens=8"])
 def test_tier_restores_into_a_pool_that_grew_inside_a_forward(tiny_path, tmp_path, spec):

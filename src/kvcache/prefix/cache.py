@@ -22,12 +22,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+import torch
+
 from kvcache.cache.paged import PagedKVCache
 from kvcache.cache.pool import PagePool
 from kvcache.cache.sequence import HOLE, SeqKV
 from kvcache.errors import CacheFull
 from kvcache.prefix.config import PrefixConfig
 from kvcache.prefix.radix import Match, Node, RadixIndex
+
+
+RESTORE_BATCH = 16  # pages asked of the tiers at once
 
 
 @dataclass
@@ -59,6 +64,8 @@ class PrefixCache:
         self.stats_ = PrefixStats()
         self.layout = _layout_text(cache)
         self.tiers = _open_tiers(config) if config.tiers else None
+        self._shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
+        self._group_names: list[list[str]] = []
         cache.reclaim = self.reclaim
         cache.index_pages = self.index.held_pages
 
@@ -109,63 +116,102 @@ class PrefixCache:
         return 0
 
     def _restore(self, tokens: list[int], m: Match, salt: str, seq: SeqKV) -> None:
-        """Extend a page-aligned RAM match with full pages found in the tiers."""
+        """Extend a page-aligned RAM match with full pages found in the tiers, asking for up to
+        RESTORE_BATCH chained keys at once (one Redis round trip) and loading each layer's pages
+        with one copy."""
         from kvcache.prefix.entry import decode_entry
 
         ps = self.cache.page_size
         parent = m.nodes[-1] if m.nodes else self.index.root(salt)
         key = self._key(parent, salt)
         while m.length + ps <= len(tokens):
-            chunk = tuple(tokens[m.length : m.length + ps])
-            key = _page_key(key, chunk)
-            blob = self.tiers.get(key)  # type: ignore[union-attr]
-            if blob is None:
+            keys, chunks = [], []
+            at = m.length
+            while at + ps <= len(tokens) and len(keys) < RESTORE_BATCH:
+                chunks.append(tuple(tokens[at : at + ps]))
+                key = _page_key(key, chunks[-1])
+                keys.append(key)
+                at += ps
+            found = []
+            for k, blob in zip(keys, self.tiers.get_many(keys)):  # type: ignore[union-attr]
+                tensors = None if blob is None else decode_entry(blob, k)
+                if tensors is not None and not self._fits(tensors):
+                    tensors = None  # readable, but shaped for another layout
+                if tensors is None:
+                    if blob is not None:  # corrupt or not this prefix's: drop it, recompute the tokens
+                        self.tiers.discard(k)  # type: ignore[union-attr]
+                        self.stats_.rejected += 1
+                    break
+                found.append(tensors)
+            loaded = self._load_entries(found)  # fewer when the pool has no room for all
+            for chunk, k, pages in zip(chunks, keys, loaded):
+                node = self.index.add_child(parent, chunk, pages)
+                node.key = k
+                self._hold(seq, [node])
+                m.nodes.append(node)
+                m.length += ps
+                self.stats_.tier_tokens += ps
+                parent = node
+            if len(loaded) < len(keys):
                 break
-            tensors = decode_entry(blob, key)
-            if tensors is None:  # corrupt or not this prefix's: drop it, recompute the tokens
-                self.tiers.discard(key)  # type: ignore[union-attr]
-                self.stats_.rejected += 1
-                break
-            try:
-                pages = self._load_entry(tensors)
-            except CacheFull:  # no room to restore more: the rest is recomputed
-                break
-            if pages is None:  # shapes of another layout
-                self.tiers.discard(key)  # type: ignore[union-attr]
-                self.stats_.rejected += 1
-                break
-            node = self.index.add_child(parent, chunk, pages)
-            node.key = key
-            self._hold(seq, [node])
-            m.nodes.append(node)
-            m.length += ps
-            self.stats_.tier_tokens += ps
-            parent = node
 
-    def _load_entry(self, tensors: dict) -> list[int] | None:
-        """Pool pages (per group, or HOLE) holding one page entry; None if it does not fit."""
-        cache, pages = self.cache, []
-        try:
-            for g in cache.groups:
-                if f"layer{g.layers[0]}.kv" not in tensors and f"layer{g.layers[0]}.kc" not in tensors:
-                    pages.append(HOLE)
-                    continue
-                (p,) = cache._take_pages(g.index, 1)
-                pages.append(p)
-                pool = cache.pools[g.index]
+    def _expected(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name -> (shape, dtype) of every tensor a page entry of this layout holds."""
+        if self._shapes is None:
+            self._shapes = {}
+            for g in self.cache.groups:
+                pool = self.cache.pools[g.index]
                 for j, layer in enumerate(g.layers):
-                    if isinstance(pool, PagePool):
-                        pool.load_pages(j, [p], tensors[f"layer{layer}.kv"])
-                    else:
-                        pool.load_pages(j, [p], {n: tensors[f"layer{layer}.{n}"] for n in pool.parts[j]})
-        except (KeyError, RuntimeError, ValueError) as e:
-            for g, p in enumerate(pages):
-                if p != HOLE:
-                    cache.allocators[g].release([p])
-            if isinstance(e, CacheFull):
-                raise
-            return None
-        return pages
+                    if isinstance(pool, PagePool):  # [2, Hkv, 1, ps, D]
+                        named = [("kv", (2, pool.num_kv_heads, 1, pool.page_size, pool.head_dim), pool.dtype)]
+                    else:  # each part [*, pages, ...] with one page
+                        named = [(n, (t.shape[0], 1, *t.shape[2:]), t.dtype) for n, t in pool.parts[j].items()]
+                    for n, shape, dtype in named:
+                        self._shapes[f"layer{layer}.{n}"] = (tuple(shape), dtype)
+            self._group_names = [[n for n in self._shapes if int(n[5:].split(".")[0]) in g.layers]
+                                 for g in self.cache.groups]
+        return self._shapes
+
+    def _fits(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Whether an entry holds this layout's tensors: each group's all or none (a page of a
+        windowed group may be out of its window), with the pool's shapes."""
+        exp = self._expected()
+        if len(tensors) > len(exp) or any(tuple(t.shape) != exp[n][0] if n in exp else True
+                                          for n, t in tensors.items()):
+            return False
+        for names in self._group_names:
+            if len(names) != sum(n in tensors for n in names) and any(n in tensors for n in names):
+                return False
+        return True
+
+    def _load_entries(self, entries: list[dict]) -> list[list[int]]:
+        """Pool pages (per group, or HOLE) for each entry, in order, as many as the pool has room
+        for; each layer's pages are written with one copy."""
+        cache, out = self.cache, []
+        for tensors in entries:
+            pages = []
+            try:
+                for g in cache.groups:
+                    has = f"layer{g.layers[0]}.kv" in tensors or f"layer{g.layers[0]}.kc" in tensors
+                    pages.append(cache._take_pages(g.index, 1)[0] if has else HOLE)
+            except CacheFull:  # no room to restore more: the rest is recomputed
+                for gi, p in enumerate(pages):
+                    if p != HOLE:
+                        cache.allocators[gi].release([p])
+                break
+            out.append(pages)
+        for g in cache.groups:
+            rows = [(i, pages[g.index]) for i, pages in enumerate(out) if pages[g.index] != HOLE]
+            if not rows:
+                continue
+            pool, ids = cache.pools[g.index], [p for _, p in rows]
+            for j, layer in enumerate(g.layers):
+                if isinstance(pool, PagePool):
+                    pool.load_pages(j, ids, torch.cat([entries[i][f"layer{layer}.kv"] for i, _ in rows], 2))
+                else:
+                    pool.load_pages(j, ids, {n: torch.cat([entries[i][f"layer{layer}.{n}"] for i, _ in rows], 1)
+                                             for n in pool.parts[j]})
+        return out
 
     # -- insertion --------------------------------------------------------------------------------
     def release(self, seq: SeqKV, tokens: list[int], salt: str | None = None) -> None:

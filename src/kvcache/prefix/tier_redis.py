@@ -79,6 +79,11 @@ class RedisTier:
     def get(self, key: bytes) -> bytes | None:
         return self._call(lambda: self.client.get(self._name(key)), None)  # type: ignore[return-value]
 
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        """One MGET for all ``keys``; all misses while the server is down."""
+        return self._call(lambda: self.client.mget([self._name(k) for k in keys]),  # type: ignore[return-value]
+                          [None] * len(keys))
+
     def put(self, key: bytes, blob: bytes) -> None:
         self._call(lambda: self.client.set(self._name(key), blob, ex=self.ttl), None)
 

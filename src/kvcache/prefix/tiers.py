@@ -94,6 +94,34 @@ class TierChain:
             self._stats.misses += 1
         return None
 
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        """``get`` for several keys, one request per tier (Redis: one MGET) for those still missing."""
+        out: list[bytes | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for i, tier in enumerate(self.tiers):
+            if not todo:
+                break
+            many = getattr(tier, "get_many", None)
+            try:
+                blobs = many([keys[j] for j in todo]) if many else [tier.get(keys[j]) for j in todo]
+            except Exception as e:
+                self._failed(i, "read", e)
+                continue
+            left = []
+            for j, blob in zip(todo, blobs):
+                if blob is None:
+                    left.append(j)
+                    continue
+                out[j] = blob
+                with self._lock:
+                    self._stats.hits[self.names[i]] += 1
+                if i:
+                    self._enqueue(keys[j], blob, self.tiers[:i])
+            todo = left
+        with self._lock:
+            self._stats.misses += len(todo)
+        return out
+
     def __contains__(self, key: bytes) -> bool:
         return any(key in t for t in self.tiers)
 
