@@ -35,6 +35,11 @@ def plot_suite(suite: str, data_path: Path, out: Path) -> Path | None:
     return out
 
 
+def _num(v: float) -> str:
+    """A bar's label: three significant digits, never in exponent notation (2790, 42.3, 0.812)."""
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
 def _bars(plt, labels: list[str], values: list[float], title: str, xlabel: str, log: bool = False):
     fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * len(labels)))
     ax.barh(range(len(values)), values, color="#4477aa")
@@ -45,7 +50,7 @@ def _bars(plt, labels: list[str], values: list[float], title: str, xlabel: str, 
     ax.set_xlabel(xlabel)
     ax.set_title(title)
     for i, v in enumerate(values):
-        ax.text(v, i, f" {v:.3g}", va="center", fontsize=8)
+        ax.text(v, i, f" {_num(v)}", va="center", fontsize=8)
     return fig
 
 
@@ -108,7 +113,7 @@ def _hf(plt, data: dict[str, Any]):
         ax.invert_yaxis()
         ax.set_title(title)
         for i, v in enumerate(values):
-            ax.text(v, i, f" {v:.3g}", va="center", fontsize=8)
+            ax.text(v, i, f" {_num(v)}", va="center", fontsize=8)
     return fig
 
 

@@ -31,6 +31,8 @@
 #define CV 4      /* vectors per tile row */
 #define CHUNK 256 /* most keys per work item */
 
+#define GP(rows) (((int64_t)(rows) + VL - 1) / VL * VL) /* query rows padded to whole vectors */
+
 typedef float vec __attribute__((vector_size(VL * 4), aligned(4), may_alias));
 
 typedef struct {
@@ -90,7 +92,7 @@ static inline __attribute__((always_inline)) void value_cols(int nv, const float
         vec w[CV];
         for (int v = 0; v < nv; v++) w[v] = *(const vec *)(vr + VL * v);
         for (int r = 0; r < NRV; r++) {
-            const float x = pj[r];  /* rows past nr read padding columns of p (zeros): harmless */
+            const float x = pj[r];  /* rows past nr read other columns of p: their sums are never stored */
             for (int v = 0; v < nv; v++) acc[r][v] += x * w[v];
         }
     }
@@ -183,7 +185,7 @@ int kv_paged_extend(int B, int hkv, int g, int D, int ps, int64_t S, const float
         if (nnew[b] < 1 || lens[b] < nnew[b]) return 1;
         if (nnew[b] > maxT) maxT = nnew[b];
     }
-    const int Gp = (int)((g * maxT + VL - 1) / VL * VL);
+    const int Gp = (int)GP(g * maxT);  /* the widest sequence's rows: the per-thread buffers */
     /* chunks: at most CHUNK keys, and enough items to keep every thread busy */
     const int64_t want = (4 * (int64_t)n_threads + (int64_t)B * hkv - 1) / ((int64_t)B * hkv);
     int64_t *nch = (int64_t *)malloc(sizeof(int64_t) * B);
@@ -194,21 +196,29 @@ int kv_paged_extend(int B, int hkv, int g, int D, int ps, int64_t S, const float
         if (nch[b] < 1) nch[b] = 1;
         items += nch[b] * hkv;
     }
+    /* each item's partial result (m, l [Gb], acc [Gb, D]) is sized by its own sequence's rows */
     item_t *its = (item_t *)malloc(sizeof(item_t) * (size_t)items);
-    float *part = (float *)malloc(sizeof(float) * (size_t)items * Gp * (D + 2));
-    if (!its || !part) {
-        free(nch); free(its); free(part);
+    int64_t *off = (int64_t *)malloc(sizeof(int64_t) * (size_t)(items + 1));
+    if (!its || !off) {
+        free(nch); free(its); free(off);
         return 2;
     }
     int64_t n_it = 0;
+    off[0] = 0;
     for (int b = 0; b < B; b++)
         for (int h = 0; h < hkv; h++)
             for (int64_t c = 0; c < nch[b]; c++) {
                 its[n_it].b = b; its[n_it].h = h;
                 its[n_it].j0 = lens[b] * c / nch[b];
                 its[n_it].j1 = lens[b] * (c + 1) / nch[b];
+                off[n_it + 1] = off[n_it] + GP(g * nnew[b]) * (D + 2);
                 n_it++;
             }
+    float *part = (float *)malloc(sizeof(float) * (size_t)off[items]);
+    if (!part) {
+        free(nch); free(its); free(off);
+        return 2;
+    }
     int64_t longest = 1;
     for (int64_t i = 0; i < items; i++)
         if (its[i].j1 - its[i].j0 > longest) longest = its[i].j1 - its[i].j0;
@@ -224,9 +234,10 @@ int kv_paged_extend(int B, int hkv, int g, int D, int ps, int64_t S, const float
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < items; i++) {
             if (!qt || !st) continue;
-            float *pm = part + i * Gp * (D + 2);
-            run_item(its + i, hkv, g, D, ps, S, q, kv, tables, max_pages, row0, nnew, lens, Gp, pm, pm + Gp,
-                     pm + 2 * Gp, qt, st);
+            const int gb = (int)GP(g * nnew[its[i].b]);
+            float *pm = part + off[i];
+            run_item(its + i, hkv, g, D, ps, S, q, kv, tables, max_pages, row0, nnew, lens, gb, pm, pm + gb,
+                     pm + 2 * gb, qt, st);
         }
         free(qt);
         free(st);
@@ -235,22 +246,22 @@ int kv_paged_extend(int B, int hkv, int g, int D, int ps, int64_t S, const float
         const int64_t Hq = (int64_t)hkv * g;
         int64_t first = 0;
         for (int b = 0; b < B; b++) {
-            const int64_t T = nnew[b];
+            const int64_t T = nnew[b], gb = GP(g * T);
             for (int h = 0; h < hkv; h++, first += nch[b]) {
                 for (int r = 0; r < g * T; r++) {
                     float M = -INFINITY, Lsum = 0.f;
                     for (int64_t c = 0; c < nch[b]; c++) {
-                        const float *pm = part + (first + c) * Gp * (D + 2);
-                        if (pm[Gp + r] > 0.f && pm[r] > M) M = pm[r];
+                        const float *pm = part + off[first + c];
+                        if (pm[gb + r] > 0.f && pm[r] > M) M = pm[r];
                     }
                     float *o = out + ((row0[b] + r % T) * Hq + h * g + r / T) * D;
                     memset(o, 0, sizeof(float) * D);
                     for (int64_t c = 0; c < nch[b]; c++) {
-                        const float *pm = part + (first + c) * Gp * (D + 2);
-                        if (!(pm[Gp + r] > 0.f)) continue;  /* nothing visible in this chunk */
+                        const float *pm = part + off[first + c];
+                        if (!(pm[gb + r] > 0.f)) continue;  /* nothing visible in this chunk */
                         const float w = expf(pm[r] - M);
-                        Lsum += w * pm[Gp + r];
-                        const float *a = pm + 2 * Gp + (int64_t)r * D;
+                        Lsum += w * pm[gb + r];
+                        const float *a = pm + 2 * gb + (int64_t)r * D;
                         for (int d = 0; d < D; d++) o[d] += w * a[d];
                     }
                     const float inv = 1.f / Lsum;
@@ -261,6 +272,7 @@ int kv_paged_extend(int B, int hkv, int g, int D, int ps, int64_t S, const float
     }
     free(nch);
     free(its);
+    free(off);
     free(part);
     return bad ? 2 : 0;
 }
