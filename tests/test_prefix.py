@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvcache import LLM, SamplingParams
@@ -215,17 +215,21 @@ def test_dynamic_pool_keeps_at_most_the_budget(tiny_path):
                               st.integers(0, 3)), min_size=1, max_size=12),
        spec=st.sampled_from(["static,max_tokens=24,max_seqs=2,page_size=4", "dynamic,page_size=3",
                              "dynamic,page_size=2,window=5", "int4,page_size=8,group_size=8,residual=0"]))
+@example(ops=[(0, [5], 0)] * 8 + [(3, [5], 0), (0, [5] * 5, 0), (0, [5] * 5, 0), (0, [5, 5], 0)],
+         spec="static,max_tokens=24,max_seqs=2,page_size=4")  # a full pool refuses a looked-up sequence
 def test_integrity_under_random_workloads(tiny_path, ops, spec):
     """Requests over a 4-token alphabet (many shared prefixes) start, fork, grow and finish in
-    random order; after every step free + referenced + cached == total and ref counts match."""
+    random order; after every step free + referenced + cached == total and ref counts match. A
+    sequence whose first step is refused still holds its matched prefix pages until it is
+    released, as the engine does."""
     llm = LLM(tiny_path, kv=spec, prefix=PrefixConfig(max_cached_tokens=12))
     r, live = llm.runner, []
     for kind, toks, which in ops:
         try:
             if kind == 0 or not live:
                 seq = r.lookup(toks)
-                r.step([seq], [toks[len(seq.tokens):]])
                 live.append(seq)
+                r.step([seq], [toks[len(seq.tokens):]])
             elif kind == 1:
                 live.append(r.fork(live[which % len(live)]))
             elif kind == 2:
