@@ -78,24 +78,11 @@ class TierChain:
     # -- reading ----------------------------------------------------------------------------------
     def get(self, key: bytes) -> bytes | None:
         """The first tier's bytes for ``key``; a hit in a later tier is queued into the earlier ones."""
-        for i, tier in enumerate(self.tiers):
-            try:
-                blob = tier.get(key)
-            except Exception as e:
-                self._failed(i, "read", e)
-                continue
-            if blob is not None:
-                with self._lock:
-                    self._stats.hits[self.names[i]] += 1
-                if i:
-                    self._enqueue(key, blob, self.tiers[:i])
-                return blob
-        with self._lock:
-            self._stats.misses += 1
-        return None
+        return self.get_many([key])[0]
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        """``get`` for several keys, one request per tier (Redis: one MGET) for those still missing."""
+        """The first tier's bytes for each key (None: no tier has it), asking each tier once (Redis:
+        one MGET) for the keys still missing; hits in a later tier are queued into the earlier ones."""
         out: list[bytes | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         for i, tier in enumerate(self.tiers):
