@@ -150,6 +150,36 @@ def test_windowed_hits_equal_the_same_strategy_without_them(tiny_dir, family, sp
         cached.check_integrity()
 
 
+@pytest.mark.parametrize("family,spec", [("gemma3", "dynamic,page_size=2"), ("llama", "dynamic,page_size=2,window=6")])
+def test_windowed_pages_restore_from_disk_with_their_holes(tiny_dir, tmp_path, family, spec):
+    """Decoding past a window drops its early pages; they are written without that group. In a new
+    cache those pages come back as holes in the windowed group (the other group's K/V restored),
+    the conversation continues from all 40 tokens, and the logits equal recomputation."""
+    from kvcache.cache.sequence import HOLE
+
+    path = str(tiny_dir(family)[0])
+    long = [(i * 5 + 2) % 50 + 5 for i in range(40)]
+    first = LLM(path, kv=spec, prefix=PrefixConfig(disk=str(tmp_path)))
+    seq = first.runner.lookup(long)
+    first.runner.step([seq], [long[:10]])
+    for tok in long[10:]:  # one token a step, as decoding: pages leave the window between steps
+        first.runner.step([seq], [[tok]])
+    first.runner.release(seq)
+    first.flush()
+    later = LLM(path, kv=spec, prefix=PrefixConfig(disk=str(tmp_path)))
+    fresh = LLM(path, kv=spec, prefix=False)
+    prompt = long + [7]
+    seq = later.runner.lookup(prompt)
+    stats = later.prefix_stats()
+    assert len(seq.tokens) == stats.tier_tokens == 40 and stats.rejected == 0
+    assert any(HOLE in table[:20] for table in seq.kv.tables)  # restored without the dropped group
+    got = later.runner.step([seq], [prompt[len(seq.tokens):]])[0]
+    ref = fresh.runner.new_sequence()
+    torch.testing.assert_close(got, fresh.runner.step([ref], [prompt])[0], atol=1e-4, rtol=1e-4)
+    later.runner.release(seq)
+    later.check_integrity()
+
+
 def test_quantized_hits_reuse_sealed_pages_only(tiny_path):
     llm = LLM(tiny_path, kv="int8,page_size=8,group_size=8,residual=0")
     prompt = SYSTEM + list(range(60, 80))  # 34 tokens: 4 sealed pages

@@ -64,8 +64,7 @@ class PrefixCache:
         self.stats_ = PrefixStats()
         self.layout = _layout_text(cache)
         self.tiers = _open_tiers(config) if config.tiers else None
-        self._shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
-        self._group_names: list[list[str]] = []
+        self._shapes, self._group_names = self._entry_layout()  # what a page entry must hold
         cache.reclaim = self.reclaim
         cache.index_pages = self.index.held_pages
 
@@ -155,34 +154,30 @@ class PrefixCache:
             if len(loaded) < len(keys):
                 break
 
-    def _expected(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Name -> (shape, dtype) of every tensor a page entry of this layout holds."""
-        if self._shapes is None:
-            self._shapes = {}
-            for g in self.cache.groups:
-                pool = self.cache.pools[g.index]
-                for j, layer in enumerate(g.layers):
-                    if isinstance(pool, PagePool):  # [2, Hkv, 1, ps, D]
-                        named = [("kv", (2, pool.num_kv_heads, 1, pool.page_size, pool.head_dim), pool.dtype)]
-                    else:  # each part [*, pages, ...] with one page
-                        named = [(n, (t.shape[0], 1, *t.shape[2:]), t.dtype) for n, t in pool.parts[j].items()]
-                    for n, shape, dtype in named:
-                        self._shapes[f"layer{layer}.{n}"] = (tuple(shape), dtype)
-            self._group_names = [[n for n in self._shapes if int(n[5:].split(".")[0]) in g.layers]
-                                 for g in self.cache.groups]
-        return self._shapes
+    def _entry_layout(self) -> tuple[dict[str, tuple[int, ...]], list[list[str]]]:
+        """The shape of every tensor a page entry of this layout holds (by name), and each
+        group's names."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        groups: list[list[str]] = []
+        for g in self.cache.groups:
+            pool, names = self.cache.pools[g.index], []
+            for j, layer in enumerate(g.layers):
+                if isinstance(pool, PagePool):  # [2, Hkv, 1, ps, D]
+                    named = {"kv": (2, pool.num_kv_heads, 1, pool.page_size, pool.head_dim)}
+                else:  # each part [*, pages, ...] with one page
+                    named = {n: (t.shape[0], 1, *t.shape[2:]) for n, t in pool.parts[j].items()}
+                for n, shape in named.items():
+                    shapes[f"layer{layer}.{n}"] = tuple(shape)
+                    names.append(f"layer{layer}.{n}")
+            groups.append(names)
+        return shapes, groups
 
     def _fits(self, tensors: dict[str, torch.Tensor]) -> bool:
-        """Whether an entry holds this layout's tensors: each group's all or none (a page of a
-        windowed group may be out of its window), with the pool's shapes."""
-        exp = self._expected()
-        if len(tensors) > len(exp) or any(tuple(t.shape) != exp[n][0] if n in exp else True
-                                          for n, t in tensors.items()):
+        """Whether an entry holds this layout's tensors with the pool's shapes, each group's all or
+        none (a page of a windowed group may be out of its window)."""
+        if any(n not in self._shapes or tuple(t.shape) != self._shapes[n] for n, t in tensors.items()):
             return False
-        for names in self._group_names:
-            if len(names) != sum(n in tensors for n in names) and any(n in tensors for n in names):
-                return False
-        return True
+        return all(sum(n in tensors for n in names) in (0, len(names)) for names in self._group_names)
 
     def _load_entries(self, entries: list[dict]) -> list[list[int]]:
         """Pool pages (per group, or HOLE) for each entry, in order, as many as the pool has room
@@ -192,7 +187,7 @@ class PrefixCache:
             pages = []
             try:
                 for g in cache.groups:
-                    has = f"layer{g.layers[0]}.kv" in tensors or f"layer{g.layers[0]}.kc" in tensors
+                    has = self._group_names[g.index][0] in tensors  # all of the group's, or none (_fits)
                     pages.append(cache._take_pages(g.index, 1)[0] if has else HOLE)
             except CacheFull:  # no room to restore more: the rest is recomputed
                 for gi, p in enumerate(pages):
