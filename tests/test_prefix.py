@@ -374,6 +374,28 @@ def test_restore_across_batches_of_pages(tiny_path, tmp_path, spec, restored):
     assert later.prefix_stats().rejected == 0
 
 
+def test_restore_stops_where_a_static_pool_runs_out_of_pages(tiny_path, tmp_path):
+    """31 pages on disk, room for 12: the batch restores what fits, gives back what it took for the
+    rest, and the pages balance (free + referenced + cached == total) before and after release."""
+    prompt = [(i * 7 + 3) % 97 for i in range(125)]
+    first = LLM(tiny_path, kv="dynamic,page_size=4", prefix=PrefixConfig(disk=str(tmp_path)))
+    seq = first.runner.lookup(prompt)
+    first.runner.step([seq], [prompt])
+    first.runner.release(seq)
+    first.flush()
+    later = LLM(tiny_path, kv="static,page_size=4,max_tokens=128,max_seqs=1", prefix=PrefixConfig(disk=str(tmp_path)))
+    other = later.runner.lookup([1, 2, 3] * 27)
+    later.runner.step([other], [[1, 2, 3] * 27])  # 81 tokens: 21 of the 32 pages
+    seq = later.runner.lookup(prompt)
+    stats = later.prefix_stats()
+    assert len(seq.tokens) == stats.tier_tokens == 11 * 4 and stats.rejected == 0
+    later.check_integrity()
+    later.runner.release(seq)
+    later.runner.release(other)
+    later.check_integrity()
+    assert later.kv_stats().pages_in_use == 0
+
+
 @pytest.mark.parametrize("spec", ["dynamic,page_size=4,initial_tokens=8",
                                   "int8,page_size=8,group_size=8,residual=0,initial_tokens=8"])
 def test_tier_restores_into_a_pool_that_grew_inside_a_forward(tiny_path, tmp_path, spec):
