@@ -1,11 +1,13 @@
 """Optional native kernels, compiled on first use with the system's C compiler.
 
 ``qattn.c`` decodes attention straight from quantized pages; ``pattn.c`` decodes a batch of
-sequences straight from float32 pages through their page tables; ``pgemm.c`` multiplies several
-rows by packed projection weights (register tiles that reuse every weight across rows). Each is built once per machine into
+sequences straight from float32 pages through their page tables; ``xattn.c`` attends a few new
+tokens per sequence (an extend after a prefix hit, a chat turn, a short prefill chunk) over float32
+pages in place; ``pgemm.c`` multiplies several rows by packed projection weights (register tiles
+that reuse every weight across rows). Each is built once per machine into
 ``$KVCACHE_HOME/kernels`` (``cc -O3 -march=native -fopenmp``) and loaded with ctypes; when there
 is no compiler, the build fails, or ``KVCACHE_NO_KERNELS=1``, callers fall back to the pure torch
-path (dequantize, then attend), which gives the same result.
+path, which gives the same result.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """x: [N, in] @ packed w: [k, in, part] (+ b: [k, 1, part]) -> [N, k * part].
 
     Several rows go to the native kernel (kernels/pgemm.c: every weight loaded once serves
-    several rows; 2.5-3x MKL's sgemm at 4-128 rows on the reference machine) when it is there;
+    several rows; 1.4-2.8x MKL's sgemm at 2-2048 rows on the reference machine) when it is there;
     one row, and everything without the kernel, runs as a batched product over the k blocks."""
     n = x.shape[0]
     if n > 1 and _MULTI_ROW:
