@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -18,12 +19,13 @@ from kvcache.prefix.redis_local import free_port
 
 
 class Server:
-    def __init__(self, model: str, *extra: str) -> None:
+    def __init__(self, model: str, *extra: str, env: dict[str, str] | None = None, admin: str | None = None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
+        self.admin = admin  # the key stats() sends
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvcache", "serve", "--model", model, "--port", str(self.port), *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -47,8 +49,9 @@ class Server:
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()
 
-    def post(self, path: str, body: bytes) -> tuple[int, dict]:
-        req = urllib.request.Request(self.base + path, data=body, headers={"Content-Type": "application/json"})
+    def post(self, path: str, body: bytes, key: str | None = None) -> tuple[int, dict]:
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        req = urllib.request.Request(self.base + path, data=body, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=60) as r:
                 return r.status, json.loads(r.read())
@@ -56,7 +59,8 @@ class Server:
             return e.code, json.loads(e.read())
 
     def stats(self) -> dict:
-        return json.loads(self.get("/v1/cache/stats")[1])
+        """The whole cache report with the integrity check (an admin's view)."""
+        return json.loads(self.get("/v1/cache/stats?check=true", self.admin)[1])
 
     def close(self) -> None:
         self.proc.terminate()
@@ -227,6 +231,40 @@ def test_a_disconnected_client_frees_its_pages(smollm_server):
     aborted = [line for line in server.get("/metrics")[1].splitlines()
                if line.startswith("kvcache_requests_aborted_total ")]
     assert float(aborted[0].split()[1]) == 1
+
+
+def _wait_idle(server: Server, seconds: float) -> tuple[float, dict]:
+    """Seconds until nothing runs and no page is in use (or the limit), and the last stats."""
+    t0 = time.monotonic()
+    while True:
+        stats = server.stats()
+        if (stats["scheduler"]["running"] == 0 and stats["scheduler"]["waiting"] == 0
+                and stats["kv"]["pages_in_use"] == 0) or time.monotonic() - t0 > seconds:
+            return time.monotonic() - t0, stats
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_non_streaming_client_that_leaves_is_aborted_within_a_second(smollm_server, route):
+    import http.client
+
+    server = smollm_server
+    model = _model(server)
+    body = {"model": model, "max_tokens": 3000, "ignore_eos": True}  # a minute of decoding here
+    body.update({"prompt": "Once upon a time"} if "chat" not in route else
+                {"messages": [{"role": "user", "content": "Tell me a long story."}]})
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("POST", route, json.dumps(body), {"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    while server.stats()["scheduler"]["running"] == 0:  # admitted and decoding
+        assert time.monotonic() - t0 < 30
+        time.sleep(0.05)
+    conn.sock.shutdown(2)
+    conn.close()
+    took, stats = _wait_idle(server, 10)
+    assert took < 2.5, f"the abandoned request ran on for {took:.1f} s"  # polled every 0.25 s
+    assert stats["integrity"] == "ok" and stats["kv"]["pages_in_use"] == 0
 
 
 @pytest.mark.slow

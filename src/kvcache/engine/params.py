@@ -12,9 +12,9 @@ from kvcache.errors import InvalidParams
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    temperature 0 is greedy. top_k 0 (or -1) and top_p 1.0 turn those filters off. ``stop`` strings
+    temperature 0 (or anything below 1e-6) is greedy. top_k 0 (or -1) and top_p 1.0 turn those filters off. ``stop`` strings
     end the text before the match; EOS ends it unless ``ignore_eos``. ``n`` samples share the
-    prompt's cache pages.
+    prompt's cache pages. Any integer seed is accepted: sample i uses (seed + i) mod 2^64.
     """
 
     max_tokens: int = 256
@@ -35,13 +35,15 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _check(isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0,
+        _check(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
+               and 0.0 <= self.temperature <= 100.0,
                f"temperature must be between 0 and 100, got {self.temperature!r}")
         _check(isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0,
                f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(isinstance(self.top_k, int) and self.top_k >= -1,
                f"top_k must be an integer >= 0 (0 or -1: off), got {self.top_k!r}")
-        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
+               f"seed must be an integer, got {self.seed!r}")
         _check(isinstance(self.n, int) and 1 <= self.n <= 128, f"n must be between 1 and 128, got {self.n!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
 

@@ -15,6 +15,7 @@ from kvcache.cache.context import PagedContext
 from kvcache.cache.paged import CacheStats, PagedKVCache
 from kvcache.cache.sequence import SeqKV
 from kvcache.config import CacheConfig
+from kvcache.engine import faults
 from kvcache.errors import ContextOverflow, InvalidParams
 from kvcache.models.base import CausalLM
 from kvcache.prefix.cache import PrefixCache
@@ -121,15 +122,42 @@ class ModelRunner:
                 raise ValueError("a step needs at least one new token per sequence")
             self._check_room(seq, len(toks))
         if self.windowed and any(len(t) > WINDOW_CHUNK for t in new_tokens):
-            # windowed layers: a long prefill goes in chunks, so masks stay [chunk, window] and
-            # pages leaving the window return to the pool between chunks
-            out = []
+            return self._chunked(seqs, new_tokens)
+        return self._forward(seqs, new_tokens)
+
+    def _chunked(self, seqs: Sequence[Seq], new_tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Windowed layers: a long prefill goes in chunks, so masks stay [chunk, window] and pages
+        leaving the window return to the pool between chunks. All or nothing: when a chunk fails,
+        the chunks before it are taken back where the window still holds what the start needs
+        (otherwise they stay, and ``seq.tokens`` says how far the sequence got)."""
+        starts = [len(seq.tokens) for seq in seqs]
+        out = []
+        try:
             for seq, toks in zip(seqs, new_tokens):
                 for a in range(0, len(toks), WINDOW_CHUNK):
                     logits = self._forward([seq], [toks[a : a + WINDOW_CHUNK]])
                 out.append(logits[0])
-            return torch.stack(out)
-        return self._forward(seqs, new_tokens)
+        except Exception:
+            for seq, start in zip(seqs, starts):
+                self.rollback(seq)
+                if len(seq.tokens) > start and self.reusable(seq, start) == start:
+                    self.truncate(seq, start)
+            raise
+        return torch.stack(out)
+
+    def rollback(self, seq: Seq) -> bool:
+        """After a failed forward: give the sequence's cache back the state its ``tokens`` describe
+        (the pages the forward reserved return to the pool). False when that cannot be done (a
+        quantized cache may have sealed pages of some layers): the sequence is then emptied (its
+        pages freed, a fresh empty cache sequence in their place)."""
+        if self.cache is None or seq.kv is None or seq.kv.length == len(seq.tokens):
+            return True
+        if self.cache.quantized:
+            self.free(seq)
+            seq.kv = self.cache.new_sequence()
+            return False
+        self.cache.truncate(seq.kv, len(seq.tokens))
+        return True
 
     @torch.inference_mode()
     def score(self, seq: Seq, tokens: Sequence[int]) -> torch.Tensor:
@@ -155,6 +183,8 @@ class ModelRunner:
         else:
             ctx = PagedContext(self.cache, [s.kv for s in seqs], lens, positions, self.rotaries)  # type: ignore[misc]
         rows = None if all_rows else torch.tensor(lens).cumsum(0) - 1  # [B] last token of each sequence
+        if faults.ACTIVE:
+            faults.check("forward", ids.tolist())
         logits = self.model(ids, positions, ctx, logits_rows=rows)  # [B, vocab]
         for seq, toks in zip(seqs, new_tokens):
             seq.tokens.extend(toks)

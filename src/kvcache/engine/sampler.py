@@ -1,4 +1,9 @@
-"""Token selection: greedy, temperature, top-k, top-p, with per-sample seeded generators."""
+"""Token selection: greedy, temperature, top-k, top-p, with per-sample seeded generators.
+
+Inputs are bounded here rather than trusted: a seed is reduced modulo 2^64 (sample i of a request
+uses seed + i, which may pass the top), and a temperature below ``GREEDY_BELOW`` picks greedily
+(dividing logits by 1e-40 overflows float32 and turns the probabilities into NaN).
+"""
 
 from __future__ import annotations
 
@@ -6,14 +11,21 @@ import torch
 
 from kvcache.engine.params import SamplingParams
 
+SEED_SPACE = 2**64  # torch generators take seeds in [0, 2^64)
+GREEDY_BELOW = 1e-6  # temperatures below this are greedy: sampling there differs from argmax only in ties
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < GREEDY_BELOW
+
 
 def make_generator(params: SamplingParams, index: int) -> torch.Generator | None:
     """A generator for sample ``index`` of a request: seeded when params.seed is set."""
-    if params.temperature == 0:
+    if is_greedy(params):
         return None
     g = torch.Generator()
     if params.seed is not None:
-        g.manual_seed(params.seed + index)
+        g.manual_seed((params.seed + index) % SEED_SPACE)
     else:
         g.seed()
     return g
@@ -21,7 +33,7 @@ def make_generator(params: SamplingParams, index: int) -> torch.Generator | None
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Pick one token from logits [V] (float32)."""
-    if params.temperature == 0:
+    if is_greedy(params):
         return int(torch.argmax(logits))
     scores = logits.float() / params.temperature
     if params.top_k > 0 and params.top_k < scores.shape[-1]:

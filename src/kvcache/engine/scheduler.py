@@ -29,12 +29,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcache.engine import faults
 from kvcache.engine.generate import Delta
 from kvcache.engine.params import CompletionOutput, RequestOutput, SamplingParams
 from kvcache.engine.runner import ModelRunner, Seq
 from kvcache.engine.sampler import make_generator, sample
 from kvcache.engine.stops import TextTracker
-from kvcache.errors import CacheFull, ContextOverflow, InvalidParams
+from kvcache.errors import CacheFull, ContextOverflow, InvalidParams, KVCacheError
 from kvcache.models.tokenizer import Tokenizer
 
 
@@ -78,6 +79,7 @@ class Request:
     cached_tokens: int = -1  # prompt tokens reused at first admission (-1: not admitted yet)
     preemptions: int = 0
     error: str | None = None  # set when the request could not be served
+    error_kind: str | None = None  # with error: "capacity", "invalid" or "internal" (see error_kind)
     t_arrival: float = 0.0
     t_first: float = 0.0
     t_end: float = 0.0
@@ -140,34 +142,97 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Admit, run one forward, sample; returns the requests that finished in this step."""
+        """Admit, run one forward, sample; returns the requests that finished in this step.
+
+        A failure while one request is admitted, forwarded, forked or sampled fails that request
+        alone (``Request.error``, ``error_kind``); the others go on. When a forward of several
+        requests fails, each request's rows run again on their own, so the one at fault is found."""
         done: list[Request] = []
         self._admit(done)
-        batch = self._plan()
-        while batch:
-            try:
-                logits = self.runner.step([s.seq for _, s, _ in batch], [s.feed[:n] for _, s, n in batch])  # type: ignore[misc]
-                break
-            except CacheFull as e:
-                victim = self._victim()
-                if victim is None or len(self.running) == 1:
-                    victim = victim or self.running[0]
-                    self._fail(victim, f"{e}; the request needs more KV pages than the pool holds", done)
-                else:
-                    self._preempt(victim)
-                batch = [b for b in batch if b[0] in self.running]
-        else:
+        batch, logits = self._forward(self._plan(), done)
+        if logits is None:
             return done
         self.steps += 1
         for row, (req, s, n) in enumerate(batch):
+            if req.error is not None:  # failed while an earlier sample of it was sampled
+                continue
             del s.feed[:n]
             if not s.feed:
-                self._sampled(req, s, logits[row])
+                try:
+                    self._sampled(req, s, logits[row])
+                except Exception as e:
+                    self._fail(req, e, done)
+                    continue
             if req.finished and req in self.running:
                 self.running.remove(req)
                 req.t_end = time.perf_counter()
                 done.append(req)
         return done
+
+    def _run(self, batch: list[tuple[Request, Sample, int]]) -> torch.Tensor:
+        return self.runner.step([s.seq for _, s, _ in batch], [s.feed[:n] for _, s, n in batch])  # type: ignore[misc]
+
+    def _forward(self, batch: list[tuple[Request, Sample, int]],
+                 done: list[Request]) -> tuple[list[tuple[Request, Sample, int]], torch.Tensor | None]:
+        """One forward over ``batch``: the rows that ran and their logits [rows, V] (None: none ran).
+        A full pool preempts (or, alone, fails) the latest request and retries; any other failure
+        isolates the request at fault (see step)."""
+        while batch:
+            try:
+                return batch, self._run(batch)
+            except CacheFull as e:
+                batch = self._resync(batch)
+                victim = self._victim()
+                if victim is None or len(self.running) == 1:
+                    victim = victim or self.running[0]
+                    self._fail(victim, CacheFull(f"{e}; the request needs more KV pages than the pool holds"), done)
+                else:
+                    self._preempt(victim)
+                batch = [b for b in batch if b[0] in self.running]
+            except Exception as e:
+                batch = self._resync(batch)
+                return self._forward_each(batch, done, e)
+        return [], None
+
+    def _forward_each(self, batch: list[tuple[Request, Sample, int]], done: list[Request],
+                      error: Exception) -> tuple[list[tuple[Request, Sample, int]], torch.Tensor | None]:
+        """A forward of several requests failed with ``error``: run each request's rows alone;
+        those that fail again (or the only request) fail, the rest keep their logits."""
+        reqs = list(dict.fromkeys(req for req, _, _ in batch))
+        if len(reqs) == 1:
+            self._fail(reqs[0], error, done)
+            return [], None
+        kept: list[tuple[Request, Sample, int]] = []
+        rows: list[torch.Tensor] = []
+        for req in reqs:
+            part = [b for b in batch if b[0] is req]
+            try:
+                rows.append(self._run(part))
+                kept += part
+            except Exception as e:
+                self._resync(part)
+                self._fail(req, e, done)
+        return kept, (torch.cat(rows) if rows else None)
+
+    def _resync(self, batch: list[tuple[Request, Sample, int]]) -> list[tuple[Request, Sample, int]]:
+        """After a failed forward: undo the cache's half-done step (or, when it cannot be undone,
+        start the sample again from the prefix cache), recompute each sample's feed from its
+        tokens, and return the batch with counts of what is still to feed."""
+        out = []
+        for req, s, n in batch:
+            seq = s.seq
+            if seq is None or req.error is not None or s.reason is not None:
+                continue
+            full = req.prompt_ids + s.tokens
+            if not self.runner.rollback(seq):
+                self.runner.free(seq)
+                s.seq = seq = self.runner.lookup(full, req.salt)
+            before = len(s.feed)
+            s.feed = full[len(seq.tokens):]
+            n -= before - len(s.feed)
+            if n > 0:
+                out.append((req, s, n))
+        return out
 
     def _order(self, reqs: list[Request]) -> list[Request]:
         if self.config.policy == "priority":
@@ -181,11 +246,17 @@ class Scheduler:
             if self.running and not self._room_for(req):
                 break
             self.waiting.pop(0)
-            for s in req.samples:
-                if s.reason is None:
-                    full = req.prompt_ids + s.tokens
-                    s.seq = self.runner.lookup(full, req.salt)
-                    s.feed = full[len(s.seq.tokens):]
+            try:
+                if faults.ACTIVE:
+                    faults.check("admit", req.prompt_ids)
+                for s in req.samples:
+                    if s.reason is None:
+                        full = req.prompt_ids + s.tokens
+                        s.seq = self.runner.lookup(full, req.salt)
+                        s.feed = full[len(s.seq.tokens):]
+            except Exception as e:
+                self._fail(req, e, done)
+                continue
             if req.cached_tokens < 0:
                 req.cached_tokens = len(req.samples[0].seq.tokens)  # type: ignore[union-attr]
             self.running.append(req)
@@ -219,7 +290,11 @@ class Scheduler:
     def _sampled(self, req: Request, s: Sample, logits: torch.Tensor) -> None:
         p = req.params
         group = [s]
+        if faults.ACTIVE:
+            faults.check("sample", req.prompt_ids)
         if not s.tokens and len(req.samples) == 1 and p.n > 1:  # the prompt is in: fork the samples
+            if faults.ACTIVE:
+                faults.check("fork", req.prompt_ids)
             for i in range(1, p.n):
                 twin = Sample(i, TextTracker(self.tokenizer, p.stop), make_generator(p, i))
                 twin.seq = self.runner.fork(s.seq)  # type: ignore[arg-type]
@@ -248,10 +323,13 @@ class Scheduler:
 
     # -- pressure ---------------------------------------------------------------------------------
     def _victim(self) -> Request | None:
-        """The running request to preempt: lowest priority, then latest arrival."""
+        """The running request to preempt: the latest arrival (under the priority policy, the
+        lowest priority first; under FIFO a request's priority changes nothing)."""
         if len(self.running) < 2:
             return None
-        return max(self.running, key=lambda r: (-r.priority, r.arrival))
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (-r.priority, r.arrival))
+        return max(self.running, key=lambda r: r.arrival)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -267,9 +345,23 @@ class Scheduler:
                 s.seq = None
             s.feed = []
 
-    def _fail(self, req: Request, message: str, done: list[Request]) -> None:
-        self.running.remove(req)
+    def _fail(self, req: Request, error: Exception, done: list[Request]) -> None:
+        """End ``req`` with ``error``: out of the queues, its pages back, reported as done."""
+        for queue in (self.running, self.waiting):
+            if req in queue:
+                queue.remove(req)
         self._drop_pages(req)
-        req.error = message
+        req.error = str(error) if isinstance(error, KVCacheError) else f"internal error: {type(error).__name__}: {error}"
+        req.error_kind = error_kind(error)
         req.t_end = time.perf_counter()
         done.append(req)
+
+
+def error_kind(error: Exception) -> str:
+    """How a request's failure is reported: "capacity" (the KV pool is full: retry later),
+    "invalid" (the request cannot be served as asked) or "internal" (a fault of the engine)."""
+    if isinstance(error, CacheFull):
+        return "capacity"
+    if isinstance(error, KVCacheError):
+        return "invalid"
+    return "internal"

@@ -309,6 +309,13 @@ class PrefixCache:
             s.tiers = self.tiers.stats_dict()
         return s
 
+    def tenant_stats(self, salt: str | None) -> dict[str, int]:
+        """What the index holds for one tenant: its nodes, tokens and pages (held once per group)."""
+        salt = self.config.salt if salt is None else salt
+        nodes = list(self.index.nodes(salt))
+        return {"nodes": len(nodes), "cached_tokens": sum(len(n.tokens) for n in nodes),
+                "pages": sum(1 for n in nodes for _ in n.live_pages())}
+
     def flush(self) -> None:
         if self.tiers is not None:
             self.tiers.flush()

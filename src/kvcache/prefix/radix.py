@@ -183,9 +183,10 @@ class RadixIndex:
             if not n.children:
                 yield n
 
-    def nodes(self) -> Iterator[Node]:
-        """Every node (roots excluded), parents before children."""
-        stack = [c for r in self.roots.values() for c in r.children.values()]
+    def nodes(self, salt: str | None = None) -> Iterator[Node]:
+        """Every node (roots excluded), parents before children; only tenant ``salt``'s when given."""
+        roots = self.roots.values() if salt is None else [self.roots[salt]] if salt in self.roots else []
+        stack = [c for r in roots for c in r.children.values()]
         while stack:
             n = stack.pop()
             yield n

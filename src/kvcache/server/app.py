@@ -2,15 +2,16 @@
 Prometheus metrics and cache statistics, over the continuous-batching engine.
 
 Requests are validated and tokenized on the event loop, then handed to the EngineLoop thread;
-its deltas come back through an asyncio queue per HTTP request. A client that disconnects has its
-request aborted at once (its pages go back to the pool). With API keys, each key is a tenant
-whose prefix-cache entries are salted apart from every other tenant's.
+its deltas come back through an asyncio queue per HTTP request. A client that disconnects, streaming
+or not, has its request aborted within ``DISCONNECT_POLL_S`` (its pages go back to the pool). With API
+keys, each key is a tenant whose prefix-cache entries are salted apart from every other tenant's
+(see server/auth.py). One request's failure is reported to it alone: 400 for a request that cannot
+be served as asked, 503 when the KV pool is full, 500 for an engine fault.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,6 +26,7 @@ from kvcache.engine.llm import LLM
 from kvcache.engine.loop import EngineLoop
 from kvcache.engine.scheduler import Request, Scheduler, SchedulerConfig
 from kvcache.errors import KVCacheError
+from kvcache.server.auth import Auth, Caller
 from kvcache.server.metrics import Metrics
 from kvcache.server.protocol import ChatRequest, CompletionRequest, error_body, new_id
 from kvcache.server.responses import chat_chunk, chat_response, completion_chunk, completion_response, usage_chunk
@@ -37,24 +39,25 @@ class ApiError(Exception):
         self.status, self.body = status, error_body(message, type_, param, code)
 
 
+DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
+ERROR_STATUS = {"invalid": (400, "invalid_request_error", None), "capacity": (503, "server_error", "kv_cache_full"),
+                "internal": (500, "server_error", None)}
+
+
 class ServerState:
-    def __init__(self, llm: LLM, model_name: str, api_keys: tuple[str, ...], scheduler: SchedulerConfig) -> None:
-        self.llm, self.model_name = llm, model_name
-        self.api_keys = set(api_keys)
+    def __init__(self, llm: LLM, model_name: str, auth: Auth, scheduler: SchedulerConfig) -> None:
+        self.llm, self.model_name, self.auth = llm, model_name, auth
         self.sched = Scheduler(llm.runner, llm.tokenizer, scheduler)
         self.engine = EngineLoop(self.sched)
         self.metrics = Metrics()
 
-    def salt(self, http: HttpRequest) -> str | None:
-        """The tenant salt of the request's API key (None without keys); 401 when it is missing."""
-        if not self.api_keys:
-            return None
-        auth = http.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        if key not in self.api_keys:
+    def caller(self, http: HttpRequest) -> Caller:
+        """Who sent the request (its tenant salt and whether it is an admin); 401 without a valid key."""
+        caller = self.auth.caller(http.headers.get("authorization"))
+        if caller is None:
             raise ApiError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
                            "authentication_error", code="invalid_api_key")
-        return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+        return caller
 
     def gauges(self) -> dict[str, float]:
         """Read on the engine thread (between steps)."""
@@ -74,8 +77,9 @@ class ServerState:
 
 
 def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...] = (),
-              scheduler: SchedulerConfig | None = None) -> FastAPI:
-    state = ServerState(llm, model_name or llm.model_name, tuple(api_keys), scheduler or SchedulerConfig())
+              scheduler: SchedulerConfig | None = None, auth: Auth | None = None) -> FastAPI:
+    """The server's app. ``auth`` (or plain ``api_keys``) decides who may call it."""
+    state = ServerState(llm, model_name or llm.model_name, auth or Auth(api_keys), scheduler or SchedulerConfig())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -114,28 +118,35 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
 
     @app.get("/v1/models")
     async def models(http: HttpRequest) -> dict[str, Any]:
-        state.salt(http)
+        state.caller(http)
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
                                             "owned_by": "kvcache"}]}
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
+    async def metrics(http: HttpRequest) -> PlainTextResponse:
+        if not state.auth.metrics_public:
+            state.caller(http)
         gauges = await asyncio.to_thread(state.engine.call, state.gauges)
         return PlainTextResponse(state.metrics.render(gauges), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/cache/stats")
-    async def cache_stats(http: HttpRequest) -> dict[str, Any]:
-        state.salt(http)
-        return await asyncio.to_thread(state.engine.call, lambda: _cache_report(state))
+    async def cache_stats(http: HttpRequest, check: bool = False) -> dict[str, Any]:
+        """Admins (everyone on an open server): the whole cache, and with ``?check=true`` the page
+        accounting's integrity check. Other keys: their own tenant's share of the prefix cache."""
+        caller = state.caller(http)
+        if check and not caller.admin:
+            raise ApiError(403, "the integrity check needs an admin key", "permission_error", param="check")
+        report = (lambda: _cache_report(state, check)) if caller.admin else (lambda: _tenant_report(state, caller))
+        return await asyncio.to_thread(state.engine.call, report)
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest) -> Any:
-        salt = state.salt(http)
+        caller = state.caller(http)
         body = CompletionRequest.model_validate(await _json(http))
         _check_model(state, body.model)
         prompts = _prompts(body.prompt)
         params = body.sampling(16)
-        reqs = [_request(state, _encode(state, p), body, params, salt, p if isinstance(p, str) else None)
+        reqs = [_request(state, _encode(state, p), body, params, caller, p if isinstance(p, str) else None)
                 for p in prompts]
         rid = new_id("cmpl")
         if body.stream:
@@ -145,7 +156,7 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
 
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest) -> Any:
-        salt = state.salt(http)
+        caller = state.caller(http)
         body = ChatRequest.model_validate(await _json(http))
         _check_model(state, body.model)
         try:
@@ -154,7 +165,7 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
             raise ApiError(400, str(e), param="messages") from None
         room = max(1, llm.runner.capacity - len(ids))
         body.max_tokens = body.max_completion_tokens or body.max_tokens
-        req = _request(state, ids, body, body.sampling(min(1024, room)), salt, None)
+        req = _request(state, ids, body, body.sampling(min(1024, room)), caller, None)
         rid = new_id("chatcmpl")
         if body.stream:
             return _sse(_stream_chat(state, http, rid, body, req))
@@ -199,8 +210,11 @@ def _encode(state: ServerState, prompt: Any) -> list[int]:
     return list(prompt)
 
 
-def _request(state: ServerState, ids: list[int], body: Any, params: Any, salt: str | None,
+def _request(state: ServerState, ids: list[int], body: Any, params: Any, caller: Caller,
              text: str | None) -> Request:
+    if body.priority and not caller.admin:
+        raise ApiError(403, "only admin keys may set 'priority' (see --admin-key-file)", "permission_error",
+                       param="priority")
     cap = state.llm.runner.capacity
     if len(ids) >= cap:
         raise ApiError(400, f"the prompt has {len(ids)} tokens, more than the context of {cap} tokens "
@@ -210,35 +224,44 @@ def _request(state: ServerState, ids: list[int], body: Any, params: Any, salt: s
         raise ApiError(400, f"max_tokens={params.max_tokens} is more than the {cap - len(ids)} tokens the "
                             f"context of {cap} leaves after the {len(ids)}-token prompt", param="max_tokens",
                        code="context_length_exceeded")
-    return Request(new_id("req"), ids, params, salt=salt, priority=body.priority, prompt=text)
+    return Request(new_id("req"), ids, params, salt=caller.salt, priority=body.priority, prompt=text)
 
 
 async def _run(state: ServerState, http: HttpRequest, reqs: list[Request]) -> AsyncIterator[tuple[int, Any]]:
     """Submit ``reqs``; yield (index, Delta) as text arrives and (index, Request) when one ends.
-    A client that goes away, or a consumer that stops, aborts what is still running."""
+    A client that goes away (noticed within DISCONNECT_POLL_S, whether or not text is flowing),
+    or a consumer that stops, aborts what is still running."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     for i, r in enumerate(reqs):
         r.on_delta = lambda d, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, d))
         state.engine.submit(r, lambda done, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, done)))
+    watcher = asyncio.create_task(_watch(http, queue))
     left = len(reqs)
     try:
         while left:
-            try:
-                item = await asyncio.wait_for(queue.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await http.is_disconnected():
-                    return
-                continue
+            item = await queue.get()
+            if item is _GONE:
+                return
             if isinstance(item[1], Request):
                 left -= 1
                 _record(state, item[1])
             yield item
     finally:
+        watcher.cancel()
         if left:
             for r in reqs:
                 state.engine.abort(r.request_id)
             state.metrics.add("requests_aborted_total", left)
+
+
+_GONE = object()  # put on a request's queue when its client disconnected
+
+
+async def _watch(http: HttpRequest, queue: asyncio.Queue) -> None:
+    while not await http.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    queue.put_nowait(_GONE)
 
 
 def _record(state: ServerState, r: Request) -> None:
@@ -261,9 +284,13 @@ async def _collect(state: ServerState, http: HttpRequest, reqs: list[Request]) -
         raise ApiError(499, "the client closed the request")
     for r in done.values():
         if r.error:
-            raise ApiError(400 if "full" not in r.error else 503, r.error,
-                           code="kv_cache_full" if "full" in r.error else None)
+            raise _engine_error(r)
     return [done[i] for i in range(len(reqs))]
+
+
+def _engine_error(r: Request) -> ApiError:
+    status, type_, code = ERROR_STATUS[r.error_kind or "internal"]
+    return ApiError(status, r.error or "the request failed", type_, code=code)
 
 
 def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
@@ -282,7 +309,7 @@ async def _stream_completion(state: ServerState, http: HttpRequest, rid: str, bo
     async for i, item in _run(state, http, reqs):
         if isinstance(item, Request):
             if item.error:
-                yield error_body(item.error, "server_error")
+                yield _engine_error(item).body
             ended.append(item)
             continue
         yield completion_chunk(rid, state.model_name, i * n + item.index, item.text, item.finish_reason)
@@ -297,7 +324,7 @@ async def _stream_chat(state: ServerState, http: HttpRequest, rid: str, body: Ch
     async for _, item in _run(state, http, [req]):
         if isinstance(item, Request):
             if item.error:
-                yield error_body(item.error, "server_error")
+                yield _engine_error(item).body
             ended.append(item)
             continue
         first = item.index not in started
@@ -307,16 +334,22 @@ async def _stream_chat(state: ServerState, http: HttpRequest, rid: str, body: Ch
         yield usage_chunk(rid, state.model_name, "chat.completion.chunk", ended)
 
 
-def _cache_report(state: ServerState) -> dict[str, Any]:
+def _cache_report(state: ServerState, check: bool) -> dict[str, Any]:
     llm = state.llm
-    try:
-        llm.check_integrity()
-        integrity = "ok"
-    except AssertionError as e:
-        integrity = f"failed: {e}"
+    integrity = "not checked (ask with ?check=true)"
+    if check:
+        try:
+            llm.check_integrity()
+            integrity = "ok"
+        except AssertionError as e:
+            integrity = f"failed: {e}"
     st, ps = llm.kv_stats(), llm.prefix_stats()
     return {"kv": st.as_dict() if st is not None else None, "prefix": ps.as_dict() if ps is not None else None,
             "scheduler": {"running": len(state.sched.running), "waiting": len(state.sched.waiting),
                           "preemptions": state.sched.preemptions, "steps": state.sched.steps},
             "integrity": integrity}
 
+
+def _tenant_report(state: ServerState, caller: Caller) -> dict[str, Any]:
+    prefix = state.llm.runner.prefix
+    return {"tenant": prefix.tenant_stats(caller.salt) if prefix is not None else None}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from kvcache.errors import InvalidParams
@@ -17,7 +16,15 @@ def add_serve_parser(sub: argparse._SubParsersAction, add_model_args, add_prefix
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     s.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="require 'Authorization: Bearer KEY' (repeatable: one tenant per key, each with its own "
-                        "prefix-cache salt); also read from KVCACHE_API_KEY")
+                        "prefix-cache salt); also read from KVCACHE_API_KEY. A key here shows in `ps`: "
+                        "prefer --api-key-file or the environment variable")
+    s.add_argument("--api-key-file", action="append", default=[], metavar="FILE",
+                   help="read API keys from FILE, one per line (# comments; keep it chmod 600)")
+    s.add_argument("--admin-key-file", action="append", default=[], metavar="FILE",
+                   help="admin keys, one per line (also KVCACHE_ADMIN_KEY): they may send 'priority', see every "
+                        "tenant's cache statistics and run the integrity check")
+    s.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without a key (by default it needs one when keys are set)")
     s.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
     s.add_argument("--max-batch-tokens", type=int, default=256,
                    help="tokens per forward: decodes first, then prompt chunks (default 256)")
@@ -35,16 +42,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     sched = SchedulerConfig(max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                             policy=args.policy)  # refuse bad values before the model loads
-    keys = tuple(args.api_key) + ((os.environ["KVCACHE_API_KEY"],) if os.environ.get("KVCACHE_API_KEY") else ())
+    from kvcache.server.auth import Auth, gather_keys
+
+    # keys are checked before the model loads: an empty one is refused, never an open door
+    keys = gather_keys(args.api_key, args.api_key_file, "KVCACHE_API_KEY")
+    admins = gather_keys([], args.admin_key_file, "KVCACHE_ADMIN_KEY")
+    auth = Auth(keys, admins, metrics_public=args.metrics_public)
     import uvicorn
 
     from kvcache.cli import _load
     from kvcache.server.app import build_app
 
     llm = _load(args)
-    app = build_app(llm, args.served_model_name, keys, sched)
+    app = build_app(llm, args.served_model_name, scheduler=sched, auth=auth)
     name = app.state.kv.model_name
-    print(f"kvcache serve · model {name!r} · kv={llm.cache_config.spec()} · http://{args.host}:{args.port}/v1"
-          + (f" · {len(keys)} API key(s)" if keys else ""), file=sys.stderr, flush=True)
+    who = f" · {len(keys)} API key(s), {len(admins)} admin" if not auth.open else " · open (no API keys)"
+    print(f"kvcache serve · model {name!r} · kv={llm.cache_config.spec()} · http://{args.host}:{args.port}/v1" + who,
+          file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

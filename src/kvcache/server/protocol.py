@@ -30,7 +30,8 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
-    priority: StrictInt = 0  # kvcache: higher is admitted first under --policy priority
+    # kvcache: higher is admitted first under --policy priority; only admin keys may set it
+    priority: StrictInt = Field(default=0, ge=-(2**31), le=2**31 - 1)
     ignore_eos: bool = False  # kvcache (vLLM's name): generate max_tokens whatever the model says
 
     def sampling(self, default_max: int) -> SamplingParams:
