@@ -141,17 +141,10 @@ def load_weights(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
 
 
 def model_fingerprint(path: Path) -> str:
-    """A stable id of a model's weights: the GGUF's sha256 for converted models, else a hash of
-    config.json and the safetensors headers."""
-    info = path / "kvcache.json"
-    if info.is_file():
-        return str(json.loads(info.read_text())["fingerprint"])
-    h = hashlib.sha256((path / "config.json").read_bytes())
-    for f in sorted(path.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            h.update(fh.read(min(n, 1 << 24)))
-    return h.hexdigest()
+    """A stable id of a model's weights (see kvcache.models.fingerprint)."""
+    from kvcache.models.fingerprint import fingerprint
+
+    return fingerprint(path)
 
 
 def list_models() -> list[str]:
