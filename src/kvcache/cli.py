@@ -34,6 +34,11 @@ def _add_prefix_args(p: argparse.ArgumentParser) -> None:
                    help="Redis tier of the prefix cache (redis://host:port/db), shared by several processes")
     p.add_argument("--prefix-tokens", type=int, default=16384, metavar="N",
                    help="tokens of finished requests kept in RAM for reuse (default 16384)")
+    p.add_argument("--tier-secret-file", default=None, metavar="FILE",
+                   help="a secret (the file's first line) with which disk and Redis entries carry a keyed MAC: "
+                        "entries without the right MAC are misses. Also KVCACHE_TIER_SECRET")
+    p.add_argument("--tier-secret", default=None, metavar="SECRET",
+                   help="the same secret given inline (it shows in `ps`: prefer the file or the variable)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
@@ -59,12 +64,14 @@ def _load(args: argparse.Namespace):  # -> LLM
     from kvcache.config import parse_kv_spec
     from kvcache.engine.llm import LLM
 
-    from kvcache.prefix.config import PrefixConfig
+    from kvcache.prefix.config import PrefixConfig, tier_secret
 
     parse_kv_spec(args.kv)  # refuse a bad spec before the model loads
+    secret = tier_secret(getattr(args, "tier_secret", None), getattr(args, "tier_secret_file", None))
     prefix = PrefixConfig(enabled=not getattr(args, "no_prefix_cache", False),
                           max_cached_tokens=getattr(args, "prefix_tokens", 16384),
-                          disk=getattr(args, "prefix_dir", None), redis=getattr(args, "redis", None))
+                          disk=getattr(args, "prefix_dir", None), redis=getattr(args, "redis", None),
+                          secret=secret)
     llm = LLM(args.model, kv=args.kv, threads=args.threads, prefix=prefix)
     return llm
 

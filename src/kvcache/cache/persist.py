@@ -4,15 +4,19 @@ prompt-cache files).
 The file is safetensors: per layer the sequence's stored pages (in their stored form: fp32/fp16/
 bf16 K/V, or quantized codes with their scales) and, for quantized encodings, the fp32 tail;
 its metadata holds the format version, the model fingerprint, the cache settings that shape the
-data, the token ids and each group's page table shape (which pages a window already dropped).
-It is written to a temporary file beside the target and renamed, so a crash never leaves half a
-file under the target name. Loading into another model, encoding or layout is a clear error.
+data, the token ids and each group's page table shape (which pages a window already dropped),
+and a BLAKE2b digest over all of that and every tensor's name, dtype, shape and bytes: a file
+whose bits rotted, or that was edited, is refused on load. It is created 0600 under a temporary
+name beside the target and renamed, so a crash never leaves half a file under the target name.
+Loading into another model, encoding or layout is a clear error.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import struct
 from pathlib import Path
 
 import torch
@@ -22,7 +26,7 @@ from kvcache.cache.pool import PagePool
 from kvcache.cache.sequence import HOLE, SeqKV
 from kvcache.errors import KVCacheError
 
-FORMAT = "kvcache-sequence/1"
+FORMAT = "kvcache-sequence/2"  # /1 files carry no digest and are refused
 _SHAPING = ("encoding", "page_size", "group_size", "residual", "window", "sinks")
 
 
@@ -33,6 +37,23 @@ def _layout(cache: PagedKVCache) -> dict[str, object]:
     out.update(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                groups=[list(g.layers) for g in cache.groups])
     return out
+
+
+def digest(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
+    """BLAKE2b over the metadata (the digest field left out) and every tensor's name, dtype,
+    shape and bytes, in name order."""
+    h = hashlib.blake2b(digest_size=32, person=b"kvcache-seq")
+
+    def put(data: bytes | memoryview) -> None:
+        h.update(struct.pack("<Q", memoryview(data).nbytes))
+        h.update(data)
+
+    put(json.dumps({k: v for k, v in meta.items() if k != "digest"}, sort_keys=True).encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        put(f"{name}:{str(t.dtype)}:{list(t.shape)}".encode())
+        put(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")
+    return h.hexdigest()
 
 
 def save_sequence(cache: PagedKVCache, seq: SeqKV, tokens: list[int], path: str | Path, fingerprint: str,
@@ -61,11 +82,13 @@ def save_sequence(cache: PagedKVCache, seq: SeqKV, tokens: list[int], path: str 
             "tokens": json.dumps(tokens), "length": str(seq.length),
             "holes": json.dumps([[i for i, p in enumerate(t) if p == HOLE] for t in seq.tables]),
             "table_lens": json.dumps([len(t) for t in seq.tables]), **(extra or {})}
+    meta["digest"] = digest(tensors, meta)
     path = Path(path)
     if not path.parent.is_dir():
         raise KVCacheError(f"cannot write cache file {path}: folder {path.parent} does not exist")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600))
         save_file(tensors, str(tmp), metadata=meta)
         os.replace(tmp, path)
     except Exception as e:  # OSError, or safetensors' own error wrapping one
@@ -86,6 +109,9 @@ def read_meta(path: str | Path) -> dict[str, str]:
         raise KVCacheError(f"cache file {path} does not exist") from None
     except Exception as e:  # safetensors raises its own error types for bad headers
         raise KVCacheError(f"cache file {path} is corrupt or truncated ({type(e).__name__})") from None
+    if meta.get("format") == "kvcache-sequence/1":
+        raise KVCacheError(f"cache file {path} was written by an older kvcache and carries no digest; "
+                           "make it again")
     if meta.get("format") != FORMAT:
         raise KVCacheError(f"{path} is not a kvcache sequence file (format {meta.get('format')!r})")
     return meta
@@ -107,6 +133,8 @@ def load_sequence(cache: PagedKVCache, path: str | Path, fingerprint: str) -> tu
         tensors = load_file(str(path))
     except Exception as e:
         raise KVCacheError(f"cache file {path} is corrupt or truncated ({type(e).__name__})") from None
+    if digest(tensors, meta) != meta.get("digest"):
+        raise KVCacheError(f"cache file {path} is corrupt: its content does not match its digest")
     tokens = json.loads(meta["tokens"])
     holes, lens = json.loads(meta["holes"]), json.loads(meta["table_lens"])
     seq = cache.new_sequence()

@@ -3,12 +3,17 @@ device is a GPU) or ``disk`` (memory-mapped files, so the operating system keeps
 pages in use and a context larger than the RAM budget still runs).
 
 A disk page file is created with its full size reserved up front (``posix_fallocate``), so a full
-disk is a clear error when the pool is made or grown, never a crash while writing; the file is
-unlinked as soon as it is mapped, so nothing is left behind, even after a crash.
+disk is a clear error when the pool is made or grown, never a crash while writing; it is created
+0600 with O_EXCL (a file or link planted under its name is never followed), mapped from the
+descriptor that created it, and unlinked at once, so nothing is left behind, even after a crash,
+and no other process can swap the file between creation and mapping. Without ``dir=`` the pages
+go to a fresh private folder (``mkdtemp``: 0700, a name nobody could create first) under the
+system's temporary directory, removed at exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import itertools
@@ -31,13 +36,33 @@ except (OSError, AttributeError):  # pragma: no cover - not Linux
     _LIBC = None
 
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_PRIVATE: list[Path] = []
+
+
+def _private_dir() -> Path:
+    """This process's own folder for page files (0700, made by mkdtemp), removed at exit."""
+    if not _PRIVATE:
+        d = Path(tempfile.mkdtemp(prefix="kvcache-pages-"))
+        _PRIVATE.append(d)
+        atexit.register(_remove_private, d)
+    return _PRIVATE[0]
+
+
+def _remove_private(d: Path) -> None:
+    try:
+        d.rmdir()  # page files were unlinked once mapped: it is empty
+    except OSError:
+        pass
+
+
 class Placement:
     def __init__(self, kind: str, compute: torch.device, directory: str | None = None) -> None:
         self.kind = kind
         self.compute = compute
         self.dir: Path | None = None
         if kind == "disk":
-            self.dir = Path(directory) if directory else Path(tempfile.gettempdir()) / "kvcache-pages"
+            self.dir = Path(directory) if directory else _private_dir()
             self._check_dir(self.dir)
 
     @property
@@ -58,9 +83,9 @@ class Placement:
     @staticmethod
     def _check_dir(path: Path) -> None:
         try:
-            path.mkdir(parents=True, exist_ok=True)
-            probe = path / f".kvcache-probe-{os.getpid()}"
-            probe.write_bytes(b"")
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            probe = path / f".kvcache-probe-{os.getpid()}-{next(_names)}"
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600))
             probe.unlink()
         except OSError as e:
             raise KVCacheError(f"disk placement: cannot write to {path}: {e.strerror or e}") from None
@@ -87,19 +112,20 @@ class Placement:
             numel *= s
         nbytes = max(1, numel * torch.empty((), dtype=dtype).element_size())
         path = self.dir / f"kv-{os.getpid()}-{next(_names)}.pages"
+        fd = -1
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, nbytes)
-            finally:
-                os.close(fd)
-            t = torch.from_file(str(path), shared=True, size=max(1, numel), dtype=dtype)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+            os.posix_fallocate(fd, 0, nbytes)
+            mapped = mmap.mmap(fd, nbytes)  # from the descriptor: the file we created, whatever the name holds now
         except OSError as e:
             raise KVCacheError(
                 f"disk placement: cannot reserve {nbytes / 2**20:.1f} MiB in {self.dir}: {e.strerror or e}"
             ) from None
         finally:
-            path.unlink(missing_ok=True)
+            if fd >= 0:
+                os.close(fd)
+                path.unlink(missing_ok=True)
+        t = torch.frombuffer(mapped, dtype=dtype, count=max(1, numel))  # keeps the mapping alive
         return t[:numel].view(shape)
 
     def fetch(self, t: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,11 @@
 
 With tiers, every full page the index takes is written through (on a background thread) under a
 chained key of (model fingerprint, cache layout, tenant salt, the token ids up to that page), so
-other processes and later runs find it. A tier entry that is missing, corrupt or for another
-layout is a miss; the tokens are recomputed.
+other processes and later runs find it. A tier entry that is missing, corrupt, forged (without
+the right MAC when a secret is set) or for another layout is a miss, removed from its tier before
+anything could promote it; the tokens are recomputed. A RAM match that ends inside a page goes on
+in the tiers from that page's start, so a shorter shared prefix in RAM never hides a longer one
+on disk or in Redis.
 
 Locking: none; the engine calls it from one thread (the tier writer thread only sees bytes).
 """
@@ -22,13 +25,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-import torch
-
 from kvcache.cache.paged import PagedKVCache
-from kvcache.cache.pool import PagePool
 from kvcache.cache.sequence import HOLE, SeqKV
-from kvcache.errors import CacheFull
 from kvcache.prefix.config import PrefixConfig
+from kvcache.prefix.pages import PageEntries
 from kvcache.prefix.radix import Match, Node, RadixIndex
 
 
@@ -64,7 +64,12 @@ class PrefixCache:
         self.stats_ = PrefixStats()
         self.layout = _layout_text(cache)
         self.tiers = _open_tiers(config) if config.tiers else None
-        self._shapes, self._group_names = self._entry_layout()  # what a page entry must hold
+        self._mac: bytes | None = None
+        if config.secret is not None:
+            from kvcache.prefix.entry import mac_key
+
+            self._mac = mac_key(config.secret)
+        self.pages = PageEntries(cache)  # what a page entry must hold; entries <-> pool pages
         cache.reclaim = self.reclaim
         cache.index_pages = self.index.held_pages
 
@@ -77,7 +82,7 @@ class PrefixCache:
         m = self.index.match(want, salt)
         seq = self.cache.new_sequence()
         self._hold(seq, m.nodes)  # held first: restoring from a tier may evict, never these
-        if self.tiers is not None and m.length % self.cache.page_size == 0:
+        if self.tiers is not None:
             self._restore(want, m, salt, seq)
         length = self._usable(m)
         keep = -(-length // self.cache.page_size)
@@ -115,34 +120,33 @@ class PrefixCache:
         return 0
 
     def _restore(self, tokens: list[int], m: Match, salt: str, seq: SeqKV) -> None:
-        """Extend a page-aligned RAM match with full pages found in the tiers, asking for up to
-        RESTORE_BATCH chained keys at once (one Redis round trip) and loading each layer's pages
-        with one copy."""
-        from kvcache.prefix.entry import decode_entry
-
+        """Extend the RAM match with full pages found in the tiers, asking for up to RESTORE_BATCH
+        chained keys at once (one Redis round trip) and loading each layer's pages with one copy.
+        A match that ends inside a page is first cut back to that page's start; the partial page
+        is given up only when the tiers hold the whole page there."""
         ps = self.cache.page_size
-        parent = m.nodes[-1] if m.nodes else self.index.root(salt)
+        cut = m.length % ps
+        base = m.nodes[:-1] if cut else m.nodes
+        parent = base[-1] if base else self.index.root(salt)
         key = self._key(parent, salt)
-        while m.length + ps <= len(tokens):
+        at = m.length - cut
+        while at + ps <= len(tokens):
             keys, chunks = [], []
-            at = m.length
             while at + ps <= len(tokens) and len(keys) < RESTORE_BATCH:
                 chunks.append(tuple(tokens[at : at + ps]))
                 key = _page_key(key, chunks[-1])
                 keys.append(key)
                 at += ps
             found = []
-            for k, blob in zip(keys, self.tiers.get_many(keys)):  # type: ignore[union-attr]
-                tensors = None if blob is None else decode_entry(blob, k)
-                if tensors is not None and not self._fits(tensors):
-                    tensors = None  # readable, but shaped for another layout
+            for tensors in self.tiers.get_many(keys, self._decode):  # type: ignore[union-attr]
                 if tensors is None:
-                    if blob is not None:  # corrupt or not this prefix's: drop it, recompute the tokens
-                        self.tiers.discard(k)  # type: ignore[union-attr]
-                        self.stats_.rejected += 1
                     break
                 found.append(tensors)
-            loaded = self._load_entries(found)  # fewer when the pool has no room for all
+            if found and cut:  # the tiers go further than RAM's partial page: drop it
+                self._unhold(seq, m.nodes.pop())
+                m.length -= cut
+                cut = 0
+            loaded = self.pages.load(found)  # fewer when the pool has no room for all
             for chunk, k, pages in zip(chunks, keys, loaded):
                 node = self.index.add_child(parent, chunk, pages)
                 node.key = k
@@ -154,59 +158,23 @@ class PrefixCache:
             if len(loaded) < len(keys):
                 break
 
-    def _entry_layout(self) -> tuple[dict[str, tuple[int, ...]], list[list[str]]]:
-        """The shape of every tensor a page entry of this layout holds (by name), and each
-        group's names."""
-        shapes: dict[str, tuple[int, ...]] = {}
-        groups: list[list[str]] = []
-        for g in self.cache.groups:
-            pool, names = self.cache.pools[g.index], []
-            for j, layer in enumerate(g.layers):
-                if isinstance(pool, PagePool):  # [2, Hkv, 1, ps, D]
-                    named = {"kv": (2, pool.num_kv_heads, 1, pool.page_size, pool.head_dim)}
-                else:  # each part [*, pages, ...] with one page
-                    named = {n: (t.shape[0], 1, *t.shape[2:]) for n, t in pool.parts[j].items()}
-                for n, shape in named.items():
-                    shapes[f"layer{layer}.{n}"] = tuple(shape)
-                    names.append(f"layer{layer}.{n}")
-            groups.append(names)
-        return shapes, groups
+    def _decode(self, key: bytes, blob: bytes) -> dict | None:
+        """An entry's tensors if it is intact, made with this secret and shaped for this layout."""
+        from kvcache.prefix.entry import decode_entry
 
-    def _fits(self, tensors: dict[str, torch.Tensor]) -> bool:
-        """Whether an entry holds this layout's tensors with the pool's shapes, each group's all or
-        none (a page of a windowed group may be out of its window)."""
-        if any(n not in self._shapes or tuple(t.shape) != self._shapes[n] for n, t in tensors.items()):
-            return False
-        return all(sum(n in tensors for n in names) in (0, len(names)) for names in self._group_names)
+        tensors = decode_entry(blob, key, self._mac)
+        if tensors is None or not self.pages.fits(tensors):
+            self.stats_.rejected += 1
+            return None
+        return tensors
 
-    def _load_entries(self, entries: list[dict]) -> list[list[int]]:
-        """Pool pages (per group, or HOLE) for each entry, in order, as many as the pool has room
-        for; each layer's pages are written with one copy."""
-        cache, out = self.cache, []
-        for tensors in entries:
-            pages = []
-            try:
-                for g in cache.groups:
-                    has = self._group_names[g.index][0] in tensors  # all of the group's, or none (_fits)
-                    pages.append(cache._take_pages(g.index, 1)[0] if has else HOLE)
-            except CacheFull:  # no room to restore more: the rest is recomputed
-                for gi, p in enumerate(pages):
-                    if p != HOLE:
-                        cache.allocators[gi].release([p])
-                break
-            out.append(pages)
-        for g in cache.groups:
-            rows = [(i, pages[g.index]) for i, pages in enumerate(out) if pages[g.index] != HOLE]
-            if not rows:
-                continue
-            pool, ids = cache.pools[g.index], [p for _, p in rows]
-            for j, layer in enumerate(g.layers):
-                if isinstance(pool, PagePool):
-                    pool.load_pages(j, ids, torch.cat([entries[i][f"layer{layer}.kv"] for i, _ in rows], 2))
-                else:
-                    pool.load_pages(j, ids, {n: torch.cat([entries[i][f"layer{layer}.{n}"] for i, _ in rows], 1)
-                                             for n in pool.parts[j]})
-        return out
+    def _unhold(self, seq: SeqKV, node: Node) -> None:
+        """Take the last node appended by ``_hold`` off the sequence's tables again."""
+        for g in range(len(self.cache.groups)):
+            p = seq.tables[g].pop()
+            assert p == node.pages[g]
+            if p != HOLE:
+                self.cache.allocators[g].release([p])
 
     # -- insertion --------------------------------------------------------------------------------
     def release(self, seq: SeqKV, tokens: list[int], salt: str | None = None) -> None:
@@ -235,23 +203,8 @@ class PrefixCache:
                 key = node.key
                 continue
             key = node.key = _page_key(key, node.tokens)
-            tensors = self._page_tensors(node)  # copies: the page may be evicted and reused later
-            self.tiers.put_async(key, lambda k=key, t=tensors: encode_entry(k, t))  # type: ignore[union-attr]
-
-    def _page_tensors(self, node: Node) -> dict:
-        out = {}
-        for g in self.cache.groups:
-            p = node.pages[g.index]
-            if p == HOLE:
-                continue
-            pool = self.cache.pools[g.index]
-            for j, layer in enumerate(g.layers):
-                state = pool.page_state(j, [p])
-                if isinstance(state, dict):
-                    out.update({f"layer{layer}.{n}": t.contiguous() for n, t in state.items()})
-                else:
-                    out[f"layer{layer}.kv"] = state.contiguous()
-        return out
+            tensors = self.pages.tensors(node.pages)  # copies: the page may be evicted and reused later
+            self.tiers.put_async(key, lambda k=key, t=tensors: encode_entry(k, t, secret=self._mac))  # type: ignore[union-attr]
 
     def _key(self, node: Node | None, salt: str) -> bytes:
         """The chained tier key of ``node`` (the root's when None), computed along its path."""

@@ -1,4 +1,9 @@
-"""DiskTier: prefix pages as files under a folder (see tiers.py for the whole picture)."""
+"""DiskTier: prefix pages as files under a folder (see tiers.py for the whole picture).
+
+Files are created 0600 (never following a link; written to a temporary name and renamed), the
+folders kvcache creates are 0700, and a folder that belongs to another user is refused: entries
+hold K/V from which prompts can be recovered.
+"""
 
 from __future__ import annotations
 
@@ -30,15 +35,19 @@ class DiskTier:
             raise KVCacheError(f"disk tier size bound must be positive, got {max_bytes}")
         self.max_bytes = max_bytes
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            owner = self.path.stat().st_uid
             probe = self.path / f".probe-{os.getpid()}-{threading.get_ident()}"
-            probe.write_bytes(b"")
+            _write_new(probe, b"")
             probe.unlink()
         except OSError as e:
             reason = e.strerror or type(e).__name__
             if self.path.exists() and not self.path.is_dir():
                 reason = "it is a file, not a folder"
             raise KVCacheError(f"prefix cache folder {self.path} is not writable: {reason}") from None
+        if hasattr(os, "geteuid") and owner != os.geteuid():
+            raise KVCacheError(f"prefix cache folder {self.path} belongs to another user (uid {owner}); "
+                               "use a folder of your own")
         self.errors = 0  # files that could not be read (removed)
         self._lock = threading.Lock()
         self._files: OrderedDict[Path, int] = OrderedDict()  # entry -> bytes, least recently used first
@@ -106,10 +115,10 @@ class DiskTier:
         if self.max_bytes is not None and len(blob) > self.max_bytes:
             return
         f = self._file(key)
-        f.parent.mkdir(exist_ok=True)
+        f.parent.mkdir(mode=0o700, exist_ok=True)
         tmp = f.with_name(f".{f.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            tmp.write_bytes(blob)
+            _write_new(tmp, blob)
             os.replace(tmp, f)
         finally:
             tmp.unlink(missing_ok=True)
@@ -147,6 +156,13 @@ class DiskTier:
 
     def __repr__(self) -> str:
         return f"DiskTier({str(self.path)!r}, max_bytes={self.max_bytes})"
+
+
+def _write_new(f: Path, data: bytes) -> None:
+    """Create ``f`` (0600; it must not exist, and a link in its place is not followed) holding ``data``."""
+    fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
 
 
 def _unlink(f: Path) -> None:

@@ -8,8 +8,10 @@
 - ``RedisTier``: entries in a Redis that several processes or machines share. A server that is
   down, refuses or is slow is a miss and a dropped write, never an error: one warning, then the
   tier counts as down for a few seconds before it tries again.
-- ``TierChain``: asks the tiers in order (a hit in a later tier is copied into the earlier ones),
-  and writes to all of them, on a background writer thread when asked to (``put_async``).
+- ``TierChain``: asks the tiers in order (a hit in a later tier is copied into the earlier ones,
+  once the caller's ``decode`` has accepted it: a corrupt or forged entry is removed from the
+  tier that held it and never promoted), and writes to all of them, on a background writer
+  thread when asked to (``put_async``).
 
 Tiers store bytes as given and know nothing of tensors; ``entry.py`` turns pages into bytes that
 carry their key and a digest.
@@ -26,7 +28,7 @@ import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Union
 
 
 class TierUnavailable(UserWarning):
@@ -37,17 +39,19 @@ class TierUnavailable(UserWarning):
 class TierStats:
     """Counters of a TierChain. ``hits``: per tier name; ``misses``: gets no tier answered;
     ``writes``: entries written (to all tiers); ``errors``: failed reads or writes in any tier;
-    ``dropped``: queued writes given up because the queue was full."""
+    ``dropped``: queued writes given up because the queue was full; ``rejected``: entries found
+    that the caller's ``decode`` refused (corrupt, forged, another layout), removed."""
 
     hits: dict[str, int] = field(default_factory=dict)
     misses: int = 0
     writes: int = 0
     errors: int = 0
     dropped: int = 0
+    rejected: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return {"hits": dict(self.hits), "misses": self.misses, "writes": self.writes,
-                "errors": self.errors, "dropped": self.dropped}
+                "errors": self.errors, "dropped": self.dropped, "rejected": self.rejected}
 
 
 Blob = Union[bytes, Callable[[], bytes]]
@@ -80,10 +84,12 @@ class TierChain:
         """The first tier's bytes for ``key``; a hit in a later tier is queued into the earlier ones."""
         return self.get_many([key])[0]
 
-    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+    def get_many(self, keys: list[bytes], decode: Callable[[bytes, bytes], Any] | None = None) -> list[Any]:
         """The first tier's bytes for each key (None: no tier has it), asking each tier once (Redis:
-        one MGET) for the keys still missing; hits in a later tier are queued into the earlier ones."""
-        out: list[bytes | None] = [None] * len(keys)
+        one MGET) for the keys still missing. With ``decode(key, blob)``, its result instead; a
+        blob it refuses (None) is removed from that tier and the next tier is asked. Accepted hits
+        in a later tier are queued into the earlier ones (never before they were accepted)."""
+        out: list[Any] = [None] * len(keys)
         todo = list(range(len(keys)))
         for i, tier in enumerate(self.tiers):
             if not todo:
@@ -99,7 +105,12 @@ class TierChain:
                 if blob is None:
                     left.append(j)
                     continue
-                out[j] = blob
+                value = blob if decode is None else decode(keys[j], blob)
+                if value is None:  # corrupt, forged or not this layout's: gone from this tier
+                    self._reject(i, keys[j])
+                    left.append(j)
+                    continue
+                out[j] = value
                 with self._lock:
                     self._stats.hits[self.names[i]] += 1
                 if i:
@@ -111,6 +122,14 @@ class TierChain:
 
     def __contains__(self, key: bytes) -> bool:
         return any(key in t for t in self.tiers)
+
+    def _reject(self, i: int, key: bytes) -> None:
+        with self._lock:
+            self._stats.rejected += 1
+        try:
+            self.tiers[i].discard(key)
+        except Exception as e:
+            self._failed(i, "write", e)
 
     # -- writing ----------------------------------------------------------------------------------
     def put(self, key: bytes, blob: Blob, tiers: list | None = None) -> None:
@@ -209,7 +228,7 @@ class TierChain:
         """A snapshot of the counters; ``errors`` includes the failures the tiers absorbed themselves."""
         with self._lock:
             s = TierStats(dict(self._stats.hits), self._stats.misses, self._stats.writes,
-                          self._stats.errors, self._stats.dropped)
+                          self._stats.errors, self._stats.dropped, self._stats.rejected)
         s.errors += sum(getattr(t, "errors", 0) for t in self.tiers)
         return s
 
