@@ -22,6 +22,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
                    help="GGUF file, HF model folder, hub id or bundled name (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--kv", default="dynamic", help=KV_HELP)
+    p.add_argument("--kv-budget", default=None, metavar="SIZE",
+                   help="most memory a dynamic KV pool may hold: GiB (2), a unit (512MiB) or a share of RAM "
+                        "(25%%). Beyond it requests wait or are preempted; `serve` defaults to 50%%")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all available cores)")
 
 
@@ -60,19 +63,32 @@ def _params(args: argparse.Namespace):  # -> SamplingParams
     )
 
 
-def _load(args: argparse.Namespace):  # -> LLM
+def _kv(args: argparse.Namespace, default_budget: str | None = None):  # -> CacheConfig
+    """The --kv spec with --kv-budget applied (``default_budget`` for a dynamic pool without one)."""
+    from dataclasses import replace
+
+    from kvcache.cache.budget import parse_budget
     from kvcache.config import parse_kv_spec
+
+    kv = parse_kv_spec(args.kv)
+    budget = getattr(args, "kv_budget", None)
+    if budget is None and kv.capacity == "dynamic" and kv.budget is None:
+        budget = default_budget
+    return replace(kv, budget=parse_budget(budget)) if budget is not None else kv
+
+
+def _load(args: argparse.Namespace, default_budget: str | None = None):  # -> LLM
     from kvcache.engine.llm import LLM
 
     from kvcache.prefix.config import PrefixConfig, tier_secret
 
-    parse_kv_spec(args.kv)  # refuse a bad spec before the model loads
+    kv = _kv(args, default_budget)  # refuse a bad spec before the model loads
     secret = tier_secret(getattr(args, "tier_secret", None), getattr(args, "tier_secret_file", None))
     prefix = PrefixConfig(enabled=not getattr(args, "no_prefix_cache", False),
                           max_cached_tokens=getattr(args, "prefix_tokens", 16384),
                           disk=getattr(args, "prefix_dir", None), redis=getattr(args, "redis", None),
                           secret=secret)
-    llm = LLM(args.model, kv=args.kv, threads=args.threads, prefix=prefix)
+    llm = LLM(args.model, kv=kv, threads=args.threads, prefix=prefix)
     return llm
 
 

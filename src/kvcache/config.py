@@ -12,6 +12,9 @@ the config is built, with the list of what works):
   tokens in fp32);
 - placement: ``device`` | ``host`` | ``disk`` (pages in memory-mapped files under ``dir``).
 
+A dynamic pool may be given a memory ``budget`` (``budget=2GiB``, ``budget=25%`` of RAM): it never
+grows past it (see cache/budget.py).
+
 A spec is a comma-separated list of a preset or axis value and ``key=value`` options, e.g.
 ``static,int4,sinks=4,window=1024``. Later items override earlier ones.
 """
@@ -38,7 +41,7 @@ PRESETS: dict[str, dict[str, object]] = {
 }
 _INT_OPTIONS = ("page_size", "max_tokens", "max_seqs", "initial_tokens", "window", "sinks",
                 "group_size", "residual")
-_OPTIONS = _INT_OPTIONS + ("dir",)
+_OPTIONS = _INT_OPTIONS + ("dir", "budget")
 
 
 def _works() -> str:
@@ -62,6 +65,7 @@ class CacheConfig:
     residual: int = 128  # quantized: the most recent tokens kept in fp32
     placement: str = "device"
     dir: str | None = None  # disk: where the page files go (None: a temporary folder)
+    budget: int | None = None  # dynamic: bytes the pools may hold at most (None: no bound)
 
     def __post_init__(self) -> None:
         if self.capacity not in CAPACITIES:
@@ -101,6 +105,11 @@ class CacheConfig:
         if self.quantized and self.page_size is not None and self.page_size % self.group_size:
             raise InvalidParams(f"page_size ({self.page_size}) must be a multiple of group_size "
                                 f"({self.group_size}) for {self.encoding}: keys are quantized per page")
+        if self.budget is not None and (not isinstance(self.budget, int) or self.budget < 1):
+            raise InvalidParams(f"budget must be a positive number of bytes, got {self.budget!r}")
+        if self.budget is not None and self.capacity != "dynamic":
+            raise InvalidParams(f"a KV budget applies to the dynamic capacity only (got {self.capacity!r}): a static "
+                                "pool is sized by max_tokens and max_seqs")
         if self.dir is not None and self.placement != "disk":
             raise InvalidParams("dir= applies to the disk placement only; add 'disk' to the spec")
         if self.capacity == "none":
@@ -154,6 +163,8 @@ class CacheConfig:
             value = getattr(self, f.name)
             if value == getattr(_DEFAULT, f.name):
                 continue
+            if f.name == "budget":
+                value = f"{value}B"
             parts.append(value if f.name in ("encoding", "placement") else f"{f.name}={value}")  # type: ignore[arg-type]
         return ",".join(parts)
 
@@ -185,6 +196,11 @@ def parse_kv_spec(spec: str | CacheConfig | None) -> CacheConfig:
                 raise InvalidParams(f"unknown --kv option {key!r}; {_works()}")
             if key == "dir":
                 values[key] = raw
+                continue
+            if key == "budget":
+                from kvcache.cache.budget import parse_budget
+
+                values[key] = parse_budget(raw)
                 continue
             try:
                 values[key] = int(raw)

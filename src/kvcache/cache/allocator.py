@@ -67,6 +67,30 @@ class PageAllocator:
             if self._ref[p] == 0:
                 heapq.heappush(self._free, p)
 
+    def compact(self, keep: int) -> dict[int, int]:
+        """Move every referenced page at or above ``keep`` to a free page below it (lowest first),
+        counts and all; returns the moves (old -> new). The caller copies the data and updates the
+        holders. Needs ``keep`` >= the referenced pages."""
+        high = [p for p in range(keep, self.total) if self._ref[p] > 0]
+        low = sorted(p for p in self._free if p < keep)[: len(high)]
+        if len(low) < len(high):
+            raise ValueError(f"cannot compact {self.num_referenced} referenced pages below {keep}")
+        moves = dict(zip(high, low))
+        for src, dst in moves.items():
+            self._ref[dst], self._ref[src] = self._ref[src], 0
+        taken = set(low)
+        self._free = [p for p in self._free if p not in taken] + high
+        heapq.heapify(self._free)
+        return moves
+
+    def truncate(self, keep: int) -> None:
+        """Forget pages ``keep`` and above (they must all be free)."""
+        if any(r > 0 for r in self._ref[keep:]):
+            raise ValueError(f"pages at or above {keep} are still referenced")
+        del self._ref[keep:]
+        self._free = [p for p in self._free if p < keep]
+        heapq.heapify(self._free)
+
     def check_integrity(self) -> None:
         """Every page is free (ref 0, on the free list once) or referenced (ref > 0)."""
         free = set(self._free)

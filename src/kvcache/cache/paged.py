@@ -1,6 +1,7 @@
 """PagedKVCache: per layer group a pool and an allocator; per sequence a page table per group.
 
-dynamic: every pool starts with room for ``initial_tokens`` and doubles when it runs out.
+dynamic: every pool starts with room for ``initial_tokens`` and doubles when it runs out, within
+its ``budget`` when it has one (cache/budget.py), and gives pages back when ``shrink`` is called.
 static: room for ``max_seqs`` x ``max_tokens`` preallocated; a request beyond it is refused
 (ContextOverflow) before anything is written.
 Windows: pages whose tokens no query can see again go back to their group's pool (sink pages stay).
@@ -15,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvcache.cache import budget as _budget
 from kvcache.cache.accounting import CacheStats, cache_stats, check_integrity
 from kvcache.cache.allocator import PageAllocator
 from kvcache.cache.groups import LayerGroup, plan_groups
@@ -23,7 +25,7 @@ from kvcache.cache.pool import PagePool
 from kvcache.cache.qpool import QuantPool
 from kvcache.cache.sequence import HOLE, SeqKV
 from kvcache.config import CacheConfig
-from kvcache.errors import ContextOverflow, InvalidParams
+from kvcache.errors import CacheFull, ContextOverflow, InvalidParams
 from kvcache.models.config import ModelConfig
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -64,6 +66,13 @@ class PagedKVCache:
                 pool = PagePool(n, hkv, d, ps, pages, _DTYPES[config.encoding], self.placement)
             self.pools.append(pool)
             self.allocators.append(PageAllocator(pages))
+        if config.capacity == "dynamic" and config.budget is not None:
+            fit = _budget.initial_pages(self, pages)
+            if fit < pages:
+                for pool, alloc in zip(self.pools, self.allocators):
+                    pool.resize(fit)
+                    alloc.truncate(fit)
+        self.initial_pages = self.pools[0].num_pages
         self._ids = itertools.count()
         self.sequences: dict[int, SeqKV] = {}
         self.cow_copies = 0  # pages copied because a branch wrote into a shared one
@@ -71,6 +80,8 @@ class PagedKVCache:
         # and lists the pages its index holds (per group) for accounting and integrity checks
         self.reclaim: Callable[[int, int], None] | None = None
         self.index_pages: Callable[[], dict[int, list[int]]] | None = None
+        # set by a prefix cache: renumbers the pages its index holds when shrink moves them
+        self.remap: Callable[[int, dict[int, int]], None] | None = None
 
     @property
     def quantized(self) -> bool:
@@ -89,9 +100,30 @@ class PagedKVCache:
 
     def capacity_per_sequence(self) -> int | None:
         """Most tokens one sequence can hold (None: unbounded, every group has a window)."""
-        if self.config.capacity != "static" or all(g.window is not None for g in self.groups):
+        if self.config.capacity == "dynamic":
+            return _budget.tokens_per_sequence(self)
+        if all(g.window is not None for g in self.groups):
             return None
         return self.config.max_tokens
+
+    def capacity_reason(self) -> str | None:
+        """What bounds a sequence besides the model's context, in words (None: nothing)."""
+        if self.capacity_per_sequence() is None:
+            return None
+        if self.config.capacity == "static":
+            return f"the static cache's max_tokens={self.config.max_tokens}"
+        from kvcache.fmt import human_bytes
+
+        return f"what the KV budget of {human_bytes(self.config.budget or 0)} holds (--kv-budget)"
+
+    def room(self, group: int) -> int | None:
+        """Pages the group's pool may still grow by (None: unbounded; static: 0)."""
+        return _budget.room(self, group)
+
+    def shrink(self) -> int:
+        """Give back the pages of dynamic pools beyond those in use (never below their initial
+        size); returns the bytes given back."""
+        return _budget.shrink(self, self.initial_pages)
 
     def pages_after(self, seq: SeqKV, group: int, length: int) -> int:
         """Logical pages the group's table holds once the sequence has ``length`` tokens."""
@@ -236,7 +268,15 @@ class PagedKVCache:
         if n > alloc.num_free and self.reclaim is not None:
             self.reclaim(group, n - alloc.num_free)
         if n > alloc.num_free and self.config.capacity == "dynamic":
-            extra = max(alloc.total, n - alloc.num_free)
+            short, room = n - alloc.num_free, self.room(group)
+            extra = max(alloc.total, short)
+            if room is not None:
+                if room < short:
+                    from kvcache.fmt import human_bytes
+
+                    raise CacheFull(f"KV cache budget of {human_bytes(self.config.budget or 0)} is used up "
+                                    f"(--kv-budget): need {short} more pages, room for {room}")
+                extra = min(extra, room)
             self.pools[group].resize(self.pools[group].num_pages + extra)
             alloc.grow(extra)
         return alloc.allocate(n)

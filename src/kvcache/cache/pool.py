@@ -37,15 +37,13 @@ class PagePool:
         self.resize(num_pages)
 
     def resize(self, num_pages: int) -> None:
-        """Grow to ``num_pages`` pages, keeping the contents of the existing ones."""
-        if num_pages < self.num_pages:
-            raise ValueError("the page pool does not shrink")
-        old = self.num_pages
+        """Grow or shrink to ``num_pages`` pages, keeping the contents of the pages that stay."""
+        old = min(self.num_pages, num_pages)
         shape = (2, self.num_kv_heads, num_pages, self.page_size, self.head_dim)
         for i in range(self.num_layers):
             new = self.placement.zeros(shape, self.dtype)
             if old:
-                new[:, :, :old] = self.kv[i]
+                new[:, :, :old] = self.kv[i][:, :, :old]
             flat = new.view(2, self.num_kv_heads, num_pages * self.page_size, self.head_dim)
             if i < len(self.kv):
                 self.kv[i], self.flat[i] = new, flat

@@ -56,14 +56,13 @@ class QuantPool:
                 "vs": ((h, pages, ps, d // g), f32), "vm": ((h, pages, ps, d // g), f32)}
 
     def resize(self, num_pages: int) -> None:
-        if num_pages < self.num_pages:
-            raise ValueError("the page pool does not shrink")
-        old = self.num_pages
+        """Grow or shrink to ``num_pages`` pages, keeping the contents of the pages that stay."""
+        old = min(self.num_pages, num_pages)
         for layer in self.parts:
             for name, (shape, dtype) in self._shapes(num_pages).items():
                 new = self.placement.zeros(shape, dtype)
                 if old:
-                    new[:, :old] = layer[name]
+                    new[:, :old] = layer[name][:, :old]
                 layer[name] = new
         self.num_pages = num_pages
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from kvcache.engine.params import CompletionOutput, RequestOutput, SamplingParams
 from kvcache.engine.runner import ModelRunner, Seq
-from kvcache.engine.sampler import make_generator, sample
+from kvcache.engine.sampler import log_probs, make_generator, sample, token_logprob
 from kvcache.engine.stops import TextTracker
 from kvcache.errors import ContextOverflow
 from kvcache.models.tokenizer import Tokenizer
@@ -22,6 +22,7 @@ class Delta:
     text: str
     token_id: int | None
     finish_reason: str | None = None
+    logprobs: list | None = None  # TokenLogprob of the tokens since the last Delta, when asked for
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -89,17 +90,23 @@ class RequestRun:
             texts = [TextTracker(self.tokenizer, p.stop) for _ in range(p.n)]
             tokens: list[list[int]] = [[] for _ in range(p.n)]
             reasons: list[str | None] = [None] * p.n
+            lps: list[list] = [[] for _ in range(p.n)]
+            sent = [0] * p.n
             t_first = 0.0
             while True:
                 feed: list[int] = []
                 for i in range(p.n):
                     if reasons[i] is not None:
                         continue
-                    tok = sample(logits[len(feed)], p, gens[i])
+                    row = logits[len(feed)]
+                    tok = sample(row, p, gens[i])
                     feed.append(i)
                     tokens[i].append(tok)
+                    if p.logprobs is not None:
+                        lps[i].append(token_logprob(log_probs(row), tok, p.logprobs))
                     if tok in self.eos and not p.ignore_eos:
                         tokens[i].pop()
+                        del lps[i][len(tokens[i]) :]
                         reasons[i] = "stop"
                     elif texts[i].add(tok):
                         reasons[i] = "stop"
@@ -107,7 +114,8 @@ class RequestRun:
                         reasons[i] = "length"
                     piece = texts[i].pending(final=reasons[i] is not None)
                     if piece or reasons[i] is not None:
-                        yield Delta(i, piece, tok, reasons[i])
+                        yield Delta(i, piece, tok, reasons[i], lps[i][sent[i] :] if p.logprobs is not None else None)
+                        sent[i] = len(lps[i])
                 if not t_first:
                     t_first = time.perf_counter()
                 live = [i for i in range(p.n) if reasons[i] is None]
@@ -125,5 +133,6 @@ class RequestRun:
         self.result.prefill_s = t_first - t0
         self.result.decode_s = t_end - t_first
         self.result.outputs = [
-            CompletionOutput(i, texts[i].text, tokens[i], reasons[i] or "length") for i in range(p.n)
+            CompletionOutput(i, texts[i].text, tokens[i], reasons[i] or "length",
+                             lps[i] if p.logprobs is not None else None) for i in range(p.n)
         ]

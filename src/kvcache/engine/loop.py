@@ -1,7 +1,9 @@
 """EngineLoop: the scheduler on its own thread, for servers and concurrent callers.
 
 Callers on any thread ``submit`` requests and ``abort`` them; the loop thread drains those
-commands between steps, runs ``Scheduler.step`` while there is work and sleeps when there is none.
+commands between steps, runs ``Scheduler.step`` while there is work and sleeps when there is none;
+after ``IDLE_SHRINK_S`` with nothing to do it lets the pool give its spare pages back
+(``Scheduler.idle``), once per idle spell.
 Deltas and completions are delivered by callbacks on the loop thread (a server hands them to its
 event loop with ``call_soon_threadsafe``). ``call`` runs a function on the loop thread between
 steps (statistics, integrity checks) and returns its result.
@@ -18,7 +20,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from kvcache.engine.scheduler import Request, Scheduler
+from kvcache.engine.request import Request, error_kind
+from kvcache.engine.scheduler import Scheduler
+
+IDLE_SHRINK_S = 1.0  # idle this long, the dynamic pool gives back what it does not use
 
 
 class EngineLoop:
@@ -29,6 +34,9 @@ class EngineLoop:
         self._stop = False
         self._done: dict[str, Callable[[Request], None]] = {}
         self.step_s = 0.0  # time spent in steps (busy time)
+        self.shrunk_bytes = 0  # given back by idle shrinks
+        self._spare = False  # work ran since the last shrink
+        self._idle_since = 0.0  # when the last step ended
         self._thread = threading.Thread(target=self._run, name="kvcache-engine", daemon=True)
         self._thread.start()
 
@@ -62,7 +70,10 @@ class EngineLoop:
         while True:
             with self._cv:
                 while not self._inbox and not sched.has_work and not self._stop:
-                    self._cv.wait()
+                    left = self._idle_since + IDLE_SHRINK_S - time.monotonic() if self._spare else None
+                    if left is not None and left <= 0:
+                        break
+                    self._cv.wait(left)
                 if self._stop:
                     return
                 inbox, self._inbox = self._inbox, []
@@ -74,9 +85,18 @@ class EngineLoop:
                     finished = sched.step()
                 except Exception as e:  # a bug must not hang every client: fail what is running
                     finished = self._fail_all(f"internal error: {type(e).__name__}: {e}")
+                    for req in finished:
+                        req.error_kind = "internal"
                 self.step_s += time.perf_counter() - t0
+                self._spare, self._idle_since = True, time.monotonic()
                 for req in finished:
                     self._finish(req)
+            elif self._spare and time.monotonic() - self._idle_since >= IDLE_SHRINK_S:
+                self._spare = False
+                try:
+                    self.shrunk_bytes += sched.idle()
+                except Exception:  # giving memory back is best effort; the pool stays as it was
+                    pass
 
     def _handle(self, kind: str, payload: Any) -> None:
         sched = self.scheduler
@@ -86,7 +106,7 @@ class EngineLoop:
                 sched.add(req)
                 self._done[req.request_id] = on_done
             except Exception as e:
-                req.error = str(e)
+                req.error, req.error_kind = str(e), error_kind(e)
                 on_done(req)
         elif kind == "abort":
             if sched.abort(payload):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvcache.errors import InvalidParams
 
@@ -15,6 +15,9 @@ class SamplingParams:
     temperature 0 (or anything below 1e-6) is greedy. top_k 0 (or -1) and top_p 1.0 turn those filters off. ``stop`` strings
     end the text before the match; EOS ends it unless ``ignore_eos``. ``n`` samples share the
     prompt's cache pages. Any integer seed is accepted: sample i uses (seed + i) mod 2^64.
+    ``logprobs``: record each generated token's log-probability under the model (log-softmax of
+    its logits, before temperature and filters) and that many of the most likely alternatives
+    (0 to MAX_LOGPROBS); None records nothing.
     """
 
     max_tokens: int = 256
@@ -25,6 +28,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +50,19 @@ class SamplingParams:
                f"seed must be an integer, got {self.seed!r}")
         _check(isinstance(self.n, int) and 1 <= self.n <= 128, f"n must be between 1 and 128, got {self.n!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+               f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs!r}")
+
+
+MAX_LOGPROBS = 20
+
+
+class TokenLogprob(NamedTuple):
+    """A token, its log-probability, and the most likely tokens with theirs (best first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 def _check(ok: bool, message: str) -> None:
@@ -59,6 +76,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    logprobs: list[TokenLogprob] | None = None  # one per token, when SamplingParams.logprobs is set
 
 
 @dataclass

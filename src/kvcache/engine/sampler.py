@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcache.engine.params import SamplingParams
+from kvcache.engine.params import SamplingParams, TokenLogprob
 
 SEED_SPACE = 2**64  # torch generators take seeds in [0, 2^64)
 GREEDY_BELOW = 1e-6  # temperatures below this are greedy: sampling there differs from argmax only in ties
@@ -48,3 +48,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
     probs = torch.softmax(scores, -1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities under the model: log-softmax of the raw logits [..., V] (float32)."""
+    return torch.log_softmax(logits.float(), -1)
+
+
+def token_logprob(lp: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """``token``'s entry in log-probabilities ``lp`` [V], with the ``k`` most likely tokens."""
+    top: tuple[tuple[int, float], ...] = ()
+    if k > 0:
+        vals, ids = torch.topk(lp, min(k, lp.shape[-1]))
+        top = tuple((int(i), float(v)) for i, v in zip(ids.tolist(), vals.tolist()))
+    return TokenLogprob(int(token), float(lp[token]), top)

@@ -24,19 +24,20 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from kvcache.engine import faults
 from kvcache.engine.generate import Delta
-from kvcache.engine.params import CompletionOutput, RequestOutput, SamplingParams
-from kvcache.engine.runner import ModelRunner, Seq
-from kvcache.engine.sampler import make_generator, sample
+from kvcache.engine.request import Request, Sample, error_kind
+from kvcache.engine.runner import ModelRunner
+from kvcache.engine.sampler import log_probs, make_generator, sample, token_logprob
 from kvcache.engine.stops import TextTracker
 from kvcache.errors import CacheFull, ContextOverflow, InvalidParams, KVCacheError
 from kvcache.models.tokenizer import Tokenizer
+
+__all__ = ["Request", "Sample", "Scheduler", "SchedulerConfig", "error_kind"]
 
 
 @dataclass(frozen=True)
@@ -52,52 +53,6 @@ class SchedulerConfig:
             raise InvalidParams(f"unknown scheduling policy {self.policy!r}: fifo or priority")
 
 
-class Sample:
-    __slots__ = ("index", "seq", "feed", "tokens", "text", "gen", "reason")
-
-    def __init__(self, index: int, text: TextTracker, gen: torch.Generator | None) -> None:
-        self.index = index
-        self.seq: Seq | None = None
-        self.feed: list[int] = []
-        self.tokens: list[int] = []
-        self.text = text
-        self.gen = gen
-        self.reason: str | None = None
-
-
-@dataclass(eq=False)
-class Request:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    salt: str | None = None
-    priority: int = 0
-    on_delta: Callable[[Delta], None] | None = None  # called on the engine thread
-    prompt: str | None = None
-    samples: list[Sample] = field(default_factory=list)
-    arrival: int = 0
-    cached_tokens: int = -1  # prompt tokens reused at first admission (-1: not admitted yet)
-    preemptions: int = 0
-    error: str | None = None  # set when the request could not be served
-    error_kind: str | None = None  # with error: "capacity", "invalid" or "internal" (see error_kind)
-    t_arrival: float = 0.0
-    t_first: float = 0.0
-    t_end: float = 0.0
-
-    @property
-    def finished(self) -> bool:
-        return self.error is not None or (bool(self.samples) and all(s.reason for s in self.samples))
-
-    def output(self) -> RequestOutput:
-        outs = [CompletionOutput(s.index, s.text.text, list(s.tokens), s.reason or "abort") for s in self.samples]
-        r = RequestOutput(prompt=self.prompt, prompt_token_ids=self.prompt_ids, outputs=outs,
-                          cached_tokens=max(0, self.cached_tokens))
-        r.prefill_s = max(0.0, self.t_first - self.t_arrival) if self.t_first else 0.0
-        r.decode_s = max(0.0, self.t_end - self.t_first) if self.t_first else 0.0
-        r.metrics = {"preemptions": self.preemptions}
-        return r
-
-
 class Scheduler:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: SchedulerConfig | None = None) -> None:
         self.runner, self.tokenizer = runner, tokenizer
@@ -108,6 +63,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self.preemptions = 0
         self.steps = 0
+        self._held_back = False  # a preemption happened: admit nothing more until a request ends
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -130,6 +86,7 @@ class Scheduler:
                 if req.request_id == request_id:
                     queue.remove(req)
                     self._drop_pages(req)
+                    self._held_back = False
                     for s in req.samples:
                         s.reason = s.reason or "abort"
                     req.t_end = time.perf_counter()
@@ -167,6 +124,7 @@ class Scheduler:
                 self.running.remove(req)
                 req.t_end = time.perf_counter()
                 done.append(req)
+                self._held_back = False
         return done
 
     def _run(self, batch: list[tuple[Request, Sample, int]]) -> torch.Tensor:
@@ -240,7 +198,13 @@ class Scheduler:
         return sorted(reqs, key=lambda r: r.arrival)
 
     def _admit(self, done: list[Request]) -> None:
+        """Admit waiting requests in order while there is room. After a preemption nothing more is
+        admitted until a request ends (or nothing runs): otherwise the preempted request, whose
+        pages are still cached and count as room, comes straight back and is preempted again."""
         self.waiting = self._order(self.waiting)
+        if self.running and self._held_back:
+            return
+        self._held_back = False
         while self.waiting and len(self.running) < self.config.max_running:
             req = self.waiting[0]
             if self.running and not self._room_for(req):
@@ -262,14 +226,22 @@ class Scheduler:
             self.running.append(req)
 
     def _room_for(self, req: Request) -> bool:
-        """Whether a static pool has the pages for the request's first prefill (a dynamic pool
-        grows; pages the prefix index could evict count as room)."""
+        """Whether a static pool, or a dynamic one at its budget, has the pages for the request's
+        first prefill (pages the prefix index could evict count as room); beyond that it waits."""
         cache = self.runner.cache
-        if cache is None or cache.config.capacity != "static":
+        room = cache.room(0) if cache is not None else None
+        if room is None:
             return True
-        need = -(-len(req.prompt_ids) // cache.page_size) + 1
+        need = -(-len(req.prompt_ids) // cache.page_size) + 1  # type: ignore[union-attr]
         cached = self.runner.prefix.cached_pages(0) if self.runner.prefix is not None else 0
-        return cache.allocators[0].num_free + cached >= need
+        return cache.allocators[0].num_free + cached + room >= need  # type: ignore[union-attr]
+
+    def idle(self) -> int:
+        """Nothing runs: dynamic pools give back the pages beyond those in use (the prefix index's
+        cached pages stay). Returns the bytes given back."""
+        if self.has_work or self.runner.cache is None:
+            return 0
+        return self.runner.cache.shrink()
 
     def _plan(self) -> list[tuple[Request, Sample, int]]:
         budget = self.config.max_batch_tokens
@@ -302,11 +274,16 @@ class Scheduler:
                 group.append(twin)
         if not req.t_first:
             req.t_first = time.perf_counter()
+        lp = log_probs(logits) if p.logprobs is not None else None
         for x in group:
             tok = sample(logits, p, x.gen)
             x.tokens.append(tok)
+            if lp is not None:
+                x.logprobs.append(token_logprob(lp, tok, p.logprobs or 0))
             if tok in self.eos and not p.ignore_eos:
                 x.tokens.pop()
+                if lp is not None:
+                    x.logprobs.pop()
                 x.reason = "stop"
             elif x.text.add(tok):
                 x.reason = "stop"
@@ -314,7 +291,8 @@ class Scheduler:
                 x.reason = "length"
             piece = x.text.pending(final=x.reason is not None)
             if req.on_delta is not None and (piece or x.reason is not None):
-                req.on_delta(Delta(x.index, piece, tok, x.reason))
+                req.on_delta(Delta(x.index, piece, tok, x.reason, x.logprobs[x.lp_sent :] if lp is not None else None))
+                x.lp_sent = len(x.logprobs)
             if x.reason is None:
                 x.feed = [tok]
             elif x.seq is not None:
@@ -337,6 +315,7 @@ class Scheduler:
         req.preemptions += 1
         self.preemptions += 1
         self.waiting.append(req)
+        self._held_back = True
 
     def _drop_pages(self, req: Request) -> None:
         for s in req.samples:
@@ -351,17 +330,8 @@ class Scheduler:
             if req in queue:
                 queue.remove(req)
         self._drop_pages(req)
+        self._held_back = False
         req.error = str(error) if isinstance(error, KVCacheError) else f"internal error: {type(error).__name__}: {error}"
         req.error_kind = error_kind(error)
         req.t_end = time.perf_counter()
         done.append(req)
-
-
-def error_kind(error: Exception) -> str:
-    """How a request's failure is reported: "capacity" (the KV pool is full: retry later),
-    "invalid" (the request cannot be served as asked) or "internal" (a fault of the engine)."""
-    if isinstance(error, CacheFull):
-        return "capacity"
-    if isinstance(error, KVCacheError):
-        return "invalid"
-    return "internal"

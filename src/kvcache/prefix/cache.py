@@ -6,8 +6,8 @@
 - ``release(seq, tokens, salt)``: a finished sequence's pages go into the index (one reference
   each, held by the index), then the sequence lets go of its own references.
 - ``reclaim(group, short)``: called by the cache when a pool lacks pages: evicts unreferenced
-  cached pages (LRU/LFU). A static pool evicts as much as it needs; a dynamic pool evicts only
-  what exceeds ``max_cached_tokens`` and otherwise grows.
+  cached pages (LRU/LFU). A static pool, or a dynamic one at its budget, evicts as much as it
+  needs; a dynamic pool with room evicts only what exceeds ``max_cached_tokens`` and otherwise grows.
 
 With tiers, every full page the index takes is written through (on a background thread) under a
 chained key of (model fingerprint, cache layout, tenant salt, the token ids up to that page), so
@@ -72,6 +72,7 @@ class PrefixCache:
         self.pages = PageEntries(cache)  # what a page entry must hold; entries <-> pool pages
         cache.reclaim = self.reclaim
         cache.index_pages = self.index.held_pages
+        cache.remap = self.index.remap
 
     # -- lookup -----------------------------------------------------------------------------------
     def lookup(self, tokens: list[int], salt: str | None = None, whole: bool = False) -> tuple[SeqKV, int]:
@@ -232,9 +233,12 @@ class PrefixCache:
         self.stats_.evicted_pages += sum(len(list(n.live_pages())) for n in nodes)
 
     def reclaim(self, group: int, short: int) -> None:
-        """Free at least ``short`` pages of ``group`` if the policy allows (see the module doc)."""
-        if self.cache.config.capacity == "static":
-            self._drop(self.index.evict(short, group, self._in_use))
+        """Free at least ``short`` pages of ``group`` if the policy allows: what the pool cannot
+        grow by (all of it when static, beyond the budget when dynamic) is evicted; otherwise only
+        what exceeds ``max_cached_tokens`` (see the module doc)."""
+        room = self.cache.room(group)
+        if room is not None and room < short:
+            self._drop(self.index.evict(short - room, group, self._in_use))
         else:
             self._trim()
 

@@ -200,6 +200,13 @@ class RadixIndex:
                 out[g].append(p)
         return out
 
+    def remap(self, group: int, moves: dict[int, int]) -> None:
+        """Renumber group ``group``'s pages (old -> new) after the pool moved them."""
+        for n in self.nodes():
+            p = n.pages[group]
+            if p in moves:
+                n.pages[group] = moves[p]
+
     def clear(self) -> list[Node]:
         """Drop every node (release their pages)."""
         dropped = list(self.nodes())

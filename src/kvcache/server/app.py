@@ -1,55 +1,52 @@
 """The OpenAI-compatible HTTP server (FastAPI): completions, chat completions, models, health,
 Prometheus metrics and cache statistics, over the continuous-batching engine.
 
-Requests are validated and tokenized on the event loop, then handed to the EngineLoop thread;
-its deltas come back through an asyncio queue per HTTP request. A client that disconnects, streaming
-or not, has its request aborted within ``DISCONNECT_POLL_S`` (its pages go back to the pool). With API
-keys, each key is a tenant whose prefix-cache entries are salted apart from every other tenant's
-(see server/auth.py). One request's failure is reported to it alone: 400 for a request that cannot
-be served as asked, 503 when the KV pool is full, 500 for an engine fault.
+A request passes server/intake.py first (body size, JSON, text, unsupported parameters, limits),
+then is tokenized (and templated) on a worker thread, never on the event loop, and handed to the
+EngineLoop thread; its deltas come back through an asyncio queue (server/streams.py). A client that
+disconnects, streaming or not, has its request aborted within ``DISCONNECT_POLL_S``. With API keys,
+each key is a tenant whose prefix-cache entries are salted apart from every other tenant's (see
+server/auth.py). One request's failure is reported to it alone: 400 for a request that cannot be
+served as asked, 503 when the KV pool is full, 500 for an engine fault (``server_error``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvcache.engine.llm import LLM
 from kvcache.engine.loop import EngineLoop
-from kvcache.engine.scheduler import Request, Scheduler, SchedulerConfig
+from kvcache.engine.request import Request
+from kvcache.engine.scheduler import Scheduler, SchedulerConfig
+from kvcache.engine.scoring import prompt_logprobs
 from kvcache.errors import KVCacheError
 from kvcache.server.auth import Auth, Caller
+from kvcache.server.intake import Limits, check_limits, check_unsupported, read_json
+from kvcache.server.logprobs import TokenText, completion_logprobs
 from kvcache.server.metrics import Metrics
-from kvcache.server.protocol import ChatRequest, CompletionRequest, error_body, new_id
-from kvcache.server.responses import chat_chunk, chat_response, completion_chunk, completion_response, usage_chunk
+from kvcache.server.protocol import ApiError, ChatRequest, CompletionRequest, error_body, new_id
+from kvcache.server.responses import chat_response, completion_response
+from kvcache.server.streams import DISCONNECT_POLL_S, collect, exception_reply, sse, stream_chat, stream_completion
+from kvcache.server.tokens import encode_messages, encode_text
 
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.body = status, error_body(message, type_, param, code)
-
-
-DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
-ERROR_STATUS = {"invalid": (400, "invalid_request_error", None), "capacity": (503, "server_error", "kv_cache_full"),
-                "internal": (500, "server_error", None)}
+__all__ = ["ApiError", "DISCONNECT_POLL_S", "ServerState", "build_app"]
 
 
 class ServerState:
-    def __init__(self, llm: LLM, model_name: str, auth: Auth, scheduler: SchedulerConfig) -> None:
-        self.llm, self.model_name, self.auth = llm, model_name, auth
+    def __init__(self, llm: LLM, model_name: str, auth: Auth, scheduler: SchedulerConfig, limits: Limits) -> None:
+        self.llm, self.model_name, self.auth, self.limits = llm, model_name, auth, limits
         self.sched = Scheduler(llm.runner, llm.tokenizer, scheduler)
         self.engine = EngineLoop(self.sched)
         self.metrics = Metrics()
+        self.text_of = TokenText(llm.tokenizer)
 
     def caller(self, http: HttpRequest) -> Caller:
         """Who sent the request (its tenant salt and whether it is an admin); 401 without a valid key."""
@@ -77,9 +74,12 @@ class ServerState:
 
 
 def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...] = (),
-              scheduler: SchedulerConfig | None = None, auth: Auth | None = None) -> FastAPI:
-    """The server's app. ``auth`` (or plain ``api_keys``) decides who may call it."""
-    state = ServerState(llm, model_name or llm.model_name, auth or Auth(api_keys), scheduler or SchedulerConfig())
+              scheduler: SchedulerConfig | None = None, auth: Auth | None = None,
+              limits: Limits | None = None) -> FastAPI:
+    """The server's app. ``auth`` (or plain ``api_keys``) decides who may call it; ``limits``
+    bound what one request may ask for."""
+    state = ServerState(llm, model_name or llm.model_name, auth or Auth(api_keys), scheduler or SchedulerConfig(),
+                        limits or Limits())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -97,7 +97,8 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
     async def _invalid(_: HttpRequest, e: ValidationError) -> JSONResponse:
         err = e.errors()[0]
         where = ".".join(str(x) for x in err.get("loc", ()))
-        message = f"{where}: {err.get('msg')}" if where else str(err.get("msg"))
+        msg = str(err.get("msg")).removeprefix("Value error, ")
+        message = f"{where}: {msg}" if where else msg
         return JSONResponse(error_body(message, param=where or None), status_code=400)
 
     @app.exception_handler(KVCacheError)
@@ -142,47 +143,49 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
     @app.post("/v1/completions")
     async def completions(http: HttpRequest) -> Any:
         caller = state.caller(http)
-        body = CompletionRequest.model_validate(await _json(http))
+        raw = await read_json(http, state.limits)
+        check_unsupported(raw)
+        body = CompletionRequest.model_validate(raw)
         _check_model(state, body.model)
         prompts = _prompts(body.prompt)
+        check_limits(state.limits, len(prompts), body.n, body.stop)
         params = body.sampling(16)
-        reqs = [_request(state, _encode(state, p), body, params, caller, p if isinstance(p, str) else None)
-                for p in prompts]
+        ids = await asyncio.to_thread(lambda: [_encode(state, p) for p in prompts])
+        reqs = [_request(state, i, body, params, caller, p if isinstance(p, str) else None, "prompt")
+                for i, p in zip(ids, prompts)]
+        echoes = await _echoes(state, body, reqs) if body.echo else None
         rid = new_id("cmpl")
         if body.stream:
-            return _sse(_stream_completion(state, http, rid, body, reqs))
-        done = await _collect(state, http, reqs)
-        return completion_response(rid, state.model_name, done, body.echo)
+            return sse(stream_completion(state, http, rid, body, reqs, echoes or []))
+        done = await collect(state, http, reqs, "prompt")
+        return completion_response(rid, state.model_name, done, echoes, state.text_of)
 
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest) -> Any:
         caller = state.caller(http)
-        body = ChatRequest.model_validate(await _json(http))
+        raw = await read_json(http, state.limits)
+        check_unsupported(raw)
+        body = ChatRequest.model_validate(raw)
         _check_model(state, body.model)
+        check_limits(state.limits, 1, body.n, body.stop)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            ids = llm.encode([{"role": m.role, "content": m.text()} for m in body.messages])
+            ids = await asyncio.to_thread(encode_messages, llm, messages)  # template and tokens off the event loop
         except KVCacheError as e:
             raise ApiError(400, str(e), param="messages") from None
         room = max(1, llm.runner.capacity - len(ids))
         body.max_tokens = body.max_completion_tokens or body.max_tokens
-        req = _request(state, ids, body, body.sampling(min(1024, room)), caller, None)
+        req = _request(state, ids, body, body.sampling(min(1024, room)), caller, None, "messages")
         rid = new_id("chatcmpl")
         if body.stream:
-            return _sse(_stream_chat(state, http, rid, body, req))
-        (done,) = await _collect(state, http, [req])
-        return chat_response(rid, state.model_name, done)
+            return sse(stream_chat(state, http, rid, body, req))
+        (done,) = await collect(state, http, [req], "messages")
+        return chat_response(rid, state.model_name, done, state.text_of)
 
     return app
 
 
 # -- request handling ------------------------------------------------------------------------------
-async def _json(http: HttpRequest) -> Any:
-    try:
-        return json.loads(await http.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ApiError(400, "the request body is not valid JSON") from None
-
-
 def _check_model(state: ServerState, model: str) -> None:
     if model != state.model_name:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
@@ -200,10 +203,11 @@ def _prompts(prompt: Any) -> list[Any]:
 
 
 def _encode(state: ServerState, prompt: Any) -> list[int]:
+    """Token ids of one prompt (run on a worker thread: tokenizing a long text takes seconds)."""
     if isinstance(prompt, str):
         if not prompt:
             raise ApiError(400, "prompt must not be empty", param="prompt")
-        return state.llm.encode(prompt)
+        return encode_text(state.llm, prompt)
     vocab = state.llm.config.vocab_size
     if not prompt or any(t < 0 or t >= vocab for t in prompt):
         raise ApiError(400, f"token ids must be between 0 and {vocab - 1}", param="prompt")
@@ -211,127 +215,47 @@ def _encode(state: ServerState, prompt: Any) -> list[int]:
 
 
 def _request(state: ServerState, ids: list[int], body: Any, params: Any, caller: Caller,
-             text: str | None) -> Request:
+             text: str | None, param: str) -> Request:
+    """An engine request for ``ids``; ``param`` names the body field they came from in errors."""
     if body.priority and not caller.admin:
         raise ApiError(403, "only admin keys may set 'priority' (see --admin-key-file)", "permission_error",
                        param="priority")
     cap = state.llm.runner.capacity
     if len(ids) >= cap:
-        raise ApiError(400, f"the prompt has {len(ids)} tokens, more than the context of {cap} tokens "
-                            "leaves room for", param="messages" if text is None else "prompt",
-                       code="context_length_exceeded")
+        raise ApiError(400, f"the prompt has {len(ids)} tokens, more than the {_context(state)} leaves room for",
+                       param=param, code="context_length_exceeded")
     if params.max_tokens > cap - len(ids):
         raise ApiError(400, f"max_tokens={params.max_tokens} is more than the {cap - len(ids)} tokens the "
-                            f"context of {cap} leaves after the {len(ids)}-token prompt", param="max_tokens",
+                            f"{_context(state)} leaves after the {len(ids)}-token prompt", param="max_tokens",
                        code="context_length_exceeded")
     return Request(new_id("req"), ids, params, salt=caller.salt, priority=body.priority, prompt=text)
 
 
-async def _run(state: ServerState, http: HttpRequest, reqs: list[Request]) -> AsyncIterator[tuple[int, Any]]:
-    """Submit ``reqs``; yield (index, Delta) as text arrives and (index, Request) when one ends.
-    A client that goes away (noticed within DISCONNECT_POLL_S, whether or not text is flowing),
-    or a consumer that stops, aborts what is still running."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    for i, r in enumerate(reqs):
-        r.on_delta = lambda d, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, d))
-        state.engine.submit(r, lambda done, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, done)))
-    watcher = asyncio.create_task(_watch(http, queue))
-    left = len(reqs)
+def _context(state: ServerState) -> str:
+    """What bounds a sequence: the model's context, or a static cache or the KV budget when smaller."""
+    runner = state.llm.runner
+    cache, cap = runner.cache, runner.capacity
+    bound = cache.capacity_per_sequence() if cache is not None else None
+    why = cache.capacity_reason() if cache is not None and bound == cap else None
+    return f"context of {cap} tokens" + (f" ({why})" if why else "")
+
+
+async def _echoes(state: ServerState, body: CompletionRequest, reqs: list[Request]) -> list[tuple[str, dict | None]]:
+    """Per request, the prompt's text and, when ``logprobs`` is set, its tokens' log-probabilities
+    (computed on the engine thread between steps; the prompt's pages stay in the prefix cache)."""
+    llm, k = state.llm, body.logprobs
+    texts = [r.prompt if r.prompt is not None else llm.tokenizer.decode(r.prompt_ids) for r in reqs]
+    if k is None:
+        return [(t, None) for t in texts]
+
+    def score() -> list[list]:
+        return [prompt_logprobs(llm.runner, r.prompt_ids, k, r.salt) for r in reqs]
+
     try:
-        while left:
-            item = await queue.get()
-            if item is _GONE:
-                return
-            if isinstance(item[1], Request):
-                left -= 1
-                _record(state, item[1])
-            yield item
-    finally:
-        watcher.cancel()
-        if left:
-            for r in reqs:
-                state.engine.abort(r.request_id)
-            state.metrics.add("requests_aborted_total", left)
-
-
-_GONE = object()  # put on a request's queue when its client disconnected
-
-
-async def _watch(http: HttpRequest, queue: asyncio.Queue) -> None:
-    while not await http.is_disconnected():
-        await asyncio.sleep(DISCONNECT_POLL_S)
-    queue.put_nowait(_GONE)
-
-
-def _record(state: ServerState, r: Request) -> None:
-    if r.error:
-        state.metrics.add("requests_failed_total")
-        return
-    gen = sum(len(s.tokens) for s in r.samples)
-    ttft = r.t_first - r.t_arrival if r.t_first else None
-    steps = max((len(s.tokens) for s in r.samples), default=0) - 1
-    tpot = (r.t_end - r.t_first) / steps if r.t_first and steps > 0 else None
-    state.metrics.finished(len(r.prompt_ids), gen, max(0, r.cached_tokens), ttft, tpot)
-
-
-async def _collect(state: ServerState, http: HttpRequest, reqs: list[Request]) -> list[Request]:
-    done: dict[int, Request] = {}
-    async for i, item in _run(state, http, reqs):
-        if isinstance(item, Request):
-            done[i] = item
-    if len(done) < len(reqs):
-        raise ApiError(499, "the client closed the request")
-    for r in done.values():
-        if r.error:
-            raise _engine_error(r)
-    return [done[i] for i in range(len(reqs))]
-
-
-def _engine_error(r: Request) -> ApiError:
-    status, type_, code = ERROR_STATUS[r.error_kind or "internal"]
-    return ApiError(status, r.error or "the request failed", type_, code=code)
-
-
-def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
-    async def gen() -> AsyncIterator[bytes]:
-        async for ev in events:
-            yield f"data: {json.dumps(ev)}\n\n".encode()
-        yield b"data: [DONE]\n\n"
-
-    return StreamingResponse(gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-async def _stream_completion(state: ServerState, http: HttpRequest, rid: str, body: CompletionRequest,
-                             reqs: list[Request]) -> AsyncIterator[dict[str, Any]]:
-    n = body.n
-    ended: list[Request] = []
-    async for i, item in _run(state, http, reqs):
-        if isinstance(item, Request):
-            if item.error:
-                yield _engine_error(item).body
-            ended.append(item)
-            continue
-        yield completion_chunk(rid, state.model_name, i * n + item.index, item.text, item.finish_reason)
-    if body.stream_options and body.stream_options.include_usage:
-        yield usage_chunk(rid, state.model_name, "text_completion", ended)
-
-
-async def _stream_chat(state: ServerState, http: HttpRequest, rid: str, body: ChatRequest,
-                       req: Request) -> AsyncIterator[dict[str, Any]]:
-    started: set[int] = set()
-    ended: list[Request] = []
-    async for _, item in _run(state, http, [req]):
-        if isinstance(item, Request):
-            if item.error:
-                yield _engine_error(item).body
-            ended.append(item)
-            continue
-        first = item.index not in started
-        started.add(item.index)
-        yield chat_chunk(rid, state.model_name, item.index, item.text, item.finish_reason, first)
-    if body.stream_options and body.stream_options.include_usage:
-        yield usage_chunk(rid, state.model_name, "chat.completion.chunk", ended)
+        entries = await asyncio.to_thread(state.engine.call, score, None)
+    except Exception as e:
+        raise exception_reply(e, "prompt") from None
+    return [(t, completion_logprobs(state.text_of, e, r.prompt_ids)) for t, e, r in zip(texts, entries, reqs)]
 
 
 def _cache_report(state: ServerState, check: bool) -> dict[str, Any]:

@@ -7,6 +7,8 @@ import sys
 
 from kvcache.errors import InvalidParams
 
+SERVE_BUDGET = "50%"  # a dynamic pool's budget when --kv-budget is not given: half the RAM
+
 
 def add_serve_parser(sub: argparse._SubParsersAction, add_model_args, add_prefix_args) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible server (completions, chat, streaming, metrics)")
@@ -31,6 +33,12 @@ def add_serve_parser(sub: argparse._SubParsersAction, add_model_args, add_prefix
     s.add_argument("--max-running", type=int, default=32, help="requests served at once (default 32)")
     s.add_argument("--policy", choices=("fifo", "priority"), default="fifo",
                    help="admission order (priority: the request's 'priority' field, higher first)")
+    s.add_argument("--max-request-bytes", type=int, default=4 << 20, metavar="N",
+                   help="largest request body (default 4 MiB); larger ones get 413")
+    s.add_argument("--max-prompts", type=int, default=64, metavar="N",
+                   help="prompts in one /v1/completions request (default 64)")
+    s.add_argument("--max-choices", type=int, default=128, metavar="N",
+                   help="n x prompts in one request (default 128)")
     s.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     s.set_defaults(func=cmd_serve)
 
@@ -42,6 +50,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     sched = SchedulerConfig(max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                             policy=args.policy)  # refuse bad values before the model loads
+    from kvcache.server.intake import Limits
+
+    limits = Limits(max_request_bytes=args.max_request_bytes, max_prompts=args.max_prompts,
+                    max_choices=args.max_choices)
     from kvcache.server.auth import Auth, gather_keys
 
     # keys are checked before the model loads: an empty one is refused, never an open door
@@ -51,13 +63,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvcache.cli import _load
+    from kvcache.fmt import human_bytes
     from kvcache.server.app import build_app
 
-    llm = _load(args)
-    app = build_app(llm, args.served_model_name, scheduler=sched, auth=auth)
+    llm = _load(args, SERVE_BUDGET)
+    app = build_app(llm, args.served_model_name, scheduler=sched, auth=auth, limits=limits)
     name = app.state.kv.model_name
     who = f" · {len(keys)} API key(s), {len(admins)} admin" if not auth.open else " · open (no API keys)"
-    print(f"kvcache serve · model {name!r} · kv={llm.cache_config.spec()} · http://{args.host}:{args.port}/v1" + who,
+    budget = llm.cache_config.budget
+    kv = f"kv={llm.cache_config.spec()}" + (f" (budget {human_bytes(budget)})" if budget else "")
+    print(f"kvcache serve · model {name!r} · {kv} · http://{args.host}:{args.port}/v1" + who,
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcache.engine.scheduler import Request
+from kvcache.engine.request import Request
+from kvcache.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from kvcache.server.protocol import now, usage
 
 
@@ -14,36 +15,47 @@ def _usage(reqs: list[Request]) -> dict[str, Any]:
     return usage(prompt, completion, sum(max(0, r.cached_tokens) for r in reqs))
 
 
-def completion_response(rid: str, model: str, reqs: list[Request], echo: bool) -> dict[str, Any]:
+def completion_response(rid: str, model: str, reqs: list[Request], echoes: list[tuple[str, dict | None]] | None,
+                        text_of: TokenText) -> dict[str, Any]:
+    """``echoes``: per request, its prompt's text and log-probabilities (None: no echo)."""
     choices = []
     n = len(reqs[0].samples) if reqs else 1
     for i, r in enumerate(reqs):
+        prompt_text, prompt_lps = echoes[i] if echoes is not None else ("", None)
         for s in r.samples:
-            text = (r.prompt or "") + s.text.text if echo else s.text.text
-            choices.append({"index": i * n + s.index, "text": text, "logprobs": None,
+            lps = None
+            if r.params.logprobs is not None:
+                lps = completion_logprobs(text_of, s.logprobs, s.tokens, offset=len(prompt_text))
+                if prompt_lps is not None:
+                    lps = {k: prompt_lps[k] + lps[k] for k in lps}
+            choices.append({"index": i * n + s.index, "text": prompt_text + s.text.text, "logprobs": lps,
                             "finish_reason": s.reason or "length"})
     return {"id": rid, "object": "text_completion", "created": now(), "model": model, "choices": choices,
             "usage": _usage(reqs)}
 
 
-def chat_response(rid: str, model: str, r: Request) -> dict[str, Any]:
+def chat_response(rid: str, model: str, r: Request, text_of: TokenText) -> dict[str, Any]:
+    want = r.params.logprobs is not None
     choices = [{"index": s.index, "message": {"role": "assistant", "content": s.text.text},
-                "logprobs": None, "finish_reason": s.reason or "length"} for s in r.samples]
+                "logprobs": chat_logprobs(text_of, s.logprobs) if want else None,
+                "finish_reason": s.reason or "length"} for s in r.samples]
     return {"id": rid, "object": "chat.completion", "created": now(), "model": model, "choices": choices,
             "usage": _usage([r])}
 
 
-def completion_chunk(rid: str, model: str, index: int, text: str, finish: str | None) -> dict[str, Any]:
+def completion_chunk(rid: str, model: str, index: int, text: str, finish: str | None,
+                     logprobs: dict | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "text_completion", "created": now(), "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
 
-def chat_chunk(rid: str, model: str, index: int, text: str, finish: str | None, first: bool) -> dict[str, Any]:
+def chat_chunk(rid: str, model: str, index: int, text: str, finish: str | None, first: bool,
+               logprobs: dict | None = None) -> dict[str, Any]:
     delta: dict[str, Any] = {"content": text}
     if first:
         delta["role"] = "assistant"
     return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
 
 def usage_chunk(rid: str, model: str, kind: str, reqs: list[Request]) -> dict[str, Any]:

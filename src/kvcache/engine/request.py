@@ -1,0 +1,81 @@
+"""A request as the scheduler holds it: its samples, timings, outcome and how a failure is reported.
+
+``Request`` is what callers submit (prompt token ids, SamplingParams, tenant salt, a delta
+callback) and what they get back when it ends (``samples``, ``error`` and ``error_kind``).
+``Sample`` is one of its ``n`` continuations: its sequence, the tokens still to feed, its tokens,
+text and, when asked for, each token's log-probability with the most likely alternatives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcache.engine.generate import Delta
+from kvcache.engine.params import CompletionOutput, RequestOutput, SamplingParams, TokenLogprob
+from kvcache.engine.runner import Seq
+from kvcache.engine.stops import TextTracker
+from kvcache.errors import CacheFull, ContextOverflow, InvalidParams
+
+
+class Sample:
+    __slots__ = ("index", "seq", "feed", "tokens", "text", "gen", "reason", "logprobs", "lp_sent")
+
+    def __init__(self, index: int, text: TextTracker, gen: torch.Generator | None) -> None:
+        self.index = index
+        self.seq: Seq | None = None
+        self.feed: list[int] = []
+        self.tokens: list[int] = []
+        self.text = text
+        self.gen = gen
+        self.reason: str | None = None
+        self.logprobs: list[TokenLogprob] = []  # one per token, when params.logprobs is set
+        self.lp_sent = 0  # of those, how many went out with a Delta
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    salt: str | None = None
+    priority: int = 0
+    on_delta: Callable[[Delta], None] | None = None  # called on the engine thread
+    prompt: str | None = None
+    samples: list[Sample] = field(default_factory=list)
+    arrival: int = 0
+    cached_tokens: int = -1  # prompt tokens reused at first admission (-1: not admitted yet)
+    preemptions: int = 0
+    error: str | None = None  # set when the request could not be served
+    error_kind: str | None = None  # with error: "capacity", "invalid" or "internal" (see error_kind)
+    t_arrival: float = 0.0
+    t_first: float = 0.0
+    t_end: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or (bool(self.samples) and all(s.reason for s in self.samples))
+
+    def output(self) -> RequestOutput:
+        outs = [CompletionOutput(s.index, s.text.text, list(s.tokens), s.reason or "abort",
+                                 list(s.logprobs) if self.params.logprobs is not None else None)
+                for s in self.samples]
+        r = RequestOutput(prompt=self.prompt, prompt_token_ids=self.prompt_ids, outputs=outs,
+                          cached_tokens=max(0, self.cached_tokens))
+        r.prefill_s = max(0.0, self.t_first - self.t_arrival) if self.t_first else 0.0
+        r.decode_s = max(0.0, self.t_end - self.t_first) if self.t_first else 0.0
+        r.metrics = {"preemptions": self.preemptions}
+        return r
+
+
+def error_kind(error: Exception) -> str:
+    """How a request's failure is reported: "capacity" (the KV pool is full: retry later),
+    "invalid" (the request cannot be served as asked: too long, out of range) or "internal" (a
+    fault of the engine or of the machine under it, a full disk among them)."""
+    if isinstance(error, CacheFull):
+        return "capacity"
+    if isinstance(error, (ContextOverflow, InvalidParams)):
+        return "invalid"
+    return "internal"

@@ -1,0 +1,152 @@
+"""Running submitted requests for an HTTP request: deltas from the engine thread through an asyncio
+queue, the disconnect watcher, SSE framing, the streamed bodies, and engine errors as replies.
+
+A client that goes away (noticed within ``DISCONNECT_POLL_S``, whether or not text is flowing), or
+a consumer that stops reading, aborts what is still running; its pages go back to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request as HttpRequest
+from fastapi.responses import StreamingResponse
+
+from kvcache.engine.request import Request, error_kind
+from kvcache.server.logprobs import chat_logprobs, completion_logprobs
+from kvcache.server.protocol import ApiError, ChatRequest, CompletionRequest
+from kvcache.server.responses import chat_chunk, completion_chunk, usage_chunk
+
+if TYPE_CHECKING:
+    from kvcache.server.app import ServerState
+
+DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
+ERROR_STATUS = {"invalid": (400, "invalid_request_error", None), "capacity": (503, "server_error", "kv_cache_full"),
+                "internal": (500, "server_error", None)}
+_GONE = object()  # put on a request's queue when its client disconnected
+
+
+def error_reply(kind: str, message: str, param: str | None = None) -> ApiError:
+    """An engine-side failure as a reply: 400 (the request cannot be served as asked, naming
+    ``param``), 503 (the KV pool is full: retry later) or 500 (a fault of the server)."""
+    status, type_, code = ERROR_STATUS[kind]
+    return ApiError(status, message, type_, param=param if kind == "invalid" else None, code=code)
+
+
+def engine_error(r: Request, param: str | None = None) -> ApiError:
+    return error_reply(r.error_kind or "internal", r.error or "the request failed", param)
+
+
+def exception_reply(e: Exception, param: str | None = None) -> ApiError:
+    """An exception raised for one request on the engine thread, as a reply."""
+    kind = error_kind(e)
+    return error_reply(kind, str(e) if kind != "internal" else f"internal error: {type(e).__name__}: {e}", param)
+
+
+async def run(state: "ServerState", http: HttpRequest, reqs: list[Request]) -> AsyncIterator[tuple[int, Any]]:
+    """Submit ``reqs``; yield (index, Delta) as text arrives and (index, Request) when one ends."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    for i, r in enumerate(reqs):
+        r.on_delta = lambda d, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, d))
+        state.engine.submit(r, lambda done, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, done)))
+    watcher = asyncio.create_task(_watch(http, queue))
+    left = len(reqs)
+    try:
+        while left:
+            item = await queue.get()
+            if item is _GONE:
+                return
+            if isinstance(item[1], Request):
+                left -= 1
+                _record(state, item[1])
+            yield item
+    finally:
+        watcher.cancel()
+        if left:
+            for r in reqs:
+                state.engine.abort(r.request_id)
+            state.metrics.add("requests_aborted_total", left)
+
+
+async def _watch(http: HttpRequest, queue: asyncio.Queue) -> None:
+    while not await http.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    queue.put_nowait(_GONE)
+
+
+def _record(state: "ServerState", r: Request) -> None:
+    if r.error:
+        state.metrics.add("requests_failed_total")
+        return
+    gen = sum(len(s.tokens) for s in r.samples)
+    ttft = r.t_first - r.t_arrival if r.t_first else None
+    steps = max((len(s.tokens) for s in r.samples), default=0) - 1
+    tpot = (r.t_end - r.t_first) / steps if r.t_first and steps > 0 else None
+    state.metrics.finished(len(r.prompt_ids), gen, max(0, r.cached_tokens), ttft, tpot)
+
+
+async def collect(state: "ServerState", http: HttpRequest, reqs: list[Request], param: str) -> list[Request]:
+    """Run ``reqs`` to the end; the first failure becomes the reply."""
+    done: dict[int, Request] = {}
+    async for i, item in run(state, http, reqs):
+        if isinstance(item, Request):
+            done[i] = item
+    if len(done) < len(reqs):
+        raise ApiError(499, "the client closed the request")
+    for r in done.values():
+        if r.error:
+            raise engine_error(r, param)
+    return [done[i] for i in range(len(reqs))]
+
+
+def sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def gen() -> AsyncIterator[bytes]:
+        async for ev in events:
+            yield f"data: {json.dumps(ev)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def stream_completion(state: "ServerState", http: HttpRequest, rid: str, body: CompletionRequest,
+                            reqs: list[Request], echoes: list[tuple[str, dict | None]]) -> AsyncIterator[dict[str, Any]]:
+    """``echoes``: per prompt, the text and log-probabilities sent first when ``echo`` is set."""
+    n, model = body.n, state.model_name
+    ended: list[Request] = []
+    for i, (text, lps) in enumerate(echoes):
+        for j in range(n):
+            yield completion_chunk(rid, model, i * n + j, text, None, lps)
+    async for i, item in run(state, http, reqs):
+        if isinstance(item, Request):
+            if item.error:
+                yield engine_error(item, "prompt").body
+            ended.append(item)
+            continue
+        lps = None
+        if item.logprobs is not None:
+            lps = completion_logprobs(state.text_of, item.logprobs, [e.token for e in item.logprobs])
+        yield completion_chunk(rid, model, i * n + item.index, item.text, item.finish_reason, lps)
+    if body.stream_options and body.stream_options.include_usage:
+        yield usage_chunk(rid, model, "text_completion", ended)
+
+
+async def stream_chat(state: "ServerState", http: HttpRequest, rid: str, body: ChatRequest,
+                      req: Request) -> AsyncIterator[dict[str, Any]]:
+    started: set[int] = set()
+    ended: list[Request] = []
+    async for _, item in run(state, http, [req]):
+        if isinstance(item, Request):
+            if item.error:
+                yield engine_error(item, "messages").body
+            ended.append(item)
+            continue
+        first = item.index not in started
+        started.add(item.index)
+        lps = chat_logprobs(state.text_of, item.logprobs) if item.logprobs is not None else None
+        yield chat_chunk(rid, state.model_name, item.index, item.text, item.finish_reason, first, lps)
+    if body.stream_options and body.stream_options.include_usage:
+        yield usage_chunk(rid, state.model_name, "chat.completion.chunk", ended)
