@@ -67,12 +67,45 @@ def test_other_model_or_encoding_is_refused(tiny, saved):
         paged.load(str(saved), tiny.fingerprint)
 
 
-def test_failed_write_leaves_nothing(tiny, tmp_path):
+def test_a_missing_folder_is_refused_before_anything_is_written(tiny, tmp_path):
     target = tmp_path / "no-such-dir" / "x.kv"
     with pytest.raises(KVCacheError, match="cannot write cache file"):
         tiny.save_cache(str(target), PROMPT)
-    assert not target.parent.exists() or not any(target.parent.iterdir())
+    assert not target.parent.exists()
     assert tiny.kv_stats().pages_in_use == 0
+
+
+FAILED_WRITE = r"""
+import os, resource, signal, sys
+from kvcache import LLM
+from kvcache.errors import KVCacheError
+llm = LLM(sys.argv[1], kv="dynamic,page_size=4")
+target = sys.argv[2]
+llm.save_cache(target, list(range(5, 13)))  # a good file of 8 tokens (about 7 KiB)
+before = open(target, "rb").read()
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))  # the disk "fills up" at 16 KiB per file
+try:
+    llm.save_cache(target, list(range(5, 125)))  # 120 tokens: about 92 KiB
+    print("SAVED")
+except KVCacheError as e:
+    print("ERR", e)
+print("SAME", open(target, "rb").read() == before)
+print("PAGES", llm.kv_stats().pages_in_use)
+print("FILES", sorted(os.listdir(os.path.dirname(target))))
+"""
+
+
+def test_a_write_that_fails_half_way_leaves_the_old_file_and_nothing_else(tiny_dir, tmp_path):
+    """The disk fills up in the middle of writing a cache file: a one-line error, the file that
+    was there before is untouched, no temporary file is left and no page stays allocated."""
+    target = tmp_path / "x.kv"
+    out = subprocess.run([sys.executable, "-c", FAILED_WRITE, str(tiny_dir("llama")[0]), str(target)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "ERR cannot write cache file" in out.stdout and "SAVED" not in out.stdout, out.stdout
+    assert "SAME True" in out.stdout and "PAGES 0" in out.stdout
+    assert "FILES ['x.kv']" in out.stdout
 
 
 def test_none_strategy_has_nothing_to_save(tiny, tmp_path):

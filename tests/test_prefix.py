@@ -57,16 +57,17 @@ def test_index_holes_adopted_from_a_later_sequence():
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_eviction_order_and_live_pages(policy):
+    """Page 0 is used often but long ago, page 2 once but last: LRU evicts 0 first, LFU 2 first."""
     idx = RadixIndex(page_size=2, num_groups=1, policy=policy)
     idx.insert([1, 2], [[0]])
     idx.insert([3, 4], [[1]])
     idx.insert([5, 6], [[2]])
     for _ in range(3):
-        idx.match([1, 2, 9])  # used often and last
-    idx.match([3, 4, 9])  # used once, later than 5 6
+        idx.match([1, 2, 9])  # used often, early
+    idx.match([5, 6, 9])  # used once, last
     live = {1}
     dropped = idx.evict(5, None, lambda g, p: p in live)
-    assert [n.pages[0] for n in dropped] == ([2, 0] if policy == "lru" else [2, 0])
+    assert [n.pages[0] for n in dropped] == ([0, 2] if policy == "lru" else [2, 0])
     assert idx.held_pages()[0] == [1]  # a page a running sequence holds is never evicted
 
 
@@ -344,10 +345,17 @@ def test_disk_tier_restores_pages_in_a_new_cache(tiny_path, tmp_path, spec):
     assert any(tmp_path.rglob("*.kv"))
     later = LLM(tiny_path, kv=spec, prefix=PrefixConfig(disk=str(tmp_path)))  # an empty RAM index
     prompt = LONG[:-1] + [7]
-    if "int8" in spec:
+    if "int8" in spec:  # quantized pages: the restored ones must be the very pages written
         seq = later.runner.lookup(prompt)
         assert len(seq.tokens) == 40 and later.prefix_stats().tier_tokens == 40
+        got = later.runner.step([seq], [prompt[40:]])[0]
+        same = first.runner.lookup(prompt)  # the same pages, still in the first cache's RAM
+        assert len(same.tokens) == 40
+        want = first.runner.step([same], [prompt[40:]])[0]
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        assert float((got - _recompute(later, prompt)).abs().max()) < 4e-3  # int8's bound (test_cache_matrix)
         later.runner.release(seq)
+        first.runner.release(same)
     else:
         assert _hit_then_check(later, prompt) == 40  # 10 whole pages from disk; the rest recomputed
         assert later.prefix_stats().tier_tokens == 40
