@@ -34,6 +34,30 @@ class Sample:
         self.logprobs: list[TokenLogprob] = []  # one per token, when params.logprobs is set
         self.lp_sent = 0  # of those, how many went out with a Delta
 
+    def take(self, tok: int, entry: TokenLogprob | None, eos: set[int], params: SamplingParams, room: int) -> str:
+        """Add a sampled token (and its log-probability entry, if asked for). The sample ends on
+        EOS (the token is dropped), a stop string, ``max_tokens``, or when ``room`` tokens (what
+        the context leaves after the prompt) are generated. Returns the text now safe to stream."""
+        self.tokens.append(tok)
+        if entry is not None:
+            self.logprobs.append(entry)
+        if tok in eos and not params.ignore_eos:
+            self.tokens.pop()
+            del self.logprobs[len(self.tokens) :]
+            self.reason = "stop"
+        elif self.text.add(tok):
+            self.reason = "stop"
+        elif len(self.tokens) >= params.max_tokens or len(self.tokens) >= room:
+            self.reason = "length"
+        return self.text.pending(final=self.reason is not None)
+
+    def delta(self, piece: str, tok: int, logprobs: bool) -> Delta:
+        """A streamed piece, with (when ``logprobs``) the entries of the tokens since the last one."""
+        lps = None
+        if logprobs:
+            lps, self.lp_sent = self.logprobs[self.lp_sent :], len(self.logprobs)
+        return Delta(self.index, piece, tok, self.reason, lps)
+
 
 @dataclass(eq=False)
 class Request:

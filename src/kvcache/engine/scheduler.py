@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 
 from kvcache.engine import faults
-from kvcache.engine.generate import Delta
 from kvcache.engine.request import Request, Sample, error_kind
 from kvcache.engine.runner import ModelRunner
 from kvcache.engine.sampler import log_probs, make_generator, sample, token_logprob
@@ -275,24 +274,12 @@ class Scheduler:
         if not req.t_first:
             req.t_first = time.perf_counter()
         lp = log_probs(logits) if p.logprobs is not None else None
+        room = self.runner.capacity - len(req.prompt_ids)
         for x in group:
             tok = sample(logits, p, x.gen)
-            x.tokens.append(tok)
-            if lp is not None:
-                x.logprobs.append(token_logprob(lp, tok, p.logprobs or 0))
-            if tok in self.eos and not p.ignore_eos:
-                x.tokens.pop()
-                if lp is not None:
-                    x.logprobs.pop()
-                x.reason = "stop"
-            elif x.text.add(tok):
-                x.reason = "stop"
-            elif len(x.tokens) >= p.max_tokens or len(req.prompt_ids) + len(x.tokens) >= self.runner.capacity:
-                x.reason = "length"
-            piece = x.text.pending(final=x.reason is not None)
+            piece = x.take(tok, token_logprob(lp, tok, p.logprobs or 0) if lp is not None else None, self.eos, p, room)
             if req.on_delta is not None and (piece or x.reason is not None):
-                req.on_delta(Delta(x.index, piece, tok, x.reason, x.logprobs[x.lp_sent :] if lp is not None else None))
-                x.lp_sent = len(x.logprobs)
+                req.on_delta(x.delta(piece, tok, lp is not None))
             if x.reason is None:
                 x.feed = [tok]
             elif x.seq is not None:
