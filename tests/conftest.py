@@ -110,7 +110,15 @@ def gemma_installed() -> bool:
 
 @pytest.fixture(scope="session")
 def smollm():
-    """The real bundled SmolLM2-135M-Instruct, loaded once."""
+    """The real bundled SmolLM2-135M-Instruct with fp32 weights (transformers' equal), loaded once."""
+    from kvcache import LLM
+
+    return LLM(weights="fp32")
+
+
+@pytest.fixture(scope="session")
+def smollm_q():
+    """The bundled SmolLM2 with the file's own quantized weights (the default), loaded once."""
     from kvcache import LLM
 
     return LLM()

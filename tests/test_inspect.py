@@ -49,7 +49,7 @@ def test_inspect_command(tmp_path):
     out, tensors = tmp_path / "r.json", tmp_path / "t.safetensors"
     png = tmp_path / "png"
     r = run_kvcache("inspect", A, "--layers", "0,-1", "--heads", "0,4", "--reuse", B, "--save", str(tensors),
-                    "--json", str(out), "--png", str(png), timeout=300)
+                    "--json", str(out), "--png", str(png), "--weights", "fp32", timeout=300)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
     assert len(report["layers"]) == 30 and report["layers"][0]["shape"] == [1, 3, report["tokens"], 64]

@@ -114,7 +114,7 @@ def pair():
 
     path = gemma_gguf()
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    return LLM("gemma3-270m"), hf
+    return LLM("gemma3-270m", weights="fp32"), hf
 
 
 @pytest.mark.gemma
@@ -131,9 +131,9 @@ class TestGemma:
     def test_weights_equal_transformers(self, pair):
         """Covers Q4_K, Q6_K, Q5_0 and Q8_0 tensors of the real file."""
         llm, hf = pair
-        from kvcache.models.loading import load_weights
+        from kvcache.models.loading import fp32_folder, load_weights
 
-        _, ours = load_weights(resolve_model("gemma3-270m").path)
+        _, ours = load_weights(fp32_folder("gemma3-270m"))
         ref = hf.state_dict()
         for name, t in ours.items():
             torch.testing.assert_close(t, ref[name].float(), atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")

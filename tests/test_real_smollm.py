@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvcache import LLM, SamplingParams
-from kvcache.models.loading import load_weights, model_fingerprint, resolve_model
+from kvcache.models.loading import fp32_folder, load_weights, model_fingerprint, resolve_model
 
 PROMPTS = [
     "What is the capital of France?",
@@ -22,7 +22,7 @@ PROMPTS = [
 def test_converted_weights_equal_transformers_gguf_load(hf_smollm):
     """Our dequantization and Q/K un-permutation give exactly transformers' tensors."""
     _, hf = hf_smollm
-    _, ours = load_weights(resolve_model(None).path)
+    _, ours = load_weights(fp32_folder(None))
     ref = hf.state_dict()
     for name, t in ours.items():
         torch.testing.assert_close(t, ref[name].float(), atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")
@@ -48,7 +48,7 @@ def test_tokenizer_and_chat_template_match_transformers(hf_smollm, smollm):
 @pytest.mark.parametrize("kv", ["dynamic", "static,max_tokens=512"])
 def test_greedy_output_identical_to_transformers_generate(hf_smollm, smollm, kv):
     tok, hf = hf_smollm
-    llm = smollm if kv == "dynamic" else LLM(kv=kv)
+    llm = smollm if kv == "dynamic" else LLM(kv=kv, weights="fp32")
     for p in PROMPTS[:3]:
         ids = llm.encode(p, chat=True)
         out = llm.generate([ids], SamplingParams(max_tokens=40))[0]
@@ -98,15 +98,17 @@ def test_chat_session_prefills_only_new_tokens(smollm):
     smollm.check_integrity()
 
 
-def test_second_load_is_fast_and_does_not_convert_again():
+@pytest.mark.parametrize("weights", ["file", "fp32"])
+def test_second_load_is_fast_and_does_not_convert_again(weights):
     path = resolve_model(None).path
-    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    LLM(weights=weights)  # converts (config, tokenizer; fp32 weights for fp32) if nothing did yet
+    stamp = (path / "kvcache.json").stat().st_mtime_ns
     t0 = time.perf_counter()
-    llm = LLM()
+    llm = LLM(weights=weights)
     elapsed = time.perf_counter() - t0
-    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+    assert (path / "kvcache.json").stat().st_mtime_ns == stamp
     assert llm.model_path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     info = json.loads((path / "kvcache.json").read_text())
     assert info["fingerprint"] == model_fingerprint(path) and len(info["fingerprint"]) == 64
-    print(f"second load: {elapsed:.2f} s")
+    print(f"second load ({weights}): {elapsed:.2f} s")
     assert elapsed < 10  # a generous bound; the figure itself lives in the benchmark notes

@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvcache.cliargs import add_weights_arg
 from kvcache.fmt import human_bytes
 from kvcache.errors import KVCacheError
 
@@ -22,6 +23,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
                    help="GGUF file, HF model folder, hub id or bundled name (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--kv", default="dynamic", help=KV_HELP)
+    add_weights_arg(p)
     p.add_argument("--kv-budget", default=None, metavar="SIZE",
                    help="most memory a dynamic KV pool may hold: GiB (2), a unit (512MiB) or a share of RAM "
                         "(25%%). Beyond it requests wait or are preempted; `serve` defaults to 50%%")
@@ -88,7 +90,7 @@ def _load(args: argparse.Namespace, default_budget: str | None = None):  # -> LL
                           max_cached_tokens=getattr(args, "prefix_tokens", 16384),
                           disk=getattr(args, "prefix_dir", None), redis=getattr(args, "redis", None),
                           secret=secret)
-    llm = LLM(args.model, kv=kv, threads=args.threads, prefix=prefix)
+    llm = LLM(args.model, kv=kv, threads=args.threads, prefix=prefix, weights=args.weights)
     return llm
 
 

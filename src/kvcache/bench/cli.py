@@ -185,7 +185,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
     from kvcache.bench.decode import PROMPT, bench_kvcache, bench_transformers
     from kvcache.engine.llm import LLM
-    from kvcache.models.loading import resolve_model
+    from kvcache.models.loading import fp32_folder
 
     strategies = [s for s in args.kv.split(",") if s]
     peers = [s for s in args.peers.split(",") if s]
@@ -200,7 +200,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
     rows = bench_kvcache(llm, strategies, new, repeats, bar.update)
     ids = llm.encode(PROMPT, chat=True)
     if peers:
-        rows += bench_transformers(str(resolve_model(args.model).path), ids, peers, new, repeats, bar.update)
+        rows += bench_transformers(str(fp32_folder(args.model)), ids, peers, new, repeats, bar.update)
     if lcpp:
         rows += _llamacpp_rows(args.model, llm, ids, new, repeats, bar.update)
     bar.close()

@@ -34,7 +34,7 @@ def cmd_cache_vs_none(args: argparse.Namespace) -> int:
     from kvcache.bench.cli import _fmt, _meta
     from kvcache.bench.nocache import bench_kvcache, bench_transformers
     from kvcache.engine.llm import LLM
-    from kvcache.models.loading import resolve_model
+    from kvcache.models.loading import fp32_folder
 
     llm = LLM(args.model, threads=args.threads, prefix=False)
     ids = llm.encode(PROMPT, chat=True)
@@ -45,7 +45,7 @@ def cmd_cache_vs_none(args: argparse.Namespace) -> int:
     if peers:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(resolve_model(args.model).path), dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(fp32_folder(args.model)), dtype=torch.float32).eval()
         runs += [bench_transformers(model, ids, p == "dynamic", new, budget if p != "dynamic" else float("inf"),
                                     bar.update) for p in peers]
     bar.close()

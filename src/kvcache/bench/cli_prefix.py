@@ -30,7 +30,7 @@ def cmd_prefix(args: argparse.Namespace) -> int:
     from kvcache.bench.cli import _fmt, _meta
     from kvcache.bench.prefix import bench_chat, bench_kvcache, bench_transformers, system_text
     from kvcache.engine.llm import LLM
-    from kvcache.models.loading import resolve_model
+    from kvcache.models.loading import fp32_folder
     from kvcache.prefix.redis_local import local_redis
 
     llm = LLM(args.model, threads=args.threads, prefix=False)
@@ -38,7 +38,7 @@ def cmd_prefix(args: argparse.Namespace) -> int:
     bar = tqdm(total=5 * repeats + sessions * turns * 2, desc="bench prefix", file=sys.stderr)
     with (nullcontext(args.redis) if args.redis else local_redis()) as url:
         cases = bench_kvcache(llm, system, repeats, url, bar.update)
-    cases.append(bench_transformers(str(resolve_model(args.model).path), llm, system, repeats, bar.update))
+    cases.append(bench_transformers(str(fp32_folder(args.model)), llm, system, repeats, bar.update))
     chat = bench_chat(llm, system, sessions, turns, new, bar.update)
     bar.close()
     rows = [c.summary() for c in cases]

@@ -35,7 +35,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     )
     from kvcache.engine.llm import LLM
     from kvcache.engine.scheduler import SchedulerConfig
-    from kvcache.models.loading import resolve_model
+    from kvcache.models.loading import fp32_folder
 
     llm = LLM(args.model, kv=args.kv or "dynamic", threads=args.threads)
     prompts = make_prompts(llm, count, lo, hi)
@@ -44,7 +44,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     rows = [bench_kvcache(llm, prompts, new, SchedulerConfig(max_batch_tokens=512, max_running=count))]
     bar.update()
     if peers:
-        model = _hf_model(str(resolve_model(args.model).path))
+        model = _hf_model(str(fp32_folder(args.model)))
         runs = {"sequential": bench_hf_sequential, "padded": bench_hf_padded, "generate_batch": bench_hf_generate_batch}
         for p in peers:
             rows.append(runs[p](model, prompts, new, bar.update))

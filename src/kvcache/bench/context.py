@@ -152,7 +152,7 @@ def bench_context(llm: LLM, specs: dict[str, CacheConfig], contexts: list[int], 
                   progress=None) -> list[ContextRow]:
     from kvcache.engine.runner import ModelRunner
 
-    wbytes = weight_bytes(llm.model, llm.model.lm_head)
+    wbytes = weight_bytes(llm.model)
     params = SamplingParams(max_tokens=new, ignore_eos=True)
     text = builtin_text()
     prompts = {c: english_prompt(llm, c, text) for c in contexts}

@@ -38,9 +38,13 @@ class Row:
         }
 
 
-def weight_bytes(model: torch.nn.Module, head: torch.Tensor) -> int:
+def weight_bytes(model: torch.nn.Module, head: torch.Tensor | None = None) -> int:
     """Bytes of weights one decode step reads: every distinct parameter once, except embedding
-    tables (a step reads one row of those), plus the output head."""
+    tables (a step reads one row of those), plus the output head. kvcache's own models count
+    their quantized weights too (CausalLM.step_weight_bytes)."""
+    if hasattr(model, "step_weight_bytes"):
+        return int(model.step_weight_bytes())
+    assert head is not None
     seen = {head.data_ptr()}
     total = head.numel() * head.element_size()
     for name, p in model.named_parameters():
@@ -63,7 +67,7 @@ def bench_kvcache(llm: LLM, strategies: list[str], new: int, repeats: int, progr
 
     ids = llm.encode(PROMPT, chat=True)
     params = SamplingParams(max_tokens=new, ignore_eos=True)
-    wbytes = weight_bytes(llm.model, llm.model.lm_head)
+    wbytes = weight_bytes(llm.model)
     rows = []
     for strat in strategies:
         llm.cache_config = parse_kv_spec(strat)

@@ -150,7 +150,7 @@ def cmd_hf(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from kvcache.bench.context import split_specs
-    from kvcache.models.loading import resolve_model
+    from kvcache.models.loading import fp32_folder
 
     quick = args.quick
     new = args.new_tokens if args.new_tokens is not None else (8 if quick else 32)
@@ -165,7 +165,7 @@ def cmd_hf(args: argparse.Namespace) -> int:
             raise InvalidParams(f"unknown peer {p!r}; choose from {', '.join(PEERS)} (transformers' caches)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    model_dir = str(resolve_model(args.model).path)
+    model_dir = str(fp32_folder(args.model))
     bar = tqdm(total=len(contexts) * (len(specs) + len(peers)) * repeats, desc="bench hf", file=sys.stderr)
     rows = bench_hf(model_dir, contexts, specs, peers, new, repeats, bar.update)
     bar.close()

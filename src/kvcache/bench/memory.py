@@ -72,10 +72,10 @@ def probe_transformers(cache: str, context: int, new: int, model: str | None) ->
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvcache.models.loading import resolve_model
+    from kvcache.models.loading import fp32_folder
     from kvcache.models.tokenizer import Tokenizer
 
-    path = resolve_model(model).path
+    path = fp32_folder(model)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     ids = _prompt_ids(Tokenizer.from_dir(path).encode, context)
     kwargs: dict[str, object] = {"cache_implementation": "static"} if cache == "StaticCache" else {}

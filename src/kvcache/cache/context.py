@@ -116,22 +116,21 @@ class PagedContext:
         if self.prefetcher is not None:
             self.prefetcher.start(0)
         self.write_slots = [torch.cat(s) if len(s) > 1 else (s[0] if s else None) for s in write_slots]
-        # a batch of decodes over fp32 pages with full visibility: one native call per layer reads
-        # every sequence's pages in place (no gathered copy, no per-sequence loop)
+        # decodes (one or many) over fp32 pages with full visibility: one native call per layer
+        # reads every sequence's pages in place (no gathered copy, no per-sequence loop)
         # the same for a few new tokens per sequence (an extend after a prefix hit, a chat turn, a
         # short chunk of prefill): one native call per layer, causal among the new tokens
         self.tables: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(cache.groups)
         self.extend: list[tuple[torch.Tensor, ...] | None] = [None] * len(cache.groups)
         if cache.config.encoding == "fp32" and not cache.placement.offloaded and max(new_tokens) <= EXTEND_MAX:
-            decodes = len(seqs) > 1 and all(n == 1 for n in new_tokens)
+            decodes = all(n == 1 for n in new_tokens)
             lens = torch.tensor([seq.length for seq in seqs], dtype=torch.long)
             for g in cache.groups:
                 if g.window is None and not g.sinks:
                     t = _page_tables(seqs, g.index)
                     if decodes:
                         self.tables[g.index] = (t, lens)
-                    elif (len(seqs) > 1 or new_tokens[0] > 1 or seqs[0].first_page_if_contiguous(g.index) is None) \
-                            and kernels.xattn() is not None:  # a lone decode over one run of pages: a view is faster
+                    elif kernels.xattn() is not None:
                         new = torch.tensor(list(new_tokens), dtype=torch.long)
                         self.extend[g.index] = (t, torch.cumsum(new, 0) - new, new, lens)
 

@@ -16,9 +16,10 @@ from kvcache.engine.params import RequestOutput, SamplingParams
 from kvcache.engine.runner import ModelRunner
 from kvcache.errors import InvalidParams
 from kvcache.models.config import ModelConfig
-from kvcache.models.loading import load_weights, model_fingerprint, read_config, resolve_model
+from kvcache.models.loading import model_fingerprint, model_weights, read_config, resolve_model
 from kvcache.models.registry import build_model
 from kvcache.models.tokenizer import Tokenizer
+from kvcache.models.weights import check_mode, effective_mode
 from kvcache.prefix.cache import PrefixStats
 from kvcache.prefix.config import PrefixConfig, parse_prefix
 
@@ -50,7 +51,9 @@ class LLM:
     encoding (``fp32`` ... ``int2``) and placement (``device``, ``host``, ``disk``), e.g.
     ``static,int4,sinks=4,window=1024``; presets: ``offloaded``, ``quantized``, ``sink``, ...
     ``prefix``: automatic prefix caching (on by default; False turns it off; a PrefixConfig sets
-    its budget, eviction policy and disk/Redis tiers).
+    its budget, eviction policy and disk/Redis tiers). ``weights``: ``file`` (the GGUF's own
+    quantized types, multiplied by int8 kernels), ``fp32``, ``q8`` or ``q4`` (quantized at load);
+    see kvcache.models.weights.
     """
 
     def __init__(
@@ -59,18 +62,25 @@ class LLM:
         kv: str | CacheConfig | None = "dynamic",
         threads: int | None = None,
         prefix: PrefixConfig | bool | None = None,
+        weights: str = "file",
     ) -> None:
         torch.set_num_threads(threads or default_threads())
         t0 = time.perf_counter()
+        mode = effective_mode(check_mode(weights))
         resolved = resolve_model(model)
         self.config: ModelConfig = ModelConfig.from_hf(read_config(resolved.path))  # refuse early
-        _, state_dict = load_weights(resolved.path)
-        self.model = build_model(self.config, state_dict)
+        state_dict = model_weights(resolved, mode)
+        self.model = build_model(self.config, state_dict, mode)
         del state_dict
         self.tokenizer = Tokenizer.from_dir(resolved.path)
         self.model_path = str(resolved.source)
         self.model_name = resolved.name
-        self.fingerprint = model_fingerprint(resolved.path)
+        kinds = self.model.weight_kinds()
+        # what the weights are in memory: "fp32", or the mode that quantized them
+        self.weights = mode if set(kinds) - {"fp32"} else "fp32"
+        # K/V computed with other weights never mix: the mode is part of the model's identity
+        base = model_fingerprint(resolved.path)
+        self.fingerprint = base if self.weights == "fp32" else f"{base}+{self.weights}"
         self.cache_config = parse_kv_spec(kv)
         self.prefix_config = parse_prefix(prefix)
         self.runner = ModelRunner(self.model, self.cache_config, self.prefix_config, self.fingerprint)

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from kvcache.cliargs import add_weights_arg
 from kvcache.errors import InvalidParams, KVCacheError
 
 DEFAULT_SPECS = "int8;int4;int2;window=256;sinks=4,window=256"
@@ -16,6 +17,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("eval", help="fidelity of lossy caches (perplexity, agreement, KL) against the full cache")
     e.add_argument("--model", "-m", default=None, help="model (default: bundled SmolLM2-135M-Instruct)")
     e.add_argument("--kv", default=DEFAULT_SPECS, help=f"cache specs separated by ';' (default {DEFAULT_SPECS!r})")
+    add_weights_arg(e)
     e.add_argument("--text", default=None,
                    help="UTF-8 text file to read (default: the Python standard library's pydoc topics)")
     e.add_argument("--tokens", type=int, default=2048, help="tokens of the text to read (default 2048)")
@@ -68,7 +70,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise KVCacheError(f"cannot read {args.text}: {getattr(e, 'strerror', None) or e}") from None
         if not text.strip():
             raise InvalidParams(f"{args.text} is empty: nothing to evaluate")
-    llm = LLM(args.model, threads=args.threads)
+    llm = LLM(args.model, threads=args.threads, weights=args.weights)
     ids = llm.encode(text)[: args.tokens]
     if len(ids) < 2:
         raise InvalidParams(f"{source} gives {len(ids)} token: at least 2 are needed")

@@ -7,6 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
+from kvcache.cliargs import add_weights_arg
 from kvcache.errors import InvalidParams
 
 
@@ -22,6 +23,7 @@ def add_inspect_parser(sub: argparse._SubParsersAction) -> None:
     i.add_argument("prompt", help="prompt text")
     i.add_argument("--model", "-m", default=None, help="model (default: bundled SmolLM2-135M-Instruct)")
     i.add_argument("--kv", default="dynamic", help="cache spec whose anatomy to show (default dynamic)")
+    add_weights_arg(i)
     i.add_argument("--layers", default="0,-1", help="layers to capture, comma-separated; -1 is the last (default 0,-1)")
     i.add_argument("--heads", default="0", help="query heads to show attention for (default 0)")
     i.add_argument("--reuse", default=None, metavar="PROMPT2",
@@ -44,7 +46,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if not cfg.uses_cache:
         raise InvalidParams("--kv none keeps no cache to inspect; choose a caching strategy")
     layers, heads = _ints(args.layers, "layers"), _ints(args.heads, "heads")
-    llm = LLM(args.model, kv="dynamic")
+    llm = LLM(args.model, kv="dynamic", weights=args.weights)
     model, mc = llm.model, llm.config
     layers = [x + mc.num_layers if x < 0 else x for x in layers]
     check_indices(model, layers, heads)

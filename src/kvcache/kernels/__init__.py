@@ -1,51 +1,36 @@
 """Optional native kernels, compiled on first use with the system's C compiler.
 
-``qattn.c`` decodes attention straight from quantized pages; ``pattn.c`` decodes a batch of
-sequences straight from float32 pages through their page tables; ``xattn.c`` attends a few new
-tokens per sequence (an extend after a prefix hit, a chat turn, a short prefill chunk) over float32
-pages in place; ``pgemm.c`` multiplies several rows by packed projection weights (register tiles
-that reuse every weight across rows). Each is built once per machine into
-``$KVCACHE_HOME/kernels`` (``cc -O3 -march=native -fopenmp``) and loaded with ctypes; when there
+``qgemm.c`` (with ``qpack.c``) multiplies activations by quantized weights in kvcache's repacked
+formats (int8 dot products; see qformat.h) and repacks GGUF blocks into them; ``qattn.c`` decodes
+attention straight from quantized pages; ``pattn.c`` decodes a batch of sequences straight from
+float32 pages through their page tables; ``xattn.c`` attends a few new tokens per sequence (an
+extend after a prefix hit, a chat turn, a short prefill chunk) over float32 pages in place;
+``pgemm.c`` multiplies several rows by packed fp32 projection weights (register tiles that reuse
+every weight across rows). build.py compiles each once per CPU variant (AVX512-VNNI, AVX-VNNI,
+AVX2, generic) into ``$KVCACHE_HOME/kernels`` and loads the best variant this CPU runs; when there
 is no compiler, the build fails, or ``KVCACHE_NO_KERNELS=1``, callers fall back to the pure torch
-path, which gives the same result.
+path, which gives the same result (quantized weights then dequantize their rows in torch).
+
+The wrappers check what they hand to C (dtype, contiguity, device, shapes) and return None when a
+kernel cannot take the inputs, so a caller never passes memory the kernel would misread.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import warnings
-from pathlib import Path
 
 import torch
 
-from kvcache.models.paths import cache_home
+from kvcache.kernels import build
 
 _LIBS: dict[str, ctypes.CDLL | bool] = {}  # name -> library, or False: unavailable here
 
 
-def _build(name: str) -> Path:
-    path = Path(__file__).with_name(f"{name}.c")
-    src = path.read_bytes()
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler")
-    flags = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC"]
-    key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine(), platform.node()]).encode()).hexdigest()[:16]
-    out = cache_home() / "kernels" / f"{name}-{key}.so"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        so = Path(tmp) / out.name
-        subprocess.run([cc, *flags, str(path), "-o", str(so), "-lm"], check=True, capture_output=True, timeout=300)
-        os.replace(so, out)
-    return out
+def variant() -> str:
+    """The kernel variant this process loads (``generic`` where nothing better runs)."""
+    return build.select().name
 
 
 def _load(name: str, symbol: str, argtypes: list) -> ctypes.CDLL | None:
@@ -55,15 +40,20 @@ def _load(name: str, symbol: str, argtypes: list) -> ctypes.CDLL | None:
             _LIBS[name] = False
         else:
             try:
-                lib = ctypes.CDLL(str(_build(name)))
+                lib = ctypes.CDLL(str(build.build(name, build.select())))
                 fn = getattr(lib, symbol)
                 fn.argtypes = argtypes
                 fn.restype = ctypes.c_int
                 _LIBS[name] = lib
-            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            except (OSError, RuntimeError, AttributeError) as e:
                 warnings.warn(f"kvcache: native kernel {name} unavailable ({e}); using the torch path", stacklevel=3)
                 _LIBS[name] = False
     return _LIBS[name] or None
+
+
+def _cpu_f32(*ts: torch.Tensor | None) -> bool:
+    """Every given tensor is a contiguous float32 CPU tensor."""
+    return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()) for t in ts)
 
 
 _I, _P, _I64 = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64
@@ -88,9 +78,11 @@ def paged_decode(
     page_size: int,
 ) -> torch.Tensor | None:  # [B, Hkv, g, D], or None when the kernel is unavailable
     lib = pattn()
-    if lib is None or flat.dtype != torch.float32 or not flat.is_contiguous() or flat.device.type != "cpu":
+    if lib is None or not _cpu_f32(q, flat) or not _i64(tables, lens) or q.dim() != 4 or flat.dim() != 4:
         return None
     b, hkv, g, d = q.shape
+    if flat.shape[1] != hkv or flat.shape[3] != d or lens.shape != (b,) or tables.shape[0] != b:
+        return None
     out = torch.empty(b, hkv, g, d)
     rc = lib.kv_paged_decode(b, hkv, g, d, page_size, flat.shape[2], q.data_ptr(), flat.data_ptr(),
                              tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(),
@@ -108,7 +100,7 @@ def quant_decode(
     tail: torch.Tensor,  # [2, Hkv, t, D] fp32 contiguous: the tokens after the quantized pages
 ) -> torch.Tensor | None:  # [Hkv, g, D], or None when the kernel is unavailable
     lib = qattn()
-    if lib is None:
+    if lib is None or not _cpu_f32(q, tail) or not _i64(pages) or q.dim() != 3:
         return None
     hkv, g, d = q.shape
     out = torch.empty(hkv, g, d)
@@ -133,9 +125,8 @@ def packed_matmul(
     bias: torch.Tensor | None,  # [k, 1, part] fp32 contiguous, or None
 ) -> torch.Tensor | None:  # [N, k * part], or None when the kernel is unavailable for these inputs
     lib = pgemm()
-    if (lib is None or x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu"
-            or w.device.type != "cpu" or not w.is_contiguous() or x.dim() != 2 or x.stride(1) != 1
-            or (bias is not None and not bias.is_contiguous())):
+    if (lib is None or not _cpu_f32(w, bias) or x.dtype != torch.float32 or x.device.type != "cpu"
+            or x.dim() != 2 or x.stride(1) != 1 or w.dim() != 3 or x.shape[1] != w.shape[1]):
         return None
     k, inn, part = w.shape
     n = x.shape[0]
@@ -160,7 +151,7 @@ def paged_extend(
     page_size: int,
 ) -> torch.Tensor | None:  # [N, Hq, D], or None when the kernel is unavailable for these inputs
     lib = xattn()
-    if lib is None or flat.dtype != torch.float32 or not flat.is_contiguous() or flat.device.type != "cpu":
+    if lib is None or not _cpu_f32(q, flat) or not _i64(tables, row0, new, lens) or q.dim() != 3:
         return None
     n, hq, d = q.shape
     hkv = flat.shape[1]
@@ -169,3 +160,21 @@ def paged_extend(
                              flat.data_ptr(), tables.data_ptr(), tables.shape[1], row0.data_ptr(), new.data_ptr(),
                              lens.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out if rc == 0 else None
+
+
+def _i64(*ts: torch.Tensor) -> bool:
+    return all(t.dtype == torch.int64 and t.device.type == "cpu" and t.is_contiguous() for t in ts)
+
+
+def qgemm() -> ctypes.CDLL | None:
+    """The quantized-weight library (products, repacking, dequantizing), or None."""
+    lib = _load("qgemm", "kv_q_linear", [_I, _I, _I, _I, _P, _I64, _P, ctypes.c_float, _P, _P, _P, _P, _P, _I64,
+                                         _I, _I])
+    if lib is not None and not getattr(lib, "_kv_typed", False):
+        lib.kv_q_repack.argtypes = [_I, _I, _I, _I, _P, _I64, _P, _I, _P, _P, _P]
+        lib.kv_q_dequant.argtypes = [_I, _I, _I, _P, _P, _P, _P, _I, _P, _I64]
+        lib.kv_q_isa.restype = ctypes.c_char_p
+        lib.kv_q_isa.argtypes = []
+        lib._kv_typed = True
+    return lib
+

@@ -11,6 +11,7 @@
  *   tables[B, max_pages] int64 (pool page of each logical page)
  *   lens  [B] int64 (tokens to attend to, the query's own included)
  *   out   [B, hkv, g, D] float
+ * Returns 0, 1 for bad sizes, 2 when memory runs out, 3 for a page-table entry outside the pool.
  */
 #include <math.h>
 #include <stdint.h>
@@ -55,16 +56,23 @@ static void one(int hkv, int g, int D, int ps, int64_t S, const float *q, const 
         }
     }
     for (int i = 0; i < g; i++) {
-        const float inv = 1.f / l[i];
+        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
         for (int c = 0; c < D; c++) out[(int64_t)i * D + c] *= inv;
     }
 }
 
 int kv_paged_decode(int B, int hkv, int g, int D, int ps, int64_t S, const float *q, const float *kv,
                     const int64_t *tables, int max_pages, const int64_t *lens, float *out, int n_threads) {
-    if (g > MAXG) return 1;
+    if (B < 1 || hkv < 1 || g < 1 || g > MAXG || D < 1 || ps < 1 || S < ps || max_pages < 1) return 1;
     int64_t longest = 1;
-    for (int b = 0; b < B; b++) if (lens[b] > longest) longest = lens[b];
+    for (int b = 0; b < B; b++) {
+        if (lens[b] < 1 || (lens[b] + ps - 1) / ps > max_pages) return 1;
+        for (int64_t i = 0; i < (lens[b] + ps - 1) / ps; i++) { /* every page read lies in the pool */
+            const int64_t page = tables[(int64_t)b * max_pages + i];
+            if (page < 0 || page >= S / ps) return 3;
+        }
+        if (lens[b] > longest) longest = lens[b];
+    }
     int bad = 0;
 #pragma omp parallel num_threads(n_threads)
     {

@@ -149,7 +149,11 @@ int kv_quant_decode(int hkv, int g, int D, int ps, int G, int bits, const float 
                     int n_pages, const uint8_t *kc, const float *ks, const float *km, const uint8_t *vc,
                     const float *vs, const float *vm, int64_t P, const float *tk, const float *tv, int n_tail,
                     float *out, int n_threads) {
-    if (g > MAXG || D > MAXD || G > MAXGROUP || ps % G || D % G || (D * bits) % 8 || (G * bits) % 8) return 1;
+    if (g < 1 || g > MAXG || D < 1 || D > MAXD || G < 1 || G > MAXGROUP || ps % G || D % G || (D * bits) % 8 ||
+        (G * bits) % 8 || n_pages < 0 || n_tail < 0 || hkv < 1 || (bits != 2 && bits != 4 && bits != 8))
+        return 1;
+    for (int i = 0; i < n_pages; i++) /* every page read lies in the pool */
+        if (pages[i] < 0 || pages[i] >= P) return 3;
     int chunks = n_threads * 2;
     if (chunks > n_pages) chunks = n_pages > 0 ? n_pages : 1;
     const int per_head = chunks + 1;  /* the tail is the last part */
@@ -180,7 +184,8 @@ int kv_quant_decode(int hkv, int g, int D, int ps, int G, int bits, const float 
                 L += pt->l[i] * f;
                 for (int d = 0; d < D; d++) o[d] += pt->acc[i * D + d] * f;
             }
-            for (int d = 0; d < D; d++) o[d] /= L;
+            const float inv = L > 0.f ? 1.f / L : 0.f; /* nothing visible: zeros */
+            for (int d = 0; d < D; d++) o[d] *= inv;
         }
     }
     free(parts);

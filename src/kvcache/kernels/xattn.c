@@ -179,10 +179,14 @@ static void run_item(const item_t *it, int hkv, int g, int D, int ps, int64_t S,
 int kv_paged_extend(int B, int hkv, int g, int D, int ps, int64_t S, const float *q, const float *kv,
                     const int64_t *tables, int max_pages, const int64_t *row0, const int64_t *nnew,
                     const int64_t *lens, float *out, int n_threads) {
-    if (D % VL || B < 1 || n_threads < 1) return 1;
+    if (D % VL || B < 1 || n_threads < 1 || hkv < 1 || g < 1 || ps < 1 || S < ps || max_pages < 1) return 1;
     int64_t maxT = 1, items = 0;
     for (int b = 0; b < B; b++) {
-        if (nnew[b] < 1 || lens[b] < nnew[b]) return 1;
+        if (nnew[b] < 1 || lens[b] < nnew[b] || row0[b] < 0 || (lens[b] + ps - 1) / ps > max_pages) return 1;
+        for (int64_t i = 0; i < (lens[b] + ps - 1) / ps; i++) { /* every page read lies in the pool */
+            const int64_t page = tables[(int64_t)b * max_pages + i];
+            if (page < 0 || page >= S / ps) return 3;
+        }
         if (nnew[b] > maxT) maxT = nnew[b];
     }
     const int Gp = (int)GP(g * maxT);  /* the widest sequence's rows: the per-thread buffers */
@@ -264,7 +268,7 @@ int kv_paged_extend(int B, int hkv, int g, int D, int ps, int64_t S, const float
                         const float *a = pm + 2 * gb + (int64_t)r * D;
                         for (int d = 0; d < D; d++) o[d] += w * a[d];
                     }
-                    const float inv = 1.f / Lsum;
+                    const float inv = Lsum > 0.f ? 1.f / Lsum : 0.f; /* nothing visible: zeros */
                     for (int d = 0; d < D; d++) o[d] *= inv;
                 }
             }

@@ -32,7 +32,39 @@ class CausalLM(nn.Module):
         return None
 
     @classmethod
-    def from_state_dict(cls, config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> "CausalLM":
-        """Build from HF-named weights (as in an HF checkpoint of this family), in eval mode.
-        Subclasses take ``(config, state_dict)`` in their constructor."""
-        return cls(config, state_dict).eval()  # type: ignore[call-arg]
+    def from_state_dict(cls, config: ModelConfig, state_dict: dict, weights: str = "fp32") -> "CausalLM":
+        """Build from HF-named weights (as in an HF checkpoint of this family), in eval mode,
+        holding them as ``weights`` says (models/weights.py). Subclasses take ``(config,
+        state_dict, weights)`` in their constructor."""
+        return cls(config, state_dict, weights).eval()  # type: ignore[call-arg]
+
+    def weight_bytes(self) -> int:
+        """Bytes the model's weights hold in memory (fp32 parameters and quantized weights)."""
+        return sum(self.weight_kinds().values())
+
+    def step_weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads: all of them but the rows of input embedding
+        tables it does not look up (an untied token table, GPT-2's position table)."""
+        total = self.weight_bytes()
+        for name in ("embed", "wpe"):
+            table = getattr(self, name, None)
+            if table is not None:
+                total -= table.nbytes if not isinstance(table, torch.Tensor) else table.numel() * table.element_size()
+        return total
+
+    def weight_kinds(self) -> dict[str, int]:
+        """Bytes per kind of weight: ``fp32`` and each quantized format name."""
+        from kvcache.models.qweight import QStack, QWeight
+
+        out: dict[str, int] = {}
+        seen: set[int] = set()
+        for p in self.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out["fp32"] = out.get("fp32", 0) + p.numel() * p.element_size()
+        for v in self.modules():
+            for w in vars(v).values():
+                if isinstance(w, (QWeight, QStack)) and id(w) not in seen:
+                    seen.add(id(w))
+                    out[w.format_name] = out.get(w.format_name, 0) + w.nbytes
+        return out

@@ -16,29 +16,30 @@ from kvcache.errors import ModelLoadError, UnsupportedArchitecture
 from kvcache.models.base import CausalLM
 from kvcache.models.config import ModelConfig
 from kvcache.models.layers import (
-    Rotary, activation, apply_rotary, fold_norm, frozen, linear, pack, pack_bias, packed_rows, rms_norm,
+    Rotary, activation, apply_rotary, frozen, linear, norm_linear, pack_bias, packed_rows, rms_norm,
     text_model_names,
 )
+from kvcache.models.weights import embedding, projection
 
 
-def _w(sd: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+def _w(sd: dict, key: str) -> torch.Tensor:
     """A Gemma norm weight [H] as the factor it multiplies by: 1 + w, in fp32."""
     return sd[key].float() + 1.0
 
 
 class Gemma3Layer(nn.Module):
-    def __init__(self, sd: dict[str, torch.Tensor], p: str, cfg: ModelConfig) -> None:
+    def __init__(self, sd: dict, p: str, cfg: ModelConfig, weights: str) -> None:
         super().__init__()
         a, m = f"{p}.self_attn", f"{p}.mlp"
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = torch.cat([sd[f"{a}.{n}_proj.weight"] for n in "qkv"])  # [(Hq + 2 Hkv) D, H]
-        self.qkv = pack(fold_norm(_w(sd, f"{p}.input_layernorm.weight"), qkv))  # [k, H, (Hq+2Hkv) D / k]
+        qkv = [sd[f"{a}.{n}_proj.weight"] for n in "qkv"]  # [(Hq + 2 Hkv) D, H] together
+        self.qkv = projection(qkv, _w(sd, f"{p}.input_layernorm.weight"), weights)  # [k, H, (Hq+2Hkv) D / k]
         qkv_b = torch.cat([sd[f"{a}.{n}_proj.bias"] for n in "qkv"]) if f"{a}.q_proj.bias" in sd else None
         self.qkv_b = pack_bias(qkv_b, self.qkv)  # [k, 1, (Hq+2Hkv) D / k] or None
-        self.o = pack(sd[f"{a}.o_proj.weight"])  # [k, Hq D, H / k]
-        gate_up = torch.cat([sd[f"{m}.gate_proj.weight"], sd[f"{m}.up_proj.weight"]])  # [2I, H]
-        self.gate_up = pack(fold_norm(_w(sd, f"{p}.pre_feedforward_layernorm.weight"), gate_up))  # [k, H, 2I / k]
-        self.down = pack(sd[f"{m}.down_proj.weight"])  # [k, I, H / k]
+        self.o = projection([sd[f"{a}.o_proj.weight"]], None, weights)  # [k, Hq D, H / k]
+        gate_up = [sd[f"{m}.gate_proj.weight"], sd[f"{m}.up_proj.weight"]]  # [2I, H] together
+        self.gate_up = projection(gate_up, _w(sd, f"{p}.pre_feedforward_layernorm.weight"), weights)  # [k, H, 2I / k]
+        self.down = projection([sd[f"{m}.down_proj.weight"]], None, weights)  # [k, I, H / k]
         self.ln_post_attn = frozen(_w(sd, f"{p}.post_attention_layernorm.weight"))  # [H]
         self.ln_post_ff = frozen(_w(sd, f"{p}.post_feedforward_layernorm.weight"))  # [H]
         # per-head norms of q and k as one weight [Hq + Hkv, D]: one norm call for both
@@ -47,7 +48,7 @@ class Gemma3Layer(nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
-    def __init__(self, config: ModelConfig, sd: dict[str, torch.Tensor]) -> None:
+    def __init__(self, config: ModelConfig, sd: dict, weights: str = "fp32") -> None:
         super().__init__()
         self.config = config
         if config.raw.get("attn_logit_softcapping"):
@@ -56,15 +57,15 @@ class Gemma3ForCausalLM(CausalLM):
         try:
             embed = sd["model.embed_tokens.weight"]  # [V, H]
             self.layers = nn.ModuleList(
-                Gemma3Layer(sd, f"model.layers.{i}", config) for i in range(config.num_layers)
+                Gemma3Layer(sd, f"model.layers.{i}", config, weights) for i in range(config.num_layers)
             )
             self.norm = frozen(_w(sd, "model.norm.weight"))  # [H]
         except KeyError as e:
             raise ModelLoadError(f"weights are missing tensor {e.args[0]!r} for a gemma3 model") from None
         head = sd.get("lm_head.weight")
         tied = config.tie_embeddings or head is None
-        self.lm_head = pack(embed if tied else head)  # [k, H, V / k] (padded)
-        self.embed = None if tied else frozen(embed)  # [V, H]; tied: read from the packed head
+        self.lm_head = projection([embed if tied else head], None, weights)  # [k, H, V / k] (padded)
+        self.embed = None if tied else embedding(embed, weights)  # [V, H]; tied: read from the packed head
         # HF multiplies by sqrt(hidden) rounded to the weight dtype (fp32 here)
         self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=torch.float32)
         self.rope_global = Rotary(config.head_dim, config.rope_theta, config.rope_scaling, config.max_position)
@@ -91,22 +92,22 @@ class Gemma3ForCausalLM(CausalLM):
         cfg = self.config
         n, hq, hkv, d, eps = input_ids.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps
         scale, act, qk_v, q_k = cfg.scale, self.act, (hq + hkv, hkv), (hq, hkv)
-        x = packed_rows(self.lm_head, input_ids) if self.embed is None else self.embed[input_ids]  # [N, H]
+        x = packed_rows(self.lm_head if self.embed is None else self.embed, input_ids)  # [N, H]
         x.mul_(self.embed_scale)
         local = self.rope_local.tables(positions)  # (cos, sin): [N, 1, D] each
         full = self.rope_global.tables(positions)
         for i, (qkv_w, qkv_b, qk_norm, o_w, post_attn, gu_w, down_w, post_ff) in enumerate(self.plan):
             cos, sin = local if cfg.layer_windows[i] is not None else full
-            qkv = linear(rms_norm(x, None, eps), qkv_w, qkv_b).view(n, hq + 2 * hkv, d)
+            qkv = norm_linear(x, qkv_w, qkv_b, eps).view(n, hq + 2 * hkv, d)
             qk, v = qkv.split(qk_v, 1)  # [N, Hq + Hkv, D]: q and k heads get norm and RoPE together
             q, k = apply_rotary(rms_norm(qk, qk_norm, eps), cos, sin).split(q_k, 1)
             o = ctx.attend(i, q, k, v, scale)  # [N, Hq, D]
             x.add_(rms_norm(linear(o.reshape(n, hq * d), o_w), post_attn, eps))
-            gate, up = linear(rms_norm(x, None, eps), gu_w).chunk(2, 1)  # [N, I] each
+            gate, up = norm_linear(x, gu_w, None, eps).chunk(2, 1)  # [N, I] each
             x.add_(rms_norm(linear(act(gate).mul_(up), down_w), post_ff, eps))
         if logits_rows is not None:
             x = x[logits_rows]
-        logits = linear(rms_norm(x, self.norm, eps), self.lm_head)  # [R, k * V / k]
+        logits = norm_linear(x, self.lm_head, None, eps, self.norm)  # [R, k * V / k]
         if logits.shape[1] != cfg.vocab_size:
             logits = logits[:, : cfg.vocab_size].contiguous()
         if self.softcap is not None:

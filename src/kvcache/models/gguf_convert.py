@@ -1,6 +1,8 @@
-"""GGUF file -> HF-format model folder (config.json, model.safetensors, tokenizer files).
+"""GGUF file -> HF-format model folder (config.json, tokenizer files, and model.safetensors in fp32
+when the fp32 weights are asked for), and the file's weights by HF name for the ``file`` mode.
 
-Weights are dequantized to fp32 with the gguf package and renamed to HF names. llama.cpp permutes
+Weights are dequantized to fp32 with the gguf package and renamed to HF names (``file`` leaves
+the quantized ones in the file: models/weights.py reads and repacks them). llama.cpp permutes
 the Q and K rows of llama-architecture models for its interleaved RoPE; that permutation is undone
 so every family runs one (HF, rotate-half) convention. llama.cpp stores Gemma's norm weights as
 (1 + w); HF names hold w, so 1 is subtracted.
@@ -17,6 +19,8 @@ import torch
 
 from kvcache.errors import ModelLoadError, UnsupportedArchitecture
 from kvcache.models.gguf_names import hf_config_from_meta, hf_tensor_name
+from kvcache.models.gguf_tensor import GGUFTensor
+from kvcache.models.qweight import FORMAT_OF
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "gpt2")
 
@@ -77,27 +81,42 @@ def dequantize(t) -> np.ndarray:
     return arr.reshape(shape).astype(np.float32, copy=False)
 
 
+def _fixed(t, arch: str, name: str, n_head: int | None, n_kv: int | None) -> np.ndarray:
+    """One tensor as fp32 in HF's layout and convention."""
+    w = dequantize(t)
+    if arch == "llama" and t.name.endswith("attn_q.weight"):
+        w = _unpermute(w, n_head)
+    elif arch == "llama" and t.name.endswith("attn_k.weight"):
+        w = _unpermute(w, n_kv)
+    if arch == "gemma3" and t.name.endswith("norm.weight"):
+        w = w - 1.0
+    if arch == "gpt2" and w.ndim == 2 and ".h." in name and not name.endswith("wte.weight"):
+        w = w.T  # HF GPT-2 uses Conv1D: [in, out]
+    return np.array(w, dtype=np.float32, order="C")  # a copy: never a view of the mapped file
+
+
+def _row_targets(rows: int, n_head: int) -> np.ndarray:
+    """[rows] int64: the HF row of each llama.cpp Q/K row (the inverse of _unpermute's gather)."""
+    gather = _unpermute(np.arange(rows, dtype=np.int64)[:, None], n_head)[:, 0]
+    return np.argsort(gather)
+
+
 def convert_weights(reader, arch: str, config: dict[str, Any],
-                    progress: Callable[[int], None] | None = None) -> dict[str, torch.Tensor]:
-    """HF-named fp32 tensors of every GGUF tensor."""
-    out: dict[str, torch.Tensor] = {}
+                    progress: Callable[[int], None] | None = None, keep_quantized: str | None = None) -> dict[str, Any]:
+    """HF-named weights of every GGUF tensor: fp32 tensors, or with ``keep_quantized`` (the file's
+    path) the quantized 2-D tensors left in the file as GGUFTensors (read and repacked later)."""
+    out: dict[str, Any] = {}
     n_head, n_kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
     for t in reader.tensors:
         name = hf_tensor_name(arch, t.name)
-        if name is None:
-            if progress:
-                progress(1)
-            continue
-        w = dequantize(t)
-        if arch == "llama" and t.name.endswith("attn_q.weight"):
-            w = _unpermute(w, n_head)
-        elif arch == "llama" and t.name.endswith("attn_k.weight"):
-            w = _unpermute(w, n_kv)
-        if arch == "gemma3" and t.name.endswith("norm.weight"):
-            w = w - 1.0
-        if arch == "gpt2" and w.ndim == 2 and ".h." in name and not name.endswith("wte.weight"):
-            w = w.T  # HF GPT-2 uses Conv1D: [in, out]
-        out[name] = torch.from_numpy(np.ascontiguousarray(w))
+        if name is not None and keep_quantized and int(t.tensor_type) in FORMAT_OF and len(t.shape) == 2:
+            k, rows = int(t.shape[0]), int(t.shape[1])
+            dst = None
+            if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+                dst = _row_targets(rows, n_head if t.name.endswith("attn_q.weight") else n_kv)
+            out[name] = GGUFTensor(keep_quantized, int(t.tensor_type), rows, k, int(t.data_offset), dst)
+        elif name is not None:
+            out[name] = torch.from_numpy(_fixed(t, arch, name, n_head, n_kv))
         if progress:
             progress(1)
     if config.get("tie_word_embeddings") is False and "lm_head.weight" not in out:
@@ -105,13 +124,8 @@ def convert_weights(reader, arch: str, config: dict[str, Any],
     return out
 
 
-def convert_gguf(path: Path, out_dir: Path, show_progress: bool = True) -> None:
-    """Write config.json, model.safetensors and tokenizer files of ``path`` into ``out_dir``."""
-    from safetensors.torch import save_file
-    from tqdm import tqdm
-
-    from kvcache.models.gguf_tokenizer import write_tokenizer
-
+def read_gguf(path: Path) -> tuple[Any, str, dict[str, Any]]:
+    """(reader, architecture, HF config dict) of a GGUF file; refuses unsupported architectures."""
     reader = open_gguf(path)
     meta = metadata(reader)
     arch = str(meta.get("general.architecture", ""))
@@ -121,11 +135,33 @@ def convert_gguf(path: Path, out_dir: Path, show_progress: bool = True) -> None:
         )
     n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else None
     config = hf_config_from_meta(arch, meta, n_vocab, has_output=any(t.name == "output.weight" for t in reader.tensors))
-    bar = tqdm(total=len(reader.tensors), desc=f"converting {path.name}", unit="tensor",
-               disable=not show_progress, leave=False)
-    weights = convert_weights(reader, arch, config, bar.update)
-    bar.close()
+    return reader, arch, config
+
+
+def gguf_weights(path: Path) -> dict[str, Any]:
+    """The weights of a GGUF file as the ``file`` mode holds them: quantized projections and
+    tables left in the file (GGUFTensor), the rest (norms, fp32/fp16 tensors) as fp32."""
+    reader, arch, config = read_gguf(path)
+    return convert_weights(reader, arch, config, keep_quantized=str(path))
+
+
+def convert_gguf(path: Path, out_dir: Path, show_progress: bool = True, weights: bool = True) -> None:
+    """Write config.json and the tokenizer files of ``path`` into ``out_dir``, and with
+    ``weights`` model.safetensors (every tensor as fp32)."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    from kvcache.models.gguf_tokenizer import write_tokenizer
+
+    reader, arch, config = read_gguf(path)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    if weights:
+        bar = tqdm(total=len(reader.tensors), desc=f"converting {path.name} to fp32", unit="tensor",
+                   disable=not show_progress, leave=False)
+        tensors = convert_weights(reader, arch, config, bar.update)
+        bar.close()
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        convert_weights(reader, arch, config, keep_quantized=str(path))  # settles tie_word_embeddings
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    write_tokenizer(path, meta, out_dir)
+    write_tokenizer(path, metadata(reader), out_dir)

@@ -15,37 +15,41 @@ from kvcache.attention.context import AttentionContext
 from kvcache.errors import ModelLoadError
 from kvcache.models.base import CausalLM
 from kvcache.models.config import ModelConfig
-from kvcache.models.layers import activation, frozen, linear, pack, pack_bias, packed_rows, strip_prefix
+from kvcache.models.gguf_tensor import GGUFTensor
+from kvcache.models.layers import activation, frozen, linear, pack_bias, packed_rows, strip_prefix
+from kvcache.models.weights import projection
 
 
-def _conv1d(sd: dict[str, torch.Tensor], key: str) -> tuple[nn.Parameter, nn.Parameter | None]:
-    """A Conv1D's weight [in, out] and bias [out] -> packed [k, in, out / k] and [k, 1, out / k]."""
-    w = pack(sd[f"{key}.weight"].t())
+def _conv1d(sd: dict, key: str, weights: str) -> tuple:
+    """A Conv1D's weight [in, out] and bias [out] -> packed [k, in, out / k] and [k, 1, out / k]
+    (a quantized GGUF tensor is already [out, in]: llama.cpp stores it as nn.Linear does)."""
+    w = sd[f"{key}.weight"]
+    w = projection([w if isinstance(w, GGUFTensor) else w.t()], None, weights)
     return w, pack_bias(sd.get(f"{key}.bias"), w)
 
 
 class GPT2Layer(nn.Module):
-    def __init__(self, sd: dict[str, torch.Tensor], p: str) -> None:
+    def __init__(self, sd: dict, p: str, weights: str) -> None:
         super().__init__()
         self.ln1_w, self.ln1_b = frozen(sd[f"{p}.ln_1.weight"]), frozen(sd[f"{p}.ln_1.bias"])  # [H]
         self.ln2_w, self.ln2_b = frozen(sd[f"{p}.ln_2.weight"]), frozen(sd[f"{p}.ln_2.bias"])  # [H]
-        self.qkv, self.qkv_b = _conv1d(sd, f"{p}.attn.c_attn")  # [k, H, 3H / k]
-        self.o, self.o_b = _conv1d(sd, f"{p}.attn.c_proj")  # [k, H, H / k]
-        self.fc, self.fc_b = _conv1d(sd, f"{p}.mlp.c_fc")  # [k, H, I / k]
-        self.proj, self.proj_b = _conv1d(sd, f"{p}.mlp.c_proj")  # [k, I, H / k]
+        self.qkv, self.qkv_b = _conv1d(sd, f"{p}.attn.c_attn", weights)  # [k, H, 3H / k]
+        self.o, self.o_b = _conv1d(sd, f"{p}.attn.c_proj", weights)  # [k, H, H / k]
+        self.fc, self.fc_b = _conv1d(sd, f"{p}.mlp.c_fc", weights)  # [k, H, I / k]
+        self.proj, self.proj_b = _conv1d(sd, f"{p}.mlp.c_proj", weights)  # [k, I, H / k]
 
 
 class GPT2ForCausalLM(CausalLM):
-    def __init__(self, config: ModelConfig, sd: dict[str, torch.Tensor]) -> None:
+    def __init__(self, config: ModelConfig, sd: dict, weights: str = "fp32") -> None:
         super().__init__()
         self.config = config
         if not any(k.startswith("transformer.") for k in sd):
             sd = {f"transformer.{k}": v for k, v in sd.items()}
         sd = strip_prefix(sd, ("transformer.",))
         try:
-            self.lm_head = pack(sd["wte.weight"])  # [k, H, V / k]; the tied table, read for embeddings too
+            self.lm_head = projection([sd["wte.weight"]], None, weights)  # [k, H, V / k]; the tied table, read for embeddings too
             self.wpe = frozen(sd["wpe.weight"])  # [P, H]
-            self.layers = nn.ModuleList(GPT2Layer(sd, f"h.{i}") for i in range(config.num_layers))
+            self.layers = nn.ModuleList(GPT2Layer(sd, f"h.{i}", weights) for i in range(config.num_layers))
             self.lnf_w, self.lnf_b = frozen(sd["ln_f.weight"]), frozen(sd["ln_f.bias"])  # [H]
         except KeyError as e:
             raise ModelLoadError(f"weights are missing tensor {e.args[0]!r} for a gpt2 model") from None

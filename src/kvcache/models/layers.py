@@ -42,20 +42,26 @@ def pack(w: torch.Tensor, k: int | None = None) -> nn.Parameter:
     return frozen(wt.reshape(inn, k, part).permute(1, 0, 2))
 
 
-def pack_bias(b: torch.Tensor | None, packed: torch.Tensor) -> nn.Parameter | None:
-    """bias [out] -> [k, 1, part], laid out like ``packed`` [k, in, part]; None stays None."""
+def pack_bias(b: torch.Tensor | None, packed: Any) -> nn.Parameter | None:
+    """bias [out] -> [k, 1, part], laid out like ``packed`` [k, in, part]; None stays None. A
+    quantized weight takes its bias as it is: [out]."""
     if b is None:
         return None
+    if not isinstance(packed, torch.Tensor):
+        return frozen(b)
     k, _, part = packed.shape
     return frozen(F.pad(b.detach().float(), (0, k * part - b.shape[0])).view(k, 1, part))
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [N, in] @ packed w: [k, in, part] (+ b: [k, 1, part]) -> [N, k * part].
+def linear(x: torch.Tensor, w: Any, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [N, in] @ packed w: [k, in, part] (+ b: [k, 1, part]) -> [N, k * part]; or, for a
+    quantized weight (models/qweight.py, bias [out]), its int8 product -> [N, out].
 
     Several rows go to the native kernel (kernels/pgemm.c: every weight loaded once serves
     several rows; 1.4-2.8x MKL's sgemm at 2-2048 rows on the reference machine) when it is there;
     one row, and everything without the kernel, runs as a batched product over the k blocks."""
+    if not isinstance(w, torch.Tensor):
+        return w.forward(x, b)
     n = x.shape[0]
     if n > 1 and _MULTI_ROW:
         y = kernels.packed_matmul(x, w, b)
@@ -69,9 +75,31 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return y.transpose(0, 1).reshape(n, k * part)
 
 
-def packed_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def norm_linear(x: torch.Tensor, w: Any, b: torch.Tensor | None, eps: float,
+                norm: torch.Tensor | None = None) -> torch.Tensor:
+    """linear(rms_norm(x, norm, eps), w, b): x [N, in] -> [N, out]. A quantized weight takes the
+    norm inside its kernel (the norm weight, folded in at load or given here, scales the input)."""
+    if not isinstance(w, torch.Tensor):
+        return w.forward(x, b, eps, norm)
+    return linear(rms_norm(x, norm, eps), w, b)
+
+
+def add_linear(x: torch.Tensor, h: torch.Tensor, w: Any, b: torch.Tensor | None = None) -> None:
+    """x += linear(h, w, b) in place (a residual); a quantized weight adds straight into x."""
+    if not isinstance(w, torch.Tensor):
+        w.forward(h, b, out=x, accumulate=True)
+    else:
+        x.add_(linear(h, w, b))
+
+
+def packed_rows(w: Any, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` [N] of the [out, in] matrix that ``w`` [k, in, part] packs -> [N, in]: a tied
-    embedding read straight from the packed output head (one copy of the table, not two)."""
+    embedding read straight from the packed output head (one copy of the table, not two). A
+    quantized table dequantizes just those rows; a plain [V, H] table is indexed."""
+    if not isinstance(w, torch.Tensor):
+        return w.rows(ids)
+    if w.dim() == 2:
+        return w[ids]
     part = w.shape[2]
     return w[torch.div(ids, part, rounding_mode="floor"), :, ids % part]
 

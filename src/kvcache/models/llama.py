@@ -1,9 +1,10 @@
 """Llama family: Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2 (QKV bias), Qwen3 (QK norm), Phi-3.
 
-Q/K/V are fused into one packed matrix and gate/up into another at load time (one matmul each;
+Q/K/V are fused into one projection and gate/up into another at load time (one product each;
 Phi-3 checkpoints ship them fused already). The RMSNorm weights before attention and MLP are
-folded into those matrices. Biases are taken wherever the checkpoint has them (Qwen2's q/k/v,
-Llama's attention_bias / mlp_bias).
+folded into those projections (into the fp32 matrix, or as the input scale of a quantized one:
+models/weights.py). Biases are taken wherever the checkpoint has them (Qwen2's q/k/v, Llama's
+attention_bias / mlp_bias).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from kvcache.errors import ModelLoadError
 from kvcache.models.base import CausalLM
 from kvcache.models.config import ModelConfig
 from kvcache.models.layers import (
-    Rotary, activation, apply_rotary, fold_norm, frozen, linear, pack, pack_bias, packed_rows, rms_norm,
+    Rotary, activation, add_linear, apply_rotary, frozen, norm_linear, pack_bias, packed_rows, rms_norm,
     text_model_names,
 )
+from kvcache.models.weights import embedding, projection
 
 
-def _cat_bias(sd: dict[str, torch.Tensor], keys: list[str], sizes: list[int]) -> torch.Tensor | None:
+def _cat_bias(sd: dict, keys: list[str], sizes: list[int]) -> torch.Tensor | None:
     """Concatenated biases [sum(sizes)] of fused projections; zeros for a part without one; None
     when no part has a bias."""
     if not any(k in sd for k in keys):
@@ -30,28 +32,28 @@ def _cat_bias(sd: dict[str, torch.Tensor], keys: list[str], sizes: list[int]) ->
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, sd: dict[str, torch.Tensor], p: str, cfg: ModelConfig) -> None:
+    def __init__(self, sd: dict, p: str, cfg: ModelConfig, weights: str) -> None:
         super().__init__()
         a, m = f"{p}.self_attn", f"{p}.mlp"
         hq, hkv, d, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
         if f"{a}.qkv_proj.weight" in sd:  # Phi-3 ships it fused
-            qkv, qkv_b = sd[f"{a}.qkv_proj.weight"], sd.get(f"{a}.qkv_proj.bias")  # [(Hq + 2 Hkv) D, H]
+            qkv, qkv_b = [sd[f"{a}.qkv_proj.weight"]], sd.get(f"{a}.qkv_proj.bias")  # [(Hq + 2 Hkv) D, H]
         else:
-            qkv = torch.cat([sd[f"{a}.{n}_proj.weight"] for n in "qkv"])
+            qkv = [sd[f"{a}.{n}_proj.weight"] for n in "qkv"]
             qkv_b = _cat_bias(sd, [f"{a}.{n}_proj.bias" for n in "qkv"], [hq * d, hkv * d, hkv * d])
         if f"{m}.gate_up_proj.weight" in sd:  # Phi-3
-            gate_up, gate_up_b = sd[f"{m}.gate_up_proj.weight"], sd.get(f"{m}.gate_up_proj.bias")  # [2 I, H]
+            gate_up, gate_up_b = [sd[f"{m}.gate_up_proj.weight"]], sd.get(f"{m}.gate_up_proj.bias")  # [2 I, H]
         else:
-            gate_up = torch.cat([sd[f"{m}.gate_proj.weight"], sd[f"{m}.up_proj.weight"]])
+            gate_up = [sd[f"{m}.gate_proj.weight"], sd[f"{m}.up_proj.weight"]]
             gate_up_b = _cat_bias(sd, [f"{m}.gate_proj.bias", f"{m}.up_proj.bias"], [inter, inter])
         # the norms before attention and MLP are folded into the projections they feed
-        self.qkv = pack(fold_norm(sd[f"{p}.input_layernorm.weight"], qkv))  # [k, H, (Hq + 2 Hkv) D / k]
+        self.qkv = projection(qkv, sd[f"{p}.input_layernorm.weight"], weights)  # [k, H, (Hq + 2 Hkv) D / k]
         self.qkv_b = pack_bias(qkv_b, self.qkv)
-        self.o = pack(sd[f"{a}.o_proj.weight"])  # [k, Hq D, H / k]
+        self.o = projection([sd[f"{a}.o_proj.weight"]], None, weights)  # [k, Hq D, H / k]
         self.o_b = pack_bias(sd.get(f"{a}.o_proj.bias"), self.o)
-        self.gate_up = pack(fold_norm(sd[f"{p}.post_attention_layernorm.weight"], gate_up))  # [k, H, 2I / k]
+        self.gate_up = projection(gate_up, sd[f"{p}.post_attention_layernorm.weight"], weights)  # [k, H, 2I / k]
         self.gate_up_b = pack_bias(gate_up_b, self.gate_up)
-        self.down = pack(sd[f"{m}.down_proj.weight"])  # [k, I, H / k]
+        self.down = projection([sd[f"{m}.down_proj.weight"]], None, weights)  # [k, I, H / k]
         self.down_b = pack_bias(sd.get(f"{m}.down_proj.bias"), self.down)
         # Qwen3: per-head RMSNorm of q and k; one weight [Hq + Hkv, D] normalizes both in one call
         self.qk_norm = None
@@ -61,14 +63,14 @@ class LlamaLayer(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    def __init__(self, config: ModelConfig, sd: dict[str, torch.Tensor]) -> None:
+    def __init__(self, config: ModelConfig, sd: dict, weights: str = "fp32") -> None:
         super().__init__()
         self.config = config
         sd = text_model_names(sd)
         try:
             embed = sd["model.embed_tokens.weight"]  # [V, H]
             self.layers = nn.ModuleList(
-                LlamaLayer(sd, f"model.layers.{i}", config) for i in range(config.num_layers)
+                LlamaLayer(sd, f"model.layers.{i}", config, weights) for i in range(config.num_layers)
             )
             self.norm = frozen(sd["model.norm.weight"])  # [H]
         except KeyError as e:
@@ -76,9 +78,9 @@ class LlamaForCausalLM(CausalLM):
             raise ModelLoadError(f"weights are missing tensor {missing!r} for a {config.model_type} model") from None
         head = sd.get("lm_head.weight")
         self.tied = config.tie_embeddings or head is None
-        self.lm_head = pack(embed if self.tied else head)  # [k, H, V / k] (padded)
+        self.lm_head = projection([embed if self.tied else head], None, weights)  # [k, H, V / k] (padded)
         # a tied table is read from the packed head: one copy of it in memory
-        self.embed = None if self.tied else frozen(embed)  # [V, H]
+        self.embed = None if self.tied else embedding(embed, weights)  # [V, H]
         rot = int(config.head_dim * config.partial_rotary_factor)
         self.rope = Rotary(rot, config.rope_theta, config.rope_scaling, config.max_position)
         self.act = activation(config.hidden_act)
@@ -102,19 +104,19 @@ class LlamaForCausalLM(CausalLM):
         cfg = self.config
         n, hq, hkv, d, eps = input_ids.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps
         scale, act, qk_v, q_k = cfg.scale, self.act, (hq + hkv, hkv), (hq, hkv)
-        x = packed_rows(self.lm_head, input_ids) if self.embed is None else self.embed[input_ids]  # [N, H]
+        x = packed_rows(self.lm_head if self.embed is None else self.embed, input_ids)  # [N, H]
         cos, sin = self.rope.tables(positions)  # [N, 1, R] each
         for i, (qkv_w, qkv_b, qk_norm, o_w, o_b, gu_w, gu_b, down_w, down_b) in enumerate(self.plan):
-            qkv = linear(rms_norm(x, None, eps), qkv_w, qkv_b).view(n, hq + 2 * hkv, d)
+            qkv = norm_linear(x, qkv_w, qkv_b, eps).view(n, hq + 2 * hkv, d)
             qk, v = qkv.split(qk_v, 1)  # [N, Hq + Hkv, D]: q and k heads get norm and RoPE together
             if qk_norm is not None:
                 qk = rms_norm(qk, qk_norm, eps)
             q, k = apply_rotary(qk, cos, sin).split(q_k, 1)
             o = ctx.attend(i, q, k, v, scale)  # [N, Hq, D]
-            x.add_(linear(o.reshape(n, hq * d), o_w, o_b))
-            gate, up = linear(rms_norm(x, None, eps), gu_w, gu_b).chunk(2, 1)  # [N, I] each
-            x.add_(linear(act(gate).mul_(up), down_w, down_b))
+            add_linear(x, o.reshape(n, hq * d), o_w, o_b)
+            gate, up = norm_linear(x, gu_w, gu_b, eps).chunk(2, 1)  # [N, I] each
+            add_linear(x, act(gate).mul_(up), down_w, down_b)
         if logits_rows is not None:
             x = x[logits_rows]
-        logits = linear(rms_norm(x, self.norm, eps), self.lm_head)  # [R, k * V / k]
+        logits = norm_linear(x, self.lm_head, None, eps, self.norm)  # [R, k * V / k]
         return logits if logits.shape[1] == cfg.vocab_size else logits[:, : cfg.vocab_size].contiguous()

@@ -1,8 +1,10 @@
 """Resolve a model spec to an HF-format folder (converting GGUF once) and load its weights.
 
 A spec is None (the bundled default), a bundled name, a .gguf file, an HF model folder, or a hub
-id (org/name). GGUF files are converted into $KVCACHE_HOME/models/<stem>-<key>/ the first time;
-later loads read the converted safetensors directly.
+id (org/name). A GGUF file's config and tokenizer are converted into
+$KVCACHE_HOME/models/<stem>-<key>/ the first time. Its weights are read from the file itself
+under ``weights="file"``; fp32 weights (``fp32``, ``q8``, ``q4``) are converted once into the same
+folder's model.safetensors, the first time they are asked for.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from kvcache.errors import ModelLoadError
 from kvcache.models.bundled import BUNDLED, DEFAULT, bundled_path, is_installed
 from kvcache.models.paths import cache_home
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class ResolvedModel:
     path: Path  # HF-format folder to load
     source: Path | str  # what the user named: the GGUF file, the folder, or the hub id
     name: str
+    gguf: Path | None = None  # the GGUF file the folder was converted from
 
 
 def _converted_dir(gguf: Path) -> Path:
@@ -47,8 +50,9 @@ def _file_sha256(path: Path) -> str:
 
 
 def ensure_converted(gguf: Path, show_progress: bool = True) -> Path:
-    """The converted folder of ``gguf``, converting it now if needed (atomically: a temporary
-    folder renamed into place, so an interrupted conversion leaves nothing half-written)."""
+    """The converted folder of ``gguf`` (config and tokenizer), converting it now if needed
+    (atomically: a temporary folder renamed into place, so an interrupted conversion leaves
+    nothing half-written)."""
     from kvcache.models.gguf_convert import convert_gguf
 
     target = _converted_dir(gguf)
@@ -57,7 +61,7 @@ def ensure_converted(gguf: Path, show_progress: bool = True) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
-        convert_gguf(gguf, tmp, show_progress=show_progress)
+        convert_gguf(gguf, tmp, show_progress=show_progress, weights=False)
         info = {"source": str(gguf.resolve()), "fingerprint": _file_sha256(gguf), "format": FORMAT_VERSION}
         (tmp / "kvcache.json").write_text(json.dumps(info, indent=2))
         try:
@@ -71,16 +75,49 @@ def ensure_converted(gguf: Path, show_progress: bool = True) -> Path:
     return target
 
 
+def ensure_fp32(resolved: ResolvedModel, show_progress: bool = True) -> None:
+    """Give a converted GGUF folder its fp32 model.safetensors (once; written to a temporary file
+    renamed into place)."""
+    from kvcache.models.gguf_convert import convert_gguf
+
+    if resolved.gguf is None or (resolved.path / "model.safetensors").is_file():
+        return
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=resolved.path.parent))
+    try:
+        convert_gguf(resolved.gguf, tmp, show_progress=show_progress, weights=True)
+        os.replace(tmp / "model.safetensors", resolved.path / "model.safetensors")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def model_weights(resolved: ResolvedModel, mode: str) -> dict[str, Any]:
+    """HF-named weights for ``mode`` (models/weights.py): a GGUF under ``file`` gives its quantized
+    tensors unread (GGUFTensor); everything else is fp32."""
+    if resolved.gguf is not None and mode == "file":
+        from kvcache.models.gguf_convert import gguf_weights
+
+        return gguf_weights(resolved.gguf)
+    ensure_fp32(resolved)
+    return load_weights(resolved.path)[1]
+
+
+def fp32_folder(spec: str | os.PathLike | None) -> Path:
+    """An HF-format folder with fp32 weights for ``spec`` (what transformers loads)."""
+    resolved = resolve_model(spec)
+    ensure_fp32(resolved)
+    return resolved.path
+
+
 def resolve_model(spec: str | os.PathLike | None) -> ResolvedModel:
     if spec is None or str(spec) in BUNDLED:
         name = DEFAULT if spec is None else str(spec)
         gguf = bundled_path(name)
-        return ResolvedModel(ensure_converted(gguf), gguf, name)
+        return ResolvedModel(ensure_converted(gguf), gguf, name, gguf)
     path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".gguf" and path.read_bytes()[:4] != b"GGUF":
             raise ModelLoadError(f"{path} is not a model: give a .gguf file or a model folder")
-        return ResolvedModel(ensure_converted(path), path, path.stem)
+        return ResolvedModel(ensure_converted(path), path, path.stem, path)
     if path.is_dir():
         _check_hf_dir(path)
         return ResolvedModel(path, path, path.name)

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import torch
 
 from kvcache.errors import UnsupportedArchitecture
 from kvcache.models.base import CausalLM
 from kvcache.models.config import FAMILIES, ModelConfig
 
 
-def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> CausalLM:
-    """Instantiate the native model for ``config`` from HF-named fp32 weights."""
+def build_model(config: ModelConfig, state_dict: dict, weights: str = "fp32") -> CausalLM:
+    """Instantiate the native model for ``config`` from HF-named weights (fp32 tensors, or
+    quantized GGUF tensors for the ``file`` mode), holding them as ``weights`` says."""
     if config.model_type not in FAMILIES:
         raise UnsupportedArchitecture(
             f"unsupported architecture {config.model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
@@ -22,4 +22,4 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> Cau
         from kvcache.models.gemma3 import Gemma3ForCausalLM as cls  # type: ignore[assignment]
     else:
         from kvcache.models.gpt2 import GPT2ForCausalLM as cls  # type: ignore[assignment]
-    return cls.from_state_dict(config, state_dict)
+    return cls.from_state_dict(config, state_dict, weights)

@@ -1,0 +1,155 @@
+"""Compile the native kernels once per CPU variant and load the one this CPU can run.
+
+Every kernel is C with its SIMD paths chosen by compile flags, so one source builds into several
+libraries: ``avx512vnni``, ``avxvnni``, ``avx2`` and ``generic`` (plain C, any CPU). The variant is
+picked at run time from the CPU's features (``/proc/cpuinfo`` flags); ``KVCACHE_KERNEL_VARIANT``
+forces one (refused when the CPU cannot run it). A library's file name carries a hash of its source,
+compiler, flags and variant, never ``-march=native``: a cache folder moved to another machine holds
+libraries that are either right for it or never loaded, so nothing dies of an illegal instruction.
+
+Libraries live in ``$KVCACHE_HOME/kernels`` (created 0700; a folder another user can write to is
+not used). The math flags allow reassociation and contraction for vectorized reductions but not
+``-ffast-math``, whose startup code would set flush-to-zero for the whole process. ``CC`` may carry
+arguments (``ccache gcc``); a failed build warns with the compiler's own message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import stat
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from kvcache.models.paths import cache_home
+
+SOURCES = Path(__file__).parent
+MATH = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
+        "-freciprocal-math", "-ffp-contract=fast"]
+COMMON = ["-fopenmp", "-shared", "-fPIC"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    needs: frozenset[str]  # /proc/cpuinfo flags the CPU must have
+    flags: tuple[str, ...]
+
+
+_X86 = [
+    Variant("avx512vnni", frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+                                     "avx512_vnni"}),
+            ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni")),
+    Variant("avxvnni", frozenset({"avx2", "fma", "f16c", "avx_vnni"}), ("-mavx2", "-mfma", "-mf16c", "-mavxvnni")),
+    Variant("avx2", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c")),
+]
+GENERIC = Variant("generic", frozenset(), ())
+
+
+def is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+def variants() -> list[Variant]:
+    """Every variant this architecture can build, best first."""
+    return [*_X86, GENERIC] if is_x86() else [GENERIC]
+
+
+@lru_cache(maxsize=1)
+def cpu_info() -> tuple[str, frozenset[str]]:
+    """(model name, feature flags) of this CPU; flags are empty where /proc/cpuinfo is unavailable."""
+    name, flags = platform.processor() or platform.machine(), frozenset()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return name, flags
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and name in ("", platform.machine(), platform.processor()):
+            name = value.strip()
+        elif key in ("flags", "Features") and not flags:
+            flags = frozenset(value.split())
+    return name, flags
+
+
+def runnable(v: Variant) -> bool:
+    return v.needs <= cpu_info()[1]
+
+
+def select() -> Variant:
+    """The variant to load: KVCACHE_KERNEL_VARIANT when set (and runnable), else the best runnable."""
+    want = os.environ.get("KVCACHE_KERNEL_VARIANT")
+    if want:
+        for v in variants():
+            if v.name == want:
+                if not runnable(v):
+                    raise RuntimeError(f"KVCACHE_KERNEL_VARIANT={want}: this CPU lacks {', '.join(sorted(v.needs - cpu_info()[1]))}")
+                return v
+        raise RuntimeError(f"KVCACHE_KERNEL_VARIANT={want}: unknown; variants here: {', '.join(v.name for v in variants())}")
+    return next(v for v in variants() if runnable(v))
+
+
+def compiler() -> list[str] | None:
+    """The C compiler command (``CC`` may hold arguments), or None when there is none."""
+    env = os.environ.get("CC")
+    if env:
+        cmd = shlex.split(env)
+        return cmd if cmd and shutil.which(cmd[0]) else None
+    found = shutil.which("cc") or shutil.which("gcc")
+    return [found] if found else None
+
+
+def kernel_dir() -> Path:
+    """$KVCACHE_HOME/kernels, private to this user (0700); a folder others can write to is refused."""
+    d = cache_home() / "kernels"
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = d.stat()
+    if st.st_uid != os.getuid():
+        raise RuntimeError(f"{d} belongs to another user: kernels are not loaded from it")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(d, 0o700)
+    return d
+
+
+def sources(name: str) -> list[Path]:
+    """The C files of kernel ``name`` (qgemm also holds the repacking code)."""
+    return [SOURCES / f"{name}.c", *([SOURCES / "qpack.c"] if name == "qgemm" else [])]
+
+
+def library_path(name: str, v: Variant, cc: list[str]) -> Path:
+    h = hashlib.sha256()
+    for f in [*sources(name), *sorted(SOURCES.glob("*.h"))]:
+        h.update(f.read_bytes())
+    h.update(" ".join([*cc, *MATH, *COMMON, *v.flags, v.name, platform.machine()]).encode())
+    return kernel_dir() / f"{name}-{v.name}-{h.hexdigest()[:16]}.so"
+
+
+def build(name: str, v: Variant) -> Path:
+    """Compile kernel ``name`` for variant ``v`` (once; later calls find the file). Raises
+    RuntimeError with the compiler's message when it fails, or when there is no compiler."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (set CC, or install gcc)")
+    out = library_path(name, v, cc)
+    if out.is_file():
+        return out
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        so = Path(tmp) / out.name
+        cmd = [*cc, *MATH, *v.flags, *COMMON, f"-I{SOURCES}", *map(str, sources(name)), "-o", str(so), "-lm"]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise RuntimeError(f"{cmd[0]} failed to run: {e}") from None
+        if p.returncode != 0:
+            msg = (p.stderr or p.stdout).strip().splitlines()
+            raise RuntimeError(f"{name} ({v.name}) did not compile: " + " | ".join(msg[-6:]))
+        os.chmod(so, 0o700)
+        os.replace(so, out)
+    return out

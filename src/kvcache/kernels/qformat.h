@@ -1,0 +1,78 @@
+/* kvcache's repacked quantized-weight formats, shared by qpack.c (repack from GGUF blocks,
+ * dequantize) and qgemm.c (products).
+ *
+ * A weight [out, K] (an nn.Linear's orientation: out rows of K inputs, K a multiple of 32) is cut
+ * into groups of 8 output rows ("columns" of the product) and blocks of 32 inputs. For group g and
+ * block b the arrays hold:
+ *   qs  the 8 x 32 integer values, interleaved for the SIMD kernels:
+ *       bytes formats: 256 bytes, byte (s * 64 + c * 8 + t) = value (c, 8 s + t)   (s 0..3: 8-input step,
+ *       c 0..7: row of the group, t 0..7);
+ *       nibble formats: 128 bytes, byte (h * 64 + c * 8 + t) = value (c, 16 h + t) | value (c, 16 h + 8 + t) << 4
+ *   d   NS x 8 scales (NS = 2 for 16-input sub-blocks, else 1), fp16 or fp32 by format
+ *   m   NS x 8 minimums of unsigned formats (same dtype), absent for signed ones
+ * so that weight (c, k) = d * q + m (unsigned) or d * q (signed), with the scale of k's sub-block.
+ * Arrays: qs [G, nb, QB] uint8, d and m [G, nb, NS, 8], G = ceil(out / 8), nb = K / 32; rows of the
+ * last group past ``out`` hold zeros.
+ *
+ * Value ranges the products rely on (AVX2 sums four u8 x s8 pair products in int16): unsigned
+ * formats hold q < 32, signed ones -128 <= q <= 127.
+ */
+#ifndef KV_QFORMAT_H
+#define KV_QFORMAT_H
+
+#include <stdint.h>
+#include <string.h>
+
+enum {
+    KVQ_Q4_F16 = 0,  /* nibbles 0..15, fp16 d and m per 32 (GGUF Q4_0, Q4_1; kvcache q4) */
+    KVQ_Q4_F32 = 1,  /* nibbles, fp32 d and m per 32 (Q4_K) */
+    KVQ_S8_F16 = 2,  /* signed bytes, fp16 d per 32 (Q8_0; kvcache q8) */
+    KVQ_S8_F32_16 = 3, /* signed bytes, fp32 d per 16 (Q6_K, Q3_K) */
+    KVQ_U8_F16 = 4,  /* bytes 0..31, fp16 d and m per 32 (Q5_0, Q5_1) */
+    KVQ_U8_F32 = 5,  /* bytes 0..31, fp32 d and m per 32 (Q5_K) */
+    KVQ_U8_F32_16 = 6, /* bytes 0..3, fp32 d and m per 16 (Q2_K) */
+    KVQ_NFMT = 7
+};
+
+static const int KVQ_NIBBLES[KVQ_NFMT] = {1, 1, 0, 0, 0, 0, 0};
+static const int KVQ_SIGNED[KVQ_NFMT] = {0, 0, 1, 1, 0, 0, 0};
+static const int KVQ_F16[KVQ_NFMT] = {1, 0, 1, 0, 1, 0, 0};
+static const int KVQ_NS[KVQ_NFMT] = {1, 1, 1, 2, 1, 1, 2};
+
+static inline int kvq_qbytes(int fmt) { return KVQ_NIBBLES[fmt] ? 128 : 256; }
+
+/* IEEE half <-> float without hardware support (repack and dequantize are not hot). */
+static inline float kvq_h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) {
+                man <<= 1;
+                exp--;
+            }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Position of value (c, k) of a group-block inside qs, and whether it is the high nibble. */
+static inline int kvq_pos(int nib, int c, int k, int *high) {
+    if (!nib) {
+        *high = 0;
+        return (k >> 3) * 64 + c * 8 + (k & 7);
+    }
+    *high = (k >> 3) & 1;
+    return (k >> 4) * 64 + c * 8 + (k & 7);
+}
+
+#endif

@@ -1,0 +1,214 @@
+"""Quantized projection weights in memory: GGUF blocks repacked for the int8 kernels (kernels/qgemm.c).
+
+A ``QWeight`` is an nn.Linear-oriented weight [out, K] in one of the repacked formats of
+kernels/qformat.h: integer values, interleaved 8 output rows at a time, with a scale (and for
+unsigned formats a minimum) per block of 32 inputs (16 for Q6_K-like types). It stands for exactly
+the numbers the file holds; only the activations are rounded (to int8 per block of 32) when it
+multiplies them. ``in_scale`` is a norm weight folded in: it multiplies the input, because it
+cannot be folded into the quantized values the way fp32 weights take it.
+
+A ``QStack`` is a fused projection whose parts could not share a format (Gemma 3's q and k are
+Q5_0, its v Q8_0): each part fills its own columns of the output.
+
+GGUF types map to formats (``FORMAT_OF``); parts of different types share the narrowest format
+that holds them all (``common_format``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvcache import kernels
+from kvcache.errors import ModelLoadError
+
+# kernels/qformat.h
+Q4_F16, Q4_F32, S8_F16, S8_F32_16, U8_F16, U8_F32, U8_F32_16 = range(7)
+FORMAT_NAMES = ("q4_f16", "q4_f32", "s8_f16", "s8_f32_16", "u8_f16", "u8_f32", "u8_f32_16")
+_NIBBLES = (1, 1, 0, 0, 0, 0, 0)
+_SIGNED = (0, 0, 1, 1, 0, 0, 0)
+_F16 = (1, 0, 1, 0, 1, 0, 0)
+_NS = (1, 1, 1, 2, 1, 1, 2)
+
+# GGUF (ggml) type ids -> the format that holds them most compactly
+GGML = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
+        "Q6_K": 14}
+FORMAT_OF = {2: Q4_F16, 3: Q4_F16, 6: U8_F16, 7: U8_F16, 8: S8_F16, 10: U8_F32_16, 11: S8_F32_16, 12: Q4_F32,
+             13: U8_F32, 14: S8_F32_16}
+
+
+def common_format(types: Sequence[int]) -> int | None:
+    """The narrowest format holding every GGUF type in ``types``; None when signed and unsigned
+    types mix (they go to separate parts of a QStack)."""
+    fmts = {FORMAT_OF[t] for t in types}
+    if len(fmts) == 1:
+        return fmts.pop()
+    signed = {_SIGNED[f] for f in fmts}
+    if len(signed) > 1:
+        return None
+    if signed == {1}:
+        return S8_F32_16
+    if all(_NIBBLES[f] for f in fmts):
+        return Q4_F32
+    return U8_F32_16 if any(_NS[f] == 2 for f in fmts) else U8_F32
+
+
+class QWeight:
+    """A repacked quantized weight [out, K] (see the module docstring)."""
+
+    def __init__(self, fmt: int, out: int, k: int, in_scale: torch.Tensor | None = None) -> None:
+        if k % 32:
+            raise ModelLoadError(f"a quantized weight needs a multiple of 32 inputs, got {k}")
+        self.fmt, self.out, self.k = fmt, out, k
+        g, nb, ns = -(-out // 8), k // 32, _NS[fmt]
+        self.qs = torch.zeros(g, nb, 128 if _NIBBLES[fmt] else 256, dtype=torch.uint8)  # [G, nb, QB]
+        dt = torch.float16 if _F16[fmt] else torch.float32
+        self.d = torch.zeros(g, nb, ns, 8, dtype=dt)  # [G, nb, NS, 8] scales
+        self.m = None if _SIGNED[fmt] else torch.zeros(g, nb, ns, 8, dtype=dt)  # minimums
+        self.in_scale = in_scale  # [K] fp32 or None
+        self._fn, self._ptrs, self._scale_ptr = None, (), None  # set by seal()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.in_scale.numel() * 4 if self.in_scale is not None else 0
+        return self.qs.numel() + self.d.numel() * self.d.element_size() + (
+            self.m.numel() * self.m.element_size() if self.m is not None else 0) + extra
+
+    @property
+    def format_name(self) -> str:
+        return FORMAT_NAMES[self.fmt]
+
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return self.qs, self.d, self.m
+
+    # -- filling ---------------------------------------------------------------------------------
+    def put_gguf(self, ggml_type: int, raw: np.ndarray, dst_rows: np.ndarray) -> None:
+        """Store GGUF rows ``raw`` [rows, bytes per row] (type ``ggml_type``) as rows ``dst_rows``."""
+        lib = _lib()
+        raw = np.ascontiguousarray(raw)
+        dst = np.ascontiguousarray(dst_rows, dtype=np.int64)
+        rc = lib.kv_q_repack(ggml_type, self.fmt, raw.shape[0], self.k, raw.ctypes.data, raw.shape[1],
+                             dst.ctypes.data, self.out, self.qs.data_ptr(), self.d.data_ptr(),
+                             None if self.m is None else self.m.data_ptr())
+        if rc:
+            why = {1: "bad sizes", 2: "the format cannot hold this type", 3: "a value outside the type's range"}
+            raise ModelLoadError(f"cannot repack GGUF type {ggml_type} into {self.format_name}: {why.get(rc, rc)}")
+
+    # -- reading ---------------------------------------------------------------------------------
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` [N] of the weight as fp32 [N, K] (a tied embedding's lookup)."""
+        ids = ids.to(torch.int64).contiguous()
+        y = torch.empty(ids.shape[0], self.k)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out):
+            raise IndexError(f"row index out of range for a weight of {self.out} rows")
+        rc = _lib().kv_q_dequant(self.fmt, self.k, self.out, self.qs.data_ptr(), self.d.data_ptr(),
+                                 None if self.m is None else self.m.data_ptr(), ids.data_ptr(), ids.shape[0],
+                                 y.data_ptr(), self.k)
+        if rc:
+            raise RuntimeError("dequantizing rows of a quantized weight failed")
+        return y
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole weight as fp32 [out, K] (tests and the fp32 reference)."""
+        return self.rows(torch.arange(self.out))
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None, eps: float | None = None,
+                in_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                accumulate: bool = False) -> torch.Tensor:
+        """x [N, K] -> (x * in_scale / rms(x)) @ W^T + bias: [N, out], written into ``out`` when
+        given (added to it with ``accumulate``: a residual). ``eps`` None: no RMS division.
+        ``in_scale`` defaults to the norm weight folded in at load."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.k or x.device.type != "cpu":
+            raise ValueError(f"a quantized projection takes fp32 CPU input [N, {self.k}], got "
+                             f"{x.dtype} {tuple(x.shape)} on {x.device}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        n = x.shape[0]
+        if out is None:
+            y = torch.empty(n, self.out)
+        elif (out.dtype != torch.float32 or out.dim() != 2 or out.shape[0] != n or out.shape[1] < self.out
+              or out.stride(1) != 1 or out.device.type != "cpu"):
+            raise ValueError(f"the output of a quantized projection must be fp32 CPU [{n}, {self.out}] with unit "
+                             "column stride")
+        else:
+            y = out
+        scale = self._scale_ptr if in_scale is None else _vector_ptr(in_scale, self.k, "norm weight")
+        b = None if bias is None else _vector_ptr(bias, self.out, "bias")
+        rc = self._fn(self.fmt, n, self.k, self.out, x.data_ptr(), x.stride(0), scale, -1.0 if eps is None else eps,
+                      *self._ptrs, b, y.data_ptr(), y.stride(0), int(accumulate), torch.get_num_threads())
+        if rc == 4:
+            raise MemoryError("the quantized projection could not allocate its activation buffer")
+        if rc:
+            raise RuntimeError(f"the quantized projection kernel refused its inputs ({rc})")
+        return y
+
+    def seal(self) -> "QWeight":
+        """Check the stored tensors once and bind the kernel for the hot path (after filling)."""
+        if self.in_scale is not None:
+            self.in_scale = self.in_scale.detach().float().contiguous()
+            if self.in_scale.shape != (self.k,):
+                raise ModelLoadError(f"a norm weight of {tuple(self.in_scale.shape)} for {self.k} inputs")
+        self._fn = _lib().kv_q_linear
+        self._ptrs = (self.qs.data_ptr(), self.d.data_ptr(), None if self.m is None else self.m.data_ptr())
+        self._scale_ptr = None if self.in_scale is None else self.in_scale.data_ptr()
+        return self
+
+
+class QStack:
+    """A fused projection of parts with different formats: [sum of parts' out, K]."""
+
+    def __init__(self, parts: list[QWeight]) -> None:
+        self.parts_ = parts
+        self.out, self.k = sum(p.out for p in parts), parts[0].k
+        self.offsets = np.cumsum([0] + [p.out for p in parts]).tolist()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts_)
+
+    @property
+    def format_name(self) -> str:
+        return "+".join(p.format_name for p in self.parts_)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts_])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.dequantize()[ids]
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None, eps: float | None = None,
+                in_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                accumulate: bool = False) -> torch.Tensor:
+        y = out if out is not None else torch.empty(x.shape[0], self.out)
+        for p, a, b in zip(self.parts_, self.offsets, self.offsets[1:]):
+            p.forward(x, None if bias is None else bias[a:b], eps, in_scale, y[:, a:b], accumulate)
+        return y
+
+
+def _vector_ptr(t: torch.Tensor, n: int, what: str) -> int:
+    """The address of a contiguous fp32 CPU vector of n values (a norm weight or a bias)."""
+    if t.dtype != torch.float32 or t.dim() != 1 or t.shape[0] != n or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"a quantized projection's {what} must be a contiguous fp32 CPU vector of {n}")
+    return t.data_ptr()
+
+
+def _lib():
+    lib = kernels.qgemm()
+    if lib is None:
+        raise ModelLoadError("quantized weights need the native kernels (a C compiler); load with weights='fp32'")
+    return lib
+
+
+def kernels_available() -> bool:
+    return kernels.qgemm() is not None
