@@ -497,3 +497,25 @@ def test_bad_tier_settings_are_clear_errors(tiny_path, tmp_path):
         LLM(tiny_path, prefix=PrefixConfig(disk=str(blocker / "sub")))
     with pytest.raises(KVCacheError, match="must start with redis://"):
         LLM(tiny_path, prefix=PrefixConfig(redis="http://localhost:6379"))
+
+
+def test_a_sequence_given_back_before_it_wrote_into_a_shared_partial_page(tiny_path):
+    """A lookup may end inside a cached page whose later tokens differ; if the sequence is given
+    back before it writes there (preempted, aborted, failed), that page must not be indexed a
+    second time under the shorter tokens."""
+    llm = LLM(tiny_path, kv="dynamic,page_size=4")
+    r = llm.runner
+    first = SYSTEM[:8]  # two full pages
+    seq = r.lookup(first, whole=True)
+    r.step([seq], [first])
+    r.release(seq)
+    other = SYSTEM[:6] + [150, 151]  # shares the first page and half of the second
+    seq = r.lookup(other)
+    assert len(seq.tokens) == 6 and seq.kv.tables[0][1] == r.prefix.index.match(first).nodes[1].pages[0]
+    r.release(seq)  # given back before writing its own tokens into that page
+    llm.check_integrity()
+    seq = r.lookup(other)
+    logits = r.step([seq], [other[len(seq.tokens):]])[0]
+    torch.testing.assert_close(logits, _recompute(llm, other), atol=1e-4, rtol=1e-4)
+    r.release(seq)
+    llm.check_integrity()

@@ -181,9 +181,11 @@ class PrefixCache:
     def release(self, seq: SeqKV, tokens: list[int], salt: str | None = None) -> None:
         """Put a finished sequence's pages into the index, then free the sequence."""
         salt = self.config.salt if salt is None else salt
-        n = seq.length
+        n, ps = seq.length, self.cache.page_size
         if self.cache.quantized:  # only sealed pages; the fp32 tail stays with the sequence
-            n = min(n, min(len(t) for t in seq.tables) * self.cache.page_size)
+            n = min(n, min(len(t) for t in seq.tables) * ps)
+        elif n % ps and self._shared(seq, n // ps):
+            n -= n % ps  # a partial last page someone else holds (a cached page the sequence never wrote into)
         if n and len(tokens) >= n:
             path, taken = self.index.insert(tokens[:n], seq.tables, salt)
             for g, p in taken:
@@ -192,6 +194,11 @@ class PrefixCache:
                 self._write_through(path, salt)
         self.cache.free(seq)
         self._trim()
+
+    def _shared(self, seq: SeqKV, i: int) -> bool:
+        """Whether page ``i`` of the sequence is also held elsewhere (in any group)."""
+        return any(i < len(t) and t[i] != HOLE and self.cache.allocators[g].refcount(t[i]) > 1
+                   for g, t in enumerate(seq.tables))
 
     def _write_through(self, path: list[Node], salt: str) -> None:
         from kvcache.prefix.entry import encode_entry
