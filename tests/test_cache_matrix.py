@@ -1,4 +1,5 @@
-"""Every combination of capacity x visibility x encoding x placement on a tiny model: runs,
+"""Every combination of capacity x visibility x encoding x placement on a tiny model, with fp32
+weights and with q8 weights (int8 products): runs,
 forks, truncates, saves and loads; page accounting holds after each; every combination's logits
 are compared with recomputation under the same visibility (full, or a window: recomputed through
 dense attention with that window; sinks: the fp32 cache with those sinks, itself checked against a
@@ -29,12 +30,19 @@ MATRIX = [",".join(x for x in combo if x) for combo in itertools.product(CAPACIT
 # over capacities, visibilities and placements: fp32 2e-7, fp16 9e-5, bf16 8e-4, int8 6e-4,
 # int4 8e-3, int2 4e-2)
 BOUND = {"fp32": 1e-4, "fp16": 5e-4, "bf16": 4e-3, "int8": 4e-3, "int4": 4e-2, "int2": 2e-1}
+# with q8 weights the activations are rounded to int8 per block: a K/V rounded to fp16 (or int8)
+# moves an activation across a rounding boundary now and then, so the lossy encodings stray further
+# (measured worst: fp32 4e-7, fp16 7e-3, bf16 6e-3, int8 6e-3, int4 1.2e-2, int2 3.9e-2)
+BOUNDS = {"fp32": BOUND, "q8": {"fp32": 1e-4, "fp16": 2e-2, "bf16": 2e-2, "int8": 2e-2, "int4": 4e-2, "int2": 2e-1}}
 
 
-@pytest.fixture(scope="module")
-def tiny_llm(tiny_dir):
+@pytest.fixture(scope="module", params=["fp32", "q8"])
+def tiny_llm(tiny_dir, request):
+    """The tiny Llama with fp32 weights, and with q8 weights (int8 products, quantized at load)."""
     path, _ = tiny_dir("llama")
-    return LLM(str(path), kv="none")
+    llm = LLM(str(path), kv="none", weights=request.param)
+    assert llm.weights == request.param
+    return llm
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +104,8 @@ def test_combination(tiny_llm, recompute, references, spec, tmp_path):
         logits.append(runner.step([seq], [[t]])[0])
         runner.check_integrity()
     worst = max(float((got - want).abs().max()) for got, want in zip(logits, references[vis]))
-    assert worst <= BOUND[cfg.encoding], f"{spec}: logits {worst:.2e} from the reference, bound {BOUND[cfg.encoding]}"
+    bound = BOUNDS[tiny_llm.weights][cfg.encoding]
+    assert worst <= bound, f"{spec} ({tiny_llm.weights} weights): logits {worst:.2e} from the reference, bound {bound}"
     for got, want in zip(logits, recompute):
         if tol:
             torch.testing.assert_close(got, want, atol=tol, rtol=tol)

@@ -29,6 +29,13 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                    help="greedy tokens generated after the text's first half, compared with the full cache's "
                         "(default 64; 0 skips)")
     e.add_argument("--plot", default=None, metavar="PNG", help="plot KL and perplexity against KV bytes per token")
+    e.add_argument("--compare-weights", default=None, metavar="MODES",
+                   help="instead of cache strategies, compare weights modes (comma-separated: file,q8,q4) with fp32 "
+                        "weights: perplexity by llama.cpp's rule, KL, top-1 agreement, bytes")
+    e.add_argument("--ppl-ctx", type=int, default=512, help="tokens per perplexity chunk for --compare-weights (512)")
+    e.add_argument("--ppl-chunks", type=int, default=8, help="chunks read for --compare-weights (default 8)")
+    e.add_argument("--llama-cpp-bin", default=None, metavar="DIR",
+                   help="with --compare-weights: also run llama.cpp's llama-perplexity from DIR on the same text")
     e.add_argument("--threads", type=int, default=None, help="torch threads (default: all available cores)")
     e.add_argument("--json", default=None, help="write the results to this JSON file")
     e.set_defaults(func=cmd_eval)
@@ -70,6 +77,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise KVCacheError(f"cannot read {args.text}: {getattr(e, 'strerror', None) or e}") from None
         if not text.strip():
             raise InvalidParams(f"{args.text} is empty: nothing to evaluate")
+    if args.compare_weights is not None:
+        from kvcache.eval.cli_weights import cmd_eval_weights
+
+        return cmd_eval_weights(args, text, source)
     llm = LLM(args.model, threads=args.threads, weights=args.weights)
     ids = llm.encode(text)[: args.tokens]
     if len(ids) < 2:

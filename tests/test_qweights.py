@@ -1,0 +1,192 @@
+"""Quantized weights: GGUF blocks repacked exactly, int8 products within the bound their activation
+rounding allows (every kernel variant this CPU runs; the others compile), the build's hygiene."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import stat
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
+
+from kvcache.kernels import build
+from kvcache.models.qweight import FORMAT_OF, QWeight, common_format
+
+KERNELS = ("qgemm", "pgemm", "pattn", "xattn", "qattn")
+LEGACY = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
+KQUANTS = {T.Q2_K: (84, 80, 82), T.Q3_K: (110, 108, None), T.Q4_K: (144, 0, 2), T.Q5_K: (176, 0, 2),
+           T.Q6_K: (210, 208, None)}  # block bytes, offsets of d and dmin
+
+
+def gguf_rows(t: T, out: int, k: int, seed: int = 0) -> np.ndarray:
+    """[out, bytes per row] blocks of type t: legacy types quantize Gaussian weights with gguf's own
+    rule; K-quants are random blocks with sane fp16 scales (gguf-py cannot quantize them)."""
+    rng = np.random.default_rng(seed)
+    if t in LEGACY:
+        return quantize(rng.standard_normal((out, k)).astype(np.float32), t)
+    size, d_at, dmin_at = KQUANTS[t]
+    raw = rng.integers(0, 256, size=(out, k // 256, size), dtype=np.uint8)
+    d = rng.uniform(0.001, 0.01, size=(out, k // 256)).astype(np.float16)
+    raw[:, :, d_at:d_at + 2] = d.view(np.uint8).reshape(out, k // 256, 2)
+    if dmin_at is not None:
+        raw[:, :, dmin_at:dmin_at + 2] = (d * 0.5).astype(np.float16).view(np.uint8).reshape(out, k // 256, 2)
+    return raw.reshape(out, -1)
+
+
+def repacked(t: T, out: int, k: int, fmt: int | None = None, seed: int = 0) -> tuple[QWeight, np.ndarray]:
+    raw = gguf_rows(t, out, k, seed)
+    w = QWeight(FORMAT_OF[int(t)] if fmt is None else fmt, out, k)
+    w.put_gguf(int(t), raw, np.arange(out))
+    return w.seal(), dequantize(raw, t).reshape(out, k)
+
+
+ALL = [*LEGACY, *KQUANTS]
+# memory per weight in its repacked format: values (nibbles or bytes) plus scales (and minimums)
+BYTES_PER_WEIGHT = {T.Q4_0: 0.625, T.Q4_1: 0.625, T.Q5_0: 1.125, T.Q5_1: 1.125, T.Q8_0: 1.0625, T.Q2_K: 1.5,
+                    T.Q3_K: 1.25, T.Q4_K: 0.75, T.Q5_K: 1.25, T.Q6_K: 1.25}
+
+
+@pytest.mark.parametrize("t", ALL, ids=lambda t: t.name)
+def test_repacked_weights_hold_exactly_the_files_values(t):
+    w, ref = repacked(t, 37, 512)  # a last group of 5 rows
+    torch.testing.assert_close(w.dequantize(), torch.from_numpy(ref), rtol=1e-6, atol=0)
+    assert w.nbytes == BYTES_PER_WEIGHT[t] * 40 * 512  # rows padded to whole groups of 8
+    rows = torch.tensor([36, 0, 8, 7])
+    torch.testing.assert_close(w.rows(rows), torch.from_numpy(ref[[36, 0, 8, 7]]), rtol=1e-6, atol=0)
+
+
+def test_parts_of_different_types_share_a_format_or_stack():
+    assert common_format([int(T.Q4_0), int(T.Q4_K)]) == FORMAT_OF[int(T.Q4_K)]  # nibbles, fp32 scales
+    assert common_format([int(T.Q5_0), int(T.Q6_K)]) is None  # unsigned beside signed: a QStack
+    a, ra = repacked(T.Q4_0, 16, 256, fmt=common_format([int(T.Q4_0), int(T.Q4_K)]))
+    torch.testing.assert_close(a.dequantize(), torch.from_numpy(ra), rtol=1e-6, atol=0)
+    with pytest.raises(Exception, match="cannot hold"):
+        QWeight(FORMAT_OF[int(T.Q4_0)], 8, 256).put_gguf(int(T.Q8_0), gguf_rows(T.Q8_0, 8, 256), np.arange(8))
+
+
+def error_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Per output, the most the int8 rounding of the activations can move it: each block of 32
+    inputs is scaled by amax / 127 and rounded, so each input moves at most half a step, and the
+    output at most sum over blocks of (step / 2) * sum |w| over the block. [n, out]"""
+    n, k = x.shape
+    step = np.abs(x).reshape(n, k // 32, 32).max(-1) / 127  # [n, blocks]
+    wsum = np.abs(w).reshape(w.shape[0], k // 32, 32).sum(-1)  # [out, blocks]
+    return step @ wsum.T / 2
+
+
+def variant_lib(v: build.Variant) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build.build("qgemm", v)))
+    P, I, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.kv_q_linear.argtypes = [I, I, I, I, P, I64, P, ctypes.c_float, P, P, P, P, P, I64, I, I]
+    lib.kv_q_isa.restype = ctypes.c_char_p
+    return lib
+
+
+RUNNABLE = [v for v in build.variants() if build.runnable(v)]
+
+
+@pytest.mark.parametrize("v", RUNNABLE, ids=lambda v: v.name)
+@pytest.mark.parametrize("t", ALL, ids=lambda t: t.name)
+def test_products_stay_within_the_activation_rounding_bound(v, t):
+    lib = variant_lib(v)
+    assert lib.kv_q_isa().decode() == v.name
+    w, ref = repacked(t, 45, 512, seed=1)
+    rng = np.random.default_rng(2)
+    for n in (1, 3, 9, 70):  # one row, a partial row tile, whole tiles, a second row chunk
+        x = rng.standard_normal((n, 512)).astype(np.float32)
+        x[:, 5] *= 40  # an outlier: its block's other inputs lose precision, the bound follows
+        y = np.full((n, 45), 7.0, np.float32)
+        qs, d, m = w.parts()
+        rc = lib.kv_q_linear(w.fmt, n, 512, 45, x.ctypes.data, 512, None, -1.0, qs.data_ptr(), d.data_ptr(),
+                             None if m is None else m.data_ptr(), None, y.ctypes.data, 45, 0, 2)
+        assert rc == 0
+        exact = x.astype(np.float64) @ ref.T.astype(np.float64)
+        err = np.abs(y - exact)
+        bound = error_bound(x, ref) + 1e-5 * np.abs(exact) + 1e-6
+        assert (err <= bound).all(), f"{v.name} {t.name} n={n}: worst err/bound {(err / bound).max():.3f}"
+        assert (err > 0).any()  # the activations really were rounded (the test can tell)
+
+
+@pytest.mark.parametrize("v", RUNNABLE, ids=lambda v: v.name)
+def test_norm_scale_bias_and_accumulation_are_folded_in(v):
+    lib = variant_lib(v)
+    w, ref = repacked(T.Q4_1, 24, 256, seed=3)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((5, 256)).astype(np.float32)
+    g = rng.uniform(0.5, 1.5, 256).astype(np.float32)
+    bias = rng.standard_normal(24).astype(np.float32)
+    y0 = rng.standard_normal((5, 24)).astype(np.float32)
+    y = y0.copy()
+    qs, d, m = w.parts()
+    rc = lib.kv_q_linear(w.fmt, 5, 256, 24, x.ctypes.data, 256, g.ctypes.data, 1e-5, qs.data_ptr(), d.data_ptr(),
+                         m.data_ptr(), bias.ctypes.data, y.ctypes.data, 24, 1, 2)
+    assert rc == 0
+    inv = 1 / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5)
+    want = y0 + (x * g * inv) @ ref.T + bias
+    bound = error_bound(x * g, ref) * inv + 1e-4
+    assert (np.abs(y - want) <= bound).all()
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_every_variant_of_every_kernel_compiles(name):
+    if build.compiler() is None:
+        pytest.skip("no C compiler")
+    for v in build.variants():  # those this CPU cannot run too: a variant must never rot unbuilt
+        path = build.build(name, v)
+        assert path.is_file() and v.name in path.name
+        assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0  # nobody else may replace it
+
+
+def test_kernels_leave_denormals_alone():
+    """No kernel may switch on flush-to-zero for the whole process (-ffast-math's startup code)."""
+    code = ("import ctypes, numpy as np, torch\n"
+            "from kvcache.kernels import build\n"
+            "for name in %r:\n"
+            "    for v in build.variants():\n"
+            "        if build.runnable(v): ctypes.CDLL(str(build.build(name, v)))\n"
+            "tiny = np.float32(1e-40)\n"
+            "print(float(tiny * np.float32(1.0)) > 0, float(torch.tensor(1e-40) * 1.0) > 0)\n") % (KERNELS,)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["True", "True"]
+
+
+def test_kernel_folder_is_private_and_cc_may_carry_arguments(tmp_path):
+    env = {**os.environ, "KVCACHE_HOME": str(tmp_path), "CC": "gcc -Wno-unused-function"}
+    code = ("from kvcache.kernels import build\n"
+            "print(build.build('qgemm', build.GENERIC))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    folder = tmp_path / "kernels"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    folder.chmod(0o777)  # opened up by someone: tightened again before anything is loaded from it
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0 and stat.S_IMODE(folder.stat().st_mode) == 0o700
+
+
+def test_a_kernel_that_does_not_compile_says_why(tmp_path, monkeypatch):
+    if build.compiler() is None:
+        pytest.skip("no C compiler")
+    (tmp_path / "pgemm.c").write_text("int kv_packed_matmul(void) { return undeclared_name; }\n")
+    monkeypatch.setattr(build, "SOURCES", tmp_path)
+    monkeypatch.setenv("KVCACHE_HOME", str(tmp_path / "home"))
+    with pytest.raises(RuntimeError, match="did not compile: .*undeclared_name"):
+        build.build("pgemm", build.GENERIC)
+
+
+def test_a_variant_the_cpu_lacks_is_refused_by_name(monkeypatch):
+    missing = [v for v in build.variants() if not build.runnable(v)]
+    if not missing:
+        pytest.skip("this CPU runs every variant")
+    monkeypatch.setenv("KVCACHE_KERNEL_VARIANT", missing[0].name)
+    with pytest.raises(RuntimeError, match="this CPU lacks"):
+        build.select()
+    monkeypatch.setenv("KVCACHE_KERNEL_VARIANT", "sse9")
+    with pytest.raises(RuntimeError, match="unknown"):
+        build.select()
