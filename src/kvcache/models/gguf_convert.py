@@ -11,6 +11,7 @@ so every family runs one (HF, rotate-half) convention. llama.cpp stores Gemma's 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -95,12 +96,6 @@ def _fixed(t, arch: str, name: str, n_head: int | None, n_kv: int | None) -> np.
     return np.array(w, dtype=np.float32, order="C")  # a copy: never a view of the mapped file
 
 
-def _row_targets(rows: int, n_head: int) -> np.ndarray:
-    """[rows] int64: the HF row of each llama.cpp Q/K row (the inverse of _unpermute's gather)."""
-    gather = _unpermute(np.arange(rows, dtype=np.int64)[:, None], n_head)[:, 0]
-    return np.argsort(gather)
-
-
 def convert_weights(reader, arch: str, config: dict[str, Any],
                     progress: Callable[[int], None] | None = None, keep_quantized: str | None = None) -> dict[str, Any]:
     """HF-named weights of every GGUF tensor: fp32 tensors, or with ``keep_quantized`` (the file's
@@ -111,10 +106,10 @@ def convert_weights(reader, arch: str, config: dict[str, Any],
         name = hf_tensor_name(arch, t.name)
         if name is not None and keep_quantized and int(t.tensor_type) in FORMAT_OF and len(t.shape) == 2:
             k, rows = int(t.shape[0]), int(t.shape[1])
-            dst = None
+            heads = None
             if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
-                dst = _row_targets(rows, n_head if t.name.endswith("attn_q.weight") else n_kv)
-            out[name] = GGUFTensor(keep_quantized, int(t.tensor_type), rows, k, int(t.data_offset), dst)
+                heads = n_head if t.name.endswith("attn_q.weight") else n_kv
+            out[name] = GGUFTensor(keep_quantized, int(t.tensor_type), rows, k, int(t.data_offset), heads)
         elif name is not None:
             out[name] = torch.from_numpy(_fixed(t, arch, name, n_head, n_kv))
         if progress:
@@ -138,11 +133,52 @@ def read_gguf(path: Path) -> tuple[Any, str, dict[str, Any]]:
     return reader, arch, config
 
 
-def gguf_weights(path: Path) -> dict[str, Any]:
+TABLE = "file-weights"  # the file mode's tensor table in a converted folder (.json + .safetensors)
+
+
+def gguf_weights(path: Path, cache_dir: Path | None = None) -> dict[str, Any]:
     """The weights of a GGUF file as the ``file`` mode holds them: quantized projections and
-    tables left in the file (GGUFTensor), the rest (norms, fp32/fp16 tensors) as fp32."""
+    tables left in the file (GGUFTensor), the rest (norms, fp32/fp16 tensors) as fp32. With
+    ``cache_dir`` (the file's converted folder) the table of tensors is kept there, so later loads
+    skip parsing the GGUF (its token lists alone take seconds)."""
+    if cache_dir is not None:
+        cached = _read_table(cache_dir, path)
+        if cached is not None:
+            return cached
     reader, arch, config = read_gguf(path)
-    return convert_weights(reader, arch, config, keep_quantized=str(path))
+    out = convert_weights(reader, arch, config, keep_quantized=str(path))
+    if cache_dir is not None:
+        _write_table(cache_dir, out)
+    return out
+
+
+def _write_table(folder: Path, weights: dict[str, Any]) -> None:
+    from safetensors.torch import save_file
+
+    table = {name: {"type": w.ggml_type, "out": w.out, "k": w.k, "offset": w.offset, "permute_heads": w.permute_heads}
+             for name, w in weights.items() if isinstance(w, GGUFTensor)}
+    small = {k: v.contiguous() for k, v in weights.items() if not isinstance(v, GGUFTensor)}
+    tmp = folder / f".{TABLE}.tmp"
+    save_file(small, str(tmp.with_suffix(".safetensors")))
+    tmp.with_suffix(".json").write_text(json.dumps(table))
+    os.replace(tmp.with_suffix(".safetensors"), folder / f"{TABLE}.safetensors")
+    os.replace(tmp.with_suffix(".json"), folder / f"{TABLE}.json")
+
+
+def _read_table(folder: Path, path: Path) -> dict[str, Any] | None:
+    from safetensors.torch import load_file
+
+    j, st = folder / f"{TABLE}.json", folder / f"{TABLE}.safetensors"
+    if not (j.is_file() and st.is_file()):
+        return None
+    try:
+        table = json.loads(j.read_text())
+        out: dict[str, Any] = dict(load_file(str(st)))
+    except (OSError, ValueError):
+        return None  # unreadable: parse the file again
+    for name, e in table.items():
+        out[name] = GGUFTensor(str(path), e["type"], e["out"], e["k"], e["offset"], e["permute_heads"])
+    return out
 
 
 def convert_gguf(path: Path, out_dir: Path, show_progress: bool = True, weights: bool = True) -> None:

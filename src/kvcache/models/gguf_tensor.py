@@ -23,14 +23,24 @@ def qtype(ggml_id: int):  # -> gguf.GGMLQuantizationType
 @dataclass(eq=False)
 class GGUFTensor:
     """A quantized GGUF tensor left in the file: an nn.Linear weight [out, K] of ``ggml_type``.
-    ``dst`` maps its rows to the rows HF's layout has (llama.cpp permutes llama's Q/K rows)."""
+    ``permute_heads``: llama.cpp permuted the rows of this llama Q or K weight of that many heads
+    for its interleaved RoPE; ``dst`` maps them back to HF's rows."""
 
     path: str
     ggml_type: int
     out: int
     k: int
     offset: int  # of its data in the file
-    dst: np.ndarray | None = None  # [out] int64: HF row of each file row, None for the identity
+    permute_heads: int | None = None
+
+    @property
+    def dst(self) -> np.ndarray | None:
+        """[out] int64: the HF row of each file row (None: the same row)."""
+        if self.permute_heads is None:
+            return None
+        d = self.out // self.permute_heads  # rows per head, stored as (d/2, 2), wanted as (2, d/2)
+        r = np.arange(self.out, dtype=np.int64).reshape(self.permute_heads, d // 2, 2)
+        return (r // d * d + (r % d) % 2 * (d // 2) + (r % d) // 2).reshape(-1)
 
     @property
     def row_bytes(self) -> int:

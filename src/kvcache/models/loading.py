@@ -96,7 +96,7 @@ def model_weights(resolved: ResolvedModel, mode: str) -> dict[str, Any]:
     if resolved.gguf is not None and mode == "file":
         from kvcache.models.gguf_convert import gguf_weights
 
-        return gguf_weights(resolved.gguf)
+        return gguf_weights(resolved.gguf, resolved.path)
     ensure_fp32(resolved)
     return load_weights(resolved.path)[1]
 
