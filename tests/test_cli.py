@@ -54,10 +54,10 @@ def test_help_and_bad_subcommand():
 def test_bench_decode_smoke(tmp_path):
     out = tmp_path / "bench.json"
     p = kvcache("bench", "decode", "--new-tokens", "4", "--repeats", "1", "--kv", "dynamic",
-                "--peers", "dynamic", "--json", str(out))
+                "--peers", "dynamic", "--weights", "fp32", "--prefill", "", "--depth", "0", "--json", str(out))
     assert p.returncode == 0, p.stderr
-    assert re.search(r"kvcache\s+dynamic\s+[\d.]+", p.stdout)
-    assert re.search(r"transformers\s+DynamicCache\s+[\d.]+", p.stdout)
+    assert re.search(r"kvcache\s+fp32\s+dynamic\s+[\d.]+", p.stdout)
+    assert re.search(r"transformers\s+fp32\s+DynamicCache\s+[\d.]+", p.stdout)
     import json
 
     rows = json.loads(out.read_text())["results"]

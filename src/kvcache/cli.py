@@ -251,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub, _add_model_args, _add_prefix_args)
 
     from kvcache.bench.cli import add_bench_parser
+    from kvcache.envinfo import add_env_parser
     from kvcache.eval.cli import add_eval_parser
     from kvcache.inspect.cli import add_size_parser
     from kvcache.inspect.cli_inspect import add_inspect_parser
@@ -259,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_size_parser(sub)
     add_eval_parser(sub)
     add_inspect_parser(sub)
+    add_env_parser(parser, sub)
     return parser
 
 

@@ -1,28 +1,35 @@
-"""Decode benchmark: new-token tok/s and time to first token, kvcache against HF transformers.
+"""Decode benchmark, kvcache's side: new-token tok/s and time to first token, prompt tok/s of a
+fresh prefill, and decode at a long context, for one loaded model (one weights mode).
 
-Same prompt, same fp32 weights (transformers loads the folder kvcache converted), same number of
-new tokens (EOS ignored), batch 1, the same torch thread count; medians over repeats.
+Every system's rows share one shape (``Row``): ``test`` is ``decode`` (batch 1 after a short chat
+prompt), ``prefill`` (``tokens`` prompt tokens into an empty cache) or ``depth`` (decode after
+``tokens`` tokens of context); ``pair`` is the kvcache weights mode a row compares with (a peer's
+F32 row pairs with ``fp32``, its Q8_0 row with ``q8``, the GGUF as shipped with ``file``).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
 
 from kvcache.engine.llm import LLM
 from kvcache.engine.params import SamplingParams
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+Tick = Callable[[], None]
 
 
 @dataclass
 class Row:
-    system: str
-    cache: str
-    tok_s: list[float] = field(default_factory=list)
+    system: str  # kvcache | transformers | llama.cpp
+    weights: str  # as shown: "file (Q4_1)", "q8", "fp32", "Q8_0", "F32", "Q4_1 (as shipped)"
+    cache: str  # kvcache's --kv spec, transformers' cache class, llama.cpp's KV type
+    pair: str = ""  # the kvcache weights mode this row is compared with (file, q8, q4, fp32)
+    test: str = "decode"  # decode | prefill | depth
+    tokens: int = 0  # decode: prompt tokens; prefill: tokens prefilled; depth: context before decoding
+    tok_s: list[float] = field(default_factory=list)  # decode: new tokens/s; prefill: prompt tokens/s
     ttft_s: list[float] = field(default_factory=list)
     gb_s: list[float] = field(default_factory=list)
     note: str = ""
@@ -31,48 +38,71 @@ class Row:
         def med(xs: list[float]) -> float | None:
             return statistics.median(xs) if xs else None
 
+        tok = med(self.tok_s)
         return {
-            "system": self.system, "cache": self.cache, "tok_s": med(self.tok_s),
+            "system": self.system, "weights": self.weights, "cache": self.cache, "pair": self.pair,
+            "test": self.test, "tokens": self.tokens, "tok_s": tok,
             "tok_s_min": min(self.tok_s, default=None), "tok_s_max": max(self.tok_s, default=None),
-            "ttft_ms": (med(self.ttft_s) or 0) * 1000, "gb_s": med(self.gb_s), "note": self.note,
+            "ttft_ms": None if not self.ttft_s else med(self.ttft_s) * 1000,  # type: ignore[operator]
+            "seconds": self.tokens / tok if self.test == "prefill" and tok else None,
+            "gb_s": med(self.gb_s), "note": self.note,
         }
 
-
-def weight_bytes(model: torch.nn.Module, head: torch.Tensor | None = None) -> int:
-    """Bytes of weights one decode step reads: every distinct parameter once, except embedding
-    tables (a step reads one row of those), plus the output head. kvcache's own models count
-    their quantized weights too (CausalLM.step_weight_bytes)."""
-    if hasattr(model, "step_weight_bytes"):
-        return int(model.step_weight_bytes())
-    assert head is not None
-    seen = {head.data_ptr()}
-    total = head.numel() * head.element_size()
-    for name, p in model.named_parameters():
-        if p.data_ptr() in seen or any(key in name for key in ("embed", "wte", "wpe")):
-            continue
-        seen.add(p.data_ptr())
-        total += p.numel() * p.element_size()
-    return total
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> "Row":
+        """A row sent back by a child process (``vars(row)``)."""
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})  # type: ignore[arg-type]
 
 
-def step_bytes(wbytes: int, kv_per_token: int, prompt_len: int, new: int) -> float:
+def step_bytes(wbytes: int, kv_per_token: float, prompt_len: int, new: int) -> float:
     """Average bytes moved per decode step: all weights plus the K/V attended to."""
     avg_ctx = prompt_len + new / 2
     return wbytes + kv_per_token * avg_ctx
 
 
-def bench_kvcache(llm: LLM, strategies: list[str], new: int, repeats: int, progress=None) -> list[Row]:
-    from kvcache.engine.runner import ModelRunner
-    from kvcache.config import parse_kv_spec
+def weight_bytes(model) -> int:  # model: kvcache's CausalLM
+    """Bytes of weights one decode step reads (CausalLM.step_weight_bytes: quantized weights at
+    their own size, input embedding tables not counted)."""
+    return int(model.step_weight_bytes())
 
-    ids = llm.encode(PROMPT, chat=True)
+
+def weights_label(llm: LLM) -> str:
+    """``file (Q4_1)`` for a GGUF's own types, else the mode (``q8``, ``q4``, ``fp32``)."""
+    if llm.weights != "file":
+        return llm.weights
+    stem = llm.model_path.rsplit("/", 1)[-1]
+    kind = stem[:-5].rsplit(".", 1)[-1] if stem.endswith(".gguf") and "." in stem[:-5] else ""
+    return f"file ({kind})" if kind else "file"
+
+
+def _runner(llm: LLM, spec: str):
+    from kvcache.config import parse_kv_spec
+    from kvcache.engine.runner import ModelRunner
+
+    llm.cache_config = parse_kv_spec(spec)
+    llm.runner = ModelRunner(llm.model, llm.cache_config)
+    return llm.runner
+
+
+def _pregrow(runner, tokens: int) -> None:
+    """Grow the pools to hold ``tokens`` (no timed run pays a pool resize), then give the pages back."""
+    seq = runner.new_sequence()
+    try:
+        if seq.kv is not None:
+            runner.cache.reserve(seq.kv, tokens)
+    finally:
+        runner.free(seq)
+
+
+def bench_decode(llm: LLM, ids: list[int], strategies: list[str], new: int, repeats: int,
+                 tick: Tick | None = None) -> list[Row]:
+    """Decode after the prompt ``ids``, one row per cache strategy."""
     params = SamplingParams(max_tokens=new, ignore_eos=True)
-    wbytes = weight_bytes(llm.model)
+    wbytes, label = weight_bytes(llm.model), weights_label(llm)
     rows = []
     for strat in strategies:
-        llm.cache_config = parse_kv_spec(strat)
-        llm.runner = ModelRunner(llm.model, llm.cache_config)
-        row = Row("kvcache", strat)
+        _runner(llm, strat)
+        row = Row("kvcache", label, strat, pair=llm.weights, tokens=len(ids))
         llm.generate([ids[:8]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         for _ in range(repeats):
             r = llm.generate([ids], params)[0]
@@ -80,48 +110,60 @@ def bench_kvcache(llm: LLM, strategies: list[str], new: int, repeats: int, progr
             row.ttft_s.append(r.prefill_s)
             kv = llm.config.kv_bytes_per_token() if strat != "none" else 0
             row.gb_s.append(step_bytes(wbytes, kv, len(ids), new) * r.decode_tok_s / 1e9)
-            if progress:
-                progress()
+            if tick:
+                tick()
         rows.append(row)
     return rows
 
 
-def bench_transformers(model_dir: str, ids: list[int], caches: list[str], new: int, repeats: int,
-                       progress=None) -> list[Row]:
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        return [Row("transformers", c, note="transformers not installed: skipped") for c in caches]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    wbytes = weight_bytes(model, model.get_output_embeddings().weight)
-    kv_per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * (
-        getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
-    ) * 4
-    input_ids = torch.tensor([ids])
+def bench_prefill(llm: LLM, prompts: dict[int, list[int]], repeats: int, tick: Tick | None = None) -> list[Row]:
+    """Prompt tokens per second of one runner step over a fresh sequence (dynamic fp32 cache),
+    one row per prompt length."""
+    runner = _runner(llm, "dynamic")
+    _pregrow(runner, max(prompts))
+    warm = runner.new_sequence()
+    runner.step([warm], [next(iter(prompts.values()))[:16]])  # warm-up
+    runner.free(warm)
     rows = []
-    for cache in caches:
-        kwargs: dict[str, object] = {"use_cache": cache != "none"}
-        if cache == "static":
-            kwargs["cache_implementation"] = "static"
-        row = Row("transformers", {"none": "use_cache=False", "dynamic": "DynamicCache", "static": "StaticCache"}[cache])
-        gen = dict(do_sample=False, pad_token_id=model.config.eos_token_id, **kwargs)
-        with torch.inference_mode():
-            model.generate(input_ids[:, :8], max_new_tokens=4, min_new_tokens=4, **gen)  # warm-up
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                model.generate(input_ids, max_new_tokens=1, min_new_tokens=1, **gen)
-                ttft = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                out = model.generate(input_ids, max_new_tokens=new, min_new_tokens=new, **gen)
-                total = time.perf_counter() - t0
-                made = out.shape[1] - input_ids.shape[1]
-                tok_s = (made - 1) / max(total - ttft, 1e-9)
-                row.tok_s.append(tok_s)
-                row.ttft_s.append(ttft)
-                kv = kv_per_token if cache != "none" else 0
-                row.gb_s.append(step_bytes(wbytes, kv, len(ids), new) * tok_s / 1e9)
-                if progress:
-                    progress()
+    for n, ids in prompts.items():
+        row = Row("kvcache", weights_label(llm), "dynamic", pair=llm.weights, test="prefill", tokens=n)
+        for _ in range(repeats):
+            seq = runner.new_sequence()
+            t0 = time.perf_counter()
+            runner.step([seq], [ids])
+            row.tok_s.append(n / (time.perf_counter() - t0))
+            runner.free(seq)
+            if tick:
+                tick()
         rows.append(row)
     return rows
+
+
+def bench_depth(llm: LLM, ids: list[int], spec: str, new: int, repeats: int, tick: Tick | None = None) -> Row:
+    """Decode ``new`` tokens after a context of ``len(ids)`` tokens held in a ``spec`` cache; the
+    context is prefilled once and kept, every repeat decodes from the same point."""
+    runner = _runner(llm, spec)
+    _pregrow(runner, len(ids) + new)
+    row = Row("kvcache", weights_label(llm), spec, pair=llm.weights, test="depth", tokens=len(ids))
+    from kvcache.engine.generate import RequestRun
+
+    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    seq = runner.new_sequence()
+    wbytes = weight_bytes(llm.model)
+    try:
+        for _ in range(repeats):
+            run = RequestRun(runner, llm.tokenizer, ids, params, seq=seq, keep_seq=True)
+            for _ in run:
+                pass
+            r = run.result
+            row.tok_s.append(r.decode_tok_s)
+            if r.cached_tokens == 0:
+                row.ttft_s.append(r.prefill_s)
+            st = r.kv_stats
+            kv = st.bytes_used / st.tokens_stored if st is not None and st.tokens_stored else 0.0
+            row.gb_s.append(step_bytes(wbytes, kv, len(ids), new) * r.decode_tok_s / 1e9)
+            if tick:
+                tick()
+    finally:
+        runner.free(seq)
+    return row

@@ -93,11 +93,29 @@ def _throughput(plt, data: dict[str, Any]):
 
 
 def _decode(plt, data: dict[str, Any]):
+    """One panel per test (decode, prefill at each length, decode at depth): tok/s per system."""
     rows = [r for r in data["results"] if r.get("tok_s")]
     if not rows:
         return None
-    return _bars(plt, [f"{r['system']} {r['cache']}" for r in rows], [r["tok_s"] for r in rows],
-                 "decode speed, batch 1", "new tokens / s")
+    tests = list(dict.fromkeys((r.get("test", "decode"), r.get("tokens", 0)) for r in rows))
+    fig, axes = plt.subplots(len(tests), 1, figsize=(8, sum(0.6 + 0.4 * len(_of(rows, t)) for t in tests)),
+                             squeeze=False)
+    for ax, t in zip(axes[:, 0], tests):
+        mine = _of(rows, t)
+        values = [r["tok_s"] for r in mine]
+        ax.barh(range(len(mine)), values, color=["#4477aa" if r["system"] == "kvcache" else "#aa7744" for r in mine])
+        ax.set_yticks(range(len(mine)), [f"{r['system']} {r.get('weights', '')} {r['cache']}" for r in mine])
+        ax.invert_yaxis()
+        name, n = t
+        ax.set_title({"decode": "decode, batch 1 (new tokens/s)", "prefill": f"prefill of {n} tokens (tokens/s)",
+                      "depth": f"decode after {n} tokens of context (new tokens/s)"}.get(name, name), fontsize=9)
+        for i, v in enumerate(values):
+            ax.text(v, i, f" {_num(v)}", va="center", fontsize=8)
+    return fig
+
+
+def _of(rows: list[dict[str, Any]], test: tuple[str, int]) -> list[dict[str, Any]]:
+    return [r for r in rows if (r.get("test", "decode"), r.get("tokens", 0)) == test]
 
 
 def _hf(plt, data: dict[str, Any]):

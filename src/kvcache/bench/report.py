@@ -1,4 +1,5 @@
-"""Benchmark reports: the machine and versions, the command, the terminal table, JSON and plots.
+"""Benchmark reports: the machine (CPU, SIMD features, kernel variant) and versions, the command,
+the terminal table, JSON and plots.
 
 ``kvcache bench SUITE --out DIR`` writes DIR/SUITE.json, DIR/SUITE.md (this report) and, for suites
 with a picture, DIR/SUITE.png. The terminal output is captured as it is printed (a tee) and kept
@@ -18,15 +19,11 @@ from typing import TextIO
 
 
 def machine() -> dict[str, str]:
-    """CPU model, cores, memory, OS, and the versions of every system compared."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    """CPU model, its SIMD features, the kernel variant, cores, memory, OS, and the versions of
+    every system compared."""
+    from kvcache.envinfo import FEATURES, cpu, kernel_variant
+
+    name, feats = cpu()
     mem = ""
     try:
         kb = int(next(ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal")).split()[1])
@@ -35,8 +32,10 @@ def machine() -> dict[str, str]:
         pass
     import torch
 
-    info = {"cpu": cpu, "cores available": str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                                else os.cpu_count()),
+    info = {"cpu": name, "cpu features": " ".join(feats) + f" (of {', '.join(FEATURES)})",
+            "kernel variant": kernel_variant(),
+            "cores available": str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                   else os.cpu_count()),
             "torch threads": str(torch.get_num_threads()), "memory": mem, "os": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__}
     for dist, label in (("kvcache", "kvcache"), ("transformers", "transformers"),

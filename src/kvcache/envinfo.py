@@ -1,0 +1,118 @@
+"""``kvcache env`` and ``kvcache --version``: the software and the host a run happens on.
+
+The host line names the CPU, which of the SIMD features kvcache's kernels care about it has, and
+the kernel variant this process loads (``kvcache.kernels.variant()``); benchmark reports print the
+same line, so a figure always says where it was taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+from importlib import metadata
+
+FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def version() -> str:
+    try:
+        return metadata.version("kvcache")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def cpu() -> tuple[str, list[str]]:
+    """(CPU model name, the FEATURES it has, in FEATURES' order)."""
+    from kvcache.kernels.build import cpu_info
+
+    name, flags = cpu_info()
+    return name, [f for f in FEATURES if f in flags]
+
+
+def kernel_variant() -> str:
+    """The kernel variant this process loads, ``off`` when KVCACHE_NO_KERNELS=1, or why none can be."""
+    if os.environ.get("KVCACHE_NO_KERNELS") == "1":
+        return "off (KVCACHE_NO_KERNELS=1)"
+    from kvcache import kernels
+
+    try:
+        return kernels.variant()
+    except RuntimeError as e:  # KVCACHE_KERNEL_VARIANT names one this CPU cannot run
+        return f"none ({e})"
+
+
+def host_line() -> str:
+    """``AMD EPYC · avx2 avx512f avx512_vnni · kernels avx512vnni``."""
+    name, feats = cpu()
+    return f"{name} · {' '.join(feats) or 'none of ' + '/'.join(FEATURES)} · kernels {kernel_variant()}"
+
+
+def version_line() -> str:
+    import torch
+
+    return f"kvcache {version()} · Python {platform.python_version()} · torch {torch.__version__} · {host_line()}"
+
+
+def _dist(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def report(check_build: bool = True) -> list[tuple[str, str]]:
+    """(name, value) pairs for ``kvcache env``; ``check_build`` loads (building once) a kernel."""
+    import torch
+
+    name, feats = cpu()
+    variant = kernel_variant()
+    if check_build and not variant.startswith(("off", "none")):
+        import warnings
+
+        from kvcache import kernels
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            built = kernels.qgemm() is not None
+        if not built:
+            variant += " (could not be built here: the torch path runs)"
+    from kvcache.models.paths import cache_home
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return [("kvcache", version()), ("python", f"{platform.python_version()} ({sys.executable})"),
+            ("torch", f"{torch.__version__} ({torch.get_num_threads()} threads)"), ("cpu", name),
+            ("cores available", str(cores)),
+            ("cpu features", " ".join(f"{f}{'' if f in feats else ' (no)'}" for f in FEATURES)),
+            ("kernel variant", variant), ("transformers", _dist("transformers")),
+            ("llama-cpp-python", _dist("llama_cpp_python")), ("cache home", str(cache_home())),
+            ("os", platform.platform())]
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    rows = report()
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+class VersionAction(argparse.Action):
+    """``--version``: the version and the host line, computed only when asked for."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        print(version_line())
+        parser.exit()
+
+
+def add_env_parser(parser: argparse.ArgumentParser, sub: argparse._SubParsersAction) -> None:
+    parser.add_argument("--version", action=VersionAction, help="print the version, Python, torch, the CPU and "
+                                                                "the kernel variant, and exit")
+    e = sub.add_parser("env", help="Python, torch, the CPU, its SIMD features and the kernel variant in use")
+    e.set_defaults(func=cmd_env)

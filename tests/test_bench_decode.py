@@ -1,0 +1,139 @@
+"""``kvcache bench decode``: kvcache under each weights mode beside its peers, each peer in a child
+process whose crash is a skipped row, never the benchmark's end."""
+
+from __future__ import annotations
+
+import json
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_kvcache
+
+from kvcache.bench import llamabench
+from kvcache.bench.child import run
+
+LLAMA_BIN = Path("/opt/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin")
+
+
+def _script(path: Path, body: str) -> Path:
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def _results(path: Path) -> dict[tuple[str, str, str], dict]:
+    rows = json.loads(path.read_text())["results"]
+    return {(r["system"], r["pair"], r["test"]): r for r in rows}
+
+
+@pytest.mark.slow
+def test_quick_gives_file_q8_and_fp32_rows(tmp_path):
+    out = tmp_path / "decode.json"
+    p = run_kvcache("bench", "decode", "--quick", "--json", str(out), timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows = data["results"]
+    ours = {(r["pair"], r["test"]): r for r in rows if r["system"] == "kvcache"}
+    assert set(ours) == {(w, t) for w in ("file", "q8", "fp32") for t in ("decode", "prefill")} | {("file", "depth")}
+    assert ours[("file", "decode")]["weights"] == "file (Q4_1)" and ours[("q8", "decode")]["weights"] == "q8"
+    for r in ours.values():
+        assert r["tok_s"] > 0 and r["tok_s_min"] <= r["tok_s"] <= r["tok_s_max"], r
+    assert ours[("file", "prefill")]["tokens"] == 512 and ours[("file", "prefill")]["seconds"] > 0
+    depth = ours[("file", "depth")]
+    assert depth["tokens"] == 512 and depth["cache"] == "int8" and depth["gb_s"] > 0
+    # the quantized weights read fewer bytes per step than fp32 (GB/s = bytes per step x tok/s)
+    per_step = {w: ours[(w, "decode")]["gb_s"] / ours[(w, "decode")]["tok_s"] for w in ("file", "q8", "fp32")}
+    assert per_step["file"] < per_step["q8"] < 0.3 * per_step["fp32"]
+    hf = [r for r in rows if r["system"] == "transformers"]
+    assert {(r["cache"], r["test"]) for r in hf} == {("DynamicCache", "decode"), ("DynamicCache", "prefill")}
+    assert all(r["tok_s"] > 0 and r["pair"] == "fp32" for r in hf)
+    assert any(x["kvcache"] == "fp32 dynamic" and x["peer"].startswith("transformers") and x["ratio"] > 0
+               for x in data["ratios"])
+    lcpp = [r for r in rows if r["system"] == "llama.cpp"]
+    assert {r["pair"] for r in lcpp} == {"file", "q8", "fp32"}  # measured, or skipped with the reason
+    assert all(r["tok_s"] or r["note"] for r in lcpp)
+    assert "kvcache / peer" in p.stdout and "host: " in p.stdout and data["meta"]["kernel_variant"]
+
+
+def test_a_crashing_llama_bench_is_a_skipped_row_naming_the_signal(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    _script(fake / "llama-bench", "kill -SEGV $$")
+    out = tmp_path / "decode.json"
+    p = run_kvcache("bench", "decode", "--weights", "file", "--peers", "llama.cpp", "--llama-cpp-bin", str(fake),
+                    "--new-tokens", "2", "--repeats", "1", "--prefill", "32", "--depth", "64", "--json", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = _results(out)
+    assert rows[("kvcache", "file", "decode")]["tok_s"] > 0  # kvcache's rows are all there
+    assert rows[("kvcache", "file", "depth")]["tok_s"] > 0 and rows[("kvcache", "file", "depth")]["tokens"] == 64
+    lcpp = [r for k, r in rows.items() if k[0] == "llama.cpp"]
+    assert {r["test"] for r in lcpp} == {"decode", "prefill", "depth"}
+    assert all(r["tok_s"] is None and r["note"] == "llama-bench crashed: SIGSEGV" for r in lcpp)
+    assert "llama-bench crashed: SIGSEGV" in p.stdout
+
+
+def test_child_outcomes_name_what_happened(tmp_path):
+    py = sys.executable
+    segv = run([py, "-c", "import ctypes; ctypes.string_at(0)"], "peer")
+    assert not segv.ok and segv.note == "peer crashed: SIGSEGV"
+    abort = run([py, "-c", "import os; os.abort()"], "peer")
+    assert abort.note == "peer crashed: SIGABRT"
+    failed = run([py, "-c", "import sys; sys.exit('model file is broken')"], "peer")
+    assert failed.note == "peer failed (exit 1): model file is broken"
+    slow = run([py, "-c", "import time; time.sleep(30)"], "peer", timeout=1)
+    assert slow.note == "peer ran past 1 s and was stopped"
+    talk = run([py, "-c", "print('loading'); print('{\"tok_s\": 5}')"], "peer")
+    assert talk.ok and talk.data == {"tok_s": 5}
+    assert run([str(tmp_path / "missing")], "peer").note.startswith("peer could not start")
+
+
+def test_a_crashing_llama_quantize_leaves_no_file(tmp_path):
+    _script(tmp_path / "llama-quantize", 'echo "writing $3" >&2; : > "$3"; kill -SEGV $$')
+    src = tmp_path / "model.Q4_1.gguf"
+    src.write_bytes(b"GGUF")
+    out = tmp_path / "model.Q8_0.gguf"
+    assert llamabench.convert(tmp_path, src, "Q8_0", out) == "llama-quantize crashed: SIGSEGV"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama-quantize", "model.Q4_1.gguf"]
+
+
+@pytest.mark.skipif(not (LLAMA_BIN / "llama-bench").is_file(), reason="llama.cpp's tools are not built here")
+def test_real_llama_bench_beside_kvcache(tmp_path):
+    out = tmp_path / "decode.json"
+    p = run_kvcache("bench", "decode", "--weights", "file,q8", "--peers", "llama.cpp", "--llama-cpp-bin",
+                    str(LLAMA_BIN), "--new-tokens", "4", "--repeats", "1", "--prefill", "64", "--depth", "128",
+                    "--threads", "1", "--json", str(out), timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["meta"]["llama_cpp"] == "llama-bench"
+    lcpp = {(r["pair"], r["test"]): r for r in data["results"] if r["system"] == "llama.cpp"}
+    assert set(lcpp) == {("file", "decode"), ("file", "prefill"), ("file", "depth"), ("q8", "decode"),
+                         ("q8", "prefill")}
+    assert all(r["tok_s"] > 0 and not r["note"] for r in lcpp.values()), lcpp
+    assert lcpp[("file", "decode")]["weights"] == "Q4_1 (as shipped)" and lcpp[("q8", "decode")]["weights"] == "Q8_0"
+    assert lcpp[("file", "depth")]["cache"] == "q8_0" and lcpp[("file", "decode")]["ttft_ms"] > 0
+    pairs = {(x["test"], x["kvcache"].split()[0], x["peer"].split()[1]) for x in data["ratios"]}
+    assert {("decode", "file", "Q4_1"), ("decode", "q8", "Q8_0"), ("depth", "file", "Q4_1")} <= pairs
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--weights", "q9"), "--weights: unknown mode 'q9'"),
+    (("--prefill", "abc"), "--prefill: 'abc' is not a number"),
+    (("--prefill", "9000"), "--prefill: 9000 tokens is outside 2..8192"),
+    (("--depth", "8191"), "--depth must be 0"),
+    (("--llama-cpp-bin", "/nonexistent/llama"), "--llama-cpp-bin /nonexistent/llama: not a folder"),
+    (("--peers", "vllm"), "unknown peer 'vllm'"),
+])
+def test_bad_decode_options_exit_2_in_one_line(args, message):
+    p = run_kvcache("bench", "decode", *args)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.startswith("kvcache: ") and message in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_a_folder_without_llama_bench_is_refused(tmp_path):
+    p = run_kvcache("bench", "decode", "--llama-cpp-bin", str(tmp_path))
+    assert p.returncode == 2 and "no executable llama-bench there" in p.stderr
+    p = run_kvcache("bench", "growth", "--llama-cpp-bin", str(tmp_path))
+    assert p.returncode == 2 and "--llama-cpp-bin does not apply to the growth suite" in p.stderr
