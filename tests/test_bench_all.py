@@ -45,9 +45,14 @@ def test_suites_measure_what_they_say(out):
     assert decode[("kvcache", "file", "prefill")]["tokens"] == 128 and decode[("kvcache", "file", "depth")]["tok_s"]
     runs = {(r["system"], r["cache"]): r for r in _rows(out, "cache-vs-none")["results"]}
     assert runs[("kvcache", "dynamic")]["tokens"] == 23 and runs[("kvcache", "none")]["tokens"] >= 1
-    mem = {(r["system"], r["cache"]): r for r in _rows(out, "memory")["results"]}
-    assert mem[("kvcache", "int4")]["kv_used"] < 0.7 * mem[("kvcache", "dynamic")]["kv_used"]
-    assert mem[("transformers", "DynamicCache")]["rss_peak"] > 0
+    memory = _rows(out, "memory")
+    mem = {(r["system"], r["weights"], r["cache"]): r for r in memory["results"]}
+    assert mem[("kvcache", "file", "int4")]["kv_used"] < 0.7 * mem[("kvcache", "file", "dynamic")]["kv_used"]
+    assert mem[("transformers", "fp32", "DynamicCache")]["rss_peak"] > 0
+    file, fp32 = mem[("kvcache", "file", "dynamic")], mem[("kvcache", "fp32", "dynamic")]
+    assert file["weight_bytes"] < 0.25 * fp32["weight_bytes"] and set(fp32["weight_kinds"]) == {"fp32"}
+    assert file["rss_loaded"] < fp32["rss_loaded"]
+    assert 0 < memory["meta"]["rss_torch_alone"] < file["rss_loaded"]
     prefix = _rows(out, "prefix")
     cases = {r["case"]: r for r in prefix["results"]}
     cold, warm = cases["kvcache cold (prefill all)"], cases["kvcache warm (RAM radix)"]
@@ -63,7 +68,9 @@ def test_suites_measure_what_they_say(out):
     shared, own = prefix["chat"]
     assert shared["hit_rate"] > own["hit_rate"] > 0  # sessions share the system prompt
     tp = {r["system"]: r for r in _rows(out, "throughput")["results"]}
-    assert tp["kvcache continuous batching"]["new_tokens"] == 4 * 8
+    for weights in ("file (Q4_1)", "fp32"):  # the quantized weights beside fp32, the same requests
+        assert tp[f"kvcache continuous batching, {weights} weights"]["new_tokens"] == 4 * 8
+    assert {r["weights"] for r in _rows(out, "throughput")["ratios"]} == {"file", "fp32"}
     assert tp["transformers generate, padded batch"]["new_tokens"] == 4 * 8
     hf = {(r["system"], r["cache"]): r for r in _rows(out, "hf")["results"]}
     ours, theirs = hf[("kvcache.hf", "dynamic")], hf[("transformers", "DynamicCache")]

@@ -14,7 +14,10 @@ PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
 
 def cmd_cache_vs_none(args: argparse.Namespace) -> int:
+    from kvcache.bench.cli import one_weights
+
     quick = args.quick
+    weights = one_weights(args)
     new = args.new_tokens if args.new_tokens is not None else (64 if quick else 1000)
     budget = args.time_budget if args.time_budget is not None else (10.0 if quick else 120.0)
     size = 16 if quick else 100
@@ -36,7 +39,7 @@ def cmd_cache_vs_none(args: argparse.Namespace) -> int:
     from kvcache.engine.llm import LLM
     from kvcache.models.loading import fp32_folder
 
-    llm = LLM(args.model, threads=args.threads, prefix=False)
+    llm = LLM(args.model, threads=args.threads, prefix=False, weights=weights)
     ids = llm.encode(PROMPT, chat=True)
     bar = tqdm(total=(2 + len(peers)) * (new - 1), desc="bench cache-vs-none", unit="tok", file=sys.stderr)
     # the time budget bounds the runs without a cache; those with one always finish
@@ -50,9 +53,9 @@ def cmd_cache_vs_none(args: argparse.Namespace) -> int:
                                     bar.update) for p in peers]
     bar.close()
     results = [r.summary(size, new - 1) for r in runs]
-    print(f"\ncache-vs-none: {llm.model_name}, greedy, {new} new tokens after a {len(ids)}-token prompt, fp32, "
-          f"{torch.get_num_threads()} threads; mean ms per new token in each {size}-token stretch "
-          f"(runs without a cache stop after {budget:.0f} s)")
+    print(f"\ncache-vs-none: {llm.model_name}, greedy, {new} new tokens after a {len(ids)}-token prompt, "
+          f"{llm.weights} weights, {torch.get_num_threads()} threads; mean ms per new token in each {size}-token "
+          f"stretch (runs without a cache stop after {budget:.0f} s)")
     names = [f"{r['system']} {r['cache']}" for r in results]
     print(f"{'tokens':<11} " + " ".join(f"{n:>26}" for n in names))
     for b in range(len(results[0]["ms_per_token"])):  # type: ignore[arg-type]
@@ -70,6 +73,7 @@ def cmd_cache_vs_none(args: argparse.Namespace) -> int:
         if r["stopped"]:
             print(f"{r['system']} {r['cache']}: {r['stopped']}")
     if args.json:
-        meta = _meta(model=llm.model_name, new_tokens=new, prompt_tokens=len(ids), bucket=size, time_budget_s=budget)
+        meta = _meta(model=llm.model_name, weights=llm.weights, new_tokens=new, prompt_tokens=len(ids), bucket=size,
+                     time_budget_s=budget)
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     return 0

@@ -13,7 +13,10 @@ from kvcache.errors import InvalidParams
 
 
 def cmd_prefix(args: argparse.Namespace) -> int:
+    from kvcache.bench.cli import one_weights
+
     quick = args.quick
+    weights = one_weights(args)
     system_tokens = args.system_tokens if args.system_tokens is not None else (256 if quick else 2000)
     repeats = args.repeats if args.repeats is not None else (2 if quick else 5)
     new = args.new_tokens if args.new_tokens is not None else (8 if quick else 24)
@@ -33,7 +36,7 @@ def cmd_prefix(args: argparse.Namespace) -> int:
     from kvcache.models.loading import fp32_folder
     from kvcache.prefix.redis_local import local_redis
 
-    llm = LLM(args.model, threads=args.threads, prefix=False)
+    llm = LLM(args.model, threads=args.threads, prefix=False, weights=weights)
     system = system_text(llm, system_tokens)
     bar = tqdm(total=5 * repeats + sessions * turns * 2, desc="bench prefix", file=sys.stderr)
     with (nullcontext(args.redis) if args.redis else local_redis()) as url:
@@ -45,7 +48,8 @@ def cmd_prefix(args: argparse.Namespace) -> int:
     by = {r["case"]: r["ttft_ms"] for r in rows}
     cold = rows[0]["ttft_ms"]
     print(f"\nprefix: {llm.model_name}, shared system prompt of {system_tokens} tokens of English text + a short "
-          f"question, batch 1, fp32, {torch.get_num_threads()} threads; time to first token, median of {repeats}")
+          f"question, batch 1, {llm.weights} weights, {torch.get_num_threads()} threads; time to first token, "
+          f"median of {repeats}")
     print(f"{'case':<34} {'TTFT ms':>9} {'min-max':>15} {'reused tok':>10} {'cold/this':>9}")
     for r in rows:
         if r["ttft_ms"] is None:
@@ -73,7 +77,7 @@ def cmd_prefix(args: argparse.Namespace) -> int:
         print(f"{c['case']:<38} {c['hit_rate']:>8.1%} {_fmt(c['ttft_ms_p50'], '.0f'):>11} "
               f"{_fmt(c['ttft_ms_max'], '.0f'):>11} {c['ttft_s_total']:>10.2f}")
     if args.json:
-        meta = _meta(model=llm.model_name, system_tokens=system_tokens, repeats=repeats, sessions=sessions,
-                     turns=turns, new_tokens=new)
+        meta = _meta(model=llm.model_name, weights=llm.weights, system_tokens=system_tokens, repeats=repeats,
+                     sessions=sessions, turns=turns, new_tokens=new)
         Path(args.json).write_text(json.dumps({"meta": meta, "results": rows, "chat": results_chat}, indent=2))
     return 0

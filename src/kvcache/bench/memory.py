@@ -1,12 +1,16 @@
 """Memory benchmark: resident memory and KV bytes per strategy, each in a fresh process.
 
-Each run loads the model in its own process (so peaks do not mix), records the resident set after
-loading, then runs one request (a prompt of ``context`` tokens of English text and ``new`` tokens)
+Each run loads the model in its own process (so peaks do not mix) with one weights mode, records
+the resident set after loading and the weights' bytes by kind, then runs one request (a prompt of ``context`` tokens of English text and ``new`` tokens)
 while a thread samples the resident set every few milliseconds; the peak during the request minus
 the resident set after loading is what the request cost. KV bytes come from the cache itself
 (kvcache's accounting; transformers' cache tensors).
 
-Run as ``python -m kvcache.bench.memory SYSTEM CACHE CONTEXT NEW [MODEL]``; prints one JSON line.
+A baseline process that only imports torch tells what the interpreter and torch hold before any
+model: the rest of ``RSS loaded`` is the model (its weights, tokenizer, kernels).
+
+Run as ``python -m kvcache.bench.memory SYSTEM CACHE CONTEXT NEW WEIGHTS [MODEL]``; prints one JSON
+line.
 """
 
 from __future__ import annotations
@@ -54,18 +58,21 @@ def _prompt_ids(tokenizer_encode, context: int) -> list[int]:
     return tokenizer_encode(builtin_text())[:context]
 
 
-def probe_kvcache(spec: str, context: int, new: int, model: str | None) -> dict[str, object]:
+def probe_kvcache(spec: str, context: int, new: int, model: str | None, weights: str) -> dict[str, object]:
+    from kvcache.bench.decode import weights_label
     from kvcache.engine.llm import LLM
     from kvcache.engine.params import SamplingParams
 
-    llm = LLM(model, kv=spec, prefix=False)
+    llm = LLM(model, kv=spec, prefix=False, weights=weights)
     ids = _prompt_ids(llm.tokenizer.encode, context)
     loaded = rss_bytes()
     with PeakRss() as peak:
         r = llm.generate([ids], SamplingParams(max_tokens=new, ignore_eos=True))[0]
     st = r.kv_stats
     return {"rss_loaded": loaded, "rss_peak": peak.peak, "kv_used": st.bytes_used if st else 0,
-            "kv_allocated": st.bytes_allocated if st else 0, "tokens": len(ids) + len(r.token_ids)}
+            "kv_allocated": st.bytes_allocated if st else 0, "tokens": len(ids) + len(r.token_ids),
+            "weights": weights_label(llm), "weight_kinds": llm.model.weight_kinds(),
+            "weight_bytes": llm.model.weight_bytes(), "load_s": llm.load_s}
 
 
 def probe_transformers(cache: str, context: int, new: int, model: str | None) -> dict[str, object]:
@@ -89,7 +96,8 @@ def probe_transformers(cache: str, context: int, new: int, model: str | None) ->
             if isinstance(t, torch.Tensor):
                 kv += t.numel() * t.element_size()
     return {"rss_loaded": loaded, "rss_peak": peak.peak, "kv_used": kv, "kv_allocated": kv,
-            "tokens": out.sequences.shape[1]}
+            "tokens": out.sequences.shape[1], "weights": "fp32",
+            "weight_bytes": sum(p.numel() * p.element_size() for p in hf.parameters())}
 
 
 @dataclass
@@ -97,41 +105,57 @@ class Row:
     system: str
     cache: str
     context: int
+    weights: str = "fp32"  # the mode asked for (the result says what was loaded)
     result: dict[str, object] | None = None
     note: str = ""
 
     def summary(self) -> dict[str, object]:
         r = self.result or {}
         extra = (int(r["rss_peak"]) - int(r["rss_loaded"])) if r else None  # type: ignore[call-overload]
-        return {"system": self.system, "cache": self.cache, "context": self.context, **r,
+        return {"system": self.system, "cache": self.cache, "context": self.context, "weights": self.weights, **r,
                 "request_peak": extra, "note": self.note}
 
 
-def run_probe(system: str, cache: str, context: int, new: int, model: str | None, threads: int | None) -> Row:
-    row = Row(system, cache, context)
-    cmd = [sys.executable, "-m", "kvcache.bench.memory", system, cache, str(context), str(new)] + ([model] if model else [])
+def run_probe(system: str, cache: str, context: int, new: int, model: str | None, threads: int | None,
+              weights: str = "fp32") -> Row:
+    from kvcache.bench.child import run
+
+    row = Row(system, cache, context, weights)
+    cmd = [sys.executable, "-m", "kvcache.bench.memory", system, cache, str(context), str(new), weights]
     env = dict(os.environ)
     if threads:
         env["KVCACHE_THREADS"] = str(threads)
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if p.returncode != 0 or not lines:
-        tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
-        row.note = f"failed: {tail[:160]}"
+    out = run(cmd + ([model] if model else []), f"{system} probe", env=env)
+    if not out.ok:
+        row.note = out.note
         return row
-    row.result = json.loads(lines[-1])
+    row.result = out.data
     return row
 
 
+TORCH_ALONE = ("import os, torch; "
+               "print(int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE'))")
+
+
+def torch_baseline() -> int | None:
+    """Resident bytes of a fresh ``python -c "import torch"`` (None when it cannot be measured)."""
+    p = subprocess.run([sys.executable, "-c", TORCH_ALONE], capture_output=True, text=True, timeout=600)
+    try:
+        return int(p.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return None
+
+
 def main(argv: list[str]) -> int:
-    system, cache, context, new = argv[0], argv[1], int(argv[2]), int(argv[3])
-    model = argv[4] if len(argv) > 4 else None
+    system, cache, context, new, weights = argv[0], argv[1], int(argv[2]), int(argv[3]), argv[4]
+    model = argv[5] if len(argv) > 5 else None
     threads = os.environ.get("KVCACHE_THREADS")
     if threads:
         import torch
 
         torch.set_num_threads(int(threads))
-    res = probe_kvcache(cache, context, new, model) if system == "kvcache" else probe_transformers(cache, context, new, model)
+    res = (probe_kvcache(cache, context, new, model, weights) if system == "kvcache"
+           else probe_transformers(cache, context, new, model))
     print(json.dumps(res))
     return 0
 

@@ -1,10 +1,11 @@
 """Throughput benchmark: many requests at once, kvcache's continuous batching against transformers.
 
-Same prompts (distinct slices of real English text, lengths spread evenly over a range), same fp32
-weights, same number of new tokens per request (EOS ignored), same thread count. Systems:
+Same prompts (distinct slices of real English text, lengths spread evenly over a range), same
+number of new tokens per request (EOS ignored), same thread count. Systems:
 
 - kvcache: every request submitted at t0, served by the scheduler (continuous batching, chunked
-  prefill over the paged cache);
+  prefill over the paged cache), once per weights mode (the GGUF's own quantized types, fp32: the
+  weights transformers runs);
 - transformers ``generate`` one request at a time;
 - transformers ``generate`` on one left-padded batch of all requests;
 - transformers ``generate_batch`` (its own continuous batching), when it runs here.
@@ -34,6 +35,7 @@ class Result:
     ttft_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
     note: str = ""
+    weights: str = "fp32"  # how the weights were held (transformers: fp32)
 
     def summary(self) -> dict[str, object]:
         def pct(xs: list[float], q: float) -> float | None:
@@ -42,7 +44,7 @@ class Result:
             xs = sorted(xs)
             return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
-        return {"system": self.system, "wall_s": self.wall_s or None, "new_tokens": self.new_tokens,
+        return {"system": self.system, "weights": self.weights, "wall_s": self.wall_s or None, "new_tokens": self.new_tokens,
                 "tok_s": self.new_tokens / self.wall_s if self.wall_s else None,
                 "ttft_p50_s": pct(self.ttft_s, 0.5), "ttft_p99_s": pct(self.ttft_s, 0.99),
                 "tpot_p50_ms": None if not self.tpot_s else pct(self.tpot_s, 0.5) * 1000,  # type: ignore[operator]
@@ -66,8 +68,9 @@ def make_prompts(llm: LLM, count: int, shortest: int, longest: int) -> list[list
     return out
 
 
-def bench_kvcache(llm: LLM, prompts: list[list[int]], new: int, config: SchedulerConfig) -> Result:
-    res = Result("kvcache continuous batching")
+def bench_kvcache(llm: LLM, prompts: list[list[int]], new: int, config: SchedulerConfig, label: str) -> Result:
+    res = Result(f"kvcache continuous batching, {label}")
+    res.weights = llm.weights
     params = SamplingParams(max_tokens=new, ignore_eos=True)
     llm.generate_batch([p[:8] for p in prompts[:2]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     llm.clear_prefix_cache()
@@ -172,12 +175,22 @@ def bench_hf_generate_batch(model, prompts: list[list[int]], new: int, tick: Cal
     return res
 
 
-def ratios(results: list[dict[str, object]]) -> dict[str, float | None]:
-    """kvcache's throughput against the sequential and the best batched transformers figure."""
+def ratios(results: list[dict[str, object]]) -> list[dict[str, object]]:
+    """Each kvcache row's throughput against transformers one at a time, its best batched mode, and
+    kvcache's own fp32 row."""
     tok = {str(r["system"]): r["tok_s"] for r in results}
-    ours = tok.get("kvcache continuous batching")
     seq = tok.get("transformers generate, one at a time")
     batched = [v for k, v in tok.items() if k.startswith("transformers") and "one at a time" not in k and v]
     best = max(batched) if batched else None  # type: ignore[type-var]
-    return {"vs_sequential": ours / seq if ours and seq else None,  # type: ignore[operator]
-            "vs_best_batched": ours / best if ours and best else None}  # type: ignore[operator]
+    fp32 = next((r["tok_s"] for r in results if str(r["system"]).startswith("kvcache") and r["weights"] == "fp32"),
+                None)
+    out = []
+    for r in results:
+        ours = r["tok_s"]
+        if not str(r["system"]).startswith("kvcache") or not ours:
+            continue
+        out.append({"system": r["system"], "weights": r["weights"],
+                    "vs_sequential": ours / seq if seq else None,  # type: ignore[operator]
+                    "vs_best_batched": ours / best if best else None,  # type: ignore[operator]
+                    "vs_fp32": ours / fp32 if fp32 else None})  # type: ignore[operator]
+    return out
