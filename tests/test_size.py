@@ -77,3 +77,47 @@ def test_gguf_metadata_gives_the_same_answer():
     _, known = load_model_config("SmolLM2-135M")
     spec = parse_kv_spec("int8")
     assert kv_size(from_gguf, spec, 2000).bytes_total == kv_size(known, spec, 2000).bytes_total
+
+
+def test_weight_bytes_by_hand_and_per_mode():
+    from kvcache.inspect.weight_size import parameter_groups, weight_size
+
+    _, llama3 = load_model_config("Llama-3-8B")
+    proj, rest, embed = parameter_groups(llama3)
+    assert proj + rest == 8_030_261_248  # the published parameter count
+    assert embed == 128256 * 4096  # untied: the input table stays fp32 when projections are quantized
+    sizes = weight_size(llama3).by_mode
+    assert sizes["fp32"] == 4 * (proj + rest)
+    assert sizes["q8"] == round(proj * 34 / 32) + 4 * rest and sizes["q4"] == round(proj * 20 / 32) + 4 * rest
+    _, gemma = load_model_config("Gemma-3-27B")  # tied: no separate input table
+    assert parameter_groups(gemma)[2] == 0
+
+
+@pytest.mark.slow
+def test_weights_counted_as_the_loaded_model_holds_them(smollm, smollm_q):
+    from kvcache import LLM
+    from kvcache.inspect.weight_size import weight_size
+    from kvcache.models.bundled import default_gguf
+
+    gguf = default_gguf()
+    _, cfg = load_model_config(str(gguf))
+    sizes = weight_size(cfg, gguf)
+    assert sizes.file_kinds == {"Q4_1": 66355200, "Q8_0": 30081024, "F32": 140544}  # the file's own tensors
+    q8 = LLM(weights="q8", prefix=False)
+    for mode, llm in (("fp32", smollm), ("file", smollm_q), ("q8", q8)):
+        assert abs(sizes.by_mode[mode] - llm.model.weight_bytes()) < 0.002 * llm.model.weight_bytes(), mode
+
+
+def test_size_counts_the_weights_out_of_a_budget():
+    r = run_kvcache("size", "Llama-3-8B", "--budget", "16", "--weights", "q8", "--kv", "fp16", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "8.03 B parameters: fp32 29.9 GiB · q8 9.4 GiB · q4 6.3 GiB" in r.stdout
+    assert "KV budget: 16 GiB less q8 weights = 6.6 GiB" in r.stdout
+    row = next(line for line in r.stdout.splitlines() if line.startswith("fp16 "))
+    assert row.split()[-1] == "6"  # 1 GiB of fp16 KV per 8192-token sequence: 6 fit in 6.6 GiB
+    for args, message in ((("--budget", "16", "--weights", "q4", "Llama-3-70B"), "q4 weights take 44.4 GiB"),
+                          (("--weights", "file", "--budget", "16", "Llama-3-8B"), "--weights file needs a GGUF"),
+                          (("--weights", "q8", "Llama-3-8B"), "give --budget GiB too")):
+        bad = run_kvcache("size", *args, timeout=120)
+        assert bad.returncode == 2 and bad.stdout == "" and message in bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1

@@ -1,4 +1,4 @@
-"""``kvcache size``: the KV size calculator on the command line."""
+"""``kvcache size``: the KV size calculator on the command line, with the weights beside it."""
 
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ def add_size_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--kv", default=DEFAULT_SPECS,
                    help=f"cache specs separated by ';' (default {DEFAULT_SPECS!r}), e.g. 'fp16;int4,window=4096'")
     s.add_argument("--budget", type=float, default=None, help="memory budget in GiB: longest context and largest batch")
+    s.add_argument("--weights", default=None, choices=("file", "fp32", "q8", "q4"),
+                   help="with --budget: the weights, held this way, come out of the budget first (file: a GGUF's "
+                        "own types; needs a GGUF file)")
     s.set_defaults(func=cmd_size)
 
 
@@ -37,12 +40,22 @@ def cmd_size(args: argparse.Namespace) -> int:
             raise InvalidParams(f"--kv {s!r}: the 'none' strategy keeps no cache to size")
     if args.budget is not None and args.budget <= 0:
         raise InvalidParams(f"--budget must be a positive number of GiB, got {args.budget}")
+    if args.weights is not None and args.budget is None:
+        raise InvalidParams("--weights says what comes out of a --budget: give --budget GiB too")
     name, model = load_model_config(args.model)
     context = args.context if args.context is not None else model.max_position
     if context < 1 or args.batch < 1:
         raise InvalidParams(f"--context and --batch must be at least 1 (got {context} and {args.batch})")
     sliding = sum(w is not None for w in model.layer_windows)
+    weights = _weights(args, model)
     budget = int(args.budget * 2**30) if args.budget is not None else None
+    if budget is not None and args.weights is not None:
+        assert weights is not None
+        held = weights.by_mode[args.weights]
+        if held >= budget:
+            raise InvalidParams(f"{args.weights} weights take {human_bytes(held)}: nothing of a {args.budget:g} GiB "
+                                "budget is left for the KV cache")
+        budget -= held
     fp32 = kv_size(model, parse_kv_spec("dynamic"), context, args.batch).bytes_total
     rows = []  # computed before anything is printed: a bad budget is one line, no half table
     for s, c in configs:
@@ -56,6 +69,12 @@ def cmd_size(args: argparse.Namespace) -> int:
         rows.append(row)
     print(f"{name}: {model.num_layers} layers ({sliding} sliding), {model.num_kv_heads} KV heads x "
           f"{model.head_dim}, context {context}, batch {args.batch}")
+    if weights is not None:
+        from kvcache.inspect.weight_size import describe
+
+        print(f"weights: {describe(weights, human_bytes)}")
+    if budget is not None and args.weights is not None:
+        print(f"KV budget: {args.budget:g} GiB less {args.weights} weights = {human_bytes(budget)}")
     head = f"{'kv':<24} {'B/token':>10} {'KV':>11} {'vs fp32':>8}"
     if budget is not None:
         head += f" {'longest context':>16} {'largest batch':>14}"
@@ -64,3 +83,19 @@ def cmd_size(args: argparse.Namespace) -> int:
     print("B/token: the cache's bytes at this context per token held (windows keep fewer tokens); "
           "'+': every layer keeps a window, so any length fits")
     return 0
+
+
+def _weights(args: argparse.Namespace, model):  # -> WeightSize | None
+    """The weights' bytes per mode (None when the config lacks what they depend on)."""
+    from pathlib import Path
+
+    from kvcache.inspect.weight_size import weight_size
+
+    gguf = Path(str(args.model)) if args.model and str(args.model).endswith(".gguf") else None
+    if args.weights == "file" and gguf is None:
+        raise InvalidParams("--weights file needs a GGUF file as the model (its own types are what file holds)")
+    if model.intermediate_size <= 1:  # a config.json without the MLP's size
+        if args.weights is not None:
+            raise InvalidParams("--weights: this config has no intermediate_size, so its weights cannot be counted")
+        return None
+    return weight_size(model, gguf)
