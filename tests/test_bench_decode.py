@@ -3,8 +3,11 @@ process whose crash is a skipped row, never the benchmark's end."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -75,6 +78,27 @@ def test_a_crashing_llama_bench_is_a_skipped_row_naming_the_signal(tmp_path):
     assert "llama-bench crashed: SIGSEGV" in p.stdout
 
 
+def test_a_crashing_llama_cpp_python_is_a_skipped_row_naming_the_signal(tmp_path):
+    """The llama-cpp-python kind: its child dies of a segfault in native code when it loads the
+    library (here a package named llama_cpp that dereferences NULL); the parent never loaded it."""
+    pkg = tmp_path / "llama_cpp"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import ctypes\nctypes.string_at(0)\n")
+    out = tmp_path / "decode.json"
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    env.pop("KVCACHE_LLAMA_CPP_BIN", None)
+    p = subprocess.run([sys.executable, "-m", "kvcache", "bench", "decode", "--weights", "file", "--peers", "llama.cpp",
+                        "--new-tokens", "2", "--repeats", "1", "--prefill", "", "--depth", "0", "--json", str(out)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    data = json.loads(out.read_text())
+    if data["meta"]["llama_cpp"] == "llama-bench":
+        pytest.skip("`make llamacpp`'s llama-bench is installed: it is the peer, not llama-cpp-python")
+    rows = _results(out)
+    assert rows[("kvcache", "file", "decode")]["tok_s"] > 0
+    assert rows[("llama.cpp", "file", "decode")]["note"] == "llama-cpp-python crashed: SIGSEGV"
+
+
 def test_child_outcomes_name_what_happened(tmp_path):
     py = sys.executable
     segv = run([py, "-c", "import ctypes; ctypes.string_at(0)"], "peer")
@@ -116,6 +140,22 @@ def test_real_llama_bench_beside_kvcache(tmp_path):
     assert lcpp[("file", "depth")]["cache"] == "q8_0" and lcpp[("file", "decode")]["ttft_ms"] > 0
     pairs = {(x["test"], x["kvcache"].split()[0], x["peer"].split()[1]) for x in data["ratios"]}
     assert {("decode", "file", "Q4_1"), ("decode", "q8", "Q8_0"), ("depth", "file", "Q4_1")} <= pairs
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+def test_real_llama_cpp_python_beside_kvcache(tmp_path):
+    out = tmp_path / "decode.json"
+    env = dict(os.environ)
+    env.pop("KVCACHE_LLAMA_CPP_BIN", None)
+    p = subprocess.run([sys.executable, "-m", "kvcache", "bench", "decode", "--weights", "file", "--peers",
+                        "llama.cpp", "--new-tokens", "4", "--repeats", "1", "--prefill", "64", "--depth", "128",
+                        "--threads", "1", "--json", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    data = json.loads(out.read_text())
+    if data["meta"]["llama_cpp"] == "llama-bench":
+        pytest.skip("`make llamacpp`'s llama-bench is installed: it is the peer, not llama-cpp-python")
+    lcpp = {r["test"]: r for r in data["results"] if r["system"] == "llama.cpp"}
+    assert set(lcpp) == {"decode", "prefill", "depth"} and all(r["tok_s"] > 0 for r in lcpp.values()), lcpp
 
 
 @pytest.mark.parametrize("args, message", [

@@ -95,9 +95,6 @@ def run_module(module: str, request: dict[str, Any], label: str, timeout: float 
 def child_main(handler) -> int:  # handler: (request dict) -> JSON-able result
     """The child's side: read a JSON request from stdin, print the handler's result as one JSON line."""
     request = json.loads(sys.stdin.read() or "{}")
-    threads = request.get("threads")
-    if threads:
-        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     result = handler(request)
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()

@@ -24,7 +24,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--repeats", type=int, default=None,
                    help="timed runs per system (default: decode 3, context 2, growth 1)")
     b.add_argument("--kv", default=None,
-                   help="kvcache specs, comma-separated (default: decode dynamic,static; "
+                   help="kvcache specs, comma-separated (default: decode dynamic; "
                         f"context {DEFAULT_SPECS}); in context, key=value items belong to the spec before "
                         "them (int8,sinks=4,window=1024 is one spec) and ';' separates specs explicitly")
     b.add_argument("--peers", default=None,

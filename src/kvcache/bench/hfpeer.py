@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from kvcache.bench.child import child_main, run_module
-from kvcache.bench.decode import Row, Tick, step_bytes
+from kvcache.bench.rows import Row, Tick, step_bytes
 
 CACHES = {"none": "use_cache=False", "dynamic": "DynamicCache", "static": "StaticCache"}
 

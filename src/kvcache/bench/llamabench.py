@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcache.bench.child import run
-from kvcache.bench.decode import Row, step_bytes
+from kvcache.bench.rows import Row, step_bytes
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.bench.child import child_main, run_module
-from kvcache.bench.decode import Row, step_bytes
+from kvcache.bench.rows import Row, step_bytes
 from kvcache.bench.llamabench import Work, expected
 
 FTYPES = {"F32": 0, "Q8_0": 7, "Q4_1": 3}  # llama_ftype values

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from kvcache.bench import llamabench, llamacpp
-from kvcache.bench.decode import Row, Tick
+from kvcache.bench.rows import Row, Tick
 from kvcache.bench.llamabench import Work
 from kvcache.errors import InvalidParams
 
