@@ -64,10 +64,11 @@ class QWeight:
             raise ModelLoadError(f"a quantized weight needs a multiple of 32 inputs, got {k}")
         self.fmt, self.out, self.k = fmt, out, k
         g, nb, ns = -(-out // 8), k // 32, _NS[fmt]
-        self.qs = torch.zeros(g, nb, 128 if _NIBBLES[fmt] else 256, dtype=torch.uint8)  # [G, nb, QB]
-        dt = torch.float16 if _F16[fmt] else torch.float32
-        self.d = torch.zeros(g, nb, ns, 8, dtype=dt)  # [G, nb, NS, 8] scales
-        self.m = None if _SIGNED[fmt] else torch.zeros(g, nb, ns, 8, dtype=dt)  # minimums
+        # zeroed by the allocator (calloc), not by a parallel fill: loading stays quick on a busy machine
+        self.qs = torch.from_numpy(np.zeros((g, nb, 128 if _NIBBLES[fmt] else 256), np.uint8))  # [G, nb, QB]
+        dt = np.float16 if _F16[fmt] else np.float32
+        self.d = torch.from_numpy(np.zeros((g, nb, ns, 8), dt))  # [G, nb, NS, 8] scales
+        self.m = None if _SIGNED[fmt] else torch.from_numpy(np.zeros((g, nb, ns, 8), dt))  # minimums
         self.in_scale = in_scale  # [K] fp32 or None
         self._fn, self._ptrs, self._scale_ptr = None, (), None  # set by seal()
 
