@@ -158,22 +158,24 @@ def test_real_llama_cpp_python_beside_kvcache(tmp_path):
     assert set(lcpp) == {"decode", "prefill", "depth"} and all(r["tok_s"] > 0 for r in lcpp.values()), lcpp
 
 
-@pytest.mark.parametrize("args, message", [
+BAD = [
     (("--weights", "q9"), "--weights: unknown mode 'q9'"),
     (("--prefill", "abc"), "--prefill: 'abc' is not a number"),
     (("--prefill", "9000"), "--prefill: 9000 tokens is outside 2..8192"),
     (("--depth", "8191"), "--depth must be 0"),
     (("--llama-cpp-bin", "/nonexistent/llama"), "--llama-cpp-bin /nonexistent/llama: not a folder"),
     (("--peers", "vllm"), "unknown peer 'vllm'"),
-])
-def test_bad_decode_options_exit_2_in_one_line(args, message):
-    p = run_kvcache("bench", "decode", *args)
-    assert p.returncode == 2 and p.stdout == ""
-    assert p.stderr.startswith("kvcache: ") and message in p.stderr and len(p.stderr.strip().splitlines()) == 1
+]
 
 
-def test_a_folder_without_llama_bench_is_refused(tmp_path):
-    p = run_kvcache("bench", "decode", "--llama-cpp-bin", str(tmp_path))
-    assert p.returncode == 2 and "no executable llama-bench there" in p.stderr
-    p = run_kvcache("bench", "growth", "--llama-cpp-bin", str(tmp_path))
-    assert p.returncode == 2 and "--llama-cpp-bin does not apply to the growth suite" in p.stderr
+def test_bad_decode_options_exit_2_in_one_line(tmp_path, capsys):
+    from kvcache.cli import main
+
+    p = run_kvcache("bench", "decode", *BAD[0][0])  # as a user runs it: status 2, one line, nothing on stdout
+    assert p.returncode == 2 and p.stdout == "" and p.stderr == f"kvcache: {BAD[0][1]}; choose from file, fp32, q8, q4\n"
+    for args, message in [*BAD[1:], (("--llama-cpp-bin", str(tmp_path)), "no executable llama-bench there")]:
+        assert main(["bench", "decode", *args]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith("kvcache: ") and message in err and len(err.strip().splitlines()) == 1
+    assert main(["bench", "growth", "--llama-cpp-bin", str(tmp_path)]) == 2
+    assert "--llama-cpp-bin does not apply to the growth suite" in capsys.readouterr().err

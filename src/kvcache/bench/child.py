@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,7 +93,7 @@ def run_module(module: str, request: dict[str, Any], label: str, timeout: float 
     return run([sys.executable, "-m", module], label, stdin=json.dumps(request), timeout=timeout)
 
 
-def child_main(handler) -> int:  # handler: (request dict) -> JSON-able result
+def child_main(handler: Callable[[dict[str, Any]], object]) -> int:
     """The child's side: read a JSON request from stdin, print the handler's result as one JSON line."""
     request = json.loads(sys.stdin.read() or "{}")
     result = handler(request)

@@ -10,13 +10,15 @@ import time
 from kvcache.bench.rows import Row, Tick, step_bytes
 from kvcache.engine.llm import LLM
 from kvcache.engine.params import SamplingParams
+from kvcache.engine.runner import ModelRunner
+from kvcache.models.base import CausalLM
 
 __all__ = ["PROMPT", "Row", "Tick", "bench_decode", "bench_depth", "bench_prefill", "step_bytes", "weight_bytes"]
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def weight_bytes(model) -> int:  # model: kvcache's CausalLM
+def weight_bytes(model: CausalLM) -> int:
     """Bytes of weights one decode step reads (CausalLM.step_weight_bytes: quantized weights at
     their own size, input embedding tables not counted)."""
     return int(model.step_weight_bytes())
@@ -31,20 +33,19 @@ def weights_label(llm: LLM) -> str:
     return f"file ({kind})" if kind else "file"
 
 
-def _runner(llm: LLM, spec: str):
+def _runner(llm: LLM, spec: str) -> ModelRunner:
     from kvcache.config import parse_kv_spec
-    from kvcache.engine.runner import ModelRunner
 
     llm.cache_config = parse_kv_spec(spec)
     llm.runner = ModelRunner(llm.model, llm.cache_config)
     return llm.runner
 
 
-def _pregrow(runner, tokens: int) -> None:
+def _pregrow(runner: ModelRunner, tokens: int) -> None:
     """Grow the pools to hold ``tokens`` (no timed run pays a pool resize), then give the pages back."""
     seq = runner.new_sequence()
     try:
-        if seq.kv is not None:
+        if seq.kv is not None and runner.cache is not None:
             runner.cache.reserve(seq.kv, tokens)
     finally:
         runner.free(seq)

@@ -12,10 +12,13 @@ Run as ``python -m kvcache.bench.hfpeer`` with a JSON request on stdin; prints t
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcache.bench.child import child_main, run_module
 from kvcache.bench.rows import Row, Tick, step_bytes
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 CACHES = {"none": "use_cache=False", "dynamic": "DynamicCache", "static": "StaticCache"}
 
@@ -54,7 +57,7 @@ def _measure(req: dict[str, Any]) -> list[dict[str, object]]:
     return [vars(r) for r in out]
 
 
-def _weight_bytes(model) -> int:
+def _weight_bytes(model: PreTrainedModel) -> int:
     """Bytes one step reads: every distinct parameter once but the input embedding table, plus the head."""
     head = model.get_output_embeddings().weight
     seen = {head.data_ptr()}
@@ -67,7 +70,7 @@ def _weight_bytes(model) -> int:
     return total
 
 
-def _decode(model, ids: list[int], cache: str, new: int, repeats: int) -> Row:
+def _decode(model: PreTrainedModel, ids: list[int], cache: str, new: int, repeats: int) -> Row:
     import torch
 
     cfg = model.config
@@ -98,7 +101,7 @@ def _decode(model, ids: list[int], cache: str, new: int, repeats: int) -> Row:
     return row
 
 
-def _prefill(model, n: int, ids: list[int], repeats: int) -> Row:
+def _prefill(model: PreTrainedModel, n: int, ids: list[int], repeats: int) -> Row:
     import torch
 
     row = Row("transformers", "fp32", "DynamicCache", "fp32", "prefill", n)

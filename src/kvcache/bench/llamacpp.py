@@ -16,11 +16,14 @@ from __future__ import annotations
 import importlib.util
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcache.bench.child import child_main, run_module
 from kvcache.bench.rows import Row, step_bytes
 from kvcache.bench.llamabench import Work, expected
+
+if TYPE_CHECKING:
+    from llama_cpp import Llama
 
 FTYPES = {"F32": 0, "Q8_0": 7, "Q4_1": 3}  # llama_ftype values
 GGML_TYPE_Q8_0 = 8
@@ -72,7 +75,7 @@ def _convert(req: dict[str, Any]) -> dict[str, object]:
     return {"out": str(out)}
 
 
-def _generate(llm, ids: list[int], new: int, fresh: bool = True) -> tuple[float, float, int]:
+def _generate(llm: Llama, ids: list[int], new: int, fresh: bool = True) -> tuple[float, float, int]:
     """(time to first token, time for the rest, tokens made) of one greedy generation; ``fresh``
     starts from an empty context, else the context's matching prefix is kept."""
     if fresh:

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -52,7 +53,7 @@ class PeakRss:
         self.peak = max(self.peak, rss_bytes())
 
 
-def _prompt_ids(tokenizer_encode, context: int) -> list[int]:
+def _prompt_ids(tokenizer_encode: Callable[[str], list[int]], context: int) -> list[int]:
     from kvcache.eval.fidelity import builtin_text
 
     return tokenizer_encode(builtin_text())[:context]

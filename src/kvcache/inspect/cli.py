@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from kvcache.fmt import human_bytes
 from kvcache.errors import InvalidParams
+
+if TYPE_CHECKING:
+    from kvcache.inspect.weight_size import WeightSize
+    from kvcache.models.config import ModelConfig
 
 DEFAULT_SPECS = "dynamic;fp16;int8;int4;int2;sink"
 
@@ -85,7 +90,7 @@ def cmd_size(args: argparse.Namespace) -> int:
     return 0
 
 
-def _weights(args: argparse.Namespace, model):  # -> WeightSize | None
+def _weights(args: argparse.Namespace, model: ModelConfig) -> WeightSize | None:
     """The weights' bytes per mode (None when the config lacks what they depend on)."""
     from pathlib import Path
 

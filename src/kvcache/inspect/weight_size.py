@@ -11,6 +11,7 @@ of any model here); kvcache's packed layouts add a little padding on top.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def weight_size(m: ModelConfig, gguf: Path | None = None) -> WeightSize:
     return WeightSize(proj + rest, by_mode, kinds)
 
 
-def describe(ws: WeightSize, human) -> str:  # human: bytes -> text
+def describe(ws: WeightSize, human: Callable[[float], str]) -> str:
     """``134.5 M parameters: fp32 513.0 MiB · q8 136.4 MiB · q4 80.3 MiB · file 92.1 MiB (Q4_1 ...)``."""
     count = f"{ws.params / 1e9:.2f} B" if ws.params >= 1e9 else f"{ws.params / 1e6:.1f} M"
     parts = [f"{mode} {human(ws.by_mode[mode])}" for mode in ("fp32", "q8", "q4") if mode in ws.by_mode]
