@@ -154,9 +154,9 @@ ALL_QUICK: dict[str, dict[str, object]] = {
 
 def cmd_all(args: argparse.Namespace) -> int:
     """Every suite in turn (with --quick, reduced further); with --out, one report per suite and
-    an index."""
+    an index. --llama-cpp-bin goes to the decode suite."""
     for name in _FLAGS:
-        if getattr(args, name) is not None:
+        if getattr(args, name) is not None and name != "llama_cpp_bin":
             raise InvalidParams(f"--{name.replace('_', '-')} does not apply to 'bench all' (run the suite alone)")
     done = []
     for suite in SUITES:
@@ -165,6 +165,8 @@ def cmd_all(args: argparse.Namespace) -> int:
         if args.quick:
             for k, v in ALL_QUICK[suite].items():
                 setattr(sub, k, v)
+            if suite == "decode" and args.llama_cpp_bin:
+                sub.peers += ",llama.cpp"
         print(f"\n=== {suite} ===", flush=True)
         if args.out:
             from kvcache.bench.report import run_with_report
