@@ -95,7 +95,7 @@ def _print(name: str, context: int, new: int, budget: float, baseline: int | Non
         order = sorted(kinds.items(), key=lambda kv: -kv[1])  # type: ignore[union-attr]
         text = ", ".join(f"{k} {human_bytes(v)}" for k, v in order if v)
         added = "-" if baseline is None else human_bytes(int(r["rss_loaded"]) - baseline)  # type: ignore[call-overload]
-        print(f"{r['system']:<13} {str(r['weights']):<13} {text:<46} {human_bytes(r.get('weight_bytes') or 0):>10} "
+        print(f"{r['system']:<13} {_label(r):<13} {text:<46} {human_bytes(r.get('weight_bytes') or 0):>10} "
               f"{human_bytes(r['rss_loaded']):>10} {added:>10}")
     print(f"\nrequests: a prompt of {context} tokens of English text + {new} new tokens, batch 1; request peak = "
           "peak resident memory during the request minus after loading")
@@ -103,12 +103,17 @@ def _print(name: str, context: int, new: int, budget: float, baseline: int | Non
           f"{'KV used':>10} {'KV allocated':>12} {'longest ctx in ' + format(budget, 'g') + ' GiB':>22}")
     for r in results:
         if r.get("rss_peak") is None:
-            print(f"{r['system']:<13} {str(r['weights']):<13} {r['cache']:<14} {r['note']}")
+            print(f"{r['system']:<13} {_label(r):<13} {r['cache']:<14} {r['note']}")
             continue
         longest = r["longest_context_in_budget"]
         lc = "-" if longest is None else ("unbounded" if longest >= 2**40 else f"{longest:,}")  # type: ignore[operator]
-        print(f"{r['system']:<13} {str(r['weights']):<13} {r['cache']:<14} {human_bytes(r['rss_loaded']):>10} "
+        print(f"{r['system']:<13} {_label(r):<13} {r['cache']:<14} {human_bytes(r['rss_loaded']):>10} "
               f"{human_bytes(r['rss_peak']):>10} {human_bytes(r['request_peak']):>12} {human_bytes(r['kv_used']):>10} "
               f"{human_bytes(r['kv_allocated']):>12} {lc:>22}")
     print("KV used: bytes the cache holds for the tokens stored (scales and fp32 windows included); allocated: the "
           "pools' size; longest context: KV bytes alone, from `kvcache size`")
+
+
+def _label(r: dict[str, object]) -> str:
+    """The weights as loaded (``file (Q4_1)``), else the mode asked for."""
+    return str(r.get("weights_label") or r["weights"])

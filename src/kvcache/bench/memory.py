@@ -72,7 +72,7 @@ def probe_kvcache(spec: str, context: int, new: int, model: str | None, weights:
     st = r.kv_stats
     return {"rss_loaded": loaded, "rss_peak": peak.peak, "kv_used": st.bytes_used if st else 0,
             "kv_allocated": st.bytes_allocated if st else 0, "tokens": len(ids) + len(r.token_ids),
-            "weights": weights_label(llm), "weight_kinds": llm.model.weight_kinds(),
+            "weights_label": weights_label(llm), "weight_kinds": llm.model.weight_kinds(),
             "weight_bytes": llm.model.weight_bytes(), "load_s": llm.load_s}
 
 
@@ -97,7 +97,7 @@ def probe_transformers(cache: str, context: int, new: int, model: str | None) ->
             if isinstance(t, torch.Tensor):
                 kv += t.numel() * t.element_size()
     return {"rss_loaded": loaded, "rss_peak": peak.peak, "kv_used": kv, "kv_allocated": kv,
-            "tokens": out.sequences.shape[1], "weights": "fp32",
+            "tokens": out.sequences.shape[1], "weights_label": "fp32",
             "weight_bytes": sum(p.numel() * p.element_size() for p in hf.parameters())}
 
 
@@ -113,7 +113,7 @@ class Row:
     def summary(self) -> dict[str, object]:
         r = self.result or {}
         extra = (int(r["rss_peak"]) - int(r["rss_loaded"])) if r else None  # type: ignore[call-overload]
-        return {"system": self.system, "cache": self.cache, "context": self.context, "weights": self.weights, **r,
+        return {"system": self.system, "cache": self.cache, "context": self.context, **r, "weights": self.weights,
                 "request_peak": extra, "note": self.note}
 
 

@@ -155,7 +155,7 @@ def _memory(plt, data: dict[str, Any]):
     if not rows:
         return None
     fig, ax = plt.subplots(figsize=(9, 0.6 + 0.5 * len(rows)))
-    labels = [f"{r['system']} {r.get('weights', '')} {r['cache']}" for r in rows]
+    labels = [f"{r['system']} {r.get('weights_label') or r.get('weights', '')} {r['cache']}" for r in rows]
     peak = [r["request_peak"] / 2**20 for r in rows]
     kv = [r["kv_used"] / 2**20 for r in rows]
     y = range(len(rows))
