@@ -48,8 +48,8 @@ def repacked(t: T, out: int, k: int, fmt: int | None = None, seed: int = 0) -> t
 
 ALL = [*LEGACY, *KQUANTS]
 # memory per weight in its repacked format: values (nibbles or bytes) plus scales (and minimums)
-BYTES_PER_WEIGHT = {T.Q4_0: 0.625, T.Q4_1: 0.625, T.Q5_0: 1.125, T.Q5_1: 1.125, T.Q8_0: 1.0625, T.Q2_K: 1.5,
-                    T.Q3_K: 1.25, T.Q4_K: 0.75, T.Q5_K: 1.25, T.Q6_K: 1.25}
+BYTES_PER_WEIGHT = {T.Q4_0: 0.625, T.Q4_1: 0.625, T.Q5_0: 0.75, T.Q5_1: 0.75, T.Q8_0: 1.0625, T.Q2_K: 1.5,
+                    T.Q3_K: 1.25, T.Q4_K: 0.75, T.Q5_K: 0.875, T.Q6_K: 1.25}
 
 
 @pytest.mark.parametrize("t", ALL, ids=lambda t: t.name)
@@ -61,11 +61,18 @@ def test_repacked_weights_hold_exactly_the_files_values(t):
     torch.testing.assert_close(w.rows(rows), torch.from_numpy(ref[[36, 0, 8, 7]]), rtol=1e-6, atol=0)
 
 
-def test_parts_of_different_types_share_a_format_or_stack():
-    assert common_format([int(T.Q4_0), int(T.Q4_K)]) == FORMAT_OF[int(T.Q4_K)]  # nibbles, fp32 scales
-    assert common_format([int(T.Q5_0), int(T.Q6_K)]) is None  # unsigned beside signed: a QStack
-    a, ra = repacked(T.Q4_0, 16, 256, fmt=common_format([int(T.Q4_0), int(T.Q4_K)]))
-    torch.testing.assert_close(a.dequantize(), torch.from_numpy(ra), rtol=1e-6, atol=0)
+@pytest.mark.parametrize("types", [(T.Q4_0, T.Q4_K), (T.Q4_1, T.Q5_0), (T.Q4_K, T.Q5_K), (T.Q5_1, T.Q2_K),
+                                   (T.Q8_0, T.Q6_K)], ids=lambda ts: "+".join(t.name for t in ts))
+def test_parts_of_different_types_share_a_format(types):
+    fmt = common_format([int(t) for t in types])
+    assert fmt is not None
+    for t in types:  # each type keeps its exact values in the shared format
+        a, ra = repacked(t, 16, 256, fmt=fmt)
+        torch.testing.assert_close(a.dequantize(), torch.from_numpy(ra), rtol=1e-6, atol=0)
+
+
+def test_signed_beside_unsigned_types_stack():
+    assert common_format([int(T.Q5_0), int(T.Q6_K)]) is None  # a QStack of two parts
     with pytest.raises(Exception, match="cannot hold"):
         QWeight(FORMAT_OF[int(T.Q4_0)], 8, 256).put_gguf(int(T.Q8_0), gguf_rows(T.Q8_0, 8, 256), np.arange(8))
 

@@ -8,6 +8,8 @@
  *       bytes formats: 256 bytes, byte (s * 64 + c * 8 + t) = value (c, 8 s + t)   (s 0..3: 8-input step,
  *       c 0..7: row of the group, t 0..7);
  *       nibble formats: 128 bytes, byte (h * 64 + c * 8 + t) = value (c, 16 h + t) | value (c, 16 h + 8 + t) << 4
+ *       (the low 4 bits of each value); 5-bit formats add 32 bytes, the fifth bits: bit (c * 8 + t)
+ *       of the little-endian 64-bit word s (bytes 128 + 8 s ..) = bit 4 of value (c, 8 s + t)
  *   d   NS x 8 scales (NS = 2 for 16-input sub-blocks, else 1), fp16 or fp32 by format
  *   m   NS x 8 minimums of unsigned formats (same dtype), absent for signed ones
  * so that weight (c, k) = d * q + m (unsigned) or d * q (signed), with the scale of k's sub-block.
@@ -31,15 +33,25 @@ enum {
     KVQ_U8_F16 = 4,  /* bytes 0..31, fp16 d and m per 32 (Q5_0, Q5_1) */
     KVQ_U8_F32 = 5,  /* bytes 0..31, fp32 d and m per 32 (Q5_K) */
     KVQ_U8_F32_16 = 6, /* bytes 0..3, fp32 d and m per 16 (Q2_K) */
-    KVQ_NFMT = 7
+    KVQ_Q5_F16 = 7,  /* nibbles + fifth bits (0..31), fp16 d and m per 32 (Q5_0, Q5_1) */
+    KVQ_Q5_F32 = 8,  /* nibbles + fifth bits, fp32 d and m per 32 (Q5_K) */
+    KVQ_NFMT = 9
 };
 
-static const int KVQ_NIBBLES[KVQ_NFMT] = {1, 1, 0, 0, 0, 0, 0};
-static const int KVQ_SIGNED[KVQ_NFMT] = {0, 0, 1, 1, 0, 0, 0};
-static const int KVQ_F16[KVQ_NFMT] = {1, 0, 1, 0, 1, 0, 0};
-static const int KVQ_NS[KVQ_NFMT] = {1, 1, 1, 2, 1, 1, 2};
+static const int KVQ_NIBBLES[KVQ_NFMT] = {1, 1, 0, 0, 0, 0, 0, 1, 1};
+static const int KVQ_HIGH[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 1, 1};
+static const int KVQ_SIGNED[KVQ_NFMT] = {0, 0, 1, 1, 0, 0, 0, 0, 0};
+static const int KVQ_F16[KVQ_NFMT] = {1, 0, 1, 0, 1, 0, 0, 1, 0};
+static const int KVQ_NS[KVQ_NFMT] = {1, 1, 1, 2, 1, 1, 2, 1, 1};
 
-static inline int kvq_qbytes(int fmt) { return KVQ_NIBBLES[fmt] ? 128 : 256; }
+static inline int kvq_qbytes(int fmt) { return KVQ_NIBBLES[fmt] ? (KVQ_HIGH[fmt] ? 160 : 128) : 256; }
+
+/* Bit 4 of value (c, k) in a 5-bit group-block: the byte and the bit within it. */
+static inline int kvq_high_pos(int c, int k, int *bit) {
+    const int lane = c * 8 + (k & 7);
+    *bit = lane & 7;
+    return 128 + (k >> 3) * 8 + (lane >> 3);
+}
 
 /* IEEE half <-> float without hardware support (repack and dequantize are not hot). */
 static inline float kvq_h2f(uint16_t h) {

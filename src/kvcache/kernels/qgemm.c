@@ -101,9 +101,9 @@ static inline float scale_at(const int F16, const void *p, int64_t i) {
 }
 
 #if ISA == 3
-static inline __attribute__((always_inline)) void group(const int NIB, const int SGN, const int F16, const int NS,
-                                                        int nr, Acts a, const uint8_t *w, const void *dv,
-                                                        const void *mv, float out[RT][8]) {
+static inline __attribute__((always_inline)) void group(const int NIB, const int HI, const int SGN, const int F16,
+                                                        const int NS, int nr, Acts a, const uint8_t *w,
+                                                        const void *dv, const void *mv, float out[RT][8]) {
     __m512 acc[RT];
     __m256 accm[RT];
     for (int r = 0; r < RT; r++) {
@@ -112,7 +112,7 @@ static inline __attribute__((always_inline)) void group(const int NIB, const int
     }
     const __m512i lo4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
     const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const int qb = NIB ? 128 : 256;
+    const int qb = NIB ? (HI ? 160 : 128) : 256;
     for (int b = 0; b < a.nb; b++) {
         const uint8_t *wb = w + (int64_t)b * qb;
         __m512i w0, w1, w2, w3;
@@ -122,6 +122,15 @@ static inline __attribute__((always_inline)) void group(const int NIB, const int
             w1 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), lo4);
             w2 = _mm512_and_si512(v1, lo4);
             w3 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), lo4);
+            if (HI) { /* the fifth bits: one mask bit per byte lane, 0x10 where set */
+                uint64_t hm[4];
+                memcpy(hm, wb + 128, 32);
+                const __m512i b4 = _mm512_set1_epi8(0x10);
+                w0 = _mm512_or_si512(w0, _mm512_maskz_mov_epi8(hm[0], b4));
+                w1 = _mm512_or_si512(w1, _mm512_maskz_mov_epi8(hm[1], b4));
+                w2 = _mm512_or_si512(w2, _mm512_maskz_mov_epi8(hm[2], b4));
+                w3 = _mm512_or_si512(w3, _mm512_maskz_mov_epi8(hm[3], b4));
+            }
         } else {
             w0 = _mm512_loadu_si512(wb);
             w1 = _mm512_loadu_si512(wb + 64);
@@ -201,9 +210,18 @@ static inline __attribute__((always_inline)) __m256i dot4(const int SGN, __m256i
 #endif
 }
 
-static inline __attribute__((always_inline)) void half(const int NIB, const int SGN, const int F16, const int NS,
-                                                       int hf, int nr, Acts a, const uint8_t *w, const void *dv,
-                                                       const void *mv, float out[RT][8]) {
+/* 32 mask bits -> 32 bytes, 0x10 where the bit is set (bit j of the mask -> byte j) */
+static inline __m256i fifth_bits(uint32_t m) {
+    const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3,
+                                          3, 3, 3, 3, 3);
+    const __m256i sel = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i x = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m), shuf);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(x, sel), sel), _mm256_set1_epi8(0x10));
+}
+
+static inline __attribute__((always_inline)) void half(const int NIB, const int HI, const int SGN, const int F16,
+                                                       const int NS, int hf, int nr, Acts a, const uint8_t *w,
+                                                       const void *dv, const void *mv, float out[RT][8]) {
     __m256 acc[RT];
     __m128 accm[RT];
     for (int r = 0; r < RT; r++) {
@@ -212,7 +230,7 @@ static inline __attribute__((always_inline)) void half(const int NIB, const int 
     }
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
     const __m256i dup = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
-    const int qb = NIB ? 128 : 256;
+    const int qb = NIB ? (HI ? 160 : 128) : 256;
     /* AVX-VNNI takes signed weights offset by 128 (u8) and the offset back through the sums */
     const int OFF = SGN && ISA == 2;
     for (int b = 0; b < a.nb; b++) {
@@ -224,6 +242,11 @@ static inline __attribute__((always_inline)) void half(const int NIB, const int 
             wv[1] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), lo4);
             wv[2] = _mm256_and_si256(v1, lo4);
             wv[3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), lo4);
+            if (HI) {
+                uint64_t hm[4];
+                memcpy(hm, w + (int64_t)b * qb + 128, 32);
+                for (int st = 0; st < 4; st++) wv[st] = _mm256_or_si256(wv[st], fifth_bits((uint32_t)(hm[st] >> (32 * hf))));
+            }
         } else {
             for (int s = 0; s < 4; s++) {
                 wv[s] = _mm256_loadu_si256((const __m256i *)(wb + 64 * s));
@@ -277,18 +300,18 @@ static inline __attribute__((always_inline)) void half(const int NIB, const int 
     }
 }
 
-static inline __attribute__((always_inline)) void group(const int NIB, const int SGN, const int F16, const int NS,
-                                                        int nr, Acts a, const uint8_t *w, const void *dv,
-                                                        const void *mv, float out[RT][8]) {
-    half(NIB, SGN, F16, NS, 0, nr, a, w, dv, mv, out);
-    half(NIB, SGN, F16, NS, 1, nr, a, w, dv, mv, out);
+static inline __attribute__((always_inline)) void group(const int NIB, const int HI, const int SGN, const int F16,
+                                                        const int NS, int nr, Acts a, const uint8_t *w,
+                                                        const void *dv, const void *mv, float out[RT][8]) {
+    half(NIB, HI, SGN, F16, NS, 0, nr, a, w, dv, mv, out);
+    half(NIB, HI, SGN, F16, NS, 1, nr, a, w, dv, mv, out);
 }
 
 #else
-static inline __attribute__((always_inline)) void group(const int NIB, const int SGN, const int F16, const int NS,
-                                                        int nr, Acts a, const uint8_t *w, const void *dv,
-                                                        const void *mv, float out[RT][8]) {
-    const int qb = NIB ? 128 : 256;
+static inline __attribute__((always_inline)) void group(const int NIB, const int HI, const int SGN, const int F16,
+                                                        const int NS, int nr, Acts a, const uint8_t *w,
+                                                        const void *dv, const void *mv, float out[RT][8]) {
+    const int qb = NIB ? (HI ? 160 : 128) : 256;
     for (int r = 0; r < nr; r++)
         for (int c = 0; c < 8; c++) out[r][c] = 0.f;
     for (int b = 0; b < a.nb; b++) {
@@ -299,7 +322,11 @@ static inline __attribute__((always_inline)) void group(const int NIB, const int
                 for (int k = 0; k < 32; k++) {
                     int high, pos = kvq_pos(NIB, c, k, &high);
                     const uint8_t byte = w[(int64_t)b * qb + pos];
-                    const int qv = NIB ? (high ? byte >> 4 : byte & 15) : SGN ? (int8_t)byte : byte;
+                    int qv = NIB ? (high ? byte >> 4 : byte & 15) : SGN ? (int8_t)byte : byte;
+                    if (HI) {
+                        int bit, hp = kvq_high_pos(c, k, &bit);
+                        qv |= ((w[(int64_t)b * qb + hp] >> bit) & 1) << 4;
+                    }
                     s[k >> 4] += qv * ar[k];
                 }
                 const float dA = a.da[(int64_t)r * a.nb + b];
@@ -318,19 +345,22 @@ static inline __attribute__((always_inline)) void group(const int NIB, const int
 #endif
 
 /* One group of columns over rows r0 .. r0 + nr - 1 (nr <= RT) of one format. */
-#define GROUP_FN(name, NIB, SGN, F16, NS) \
+#define GROUP_FN(name, NIB, HI, SGN, F16, NS) \
     static void name(int nr, Acts a, const uint8_t *w, const void *dv, const void *mv, float out[RT][8]) { \
-        group(NIB, SGN, F16, NS, nr, a, w, dv, mv, out); \
+        group(NIB, HI, SGN, F16, NS, nr, a, w, dv, mv, out); \
     }
-GROUP_FN(g_q4_f16, 1, 0, 1, 1)
-GROUP_FN(g_q4_f32, 1, 0, 0, 1)
-GROUP_FN(g_s8_f16, 0, 1, 1, 1)
-GROUP_FN(g_s8_f32_16, 0, 1, 0, 2)
-GROUP_FN(g_u8_f16, 0, 0, 1, 1)
-GROUP_FN(g_u8_f32, 0, 0, 0, 1)
-GROUP_FN(g_u8_f32_16, 0, 0, 0, 2)
+GROUP_FN(g_q4_f16, 1, 0, 0, 1, 1)
+GROUP_FN(g_q4_f32, 1, 0, 0, 0, 1)
+GROUP_FN(g_s8_f16, 0, 0, 1, 1, 1)
+GROUP_FN(g_s8_f32_16, 0, 0, 1, 0, 2)
+GROUP_FN(g_u8_f16, 0, 0, 0, 1, 1)
+GROUP_FN(g_u8_f32, 0, 0, 0, 0, 1)
+GROUP_FN(g_u8_f32_16, 0, 0, 0, 0, 2)
+GROUP_FN(g_q5_f16, 1, 1, 0, 1, 1)
+GROUP_FN(g_q5_f32, 1, 1, 0, 0, 1)
 typedef void (*GroupFn)(int, Acts, const uint8_t *, const void *, const void *, float[RT][8]);
-static const GroupFn GROUPS[KVQ_NFMT] = {g_q4_f16, g_q4_f32, g_s8_f16, g_s8_f32_16, g_u8_f16, g_u8_f32, g_u8_f32_16};
+static const GroupFn GROUPS[KVQ_NFMT] = {g_q4_f16, g_q4_f32, g_s8_f16, g_s8_f32_16, g_u8_f16, g_u8_f32, g_u8_f32_16,
+                                         g_q5_f16, g_q5_f32};
 
 int kv_q_matmul(int fmt, int n, int K, int out, const int8_t *q, const float *da, const float *sa,
                 const uint8_t *qs, const void *d, const void *m, const float *bias, const float *rscale, float *y,

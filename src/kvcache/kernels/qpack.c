@@ -161,6 +161,8 @@ static void decode_block(int gtype, const uint8_t *b, int *q, float *d, float *m
 
 static int holds(int gtype, int fmt) {
     int nib = gtype == 2 || gtype == 3 || gtype == 12, sgn = gtype == 8 || gtype == 11 || gtype == 14;
+    int five = gtype == 6 || gtype == 7 || gtype == 13;
+    if (KVQ_HIGH[fmt]) nib = nib || five; /* 5-bit formats hold 4- and 5-bit types */
     int ns16 = gtype == 10 || gtype == 11 || gtype == 14, f16 = gtype == 2 || gtype == 3 || gtype == 6 || gtype == 7 || gtype == 8;
     if (KVQ_SIGNED[fmt] != sgn) return 0;
     if (KVQ_NIBBLES[fmt] && !nib) return 0;
@@ -197,9 +199,15 @@ int kv_q_repack(int gtype, int fmt, int rows, int K, const uint8_t *src, int64_t
             for (int e = 0; e < bs; e++) {
                 const int k = blk * bs + e, b = k >> 5, kk = k & 31;
                 int v = q[e];
-                if (KVQ_SIGNED[fmt] ? (v < -128 || v > 127) : (v < 0 || v > (nib ? 15 : 31))) return 3;
+                const int vmax = nib ? (KVQ_HIGH[fmt] ? 31 : 15) : 31;
+                if (KVQ_SIGNED[fmt] ? (v < -128 || v > 127) : (v < 0 || v > vmax)) return 3;
                 int high, pos = kvq_pos(nib, c, kk, &high);
-                uint8_t *dst = qs + ((g * nb + b) * qb) + pos;
+                uint8_t *blk_q = qs + (g * nb + b) * qb, *dst = blk_q + pos;
+                if (KVQ_HIGH[fmt]) {
+                    int bit, hp = kvq_high_pos(c, kk, &bit);
+                    blk_q[hp] = (uint8_t)((blk_q[hp] & ~(1 << bit)) | ((v >> 4) & 1) << bit);
+                    v &= 15;
+                }
                 if (nib) *dst = (uint8_t)(high ? (*dst & 0x0F) | (v << 4) : (*dst & 0xF0) | v);
                 else *dst = (uint8_t)(v & 0xFF);
             }
@@ -239,6 +247,10 @@ int kv_q_dequant(int fmt, int K, int out, const uint8_t *qs, const void *d, cons
             } else {
                 float sm = KVQ_F16[fmt] ? kvq_h2f(((const uint16_t *)m)[idx]) : ((const float *)m)[idx];
                 int qv = nib ? (high ? byte >> 4 : byte & 15) : byte;
+                if (KVQ_HIGH[fmt]) {
+                    int bit, hp = kvq_high_pos(c, kk, &bit);
+                    qv |= ((qs[(g * nb + b) * qb + hp] >> bit) & 1) << 4;
+                }
                 v = sd * (float)qv + sm;
             }
             y[i * ldy + k] = v;

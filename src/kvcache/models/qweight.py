@@ -26,18 +26,19 @@ from kvcache import kernels
 from kvcache.errors import ModelLoadError
 
 # kernels/qformat.h
-Q4_F16, Q4_F32, S8_F16, S8_F32_16, U8_F16, U8_F32, U8_F32_16 = range(7)
-FORMAT_NAMES = ("q4_f16", "q4_f32", "s8_f16", "s8_f32_16", "u8_f16", "u8_f32", "u8_f32_16")
-_NIBBLES = (1, 1, 0, 0, 0, 0, 0)
-_SIGNED = (0, 0, 1, 1, 0, 0, 0)
-_F16 = (1, 0, 1, 0, 1, 0, 0)
-_NS = (1, 1, 1, 2, 1, 1, 2)
+Q4_F16, Q4_F32, S8_F16, S8_F32_16, U8_F16, U8_F32, U8_F32_16, Q5_F16, Q5_F32 = range(9)
+FORMAT_NAMES = ("q4_f16", "q4_f32", "s8_f16", "s8_f32_16", "u8_f16", "u8_f32", "u8_f32_16", "q5_f16", "q5_f32")
+_NIBBLES = (1, 1, 0, 0, 0, 0, 0, 1, 1)
+_HIGH = (0, 0, 0, 0, 0, 0, 0, 1, 1)  # a fifth bit beside the nibbles
+_SIGNED = (0, 0, 1, 1, 0, 0, 0, 0, 0)
+_F16 = (1, 0, 1, 0, 1, 0, 0, 1, 0)
+_NS = (1, 1, 1, 2, 1, 1, 2, 1, 1)
 
 # GGUF (ggml) type ids -> the format that holds them most compactly
 GGML = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
         "Q6_K": 14}
-FORMAT_OF = {2: Q4_F16, 3: Q4_F16, 6: U8_F16, 7: U8_F16, 8: S8_F16, 10: U8_F32_16, 11: S8_F32_16, 12: Q4_F32,
-             13: U8_F32, 14: S8_F32_16}
+FORMAT_OF = {2: Q4_F16, 3: Q4_F16, 6: Q5_F16, 7: Q5_F16, 8: S8_F16, 10: U8_F32_16, 11: S8_F32_16, 12: Q4_F32,
+             13: Q5_F32, 14: S8_F32_16}
 
 
 def common_format(types: Sequence[int]) -> int | None:
@@ -51,9 +52,12 @@ def common_format(types: Sequence[int]) -> int | None:
         return None
     if signed == {1}:
         return S8_F32_16
-    if all(_NIBBLES[f] for f in fmts):
+    f16 = all(_F16[f] for f in fmts)
+    if all(_NIBBLES[f] for f in fmts):  # 4- and 5-bit types
+        if any(_HIGH[f] for f in fmts):
+            return Q5_F16 if f16 else Q5_F32
         return Q4_F32
-    return U8_F32_16 if any(_NS[f] == 2 for f in fmts) else U8_F32
+    return U8_F32_16 if any(_NS[f] == 2 for f in fmts) else (U8_F16 if f16 else U8_F32)
 
 
 class QWeight:
@@ -65,7 +69,8 @@ class QWeight:
         self.fmt, self.out, self.k = fmt, out, k
         g, nb, ns = -(-out // 8), k // 32, _NS[fmt]
         # zeroed by the allocator (calloc), not by a parallel fill: loading stays quick on a busy machine
-        self.qs = torch.from_numpy(np.zeros((g, nb, 128 if _NIBBLES[fmt] else 256), np.uint8))  # [G, nb, QB]
+        qb = (160 if _HIGH[fmt] else 128) if _NIBBLES[fmt] else 256
+        self.qs = torch.from_numpy(np.zeros((g, nb, qb), np.uint8))  # [G, nb, QB]
         dt = np.float16 if _F16[fmt] else np.float32
         self.d = torch.from_numpy(np.zeros((g, nb, ns, 8), dt))  # [G, nb, NS, 8] scales
         self.m = None if _SIGNED[fmt] else torch.from_numpy(np.zeros((g, nb, ns, 8), dt))  # minimums
