@@ -32,8 +32,9 @@ MATRIX = [",".join(x for x in combo if x) for combo in itertools.product(CAPACIT
 BOUND = {"fp32": 1e-4, "fp16": 5e-4, "bf16": 4e-3, "int8": 4e-3, "int4": 4e-2, "int2": 2e-1}
 # with q8 weights the activations are rounded to int8 per block: a K/V rounded to fp16 (or int8)
 # moves an activation across a rounding boundary now and then, so the lossy encodings stray further
-# (measured worst: fp32 4e-7, fp16 7e-3, bf16 6e-3, int8 6e-3, int4 1.2e-2, int2 3.9e-2)
-BOUNDS = {"fp32": BOUND, "q8": {"fp32": 1e-4, "fp16": 2e-2, "bf16": 2e-2, "int8": 2e-2, "int4": 4e-2, "int2": 2e-1}}
+# (measured worst: fp32 4e-7, fp16 7e-3, bf16 6e-3, int8 6e-3, int4 1.2e-2, int2 3.9e-2; fp32 K/V can
+# meet the same rounding flip when attention sums in another order)
+BOUNDS = {"fp32": BOUND, "q8": {"fp32": 2e-2, "fp16": 2e-2, "bf16": 2e-2, "int8": 2e-2, "int4": 4e-2, "int2": 2e-1}}
 
 
 @pytest.fixture(scope="module", params=["fp32", "q8"])
@@ -87,7 +88,9 @@ def test_combination(tiny_llm, recompute, references, spec, tmp_path):
     runner = _runner(tiny_llm, spec, tmp_path)
     cfg = runner.cache_config
     exact = cfg.exact
-    tol = 1e-4 if exact else None
+    # exact strategies: recompute's logits to 1e-4 with fp32 weights; with q8 weights another
+    # attention path may round an int8 activation the other way (the same bound as fp16's)
+    tol = (1e-4 if tiny_llm.weights == "fp32" else BOUNDS["q8"]["fp16"]) if exact else None
     vis = "sinks=2,window=8" if cfg.sinks else "window=8" if cfg.window else ""
     seq = runner.new_sequence()
     logits = [runner.step([seq], [PROMPT])[0]]
