@@ -191,3 +191,29 @@ def test_extend_kernel_declines_a_head_size_it_does_not_tile(monkeypatch):
     slow = extend_outputs(cfg, "dynamic,page_size=4", steps, False, monkeypatch)
     for x, y in zip(fast, slow):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
+
+
+def test_kernels_refuse_page_tables_that_point_outside_the_pool():
+    """A bad page-table entry is refused (None: the caller's torch path then fails cleanly), never
+    read out of bounds; a sequence with nothing to attend to gets zeros, not NaN."""
+    if kernels.pattn() is None or kernels.xattn() is None or kernels.qattn() is None:
+        pytest.skip("no C compiler here")
+    flat = torch.randn(2, 2, 8 * 4, 32)  # a pool layer of 8 pages of 4 tokens
+    q = torch.randn(1, 2, 3, 32)
+    lens = torch.tensor([6], dtype=torch.long)
+    good = torch.tensor([[3, 5]], dtype=torch.long)
+    assert kernels.paged_decode(q, flat, good, lens, 4) is not None
+    for bad in ([[3, 8]], [[-1, 5]], [[3, 2**40]]):
+        assert kernels.paged_decode(q, flat, torch.tensor(bad, dtype=torch.long), lens, 4) is None
+        assert kernels.paged_extend(torch.randn(2, 6, 32), flat, torch.tensor(bad, dtype=torch.long),
+                                    torch.tensor([0]), torch.tensor([2]), lens, 4) is None
+    assert kernels.paged_decode(q, flat, good, torch.tensor([9]), 4) is None  # more tokens than the table holds
+    assert kernels.paged_decode(q.double(), flat, good, lens, 4) is None  # the wrong dtype never reaches C
+    cache = PagedKVCache(CFG, parse_kv_spec("int8,page_size=16,group_size=8,residual=0"))
+    pool = cache.pools[0]
+    parts = pool.parts[0]
+    tail = torch.zeros(2, 2, 0, 32)
+    qd = torch.randn(2, 3, 32)
+    assert kernels.quant_decode(qd, torch.tensor([pool.num_pages], dtype=torch.long), parts, 16, 8, 8, tail) is None
+    empty = kernels.quant_decode(qd, torch.zeros(0, dtype=torch.long), parts, 16, 8, 8, tail)
+    assert empty is not None and torch.equal(empty, torch.zeros_like(empty))
