@@ -55,9 +55,13 @@ def test_exact_strategies_on_quantized_weights_agree_with_recompute(smollm_q):
     smollm_q.runner.free(seq)
     lp, lr = torch.log_softmax(got[-1], -1), torch.log_softmax(ref, -1)
     assert float((lr.exp() * (lr - lp)).sum()) < 5e-3 and int(got[-1].argmax()) == int(ref.argmax())
-    out = smollm_q.generate([ids[:-1]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
-    again = smollm_q.generate([ids[:-1]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
-    assert again.cached_tokens > 0 and again.token_ids == out.token_ids  # a prefix hit, the same tokens
+    smollm_q.generate([ids[:-1]], SamplingParams(max_tokens=4, ignore_eos=True))  # leaves its pages cached
+    hit = smollm_q.runner.lookup(ids)
+    assert 0 < len(hit.tokens) < len(ids)  # a prefix hit (never the whole prompt)
+    got_hit = smollm_q.runner.step([hit], [ids[len(hit.tokens):]])[0]
+    smollm_q.runner.free(hit)
+    lh = torch.log_softmax(got_hit, -1)
+    assert float((lr.exp() * (lr - lh)).sum()) < 5e-3 and int(got_hit.argmax()) == int(ref.argmax())
     smollm_q.check_integrity()
 
 

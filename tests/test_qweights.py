@@ -197,3 +197,52 @@ def test_a_variant_the_cpu_lacks_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("KVCACHE_KERNEL_VARIANT", "sse9")
     with pytest.raises(RuntimeError, match="unknown"):
         build.select()
+
+
+FUSED_CHECK = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from kvcache import LLM, kernels
+from kvcache.models import layers, qweight
+from kvcache.cache import context
+assert kernels.variant() == {variant!r}
+llm = LLM({path!r}, weights="q8", prefix=False)
+ids = [5, 17, 42, 8, 99, 23, 4, 61, 77, 12]
+
+def run():
+    r = llm.runner
+    seq = r.new_sequence()
+    out = [r.step([seq], [ids])[0]] + [r.step([seq], [[t]])[0] for t in (7, 21, 33, 2)]
+    r.free(seq)
+    return torch.stack(out)
+
+fused = run()
+calls = {{"block": 0, "mlp": 0}}
+real_block, real_mlp = qweight.attn_block, qweight.fused_mlp
+def count_block(*a):
+    calls["block"] += 1
+    return real_block(*a)
+def count_mlp(*a):
+    calls["mlp"] += 1
+    return real_mlp(*a)
+context.attn_block, qweight.fused_mlp = count_block, count_mlp
+again = run()
+assert calls["block"] > 0 and calls["mlp"] > 0, calls  # the decode steps took the fused kernels
+assert torch.equal(fused, again)
+context.attn_block = lambda *a: False  # the same steps one kernel at a time
+qweight.fused_mlp = lambda *a, **k: False
+steps = run()
+print(float((fused - steps).abs().max()))
+"""
+
+
+@pytest.mark.parametrize("v", RUNNABLE, ids=lambda v: v.name)
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_fused_decode_layers_equal_their_steps(v, family, tiny_dir):
+    """The attention half and the MLP of a decode step in one call each (kernels/dattn.c,
+    kv_q_mlp) give the logits of the same steps taken one kernel at a time, on every variant."""
+    code = FUSED_CHECK.format(tests=str(os.path.dirname(__file__)), variant=v.name, path=str(tiny_dir(family)[0]))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "KVCACHE_KERNEL_VARIANT": v.name})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert float(p.stdout.split()[-1]) < 2e-2  # int8 activations: the q8 matrix's bound for path noise

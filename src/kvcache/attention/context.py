@@ -22,6 +22,24 @@ class AttentionContext(Protocol):
         """q: [N, Hq, D]; k, v: [N, Hkv, D] (RoPE already applied) -> [N, Hq, D]."""
         ...
 
+    def attend_packed(
+        self, layer: int, qkv: torch.Tensor, heads: tuple[int, int, int], cos: torch.Tensor, sin: torch.Tensor,
+        qk_norm: torch.Tensor | None, eps: float, scale: float,
+    ) -> torch.Tensor | None:
+        """The same from the fused projection's rows qkv [N, (Hq + 2 Hkv) D], before the per-head
+        norm and RoPE (cos, sin: [N, R]) -> [N, Hq D]; None when this context has no faster way
+        than ``attend`` (the model then takes the general path)."""
+        ...
+
+    def attend_block(
+        self, layer: int, x: torch.Tensor, weights: tuple, heads: tuple[int, int, int], cos: torch.Tensor,
+        sin: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, scale: float, post_norm: torch.Tensor | None,
+    ) -> bool:
+        """The attention half of a layer in place, x [N, H] += o(attention(qkv(rms_norm(x)))), with
+        weights (qkv, qkv_bias, o, o_bias) and the output through ``post_norm`` when given; False
+        when this context has no fused way for it (the model then calls the steps one by one)."""
+        ...
+
 
 class RecomputeContext:
     """No cache: each sequence's tokens attend only to tokens of the same forward (the `none`
@@ -36,6 +54,12 @@ class RecomputeContext:
         self.seq_lens = list(seq_lens)
         self.positions = positions  # [N] int64
         self.layer_windows = list(layer_windows)
+
+    def attend_packed(self, *args: object) -> None:
+        return None
+
+    def attend_block(self, *args: object) -> bool:
+        return False
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float

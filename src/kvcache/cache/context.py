@@ -19,6 +19,7 @@ from kvcache.cache.pool import PagePool
 from kvcache.cache.qpool import QuantPool
 from kvcache.cache.sequence import HOLE, SeqKV, run_start
 from kvcache.models.layers import Rotary
+from kvcache.models.qweight import attn_block
 
 
 EXTEND_MAX = 256  # most new tokens per sequence for the native extend attention (SDPA beyond)
@@ -133,6 +134,32 @@ class PagedContext:
                     elif kernels.xattn() is not None:
                         new = torch.tensor(list(new_tokens), dtype=torch.long)
                         self.extend[g.index] = (t, torch.cumsum(new, 0) - new, new, lens)
+
+    def attend_packed(self, layer: int, qkv: torch.Tensor, heads: tuple[int, int, int], cos: torch.Tensor,
+                      sin: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, scale: float) -> torch.Tensor | None:
+        """Decodes over fp32 pages with full visibility: norm, RoPE, the cache write and attention in
+        one native call (kernels/dattn.c) from the projection's rows qkv [B, (Hq + 2 Hkv) D] ->
+        [B, Hq D]; None otherwise."""
+        gi, j = self.cache.where[layer]
+        batched = self.tables[gi]
+        if batched is None:
+            return None
+        pool = self.cache.pools[gi]
+        return kernels.decode_attend(qkv, heads, cos, sin, qk_norm, eps, pool.flat[j], pool.page_size,  # type: ignore[union-attr]
+                                     self.write_slots[gi], batched[0], batched[1], scale)  # type: ignore[arg-type]
+
+    def attend_block(self, layer: int, x: torch.Tensor, weights: tuple, heads: tuple[int, int, int],
+                     cos: torch.Tensor, sin: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, scale: float,
+                     post_norm: torch.Tensor | None) -> bool:
+        """Decodes over fp32 pages with quantized weights: the whole attention half of the layer in
+        one native call (kernels/dattn.c kv_q_attn_block); False otherwise."""
+        gi, j = self.cache.where[layer]
+        batched = self.tables[gi]
+        if batched is None:
+            return False
+        pool = self.cache.pools[gi]
+        return attn_block(x, weights, heads, cos, sin, qk_norm, eps, scale, post_norm, pool.flat[j],  # type: ignore[union-attr]
+                          pool.page_size, self.write_slots[gi], batched[0], batched[1])  # type: ignore[arg-type]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q: [N, Hq, D]; k, v: [N, Hkv, D] -> [N, Hq, D]."""

@@ -171,6 +171,16 @@ def qgemm() -> ctypes.CDLL | None:
     lib = _load("qgemm", "kv_q_linear", [_I, _I, _I, _I, _P, _I64, _P, ctypes.c_float, _P, _P, _P, _P, _P, _I64,
                                          _I, _I])
     if lib is not None and not getattr(lib, "_kv_typed", False):
+        f = ctypes.c_float
+        lib.kv_decode_attend.argtypes = [_I, _I, _I, _I, _I, _P, _I64, _P, _P, _P, f, _P, _I, _I64, _P, _P, _I, _P,
+                                         f, _P, _I]
+        lib.kv_q_attn_block.argtypes = [_I, _I, _P, _I64, _P, f, _I, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P,
+                                        _I, _I64, _P, _P, _I, _P, f, _I, _P, _P, _P, _P, _P, f, _I]
+        for fn in (lib.kv_decode_attend, lib.kv_q_attn_block):
+            fn.restype = ctypes.c_int
+        lib.kv_q_mlp.argtypes = [_I, _I, _I, _P, _I64, _P, ctypes.c_float, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P,
+                                 _I, _P, ctypes.c_float, _I]
+        lib.kv_q_mlp.restype = ctypes.c_int
         lib.kv_q_repack.argtypes = [_I, _I, _I, _I, _P, _I64, _P, _I, _P, _P, _P]
         lib.kv_q_dequant.argtypes = [_I, _I, _I, _P, _P, _P, _P, _I, _P, _I64]
         lib.kv_q_isa.restype = ctypes.c_char_p
@@ -178,3 +188,39 @@ def qgemm() -> ctypes.CDLL | None:
         lib._kv_typed = True
     return lib
 
+
+
+def dattn() -> ctypes.CDLL | None:
+    """The fused decode attention (norm, rotary, cache write, attention; kernels/dattn.c, built into
+    the qgemm library), or None."""
+    return qgemm()
+
+
+def decode_attend(
+    qkv: torch.Tensor,  # [B, (hq + 2 hkv) * D] fp32, unit column stride: q and k heads rotated in place
+    heads: tuple[int, int, int],  # hq, hkv, D
+    cos: torch.Tensor,  # [B, rot] fp32 contiguous (rot may be 0)
+    sin: torch.Tensor,  # [B, rot] fp32 contiguous, rotate_half's sign folded in
+    qk_norm: torch.Tensor | None,  # [hq + hkv, D] fp32 contiguous: per-head RMSNorm weights
+    eps: float,
+    flat: torch.Tensor,  # [2, hkv, S, D] fp32 contiguous: a pool layer
+    page_size: int,
+    slots: torch.Tensor,  # [B] int64: where each new token's K/V go
+    tables: torch.Tensor,  # [B, max_pages] int64 contiguous
+    lens: torch.Tensor,  # [B] int64: tokens each query attends to, its own included
+    scale: float,
+) -> torch.Tensor | None:  # [B, hq * D], or None when the kernel cannot take these inputs
+    lib = dattn()
+    hq, hkv, d = heads
+    if (lib is None or qkv.dtype != torch.float32 or qkv.device.type != "cpu" or qkv.dim() != 2
+            or qkv.stride(1) != 1 or not _cpu_f32(cos, sin, qk_norm, flat) or not _i64(slots, tables, lens)
+            or flat.dim() != 4 or flat.shape[1] != hkv or flat.shape[3] != d or cos.shape != sin.shape
+            or cos.shape[0] != qkv.shape[0] or slots.shape[0] != qkv.shape[0]):
+        return None
+    b = qkv.shape[0]
+    out = torch.empty(b, hq * d)
+    rc = lib.kv_decode_attend(b, hq, hkv, d, cos.shape[1], qkv.data_ptr(), qkv.stride(0), cos.data_ptr(),
+                              sin.data_ptr(), None if qk_norm is None else qk_norm.data_ptr(), float(eps),
+                              flat.data_ptr(), page_size, flat.shape[2], slots.data_ptr(), tables.data_ptr(),
+                              tables.shape[1], lens.data_ptr(), float(scale), out.data_ptr(), torch.get_num_threads())
+    return out if rc == 0 else None

@@ -16,7 +16,7 @@ from kvcache.errors import ModelLoadError, UnsupportedArchitecture
 from kvcache.models.base import CausalLM
 from kvcache.models.config import ModelConfig
 from kvcache.models.layers import (
-    Rotary, activation, apply_rotary, frozen, linear, norm_linear, pack_bias, packed_rows, rms_norm,
+    ACT_KERNEL, Rotary, activation, attention_block, frozen, mlp, norm_linear, pack_bias, packed_rows,
     text_model_names,
 )
 from kvcache.models.weights import embedding, projection
@@ -71,6 +71,7 @@ class Gemma3ForCausalLM(CausalLM):
         self.rope_global = Rotary(config.head_dim, config.rope_theta, config.rope_scaling, config.max_position)
         self.rope_local = Rotary(config.head_dim, config.rope_local_theta or config.rope_theta)
         self.act = activation(config.hidden_act)
+        self.act_kernel = ACT_KERNEL.get(config.hidden_act)
         softcap = config.raw.get("final_logit_softcapping")
         self.softcap = float(softcap) if softcap else None
         # the per-layer tensors as plain tuples: the loop skips nn.Module attribute lookups
@@ -91,20 +92,15 @@ class Gemma3ForCausalLM(CausalLM):
     ) -> torch.Tensor:  # [R or N, V] float32
         cfg = self.config
         n, hq, hkv, d, eps = input_ids.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps
-        scale, act, qk_v, q_k = cfg.scale, self.act, (hq + hkv, hkv), (hq, hkv)
+        scale, act, heads = cfg.scale, self.act, (hq, hkv, d)
         x = packed_rows(self.lm_head if self.embed is None else self.embed, input_ids)  # [N, H]
         x.mul_(self.embed_scale)
         local = self.rope_local.tables(positions)  # (cos, sin): [N, 1, D] each
         full = self.rope_global.tables(positions)
         for i, (qkv_w, qkv_b, qk_norm, o_w, post_attn, gu_w, down_w, post_ff) in enumerate(self.plan):
             cos, sin = local if cfg.layer_windows[i] is not None else full
-            qkv = norm_linear(x, qkv_w, qkv_b, eps).view(n, hq + 2 * hkv, d)
-            qk, v = qkv.split(qk_v, 1)  # [N, Hq + Hkv, D]: q and k heads get norm and RoPE together
-            q, k = apply_rotary(rms_norm(qk, qk_norm, eps), cos, sin).split(q_k, 1)
-            o = ctx.attend(i, q, k, v, scale)  # [N, Hq, D]
-            x.add_(rms_norm(linear(o.reshape(n, hq * d), o_w), post_attn, eps))
-            gate, up = norm_linear(x, gu_w, None, eps).chunk(2, 1)  # [N, I] each
-            x.add_(rms_norm(linear(act(gate).mul_(up), down_w), post_ff, eps))
+            attention_block(ctx, i, x, (qkv_w, qkv_b, o_w, None), heads, cos, sin, qk_norm, eps, scale, post_attn)
+            mlp(x, gu_w, None, down_w, None, act, self.act_kernel, eps, post_ff)
         if logits_rows is not None:
             x = x[logits_rows]
         logits = norm_linear(x, self.lm_head, None, eps, self.norm)  # [R, k * V / k]

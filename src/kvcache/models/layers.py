@@ -92,6 +92,41 @@ def add_linear(x: torch.Tensor, h: torch.Tensor, w: Any, b: torch.Tensor | None 
         x.add_(linear(h, w, b))
 
 
+def self_attention(ctx: Any, layer: int, qkv: torch.Tensor, heads: tuple[int, int, int], cos: torch.Tensor,
+                   sin: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, scale: float) -> torch.Tensor:
+    """Attention from the fused projection's rows qkv [N, (Hq + 2 Hkv) D]: the per-head norm of
+    q and k (when the model has one), RoPE (cos, signed sin: [N, 1, R]), then ``ctx.attend`` ->
+    [N, Hq D]. A context with a fused kernel for this step (decodes over fp32 pages) does all of it
+    in one call."""
+    n = qkv.shape[0]
+    hq, hkv, d = heads
+    o = ctx.attend_packed(layer, qkv, heads, cos.view(n, -1), sin.view(n, -1), qk_norm, eps, scale)
+    if o is not None:
+        return o
+    qk, v = qkv.view(n, hq + 2 * hkv, d).split((hq + hkv, hkv), 1)  # [N, Hq + Hkv, D]: norm and RoPE together
+    if qk_norm is not None:
+        qk = rms_norm(qk, qk_norm, eps)
+    q, k = apply_rotary(qk, cos, sin).split((hq, hkv), 1)
+    return ctx.attend(layer, q, k, v, scale).reshape(n, hq * d)  # [N, Hq D]
+
+
+def attention_block(ctx: Any, layer: int, x: torch.Tensor, weights: tuple, heads: tuple[int, int, int],
+                    cos: torch.Tensor, sin: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, scale: float,
+                    post_norm: torch.Tensor | None = None) -> None:
+    """x [N, H] += o(self_attention(qkv(rms_norm(x)))), the o output through ``post_norm`` first
+    when given; ``weights``: (qkv, qkv bias, o, o bias). A context with a fused kernel for the
+    step (decodes over fp32 pages, quantized weights) does it in one call."""
+    n = x.shape[0]
+    if ctx.attend_block(layer, x, weights, heads, cos.view(n, -1), sin.view(n, -1), qk_norm, eps, scale, post_norm):
+        return
+    qkv_w, qkv_b, o_w, o_b = weights
+    o = self_attention(ctx, layer, norm_linear(x, qkv_w, qkv_b, eps), heads, cos, sin, qk_norm, eps, scale)
+    if post_norm is None:
+        add_linear(x, o, o_w, o_b)
+    else:
+        x.add_(rms_norm(linear(o, o_w, o_b), post_norm, eps))
+
+
 def packed_rows(w: Any, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` [N] of the [out, in] matrix that ``w`` [k, in, part] packs -> [N, in]: a tied
     embedding read straight from the packed output head (one copy of the table, not two). A
@@ -138,6 +173,26 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_new": gelu_tanh,
     "gelu_fast": gelu_tanh,
 }
+
+
+# activations the quantized MLP kernel computes itself (kernels/qgemm.c glu_row)
+ACT_KERNEL = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu_fast": 1}
+
+
+def mlp(x: torch.Tensor, gu_w: Any, gu_b: torch.Tensor | None, down_w: Any, down_b: torch.Tensor | None,
+        act: Callable[[torch.Tensor], torch.Tensor], act_kernel: int | None, eps: float,
+        post_norm: torch.Tensor | None = None) -> None:
+    """x [N, H] += post_norm(down(act(gate) * up)), [gate | up] = gate_up(rms_norm(x)) (the norm's
+    weight folded into gate_up), in place. Quantized weights do it in one native call."""
+    from kvcache.models.qweight import fused_mlp
+
+    if fused_mlp(x, gu_w, down_w, act_kernel, eps, gu_b, down_b, post_norm, eps):
+        return
+    gate, up = norm_linear(x, gu_w, gu_b, eps).chunk(2, 1)  # [N, I] each
+    if post_norm is None:
+        add_linear(x, act(gate).mul_(up), down_w, down_b)
+    else:
+        x.add_(rms_norm(linear(act(gate).mul_(up), down_w, down_b), post_norm, eps))
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -17,7 +17,7 @@ from kvcache.errors import ModelLoadError
 from kvcache.models.base import CausalLM
 from kvcache.models.config import ModelConfig
 from kvcache.models.layers import (
-    Rotary, activation, add_linear, apply_rotary, frozen, norm_linear, pack_bias, packed_rows, rms_norm,
+    ACT_KERNEL, Rotary, activation, attention_block, frozen, mlp, norm_linear, pack_bias, packed_rows,
     text_model_names,
 )
 from kvcache.models.weights import embedding, projection
@@ -84,6 +84,7 @@ class LlamaForCausalLM(CausalLM):
         rot = int(config.head_dim * config.partial_rotary_factor)
         self.rope = Rotary(rot, config.rope_theta, config.rope_scaling, config.max_position)
         self.act = activation(config.hidden_act)
+        self.act_kernel = ACT_KERNEL.get(config.hidden_act)
         # the per-layer tensors as plain tuples: the decode loop skips nn.Module attribute lookups
         # (a Parameter keeps its identity through .to()/.float(), so these stay valid)
         self.plan = [
@@ -103,19 +104,12 @@ class LlamaForCausalLM(CausalLM):
     ) -> torch.Tensor:  # [R or N, V] float32
         cfg = self.config
         n, hq, hkv, d, eps = input_ids.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps
-        scale, act, qk_v, q_k = cfg.scale, self.act, (hq + hkv, hkv), (hq, hkv)
+        scale, act, heads = cfg.scale, self.act, (hq, hkv, d)
         x = packed_rows(self.lm_head if self.embed is None else self.embed, input_ids)  # [N, H]
         cos, sin = self.rope.tables(positions)  # [N, 1, R] each
         for i, (qkv_w, qkv_b, qk_norm, o_w, o_b, gu_w, gu_b, down_w, down_b) in enumerate(self.plan):
-            qkv = norm_linear(x, qkv_w, qkv_b, eps).view(n, hq + 2 * hkv, d)
-            qk, v = qkv.split(qk_v, 1)  # [N, Hq + Hkv, D]: q and k heads get norm and RoPE together
-            if qk_norm is not None:
-                qk = rms_norm(qk, qk_norm, eps)
-            q, k = apply_rotary(qk, cos, sin).split(q_k, 1)
-            o = ctx.attend(i, q, k, v, scale)  # [N, Hq, D]
-            add_linear(x, o.reshape(n, hq * d), o_w, o_b)
-            gate, up = norm_linear(x, gu_w, gu_b, eps).chunk(2, 1)  # [N, I] each
-            add_linear(x, act(gate).mul_(up), down_w, down_b)
+            attention_block(ctx, i, x, (qkv_w, qkv_b, o_w, o_b), heads, cos, sin, qk_norm, eps, scale)
+            mlp(x, gu_w, gu_b, down_w, down_b, act, self.act_kernel, eps)
         if logits_rows is not None:
             x = x[logits_rows]
         logits = norm_linear(x, self.lm_head, None, eps, self.norm)  # [R, k * V / k]

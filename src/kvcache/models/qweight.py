@@ -202,6 +202,62 @@ class QStack:
         return y
 
 
+def fused_mlp(x: torch.Tensor, gate_up: object, down: object, act: int | None, eps: float,
+              gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+              post_norm: torch.Tensor | None = None, post_eps: float = 0.0) -> bool:
+    """x [N, H] += post_norm(down(act(gate) * up)) with [gate | up] = gate_up(rms_norm(x)) in one
+    native call (kernels/qgemm.c kv_q_mlp), when both weights are single-format QWeights and the
+    activation has a kernel (``act``: 0 silu, 1 tanh GELU; None: none). False: not done here."""
+    if (act is None or type(gate_up) is not QWeight or type(down) is not QWeight or x.dtype != torch.float32
+            or x.dim() != 2 or not x.is_cpu or x.stride(1) != 1 or x.shape[1] != gate_up.k  # type: ignore[union-attr]
+            or down.out != gate_up.k or 2 * down.k != gate_up.out):  # type: ignore[union-attr]
+        return False
+    gu, dn = gate_up, down
+    rc = _lib().kv_q_mlp(
+        x.shape[0], gu.k, dn.k, x.data_ptr(), x.stride(0), gu._scale_ptr, eps, gu.fmt, *gu._ptrs,  # type: ignore[union-attr]
+        None if gate_up_bias is None else _vector_ptr(gate_up_bias, gu.out, "bias"), dn.fmt, *dn._ptrs,  # type: ignore[union-attr]
+        None if down_bias is None else _vector_ptr(down_bias, dn.out, "bias"), act,  # type: ignore[union-attr]
+        None if post_norm is None else _vector_ptr(post_norm, dn.out, "norm weight"), post_eps,  # type: ignore[union-attr]
+        torch.get_num_threads())
+    if rc == 4:
+        raise MemoryError("the quantized MLP could not allocate its activation buffers")
+    if rc:
+        raise RuntimeError(f"the quantized MLP kernel refused its inputs ({rc})")
+    return True
+
+
+def attn_block(x: torch.Tensor, weights: tuple, heads: tuple[int, int, int], cos: torch.Tensor, sin: torch.Tensor,
+               qk_norm: torch.Tensor | None, eps: float, scale: float, post_norm: torch.Tensor | None,
+               flat: torch.Tensor, page_size: int, slots: torch.Tensor, tables: torch.Tensor,
+               lens: torch.Tensor) -> bool:
+    """One decode step's attention half for sequences of one new token each, in one native call:
+    x [B, H] += o(attend(rope(norm(qkv(rms_norm(x)))))) with the new K/V written into the pool layer
+    ``flat`` [2, Hkv, S, D] at ``slots``. ``weights``: (qkv, qkv bias, o, o bias); False when they
+    are not single-format QWeights or the inputs do not fit the kernel (nothing was done then)."""
+    qkv, qkv_b, o, o_b = weights
+    hq, hkv, d = heads
+    n = x.shape[0]
+    if (type(qkv) is not QWeight or type(o) is not QWeight or x.dtype != torch.float32 or x.dim() != 2
+            or not x.is_cpu or x.stride(1) != 1 or x.shape[1] != qkv.k or o.out != qkv.k or o.k != hq * d
+            or qkv.out != (hq + 2 * hkv) * d or flat.dtype != torch.float32 or not flat.is_contiguous()
+            or flat.shape[1] != hkv or flat.shape[3] != d or cos.shape[0] != n or not cos.is_contiguous()
+            or not sin.is_contiguous() or (qk_norm is not None and not qk_norm.is_contiguous())):
+        return False
+    rot = cos.numel() // n
+    rc = _lib().kv_q_attn_block(
+        n, qkv.k, x.data_ptr(), x.stride(0), qkv._scale_ptr, eps, qkv.fmt, *qkv._ptrs,
+        None if qkv_b is None else _vector_ptr(qkv_b, qkv.out, "bias"), hq, hkv, d, rot, cos.data_ptr(),
+        sin.data_ptr(), None if qk_norm is None else qk_norm.data_ptr(), flat.data_ptr(), page_size,
+        flat.shape[2], slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), scale, o.fmt, *o._ptrs,
+        None if o_b is None else _vector_ptr(o_b, o.out, "bias"),
+        None if post_norm is None else _vector_ptr(post_norm, o.out, "norm weight"), eps, torch.get_num_threads())
+    if rc == 4 or rc == 2:
+        raise MemoryError("the fused attention could not allocate its buffers")
+    if rc:
+        raise RuntimeError(f"the fused attention kernel refused its inputs ({rc})")
+    return True
+
+
 def _vector_ptr(t: torch.Tensor, n: int, what: str) -> int:
     """The address of a contiguous fp32 CPU vector of n values (a norm weight or a bias)."""
     if t.dtype != torch.float32 or t.dim() != 1 or t.shape[0] != n or not t.is_contiguous() or t.device.type != "cpu":

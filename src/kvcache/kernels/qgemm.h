@@ -1,0 +1,36 @@
+/* What qgemm.c shares with the fused kernels built into the same library (dattn.c): a repacked
+ * weight, activation scratch, and the row and column-group steps of a quantized product. None of
+ * it is exported from the library. */
+#ifndef KV_QGEMM_H
+#define KV_QGEMM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define KV_HIDDEN __attribute__((visibility("hidden")))
+#define RCHUNK 64 /* rows whose activations stay in cache while every column group passes */
+
+typedef struct { /* a repacked weight [out, K] (qformat.h) */
+    int fmt, out, K;
+    const uint8_t *qs;
+    const void *d, *m;
+} QW;
+
+typedef struct { /* int8 activations of n rows of K inputs: q [n, K], da [n, K/32], sa [n, K/16], inv [n] */
+    int8_t *q;
+    float *da, *sa, *inv;
+} Scratch;
+
+KV_HIDDEN int qw_valid(const QW *w);
+KV_HIDDEN size_t scratch_bytes(int n, int K);
+KV_HIDDEN Scratch scratch_at(char *p, int n, int K);
+/* row r of x [., K] (times g; 1 / rms into inv[r] when eps >= 0) -> int8 activations */
+KV_HIDDEN void act_row(int r, int K, const float *x, int64_t ldx, const float *g, float eps, int8_t *q, float *da,
+                       float *sa, float *inv);
+/* columns 8g .. 8g + 7, rows r0 .. r1 - 1: y (+)= products * rscale + bias */
+KV_HIDDEN void mm_group(const QW *wt, int g, int r0, int r1, const int8_t *q, const float *da, const float *sa,
+                        const float *bias, const float *rscale, float *y, int64_t ldy, int accumulate);
+/* x += rms_norm(y) * w, one row of H */
+KV_HIDDEN void add_normed(int H, const float *y, const float *w, float eps, float *x);
+
+#endif
