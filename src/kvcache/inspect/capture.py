@@ -33,6 +33,12 @@ class CaptureContext:
     layers: set[int] | None = None  # None: every layer
     seen: dict[int, Captured] = field(default_factory=dict)
 
+    def attend_packed(self, *args: object) -> None:
+        return None  # no fused path: q, k and v must pass through attend to be recorded
+
+    def attend_block(self, *args: object) -> bool:
+        return False
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         out = self.inner.attend(layer, q, k, v, scale)
         if self.layers is None or layer in self.layers:
