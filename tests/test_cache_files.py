@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvcache import LLM, SamplingParams
-from kvcache.config import parse_kv_spec
+from kvcache.cache.config import parse_kv_spec
 from kvcache.engine.runner import ModelRunner
 from kvcache.errors import KVCacheError
 
@@ -132,7 +132,7 @@ def test_disk_pages_leave_no_files(tiny, tmp_path):
 
 FULL_DISK = r"""
 import resource, signal, sys
-from kvcache.config import parse_kv_spec
+from kvcache.cache.config import parse_kv_spec
 from kvcache.cache.paged import PagedKVCache
 from kvcache.models.config import ModelConfig
 from kvcache.errors import KVCacheError

@@ -15,7 +15,7 @@ import torch
 
 from kvcache import LLM
 from kvcache.attention.context import RecomputeContext
-from kvcache.config import parse_kv_spec
+from kvcache.cache.config import parse_kv_spec
 from kvcache.engine.runner import ModelRunner
 
 PROMPT = [5, 17, 42, 8, 99, 23, 4, 61, 77, 12, 30, 3, 9, 14]

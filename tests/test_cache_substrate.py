@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache.cache import PageAllocator, PagedContext, PagedKVCache
-from kvcache.config import CacheConfig, parse_kv_spec
+from kvcache.cache.config import CacheConfig, parse_kv_spec
 from kvcache.errors import ContextOverflow, InvalidParams
 from kvcache.models.config import ModelConfig
 

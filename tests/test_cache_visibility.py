@@ -10,7 +10,7 @@ import torch
 
 from kvcache.cache import PagedContext, PagedKVCache
 from kvcache.cache.sequence import HOLE
-from kvcache.config import CacheConfig
+from kvcache.cache.config import CacheConfig
 from kvcache.models.config import ModelConfig
 from kvcache.models.layers import Rotary, apply_rotary
 

@@ -11,7 +11,7 @@ import torch
 
 from conftest import FAMILIES
 from kvcache import LLM, SamplingParams
-from kvcache.config import parse_kv_spec
+from kvcache.cache.config import parse_kv_spec
 from kvcache.engine.runner import ModelRunner
 
 STRATEGIES = ["none", "dynamic,page_size=4", "static,max_tokens=64,page_size=4"]

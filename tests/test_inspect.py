@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import run_kvcache
 
-from kvcache.config import parse_kv_spec
+from kvcache.cache.config import parse_kv_spec
 from kvcache.engine.runner import ModelRunner
 from kvcache.errors import InvalidParams
 from kvcache.inspect.capture import attention_weights, capture, check_indices, gqa_groups, prefix_reuse

@@ -7,7 +7,7 @@ import torch
 
 from kvcache import kernels
 from kvcache.cache import PagedContext, PagedKVCache
-from kvcache.config import parse_kv_spec
+from kvcache.cache.config import parse_kv_spec
 from kvcache.models.config import ModelConfig
 
 CFG = ModelConfig(model_type="llama", vocab_size=8, hidden_size=64, intermediate_size=16, num_layers=2,

@@ -12,7 +12,7 @@ import torch
 
 from kvcache import LLM, SamplingParams
 from kvcache.cache.budget import parse_budget, ram_bytes
-from kvcache.config import CacheConfig, parse_kv_spec
+from kvcache.cache.config import CacheConfig, parse_kv_spec
 from kvcache.engine.scheduler import Request, Scheduler, SchedulerConfig
 from kvcache.errors import ContextOverflow, InvalidParams
 from kvcache.prefix.config import PrefixConfig

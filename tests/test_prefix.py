@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvcache import LLM, SamplingParams
-from kvcache.config import parse_kv_spec
+from kvcache.cache.config import parse_kv_spec
 from kvcache.engine.runner import ModelRunner
 from kvcache.errors import ContextOverflow
 from kvcache.prefix.config import PrefixConfig

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import run_kvcache
 
-from kvcache.config import parse_kv_spec
+from kvcache.cache.config import parse_kv_spec
 from kvcache.engine.runner import ModelRunner
 
 TEXT = " ".join(list(pydoc_data.topics.topics.values())[:6])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvcache import LLM, SamplingParams
-from kvcache.config import parse_kv_spec
+from kvcache.cache.config import parse_kv_spec
 from kvcache.engine.runner import WINDOW_CHUNK, ModelRunner
 from kvcache.errors import CacheFull
 from kvcache.prefix.config import PrefixConfig

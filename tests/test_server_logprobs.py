@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvcache import LLM
-from kvcache.config import parse_kv_spec
+from kvcache.cache.config import parse_kv_spec
 from kvcache.engine.runner import ModelRunner
 
 from test_server import Server, _model

@@ -7,7 +7,7 @@ import json
 import pytest
 from conftest import run_kvcache
 
-from kvcache.config import parse_kv_spec
+from kvcache.cache.config import parse_kv_spec
 from kvcache.errors import InvalidParams
 from kvcache.inspect.size import kv_size, largest_batch, load_model_config, longest_context
 

@@ -17,10 +17,10 @@ _EXPORTS = {
     "RequestOutput": "kvcache.engine.params",
     "CompletionOutput": "kvcache.engine.params",
     "ChatSession": "kvcache.engine.session",
-    "CacheConfig": "kvcache.config",
+    "CacheConfig": "kvcache.cache.config",
     "PrefixConfig": "kvcache.prefix.config",
     "SchedulerConfig": "kvcache.engine.scheduler",
-    "parse_kv_spec": "kvcache.config",
+    "parse_kv_spec": "kvcache.cache.config",
     "KVCacheError": "kvcache.errors",
 }
 __all__ = sorted(_EXPORTS)

@@ -70,7 +70,7 @@ def _kv(args: argparse.Namespace, default_budget: str | None = None):  # -> Cach
     from dataclasses import replace
 
     from kvcache.cache.budget import parse_budget
-    from kvcache.config import parse_kv_spec
+    from kvcache.cache.config import parse_kv_spec
 
     kv = parse_kv_spec(args.kv)
     budget = getattr(args, "kv_budget", None)

@@ -47,7 +47,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
                                 "llama.cpp")
     from kvcache.bench import llamapeer
     from kvcache.bench.cli import weights_list
-    from kvcache.config import parse_kv_spec
+    from kvcache.cache.config import parse_kv_spec
     from kvcache.models.config import ModelConfig
     from kvcache.models.loading import read_config, resolve_model
 

@@ -16,7 +16,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 
 from kvcache.bench.decode import step_bytes, weight_bytes
-from kvcache.config import CacheConfig, parse_kv_spec
+from kvcache.cache.config import CacheConfig, parse_kv_spec
 from kvcache.engine.llm import LLM
 from kvcache.engine.params import SamplingParams
 from kvcache.errors import InvalidParams

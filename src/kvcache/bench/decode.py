@@ -34,7 +34,7 @@ def weights_label(llm: LLM) -> str:
 
 
 def _runner(llm: LLM, spec: str) -> ModelRunner:
-    from kvcache.config import parse_kv_spec
+    from kvcache.cache.config import parse_kv_spec
 
     llm.cache_config = parse_kv_spec(spec)
     llm.runner = ModelRunner(llm.model, llm.cache_config)

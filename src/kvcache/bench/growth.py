@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcache.config import CacheConfig
+from kvcache.cache.config import CacheConfig
 from kvcache.errors import InvalidParams
 from kvcache.models.config import ModelConfig
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcache.config import parse_kv_spec
+from kvcache.cache.config import parse_kv_spec
 from kvcache.engine.llm import LLM
 from kvcache.engine.runner import ModelRunner
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcache.config import CacheConfig
+from kvcache.cache.config import CacheConfig
 from kvcache.models.config import ModelConfig
 
 

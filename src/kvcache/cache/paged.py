@@ -24,7 +24,7 @@ from kvcache.cache.placement import Placement
 from kvcache.cache.pool import PagePool
 from kvcache.cache.qpool import QuantPool
 from kvcache.cache.sequence import HOLE, SeqKV
-from kvcache.config import CacheConfig
+from kvcache.cache.config import CacheConfig
 from kvcache.errors import CacheFull, ContextOverflow, InvalidParams
 from kvcache.models.config import ModelConfig
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Union
 import torch
 
 from kvcache.cache.paged import CacheStats
-from kvcache.config import CacheConfig, parse_kv_spec
+from kvcache.cache.config import CacheConfig, parse_kv_spec
 from kvcache.engine.generate import Delta, RequestRun
 from kvcache.engine.params import RequestOutput, SamplingParams
 from kvcache.engine.runner import ModelRunner

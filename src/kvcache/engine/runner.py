@@ -14,7 +14,7 @@ from kvcache.attention.context import RecomputeContext
 from kvcache.cache.context import PagedContext
 from kvcache.cache.paged import CacheStats, PagedKVCache
 from kvcache.cache.sequence import SeqKV
-from kvcache.config import CacheConfig
+from kvcache.cache.config import CacheConfig
 from kvcache.engine import faults
 from kvcache.errors import ContextOverflow, InvalidParams
 from kvcache.models.base import CausalLM

@@ -44,7 +44,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_eval(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from kvcache.config import parse_kv_spec
+    from kvcache.cache.config import parse_kv_spec
     from kvcache.engine.llm import LLM
     from kvcache.eval.fidelity import builtin_text, compare
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache.config import CacheConfig, parse_kv_spec
+from kvcache.cache.config import CacheConfig, parse_kv_spec
 from kvcache.engine.runner import ModelRunner
 from kvcache.errors import InvalidParams
 

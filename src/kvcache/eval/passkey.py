@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from kvcache.config import parse_kv_spec
+from kvcache.cache.config import parse_kv_spec
 from kvcache.engine.generate import RequestRun
 from kvcache.engine.params import SamplingParams
 from kvcache.engine.runner import ModelRunner

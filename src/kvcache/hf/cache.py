@@ -16,7 +16,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, EncoderDecoderCache
 
 from kvcache.cache.accounting import CacheStats
-from kvcache.config import CacheConfig, parse_kv_spec
+from kvcache.cache.config import CacheConfig, parse_kv_spec
 from kvcache.errors import InvalidParams
 from kvcache.hf.layout import Layout, layout_of
 from kvcache.hf.store import PageStore

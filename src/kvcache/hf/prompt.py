@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kvcache.config import CacheConfig
+from kvcache.cache.config import CacheConfig
 from kvcache.errors import InvalidParams
 from kvcache.hf.cache import KVCache, make_cache
 

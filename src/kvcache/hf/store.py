@@ -18,7 +18,7 @@ from kvcache.cache.paged import PagedKVCache
 from kvcache.cache.pool import PagePool
 from kvcache.cache.qpool import QuantPool
 from kvcache.cache.sequence import SeqKV
-from kvcache.config import CacheConfig
+from kvcache.cache.config import CacheConfig
 from kvcache.errors import InvalidParams, KVCacheError
 from kvcache.hf.layout import Layout
 from kvcache.hf.plan import ReadPlan, mask_sizes, plan_float, plan_quant

@@ -33,7 +33,7 @@ def add_size_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_size(args: argparse.Namespace) -> int:
-    from kvcache.config import parse_kv_spec
+    from kvcache.cache.config import parse_kv_spec
     from kvcache.inspect.size import bounded, kv_size, largest_batch, load_model_config, longest_context
 
     specs = [x.strip() for x in args.kv.split(";") if x.strip()]

@@ -37,7 +37,7 @@ def add_inspect_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from kvcache.config import parse_kv_spec
+    from kvcache.cache.config import parse_kv_spec
     from kvcache.engine.llm import LLM
     from kvcache.engine.runner import ModelRunner
     from kvcache.inspect.capture import attention_weights, capture, check_indices, gqa_groups, prefix_reuse

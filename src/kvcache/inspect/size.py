@@ -16,7 +16,7 @@ from typing import Any
 
 from kvcache.cache import quant
 from kvcache.cache.groups import layer_visibility
-from kvcache.config import CacheConfig
+from kvcache.cache.config import CacheConfig
 from kvcache.errors import InvalidParams, ModelLoadError
 from kvcache.models.config import ModelConfig
 

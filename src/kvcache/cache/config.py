@@ -1,4 +1,4 @@
-"""Cache configuration: one frozen dataclass over four independent axes, and the ``--kv`` parser.
+"""Cache configuration (CacheConfig): one frozen dataclass over four independent axes, and the ``--kv`` parser.
 
 Axes (every combination works unless it is impossible in principle; those are refused here, when
 the config is built, with the list of what works):
