@@ -6,97 +6,16 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvcache.cliargs import add_weights_arg
+from kvcache.cliargs import add_model_args, add_prefix_args, add_sampling_args, load_llm, sampling_params
 from kvcache.fmt import human_bytes
 from kvcache.errors import KVCacheError
 
-KV_HELP = (
-    "cache spec, comma-separated (default: dynamic). Presets: none, dynamic, static, offloaded, "
-    "offloaded_static, quantized (int4), sliding_window, sink. Axes: dynamic|static[,max_tokens=N]; "
-    "window=N[,sinks=K]; fp32|fp16|bf16|int8|int4|int2[,group_size=G][,residual=R]; "
-    "device|host|disk[,dir=PATH]; page_size=N. Example: static,int4,sinks=4,window=1024"
-)
 DEFAULT_PROMPT = "What is a KV cache in a language model? Answer in two sentences."
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", default=None,
-                   help="GGUF file, HF model folder, hub id or bundled name (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--kv", default="dynamic", help=KV_HELP)
-    add_weights_arg(p)
-    p.add_argument("--kv-budget", default=None, metavar="SIZE",
-                   help="most memory a dynamic KV pool may hold: GiB (2), a unit (512MiB) or a share of RAM "
-                        "(25%%). Beyond it requests wait or are preempted; `serve` defaults to 50%%")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all available cores)")
-
-
-def _add_prefix_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--no-prefix-cache", action="store_true",
-                   help="do not keep finished requests' K/V for reuse by later prompts")
-    p.add_argument("--prefix-dir", default=None, metavar="DIR",
-                   help="disk tier of the prefix cache: pages are written here and restored by later runs")
-    p.add_argument("--redis", default=None, metavar="URL",
-                   help="Redis tier of the prefix cache (redis://host:port/db), shared by several processes")
-    p.add_argument("--prefix-tokens", type=int, default=16384, metavar="N",
-                   help="tokens of finished requests kept in RAM for reuse (default 16384)")
-    p.add_argument("--tier-secret-file", default=None, metavar="FILE",
-                   help="a secret (the file's first line) with which disk and Redis entries carry a keyed MAC: "
-                        "entries without the right MAC are misses. Also KVCACHE_TIER_SECRET")
-    p.add_argument("--tier-secret", default=None, metavar="SECRET",
-                   help="the same secret given inline (it shows in `ps`: prefer the file or the variable)")
-
-
-def _add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
-    p.add_argument("--max-new-tokens", "-n", type=int, default=max_new, help=f"tokens to generate (default {max_new})")
-    p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 is greedy (default 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: off)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
-
-
-def _params(args: argparse.Namespace):  # -> SamplingParams
-    from kvcache.engine.params import SamplingParams
-
-    return SamplingParams(
-        max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
-    )
-
-
-def _kv(args: argparse.Namespace, default_budget: str | None = None):  # -> CacheConfig
-    """The --kv spec with --kv-budget applied (``default_budget`` for a dynamic pool without one)."""
-    from dataclasses import replace
-
-    from kvcache.cache.budget import parse_budget
-    from kvcache.cache.config import parse_kv_spec
-
-    kv = parse_kv_spec(args.kv)
-    budget = getattr(args, "kv_budget", None)
-    if budget is None and kv.capacity == "dynamic" and kv.budget is None:
-        budget = default_budget
-    return replace(kv, budget=parse_budget(budget)) if budget is not None else kv
-
-
-def _load(args: argparse.Namespace, default_budget: str | None = None):  # -> LLM
-    from kvcache.engine.llm import LLM
-
-    from kvcache.prefix.config import PrefixConfig, tier_secret
-
-    kv = _kv(args, default_budget)  # refuse a bad spec before the model loads
-    secret = tier_secret(getattr(args, "tier_secret", None), getattr(args, "tier_secret_file", None))
-    prefix = PrefixConfig(enabled=not getattr(args, "no_prefix_cache", False),
-                          max_cached_tokens=getattr(args, "prefix_tokens", 16384),
-                          disk=getattr(args, "prefix_dir", None), redis=getattr(args, "redis", None),
-                          secret=secret)
-    llm = LLM(args.model, kv=kv, threads=args.threads, prefix=prefix, weights=args.weights)
-    return llm
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
-    params = _params(args)
-    llm = _load(args)
+    params = sampling_params(args)
+    llm = load_llm(args)
     prompt = args.prompt if args.prompt is not None else ("" if args.prompt_cache else DEFAULT_PROMPT)
     chat = args.chat or args.prompt is None
     run = llm.request(prompt, params, chat and not args.prompt_cache, args.prompt_cache)
@@ -145,7 +64,7 @@ def cmd_cache_prompt(args: argparse.Namespace) -> int:
         raise KVCacheError(f"cannot read {args.prompt_file}: {e.strerror or e}") from None
     if not text.strip():
         raise KVCacheError(f"{args.prompt_file} is empty: nothing to cache")
-    llm = _load(args)
+    llm = load_llm(args)
     n = llm.save_cache(args.out, text, chat=False)
     size = Path(args.out).stat().st_size
     print(f"cached {n} tokens of {args.prompt_file} in {args.out} ({human_bytes(size)}, kv={llm.cache_config.spec()})",
@@ -154,8 +73,8 @@ def cmd_cache_prompt(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    params = _params(args)
-    llm = _load(args)
+    params = sampling_params(args)
+    llm = load_llm(args)
     session = llm.chat_session(system=args.system, resume=args.resume)
     if args.resume:
         print(f"(resumed {len(session.messages)} messages from {args.resume})", file=sys.stderr)
@@ -217,9 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("prompt", nargs="?", default=None, help="prompt text (default: a short question, with --chat)")
-    _add_model_args(g)
-    _add_prefix_args(g)
-    _add_sampling_args(g, 128)
+    add_model_args(g)
+    add_prefix_args(g)
+    add_sampling_args(g, 128)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--stats", action="store_true", help="print the KV cache's memory accounting, per layer")
     g.add_argument("--prompt-cache", default=None, metavar="FILE",
@@ -229,13 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
     cp = sub.add_parser("cache-prompt", help="compute a prompt's KV cache once and save it to a file")
     cp.add_argument("--prompt-file", required=True, help="text file with the prompt ('-' reads stdin)")
     cp.add_argument("--out", required=True, help="cache file to write (safetensors)")
-    _add_model_args(cp)
+    add_model_args(cp)
     cp.set_defaults(func=cmd_cache_prompt)
 
     c = sub.add_parser("chat", help="multi-turn chat that reuses its KV cache between turns")
-    _add_model_args(c)
-    _add_prefix_args(c)
-    _add_sampling_args(c, 256)
+    add_model_args(c)
+    add_prefix_args(c)
+    add_sampling_args(c, 256)
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--save", default=None, metavar="FILE",
                    help="at the end, save the conversation and its KV cache to FILE")
@@ -248,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvcache.server.cli import add_serve_parser
 
-    add_serve_parser(sub, _add_model_args, _add_prefix_args)
+    add_serve_parser(sub)
 
     from kvcache.bench.cli import add_bench_parser
     from kvcache.envinfo import add_env_parser

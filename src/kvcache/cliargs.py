@@ -1,13 +1,151 @@
-"""Command-line options shared by several subcommands (no heavy imports: the parser builds fast)."""
+"""Command-line options shared by several subcommands, and what they turn into: the ``--kv`` spec
+with its budget, the sampling parameters, the loaded model with its prefix cache.
+
+Only argparse at import time (the parser builds fast); the engine loads inside the functions that
+need it. Every console module (the top-level CLI, ``serve``, ``bench``, ``size``, ``inspect``,
+``eval``) takes its shared options from here, and none imports another's.
+"""
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+from kvcache.errors import InvalidParams
+
+if TYPE_CHECKING:
+    from kvcache.cache.config import CacheConfig
+    from kvcache.engine.llm import LLM
+    from kvcache.engine.params import SamplingParams
 
 WEIGHTS = ("file", "fp32", "q8", "q4")
+KV_HELP = (
+    "cache spec, comma-separated (default: dynamic). Presets: none, dynamic, static, offloaded, "
+    "offloaded_static, quantized (int4), sliding_window, sink. Axes: dynamic|static[,max_tokens=N]; "
+    "window=N[,sinks=K]; fp32|fp16|bf16|int8|int4|int2[,group_size=G][,residual=R]; "
+    "device|host|disk[,dir=PATH]; page_size=N. Example: static,int4,sinks=4,window=1024"
+)
 
 
 def add_weights_arg(p: argparse.ArgumentParser, default: str = "file") -> None:
     p.add_argument("--weights", default=default, choices=WEIGHTS,
                    help="how weights are held: file (a GGUF's own quantized types, multiplied by int8 kernels; "
                         "the default), fp32, or q8/q4 (quantized at load, HF folders too)")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model, its cache spec and budget, its weights mode and the torch threads."""
+    p.add_argument("--model", "-m", default=None,
+                   help="GGUF file, HF model folder, hub id or bundled name (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--kv", default="dynamic", help=KV_HELP)
+    add_weights_arg(p)
+    p.add_argument("--kv-budget", default=None, metavar="SIZE",
+                   help="most memory a dynamic KV pool may hold: GiB (2), a unit (512MiB) or a share of RAM "
+                        "(25%%). Beyond it requests wait or are preempted; `serve` defaults to 50%%")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all available cores)")
+
+
+def add_prefix_args(p: argparse.ArgumentParser) -> None:
+    """The prefix cache: on or off, its RAM budget, its disk and Redis tiers, their secret."""
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="do not keep finished requests' K/V for reuse by later prompts")
+    p.add_argument("--prefix-dir", default=None, metavar="DIR",
+                   help="disk tier of the prefix cache: pages are written here and restored by later runs")
+    p.add_argument("--redis", default=None, metavar="URL",
+                   help="Redis tier of the prefix cache (redis://host:port/db), shared by several processes")
+    p.add_argument("--prefix-tokens", type=int, default=16384, metavar="N",
+                   help="tokens of finished requests kept in RAM for reuse (default 16384)")
+    p.add_argument("--tier-secret-file", default=None, metavar="FILE",
+                   help="a secret (the file's first line) with which disk and Redis entries carry a keyed MAC: "
+                        "entries without the right MAC are misses. Also KVCACHE_TIER_SECRET")
+    p.add_argument("--tier-secret", default=None, metavar="SECRET",
+                   help="the same secret given inline (it shows in `ps`: prefer the file or the variable)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
+    p.add_argument("--max-new-tokens", "-n", type=int, default=max_new, help=f"tokens to generate (default {max_new})")
+    p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 is greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The options of ``add_sampling_args`` as SamplingParams."""
+    from kvcache.engine.params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+    )
+
+
+def kv_config(args: argparse.Namespace, default_budget: str | None = None) -> CacheConfig:
+    """The --kv spec with --kv-budget applied (``default_budget`` for a dynamic pool without one)."""
+    from dataclasses import replace
+
+    from kvcache.cache.budget import parse_budget
+    from kvcache.cache.config import parse_kv_spec
+
+    kv = parse_kv_spec(args.kv)
+    budget = getattr(args, "kv_budget", None)
+    if budget is None and kv.capacity == "dynamic" and kv.budget is None:
+        budget = default_budget
+    return replace(kv, budget=parse_budget(budget)) if budget is not None else kv
+
+
+def load_llm(args: argparse.Namespace, default_budget: str | None = None) -> LLM:
+    """The model of ``add_model_args`` with the prefix cache of ``add_prefix_args`` (off or at its
+    defaults where the command has no such options). A bad spec is refused before the model loads."""
+    from kvcache.engine.llm import LLM
+    from kvcache.prefix.config import PrefixConfig, tier_secret
+
+    kv = kv_config(args, default_budget)
+    secret = tier_secret(getattr(args, "tier_secret", None), getattr(args, "tier_secret_file", None))
+    prefix = PrefixConfig(enabled=not getattr(args, "no_prefix_cache", False),
+                          max_cached_tokens=getattr(args, "prefix_tokens", 16384),
+                          disk=getattr(args, "prefix_dir", None), redis=getattr(args, "redis", None),
+                          secret=secret)
+    return LLM(args.model, kv=kv, threads=args.threads, prefix=prefix, weights=args.weights)
+
+
+def weights_list(args: argparse.Namespace, default: str) -> list[str]:
+    """A comma-separated ``--weights`` as a list of modes (``default`` when not given); an unknown
+    mode is refused."""
+    text = args.weights if args.weights is not None else default
+    modes = list(dict.fromkeys(w.strip() for w in text.split(",") if w.strip()))
+    for w in modes:
+        if w not in WEIGHTS:
+            raise InvalidParams(f"--weights: unknown mode {w!r}; choose from {', '.join(WEIGHTS)}")
+    if not modes:
+        raise InvalidParams(f"--weights needs at least one mode ({', '.join(WEIGHTS)})")
+    return modes
+
+
+def one_weights(args: argparse.Namespace, default: str = "fp32") -> str:
+    """``--weights`` where the command (``args.suite``) runs one mode."""
+    modes = weights_list(args, default)
+    if len(modes) > 1:
+        raise InvalidParams(f"--weights: the {args.suite} suite runs one weights mode, got {', '.join(modes)}")
+    return modes[0]
+
+
+def split_specs(text: str) -> list[str]:
+    """Split a ``--kv`` list into specs: comma-separated items, where an option (``key=value``)
+    belongs to the spec before it. ``dynamic,fp16,int8,int4,sink`` is five specs,
+    ``dynamic,int8,sinks=4,window=1024`` two (``dynamic`` and ``int8,sinks=4,window=1024``).
+    With ``;`` the specs are separated explicitly: ``static,int4;dynamic``."""
+    if ";" in text:
+        return [s.strip().strip(",") for s in text.split(";") if s.strip().strip(",")]
+    specs: list[str] = []
+    for item in (p.strip() for p in text.split(",")):
+        if not item:
+            continue
+        if "=" in item and specs:
+            specs[-1] += "," + item
+        else:
+            specs.append(item)
+    return specs
+

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvcache.cliargs import add_model_args, add_prefix_args, load_llm
 from kvcache.errors import InvalidParams
 
 SERVE_BUDGET = "50%"  # a dynamic pool's budget when --kv-budget is not given: half the RAM
 
 
-def add_serve_parser(sub: argparse._SubParsersAction, add_model_args, add_prefix_args) -> None:
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible server (completions, chat, streaming, metrics)")
     add_model_args(s)
     add_prefix_args(s)
@@ -62,11 +63,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     auth = Auth(keys, admins, metrics_public=args.metrics_public)
     import uvicorn
 
-    from kvcache.cli import _load
     from kvcache.fmt import human_bytes
     from kvcache.server.app import build_app
 
-    llm = _load(args, SERVE_BUDGET)
+    llm = load_llm(args, SERVE_BUDGET)
     app = build_app(llm, args.served_model_name, scheduler=sched, auth=auth, limits=limits)
     name = app.state.kv.model_name
     who = f" · {len(keys)} API key(s), {len(admins)} admin" if not auth.open else " · open (no API keys)"
