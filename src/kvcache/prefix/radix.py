@@ -89,7 +89,7 @@ class RadixIndex:
             if self.partial:  # the child sharing the most leading tokens, if any
                 best, best_n = None, 0
                 for key, c in node.children.items():
-                    n = _common(key, chunk)
+                    n = common_prefix(key, chunk)
                     if n > best_n:
                         best, best_n = c, n
                 if best is not None:
@@ -215,7 +215,8 @@ class RadixIndex:
         return dropped
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading token ids ``a`` and ``b`` share."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
