@@ -130,7 +130,7 @@ def bench_transformers(model_dir: str, llm: LLM, system: str, repeats: int,
     except ImportError:
         case.note = "transformers not installed: skipped"
         return case
-    from kvcache.engine.generate import common_prefix
+    from kvcache.prefix.radix import common_prefix
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     # generate() asks for the last position's logits only; a forward does too when it can
