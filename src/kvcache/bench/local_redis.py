@@ -1,4 +1,5 @@
-"""A throwaway local redis-server (Debian's ``redis-server`` binary) for benchmarks and tests."""
+"""A throwaway local redis-server (Debian's ``redis-server`` binary): the Redis tier of ``bench prefix``
+runs against it when no --redis URL is given, and the test suite's ``redis_url`` fixture starts one too."""
 
 from __future__ import annotations
 
