@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.cache import PageAllocator, PagedContext, PagedKVCache
+from kvcache.attention.backends import PagedContext
+from kvcache.cache import PageAllocator, PagedKVCache
 from kvcache.cache.config import CacheConfig, parse_kv_spec
 from kvcache.errors import ContextOverflow, InvalidParams
 from kvcache.models.config import ModelConfig
@@ -37,7 +38,7 @@ def test_pool_grows_and_keeps_contents():
     s = cache.new_sequence()
     k = torch.randn(3, 2, 4)
     ctx = PagedContext(cache, [s], [3], torch.arange(3))
-    cache.pools[0].write(0, ctx.write_slots[0], k, k)
+    cache.pools[0].write(0, ctx.plan.write_slots[0], k, k)
     assert cache.allocators[0].total == 1
     s2 = cache.new_sequence()
     PagedContext(cache, [s2], [9], torch.arange(9))  # forces growth
@@ -65,11 +66,11 @@ def test_gather_path_equals_written_values():
         for s in (a, b):
             kv = torch.randn(1, 2, 4)
             ctx = PagedContext(cache, [s], [1], torch.tensor([s.length]))
-            cache.pools[0].write(1, ctx.write_slots[0], kv, -kv)
+            cache.pools[0].write(1, ctx.plan.write_slots[0], kv, -kv)
             written[s.seq_id].append(kv)
     assert a.first_page_if_contiguous() is None
-    plan = PagedContext(cache, [a], [1], torch.tensor([5])).plans[0][0]
-    kk, vv = cache.pools[0].read(1, plan.first_page, plan.slots[:5], 5)
+    plan = PagedContext(cache, [a], [1], torch.tensor([5])).plan.reads[0][0]
+    kk, vv = cache.pools[0].read(1, plan.first_slot, plan.slots[:5], 5)
     torch.testing.assert_close(kk, torch.cat(written[a.seq_id]).transpose(0, 1))
     torch.testing.assert_close(vv, -kk)
 

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from kvcache.cache import PagedContext, PagedKVCache
+from kvcache.attention.backends import PagedContext
+from kvcache.cache import PagedKVCache
 from kvcache.cache.sequence import HOLE
 from kvcache.cache.config import CacheConfig
 from kvcache.models.config import ModelConfig

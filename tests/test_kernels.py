@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kvcache import kernels
-from kvcache.cache import PagedContext, PagedKVCache
+from kvcache.attention.backends import PagedContext
+from kvcache.cache import PagedKVCache
 from kvcache.cache.config import parse_kv_spec
 from kvcache.models.config import ModelConfig
 

@@ -204,7 +204,7 @@ import sys, torch
 sys.path.insert(0, {tests!r})
 from kvcache import LLM, kernels
 from kvcache.models import layers, qweight
-from kvcache.cache import context
+from kvcache.attention import backends
 assert kernels.variant() == {variant!r}
 llm = LLM({path!r}, weights="q8", prefix=False)
 ids = [5, 17, 42, 8, 99, 23, 4, 61, 77, 12]
@@ -225,11 +225,11 @@ def count_block(*a):
 def count_mlp(*a):
     calls["mlp"] += 1
     return real_mlp(*a)
-context.attn_block, qweight.fused_mlp = count_block, count_mlp
+backends.attn_block, qweight.fused_mlp = count_block, count_mlp
 again = run()
 assert calls["block"] > 0 and calls["mlp"] > 0, calls  # the decode steps took the fused kernels
 assert torch.equal(fused, again)
-context.attn_block = lambda *a: False  # the same steps one kernel at a time
+backends.attn_block = lambda *a: False  # the same steps one kernel at a time
 qweight.fused_mlp = lambda *a, **k: False
 steps = run()
 print(float((fused - steps).abs().max()))

@@ -74,17 +74,16 @@ class PagePool:
         self.flat[layer].index_copy_(2, slots.to(kv.device), kv)
 
     def read(
-        self, layer: int, first_page: int | None, slots: torch.Tensor | None, length: int
+        self, layer: int, first_slot: int | None, slots: torch.Tensor | None, length: int
     ) -> torch.Tensor:
         """K and V of one sequence: [2, Hkv, length, D] fp32 on the compute device.
 
-        With ``first_page`` set the tokens are consecutive slots and the result is a view (a copy
-        when the pool is away from the compute or not fp32); otherwise ``slots`` ([length] int64)
-        gathers them.
+        With ``first_slot`` set the tokens are consecutive slots from there and the result is a
+        view (a copy when the pool is away from the compute or not fp32); otherwise ``slots``
+        ([length] int64) gathers them.
         """
-        if first_page is not None:
-            start = first_page * self.page_size
-            kv = self.placement.fetch(self.flat[layer][:, :, start : start + length])  # [2, Hkv, L, D]
+        if first_slot is not None:
+            kv = self.placement.fetch(self.flat[layer][:, :, first_slot : first_slot + length])  # [2, Hkv, L, D]
         else:
             assert slots is not None
             kv = self.flat[layer].index_select(2, slots.to(self.flat[layer].device))  # [2, Hkv, L, D]

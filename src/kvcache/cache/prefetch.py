@@ -7,29 +7,27 @@ transformers' offloaded cache. Torch releases the GIL inside its ops, so the thr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from kvcache.cache.context import PagedContext
 
 _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcache-prefetch")
 
 
 class Prefetcher:
-    def __init__(self, ctx: "PagedContext") -> None:
-        self.ctx = ctx
+    """Runs ``load(layer)`` (per sequence, the layer's K/V on ``compute``) one layer ahead."""
+
+    def __init__(self, load: Callable[[int], list[torch.Tensor]], compute: torch.device) -> None:
+        self.load = load
         self.pending: dict[int, Future] = {}
-        compute = ctx.cache.placement.compute
         self.stream = torch.cuda.Stream(compute) if compute.type == "cuda" else None
 
     def _load(self, layer: int) -> list[torch.Tensor]:
         if self.stream is None:
-            return self.ctx.load_old(layer)
+            return self.load(layer)
         with torch.cuda.stream(self.stream):
-            out = self.ctx.load_old(layer)
+            out = self.load(layer)
         self.stream.synchronize()
         return out
 

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvcache.attention.context import RecomputeContext
-from kvcache.cache.context import PagedContext
+from kvcache.attention.backends import PagedContext
+from kvcache.attention.dense import RecomputeContext
 from kvcache.cache.paged import CacheStats, PagedKVCache
 from kvcache.cache.sequence import SeqKV
 from kvcache.cache.config import CacheConfig

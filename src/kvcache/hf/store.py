@@ -3,7 +3,7 @@
 One kvcache sequence per batch row. A forward is the run of ``update`` calls from the model's
 first layer to its last: the first reserves pages for the new tokens in every row (all rows or
 none), each layer then writes its K/V into its group's pool and reads back what its queries may
-see (``plan.py``). Lengths are counters, per layer; a layer that receives tokens out of turn is
+see (planned by cache/plan.py, the planner the engine uses too: ``reads="window"``). Lengths are counters, per layer; a layer that receives tokens out of turn is
 refused. Several stores may share one PagedKVCache (forks share pages, copy-on-write).
 """
 
@@ -15,13 +15,13 @@ from dataclasses import replace
 import torch
 
 from kvcache.cache.paged import PagedKVCache
+from kvcache.cache.plan import ForwardPlan, ReadPlan, mask_sizes
 from kvcache.cache.pool import PagePool
 from kvcache.cache.qpool import QuantPool
 from kvcache.cache.sequence import SeqKV
 from kvcache.cache.config import CacheConfig
 from kvcache.errors import InvalidParams, KVCacheError
 from kvcache.hf.layout import Layout
-from kvcache.hf.plan import ReadPlan, mask_sizes, plan_float, plan_quant
 from kvcache.models.layers import Rotary
 
 
@@ -39,9 +39,7 @@ class PageStore:
         self.written = [0] * layout.num_layers  # tokens each layer has stored (per row)
         self.length = 0  # tokens every row holds once the current forward is through
         self.pending = 0  # layers still to write in the current forward
-        self.new_tokens = 0
-        self.plans: list[list[ReadPlan]] = []  # [row][group] for the current forward
-        self.sealed: list[list[int]] = []  # quantized: [row][group] pages before the current forward
+        self.plan: ForwardPlan | None = None  # the current forward's writes and reads
         self.rotaries: list[Rotary | None] | None = None
         self.dtype: torch.dtype | None = None
         self._finalizer: weakref.finalize | None = None
@@ -80,18 +78,9 @@ class PageStore:
         if batch > 1 and self.config.sinks:
             raise InvalidParams("attention sinks in kvcache.hf take one row at a time (left padding would turn pad "
                                 "tokens into sinks); run prompts one by one, or use window=N without sinks")
-        before = cache.reserve_all(self.rows, [n] * batch)
-        old, self.length = self.length, self.length + n
-        self.plans, self.sealed = [], before
-        ps = cache.page_size
-        for seq, lens in zip(self.rows, before):
-            seq.length = self.length
-            if cache.quantized:
-                self.plans.append([plan_quant(seq.tables[g.index], lens[g.index], ps, g, old, self.length)
-                                   for g in cache.groups])
-            else:
-                self.plans.append([plan_float(seq.tables[g.index], ps, g, old, self.length) for g in cache.groups])
-        self.pending, self.new_tokens = self.layout.num_layers, n
+        self.plan = ForwardPlan(cache, self.rows, [n] * batch, reads="window")
+        self.length += n
+        self.pending = self.layout.num_layers
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: [B, Hkv, T, D] new tokens of one layer -> the visible K, V: [B, Hkv, L, D]."""
@@ -109,13 +98,16 @@ class PageStore:
         assert cache is not None
         gi, j = cache.where[layer]
         pool = cache.pools[gi]
+        reads = self.plan.reads  # type: ignore[union-attr]
         if isinstance(pool, QuantPool):
             kv = torch.stack([self._quant_row(b, gi, j, pool, k[b], v[b]) for b in range(batch)], 1)
         else:
-            self._write_float(gi, j, pool, k, v)
-            kv = torch.stack([self._read_float(pool, j, self.plans[b][gi]) for b in range(batch)], 1)
+            slots = self.plan.write_slots[gi]  # type: ignore[union-attr]
+            assert slots is not None  # [B*T], row by row
+            pool.write(j, slots, k.transpose(1, 2).flatten(0, 1), v.transpose(1, 2).flatten(0, 1))  # [B*T, Hkv, D]
+            kv = torch.stack([self._read_float(pool, j, reads[b][gi]) for b in range(batch)], 1)
         # kv: [2, B, Hkv, L, D]
-        plan = self.plans[0][gi]
+        plan = reads[0][gi]
         if plan.shift and self.rotaries is not None and self.rotaries[layer] is not None:
             kv = self._shift_sinks(layer, kv, plan)
         self.written[layer] += n
@@ -123,14 +115,6 @@ class PageStore:
         if kv.dtype != k.dtype or kv.device != k.device:
             kv = kv.to(k.device, k.dtype)
         return kv[0], kv[1]
-
-    def _write_float(self, gi: int, j: int, pool: PagePool, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [B, Hkv, T, D] -> each row's slots, one index_copy_ for all rows."""
-        cache = self.cache
-        assert cache is not None
-        start = self.length - self.new_tokens
-        slots = torch.cat([cache.slots(seq, gi, start, self.new_tokens) for seq in self.rows])  # [B*T]
-        pool.write(j, slots, k.transpose(1, 2).flatten(0, 1), v.transpose(1, 2).flatten(0, 1))  # [B*T, Hkv, D]
 
     @staticmethod
     def _read_float(pool: PagePool, j: int, plan: ReadPlan) -> torch.Tensor:
@@ -146,7 +130,7 @@ class PageStore:
     def _quant_row(self, b: int, gi: int, j: int, pool: QuantPool, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """k, v: [Hkv, T, D] of row b -> its visible K/V [2, Hkv, L, D] fp32; then seals the pages
         that left the fp32 residual window (as kvcache's own forward does)."""
-        seq, plan, ps = self.rows[b], self.plans[b][gi], pool.page_size
+        seq, plan, ps = self.rows[b], self.plan.reads[b][gi], pool.page_size  # type: ignore[union-attr]
         tails = seq.tails[gi]
         assert tails is not None
         rest = torch.cat((tails[j].to(k.device), torch.stack((k, v)).float()), 2)  # [2, Hkv, t + T, D]
@@ -160,7 +144,7 @@ class PageStore:
         else:
             assert plan.index is not None
             out = buf.index_select(2, plan.index.to(buf.device))
-        tails[j] = pool.seal(j, torch.tensor(seq.tables[gi][self.sealed[b][gi]:], dtype=torch.long), rest)
+        tails[j] = pool.seal(j, plan.new_pages, rest)
         return out
 
     def _shift_sinks(self, layer: int, kv: torch.Tensor, plan: ReadPlan) -> torch.Tensor:

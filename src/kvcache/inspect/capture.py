@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcache.attention.context import AttentionContext, RecomputeContext
+from kvcache.attention import AttentionContext, RecomputeContext
 from kvcache.attention.dense import visibility_mask
 from kvcache.errors import InvalidParams
 from kvcache.models.base import CausalLM
@@ -103,7 +103,7 @@ def prefix_reuse(runner, first: list[int], second: list[int]) -> ReuseCheck:  # 
     try:
         runner.step([seq], [first])
         runner.truncate(seq, p)
-        from kvcache.cache.context import PagedContext
+        from kvcache.attention.backends import PagedContext
 
         rest = second[p:]
         pos = torch.arange(p, len(second))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvcache.attention.context import AttentionContext
+from kvcache.attention.interface import AttentionContext
 from kvcache.models.config import ModelConfig
 from kvcache.models.layers import Rotary
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvcache.attention.context import AttentionContext
+from kvcache.attention.interface import AttentionContext
 from kvcache.errors import ModelLoadError, UnsupportedArchitecture
 from kvcache.models.base import CausalLM
 from kvcache.models.config import ModelConfig

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvcache.attention.context import AttentionContext
+from kvcache.attention.interface import AttentionContext
 from kvcache.errors import ModelLoadError
 from kvcache.models.base import CausalLM
 from kvcache.models.config import ModelConfig

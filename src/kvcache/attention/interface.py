@@ -1,18 +1,19 @@
-"""The one call a model's attention layer makes: ``ctx.attend(layer, q, k, v, scale)``.
+"""AttentionContext: the one call a model's attention layer makes, ``ctx.attend(layer, q, k, v, scale)``.
 
 A forward processes a flat batch of N tokens that belong to one or more sequences (the context
 knows which). The context writes the new K/V where its cache strategy keeps them, reads what each
 sequence may see (its visibility policy, the model's per-layer windows) and returns the attention
 output. Models hold no cache state: all of it lives behind this interface.
+
+Owns the protocol only. Implementations: ``RecomputeContext`` (attention/dense.py, no cache),
+``PagedContext`` (attention/backends.py, the paged cache), the bridge's and inspect's wrappers.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
-
-from kvcache.attention.dense import attend_dense
 
 
 class AttentionContext(Protocol):
@@ -39,40 +40,3 @@ class AttentionContext(Protocol):
         weights (qkv, qkv_bias, o, o_bias) and the output through ``post_norm`` when given; False
         when this context has no fused way for it (the model then calls the steps one by one)."""
         ...
-
-
-class RecomputeContext:
-    """No cache: each sequence's tokens attend only to tokens of the same forward (the `none`
-    strategy, and the oracle that every exact cache strategy is compared against)."""
-
-    def __init__(
-        self,
-        seq_lens: Sequence[int],
-        positions: torch.Tensor,
-        layer_windows: Sequence[int | None],
-    ) -> None:
-        self.seq_lens = list(seq_lens)
-        self.positions = positions  # [N] int64
-        self.layer_windows = list(layer_windows)
-
-    def attend_packed(self, *args: object) -> None:
-        return None
-
-    def attend_block(self, *args: object) -> bool:
-        return False
-
-    def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        outs = []
-        start = 0
-        window = self.layer_windows[layer]
-        for n in self.seq_lens:
-            sl = slice(start, start + n)
-            pos = self.positions[sl]
-            o = attend_dense(
-                q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1), pos, pos, window, scale
-            )  # [Hq, n, D]
-            outs.append(o.transpose(0, 1))
-            start += n
-        return outs[0] if len(outs) == 1 else torch.cat(outs, 0)

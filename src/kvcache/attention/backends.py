@@ -1,0 +1,217 @@
+"""PagedContext: attention over the paged cache, the one place that chooses an attention backend.
+
+Per layer group, once per forward (from cache/plan.py's ForwardPlan), then per layer:
+
+- fused decode (``attend_packed``, ``attend_block``): decodes over fp32 pages with full
+  visibility; norm, RoPE, the cache write and attention in one native call (kernels/dattn.c),
+  or the layer's whole attention half with quantized weights;
+- pattn: decodes (one or many) over fp32 pages with full visibility; one native call reads every
+  sequence's pages in place (no gathered copy, no per-sequence loop);
+- xattn: a few new tokens per sequence (at most EXTEND_MAX: an extend after a prefix hit, a chat
+  turn, a short chunk of prefill) over fp32 pages with full visibility, causal among the new ones;
+- qattn: a lone decode query over quantized pages with everything in view, codes read in place;
+- dense: everything else (windows, sinks, fp16/bf16, offloaded pools, long prefills, no compiler):
+  each sequence's keys gathered (quantized pages dequantized) and attention/dense.py's math.
+
+Every native path returns None when it cannot take its inputs, and the next one down runs: all
+give the same result. Owns the choice and the calls; may not plan (cache/plan.py decides which
+keys a sequence reads) or change the cache beyond writing this forward's K/V and sealing
+quantized pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvcache import kernels
+from kvcache.attention.dense import attend, attend_with_sinks
+from kvcache.cache.paged import PagedKVCache
+from kvcache.cache.plan import ForwardPlan, ReadPlan
+from kvcache.cache.pool import PagePool
+from kvcache.cache.prefetch import Prefetcher
+from kvcache.cache.qpool import QuantPool
+from kvcache.cache.sequence import SeqKV
+from kvcache.models.layers import Rotary
+from kvcache.models.qweight import attn_block
+
+EXTEND_MAX = 256  # most new tokens per sequence for the native extend attention (SDPA beyond)
+
+
+class PagedContext:
+    """One forward's attention over ``cache``: building it plans the forward (reserves pages for
+    the new tokens, all sequences or none, and advances each sequence's length); the forward then
+    writes those tokens' K/V in every layer and attends over what each layer's group keeps visible."""
+
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        seqs: Sequence[SeqKV],
+        new_tokens: Sequence[int],
+        positions: torch.Tensor,  # [N] int64
+        rotaries: Sequence[Rotary | None] | None = None,  # per layer, for attention sinks
+    ) -> None:
+        self.cache = cache
+        self.rotaries = rotaries
+        self.plan = plan = ForwardPlan(cache, seqs, new_tokens, positions)
+        self.prefetcher = Prefetcher(self.load_old, cache.placement.compute) if cache.placement.offloaded else None
+        if self.prefetcher is not None:
+            self.prefetcher.start(0)
+        # per group, the batched native path every sequence takes: decodes (page tables, lengths)
+        # or extends (page tables, first row of each sequence, its new tokens, lengths)
+        self.decode: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(cache.groups)
+        self.extend: list[tuple[torch.Tensor, ...] | None] = [None] * len(cache.groups)
+        if cache.config.encoding == "fp32" and not cache.placement.offloaded and max(new_tokens) <= EXTEND_MAX:
+            decodes = all(n == 1 for n in new_tokens)
+            lens = plan.lengths()
+            for g in cache.groups:
+                if g.window is None and not g.sinks:
+                    t = plan.page_tables(g.index)
+                    if decodes:
+                        self.decode[g.index] = (t, lens)
+                    elif kernels.xattn() is not None:
+                        new = torch.tensor(list(new_tokens), dtype=torch.long)
+                        self.extend[g.index] = (t, torch.cumsum(new, 0) - new, new, lens)
+
+    # -- fused decode -----------------------------------------------------------------------------
+    def attend_packed(self, layer: int, qkv: torch.Tensor, heads: tuple[int, int, int], cos: torch.Tensor,
+                      sin: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, scale: float) -> torch.Tensor | None:
+        """Decodes over fp32 pages with full visibility: norm, RoPE, the cache write and attention in
+        one native call (kernels/dattn.c) from the projection's rows qkv [B, (Hq + 2 Hkv) D] ->
+        [B, Hq D]; None otherwise."""
+        gi, j = self.cache.where[layer]
+        batched = self.decode[gi]
+        if batched is None:
+            return None
+        pool = self.cache.pools[gi]
+        return kernels.decode_attend(qkv, heads, cos, sin, qk_norm, eps, pool.flat[j], pool.page_size,  # type: ignore[union-attr]
+                                     self.plan.write_slots[gi], batched[0], batched[1], scale)  # type: ignore[arg-type]
+
+    def attend_block(self, layer: int, x: torch.Tensor, weights: tuple, heads: tuple[int, int, int],
+                     cos: torch.Tensor, sin: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, scale: float,
+                     post_norm: torch.Tensor | None) -> bool:
+        """Decodes over fp32 pages with quantized weights: the whole attention half of the layer in
+        one native call (kernels/dattn.c kv_q_attn_block); False otherwise."""
+        gi, j = self.cache.where[layer]
+        batched = self.decode[gi]
+        if batched is None:
+            return False
+        pool = self.cache.pools[gi]
+        return attn_block(x, weights, heads, cos, sin, qk_norm, eps, scale, post_norm, pool.flat[j],  # type: ignore[union-attr]
+                          pool.page_size, self.plan.write_slots[gi], batched[0], batched[1])  # type: ignore[arg-type]
+
+    # -- the general call -------------------------------------------------------------------------
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q: [N, Hq, D]; k, v: [N, Hkv, D] -> [N, Hq, D]."""
+        cache, plan = self.cache, self.plan
+        gi, j = cache.where[layer]
+        pool = cache.pools[gi]
+        single = len(plan.reads) == 1
+        offloaded = cache.placement.offloaded
+        olds: list[torch.Tensor | None] = [None] * len(plan.reads)
+        if self.prefetcher is not None:  # offloaded
+            olds = list(self.prefetcher.take(layer))  # fetched while the previous layer computed
+            if layer + 1 < len(cache.where):
+                self.prefetcher.start(layer + 1)
+        elif cache.placement.kind == "disk" and layer + 1 < len(cache.where):
+            nxt_g, nxt_j = cache.where[layer + 1]  # read-ahead of the next layer's page files
+            for t in cache.pools[nxt_g].layer_tensors(nxt_j):
+                cache.placement.advise(t)
+        outs = []
+        if isinstance(pool, PagePool):
+            pool.write(j, plan.write_slots[gi], k, v)  # type: ignore[arg-type]
+            batched = self.decode[gi]
+            if batched is not None:  # pattn
+                b, hq, d = q.shape
+                hkv = pool.num_kv_heads
+                o = kernels.paged_decode((q * scale).view(b, hkv, hq // hkv, d), pool.flat[j], batched[0],
+                                         batched[1], pool.page_size)
+                if o is not None:
+                    return o.view(b, hq, d)
+            extend = self.extend[gi]
+            if extend is not None:  # xattn
+                o = kernels.paged_extend((q * scale).contiguous(), pool.flat[j], *extend, pool.page_size)
+                if o is not None:
+                    return o
+        for i, (rows, reads, seq) in enumerate(zip(plan.rows, plan.reads, plan.seqs)):
+            read = reads[gi]
+            qq = q if single else q[rows]
+            if isinstance(pool, PagePool) and not offloaded:
+                kv = pool.read(j, read.first_slot, read.slots, read.positions.shape[0])  # [2, Hkv, L, D]
+                outs.append(self._dense(layer, qq, kv, read, scale))
+                continue
+            kv_new = torch.stack((k[rows], v[rows])).transpose(1, 2)  # [2, Hkv, n, D]
+            if isinstance(pool, QuantPool):
+                outs.append(self._quant(layer, gi, j, i, pool, qq, olds[i], kv_new, read, seq, scale))
+                continue
+            kv = olds[i]  # [2, Hkv, L, D], the part stored before this forward filled in
+            assert kv is not None
+            kv[:, :, kv.shape[2] - kv_new.shape[2] :] = kv_new
+            outs.append(self._dense(layer, qq, kv, read, scale))
+        return outs[0] if single else torch.cat(outs, 0)
+
+    def load_old(self, layer: int) -> list[torch.Tensor]:
+        """Per sequence, a fresh buffer [2, Hkv, L, D] fp32 on the compute device holding the
+        layer's K/V stored before this forward (dequantized), with room after them for the fp32
+        tail and the new tokens. Runs on the prefetch thread for offloaded caches."""
+        return [self._load_old_one(layer, i) for i in range(len(self.plan.reads))]
+
+    def _load_old_one(self, layer: int, i: int) -> torch.Tensor:
+        gi, j = self.cache.where[layer]
+        pool = self.cache.pools[gi]
+        hkv, d = self.cache.model.num_kv_heads, self.cache.model.head_dim
+        read, rows = self.plan.reads[i][gi], self.plan.rows[i]
+        n = rows.stop - rows.start
+        buf = torch.empty(2, hkv, read.positions.shape[0], d, device=self.cache.placement.compute)
+        if isinstance(pool, QuantPool):
+            if read.n_pages:
+                pool.read_into(j, read.pages, read.page_run or 0, read.n_pages, buf[:, :, : read.n_pages * pool.page_size])
+            return buf
+        m = read.positions.shape[0] - n
+        if m:
+            if read.first_slot is not None:
+                src = pool.flat[j][:, :, read.first_slot :][:, :, :m]
+            else:
+                assert read.slots is not None
+                src = pool.flat[j].index_select(2, read.slots[:m].to(pool.flat[j].device))
+            buf[:, :, :m].copy_(src, non_blocking=True)
+        return buf
+
+    def _dense(self, layer: int, q: torch.Tensor, kv: torch.Tensor, read: ReadPlan, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D]; kv: [2, Hkv, L, D] -> [T, Hq, D]."""
+        if read.delta is not None:
+            rot = self.rotaries[layer] if self.rotaries is not None else None
+            if rot is not None:
+                q_sink = rot.rotate(q, -read.delta)  # [T, Hq, D]
+                o = attend_with_sinks(q.transpose(0, 1), q_sink.transpose(0, 1), kv[0], kv[1], read.mask,
+                                      read.n_sink, scale)
+                return o.transpose(0, 1)
+        return attend(q.transpose(0, 1), kv[0], kv[1], read.mask, scale).transpose(0, 1)
+
+    def _quant(self, layer: int, gi: int, j: int, i: int, pool: QuantPool, q: torch.Tensor,
+               buf: torch.Tensor | None, kv_new: torch.Tensor, read: ReadPlan, seq: SeqKV,
+               scale: float) -> torch.Tensor:
+        """Attend over the sealed pages, the fp32 tail and the new tokens, then seal the pages
+        that left the residual window. A lone decode query with everything in view goes to qattn,
+        which reads the codes in place; otherwise the pages are dequantized into ``buf``
+        ([2, Hkv, L, D], filled here unless the prefetcher did)."""
+        tails = seq.tails[gi]
+        assert tails is not None
+        tail = tails[j]
+        n_q = read.n_pages * pool.page_size
+        rest = torch.cat((tail, kv_new), 2)  # [2, Hkv, t + n, D]
+        out = None
+        if buf is None and q.shape[0] == 1 and read.mask is None and read.delta is None and read.n_pages:
+            hkv, d = kv_new.shape[1], kv_new.shape[3]
+            pages = read.pages if read.pages is not None else torch.arange(read.page_run, read.page_run + read.n_pages)
+            o = kernels.quant_decode((q[0] * scale).view(hkv, -1, d), pages, pool.parts[j], pool.page_size,
+                                     pool.group, pool.bits, rest)
+            out = None if o is None else o.view(1, -1, d)
+        if out is None:
+            if buf is None:
+                buf = self._load_old_one(layer, i)
+            buf[:, :, n_q:] = rest
+            out = self._dense(layer, q, buf, read, scale)
+        tails[j] = pool.seal(j, read.new_pages, rest)
+        return out
