@@ -8,8 +8,9 @@ import pytest
 
 from conftest import run_kvcache
 
-from kvcache.bench.context import parse_contexts, split_specs
+from kvcache.bench.context_lengths import parse_contexts
 from kvcache.bench.growth import bucket_label, buckets
+from kvcache.cliargs import split_specs
 from kvcache.errors import InvalidParams
 
 FP32_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4  # K and V x layers x KV heads x head_dim x fp32

@@ -1,18 +1,19 @@
-"""``kvcache bench SUITE``: run a suite, print a table, write JSON."""
+"""``kvcache bench SUITE``: the parser and the dispatch to the suites; each suite is one module
+(bench/decode.py, nocache.py, context_lengths.py, memory.py, growth.py, prefix.py, throughput.py,
+hfbridge.py) whose ``run(args)`` measures, prints its table and writes its JSON."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 from pathlib import Path
 
 from kvcache.errors import InvalidParams
 
-SUITES = ("decode", "cache-vs-none", "context", "memory", "growth", "prefix", "throughput", "hf")
-
-DEFAULT_SPECS = "dynamic,fp16,int8,int4,sink"
-QUICK_SPECS = "dynamic,static"
-DEFAULT_CONTEXTS, QUICK_CONTEXTS = "128,512,2048,8000", "256,1024"
-DEFAULT_MAX_CONTEXT, QUICK_MAX_CONTEXT = 8192, 2048
+# suite -> its module under kvcache.bench, in the order `bench all` runs them
+SUITE_MODULES = {"decode": "decode", "cache-vs-none": "nocache", "context": "context_lengths", "memory": "memory",
+                 "growth": "growth", "prefix": "prefix", "throughput": "throughput", "hf": "hfbridge"}
+SUITES = tuple(SUITE_MODULES)
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +26,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="timed runs per system (default: decode 3, context 2, growth 1)")
     b.add_argument("--kv", default=None,
                    help="kvcache specs, comma-separated (default: decode dynamic; "
-                        f"context {DEFAULT_SPECS}); in context, key=value items belong to the spec before "
+                        "context dynamic,fp16,int8,int4,sink); in context, key=value items belong to the spec before "
                         "them (int8,sinks=4,window=1024 is one spec) and ';' separates specs explicitly")
     b.add_argument("--peers", default=None,
                    help="decode: peers to run: none,dynamic,static (transformers' caches), llama.cpp (default "
@@ -47,8 +48,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--contexts", default=None,
                    help="context: prompt lengths in tokens, comma-separated (default 128,512,2048,8000)")
     b.add_argument("--max-context", type=int, default=None,
-                   help=f"growth: tokens to grow the caches to (default {DEFAULT_MAX_CONTEXT}, "
-                        f"--quick {QUICK_MAX_CONTEXT})")
+                   help="growth: tokens to grow the caches to (default 8192, --quick 2048)")
     b.add_argument("--system-tokens", type=int, default=None,
                    help="prefix: tokens of the shared system prompt (default 2000, --quick 256)")
     b.add_argument("--redis", default=None, metavar="URL",
@@ -64,7 +64,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--threads", type=int, default=None, help="torch threads for every system")
     b.add_argument("--quick", action="store_true",
                    help="a short run: decode 16 tokens, 1 repeat, prefill 512, depth 512; context 256,1024 with 16 tokens, 1 repeat, "
-                        f"kv {QUICK_SPECS}; growth to {QUICK_MAX_CONTEXT} tokens")
+                        "kv dynamic,static; growth to 2048 tokens")
     b.add_argument("--json", default=None, help="write results to this JSON file")
     b.add_argument("--out", default=None, metavar="DIR",
                    help="write SUITE.json, SUITE.png and a markdown report SUITE.md (machine, versions, command, "
@@ -109,33 +109,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    if args.suite in ("context", "growth"):
-        from kvcache.bench.cli_context import cmd_context, cmd_growth
-
-        return cmd_context(args) if args.suite == "context" else cmd_growth(args)
-    if args.suite == "memory":
-        from kvcache.bench.cli_memory import cmd_memory
-
-        return cmd_memory(args)
-    if args.suite == "cache-vs-none":
-        from kvcache.bench.cli_nocache import cmd_cache_vs_none
-
-        return cmd_cache_vs_none(args)
-    if args.suite == "throughput":
-        from kvcache.bench.cli_throughput import cmd_throughput
-
-        return cmd_throughput(args)
-    if args.suite == "prefix":
-        from kvcache.bench.cli_prefix import cmd_prefix
-
-        return cmd_prefix(args)
-    if args.suite == "hf":
-        from kvcache.bench.hfbridge import cmd_hf
-
-        return cmd_hf(args)
-    from kvcache.bench.cli_decode import cmd_decode
-
-    return cmd_decode(args)
+    return importlib.import_module(f"kvcache.bench.{SUITE_MODULES[args.suite]}").run(args)
 
 
 # ``bench all --quick``: every suite, small enough that the whole run stays near two minutes
@@ -183,39 +157,3 @@ def cmd_all(args: argparse.Namespace) -> int:
         lines += ["", "| machine | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in machine().items()]
         (Path(args.out) / "README.md").write_text("\n".join(lines) + "\n")
     return 0
-
-
-def weights_list(args: argparse.Namespace, default: str) -> list[str]:
-    """``--weights`` as a list of modes (``default`` when not given); an unknown mode is refused."""
-    from kvcache.cliargs import WEIGHTS
-
-    text = args.weights if args.weights is not None else default
-    modes = list(dict.fromkeys(w.strip() for w in text.split(",") if w.strip()))
-    for w in modes:
-        if w not in WEIGHTS:
-            raise InvalidParams(f"--weights: unknown mode {w!r}; choose from {', '.join(WEIGHTS)}")
-    if not modes:
-        raise InvalidParams(f"--weights needs at least one mode ({', '.join(WEIGHTS)})")
-    return modes
-
-
-def one_weights(args: argparse.Namespace, default: str = "fp32") -> str:
-    """``--weights`` for suites that run one mode."""
-    modes = weights_list(args, default)
-    if len(modes) > 1:
-        raise InvalidParams(f"--weights: the {args.suite} suite runs one weights mode, got {', '.join(modes)}")
-    return modes[0]
-
-
-def _meta(**extra: object) -> dict[str, object]:
-    import torch
-
-    from kvcache.envinfo import cpu, kernel_variant
-
-    name, feats = cpu()
-    return {"machine": name, "cpu_features": feats, "kernel_variant": kernel_variant(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, **extra}
-
-
-def _fmt(x: float | None, spec: str = ".1f") -> str:
-    return "-" if x is None else format(x, spec)

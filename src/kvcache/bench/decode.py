@@ -1,54 +1,41 @@
-"""Decode benchmark, kvcache's side: new-token tok/s and time to first token, prompt tok/s of a
-fresh prefill, and decode at a long context, for one loaded model (one weights mode). Rows are
-``bench.rows.Row``, the shape every system's rows share.
+"""``kvcache bench decode``: kvcache under each weights mode beside transformers and llama.cpp, in
+the same run: decode after a chat prompt, prefill of long prompts, decode at a long context.
+
+kvcache's side is measured here, on one loaded model per weights mode: new-token tok/s and time to
+first token, prompt tok/s of a fresh prefill, and decode at a long context. The peers run in child
+processes (bench/hfpeer.py, bench/llamapeer.py). Rows are ``bench.rows.Row``, the shape every
+system's rows share; the tables print each kvcache row's ratio against the peers measured in the
+same run on the weights it is paired with.
 """
 
 from __future__ import annotations
 
+import argparse
+import gc
+import json
+import sys
 import time
+from pathlib import Path
 
+from kvcache.bench.measure import english_prompt, pregrow, use_config, weight_bytes, weights_label
+from kvcache.bench.report import cell, run_meta
 from kvcache.bench.rows import Row, Tick, step_bytes
+from kvcache.cache.config import parse_kv_spec
+from kvcache.cliargs import weights_list
 from kvcache.engine.llm import LLM
 from kvcache.engine.params import SamplingParams
 from kvcache.engine.runner import ModelRunner
-from kvcache.models.base import CausalLM
-
-__all__ = ["PROMPT", "Row", "Tick", "bench_decode", "bench_depth", "bench_prefill", "step_bytes", "weight_bytes"]
+from kvcache.errors import InvalidParams
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-
-
-def weight_bytes(model: CausalLM) -> int:
-    """Bytes of weights one decode step reads (CausalLM.step_weight_bytes: quantized weights at
-    their own size, input embedding tables not counted)."""
-    return int(model.step_weight_bytes())
-
-
-def weights_label(llm: LLM) -> str:
-    """``file (Q4_1)`` for a GGUF's own types, else the mode (``q8``, ``q4``, ``fp32``)."""
-    if llm.weights != "file":
-        return llm.weights
-    stem = llm.model_path.rsplit("/", 1)[-1]
-    kind = stem[:-5].rsplit(".", 1)[-1] if stem.endswith(".gguf") and "." in stem[:-5] else ""
-    return f"file ({kind})" if kind else "file"
+DEFAULT_WEIGHTS, DEFAULT_PREFILL, DEFAULT_DEPTH = "file,q8,fp32", "512,2000,8000", 8000
+QUICK_PREFILL, QUICK_DEPTH = "512", 512
+DEPTH_KV = "int8"
+HF_CACHES = ("none", "dynamic", "static")
 
 
 def _runner(llm: LLM, spec: str) -> ModelRunner:
-    from kvcache.cache.config import parse_kv_spec
-
-    llm.cache_config = parse_kv_spec(spec)
-    llm.runner = ModelRunner(llm.model, llm.cache_config)
-    return llm.runner
-
-
-def _pregrow(runner: ModelRunner, tokens: int) -> None:
-    """Grow the pools to hold ``tokens`` (no timed run pays a pool resize), then give the pages back."""
-    seq = runner.new_sequence()
-    try:
-        if seq.kv is not None and runner.cache is not None:
-            runner.cache.reserve(seq.kv, tokens)
-    finally:
-        runner.free(seq)
+    return use_config(llm, parse_kv_spec(spec))
 
 
 def bench_decode(llm: LLM, ids: list[int], strategies: list[str], new: int, repeats: int,
@@ -77,7 +64,7 @@ def bench_prefill(llm: LLM, prompts: dict[int, list[int]], repeats: int, tick: T
     """Prompt tokens per second of one runner step over a fresh sequence (dynamic fp32 cache),
     one row per prompt length."""
     runner = _runner(llm, "dynamic")
-    _pregrow(runner, max(prompts))
+    pregrow(runner, max(prompts))
     warm = runner.new_sequence()
     runner.step([warm], [next(iter(prompts.values()))[:16]])  # warm-up
     runner.free(warm)
@@ -100,7 +87,7 @@ def bench_depth(llm: LLM, ids: list[int], spec: str, new: int, repeats: int, tic
     """Decode ``new`` tokens after a context of ``len(ids)`` tokens held in a ``spec`` cache; the
     context is prefilled once and kept, every repeat decodes from the same point."""
     runner = _runner(llm, spec)
-    _pregrow(runner, len(ids) + new)
+    pregrow(runner, len(ids) + new)
     row = Row("kvcache", weights_label(llm), spec, pair=llm.weights, test="depth", tokens=len(ids))
     from kvcache.engine.generate import RequestRun
 
@@ -124,3 +111,177 @@ def bench_depth(llm: LLM, ids: list[int], spec: str, new: int, repeats: int, tic
     finally:
         runner.free(seq)
     return row
+
+
+def parse_lengths(text: str, limit: int) -> list[int]:
+    """``--prefill`` lengths: distinct integers from 2 to the model's context ('' is none)."""
+    out = []
+    for raw in (p.strip() for p in text.split(",")):
+        if not raw:
+            continue
+        if not raw.isdigit():
+            raise InvalidParams(f"--prefill: {raw!r} is not a number of tokens")
+        n = int(raw)
+        if not 2 <= n <= limit:
+            raise InvalidParams(f"--prefill: {n} tokens is outside 2..{limit} (the model's context)")
+        out.append(n)
+    return sorted(set(out))
+
+
+def run(args: argparse.Namespace) -> int:
+    quick = args.quick
+    new = args.new_tokens if args.new_tokens is not None else (16 if quick else 200)
+    repeats = args.repeats if args.repeats is not None else (1 if quick else 3)
+    if new < 2 or repeats < 1:
+        raise InvalidParams("--new-tokens must be >= 2 and --repeats >= 1")
+    strategies = [s for s in (args.kv if args.kv is not None else "dynamic").split(",") if s]
+    peers = [p for p in (args.peers if args.peers is not None
+                         else "dynamic,llama.cpp" if quick else "dynamic,static,llama.cpp").split(",") if p]
+    for p in peers:
+        if p not in (*HF_CACHES, "llama.cpp"):
+            raise InvalidParams(f"unknown peer {p!r}; choose from none, dynamic, static (transformers' caches), "
+                                "llama.cpp")
+    from kvcache.bench import llamapeer
+    from kvcache.models.config import ModelConfig
+    from kvcache.models.loading import read_config, resolve_model
+
+    weights = weights_list(args, DEFAULT_WEIGHTS)
+    for s in strategies:
+        parse_kv_spec(s)  # a bad spec is refused before anything loads
+    bin_dir = llamapeer.check_bin(args.llama_cpp_bin) if "llama.cpp" in peers else None
+    resolved = resolve_model(args.model)
+    context = ModelConfig.from_hf(read_config(resolved.path)).max_position
+    prefill = parse_lengths(args.prefill if args.prefill is not None
+                            else QUICK_PREFILL if quick else DEFAULT_PREFILL, context)
+    depth = args.depth if args.depth is not None else (QUICK_DEPTH if quick else DEFAULT_DEPTH)
+    if depth and not 2 <= depth <= context - 2:
+        raise InvalidParams(f"--depth must be 0 (no long-context row) or 2..{context - 2} tokens "
+                            f"(the model's context is {context}), got {depth}")
+    depth_new = min(new, context - depth)
+    depth_pair = ("file" if "file" in weights else weights[0]) if depth else None
+    hf = [p for p in peers if p in HF_CACHES]
+
+    from tqdm import tqdm
+
+    import torch
+
+    from kvcache.envinfo import host_line
+
+    per_mode = len(strategies) * repeats + len(prefill) * repeats
+    total = len(weights) * per_mode + (repeats if depth else 0) + (len(hf) + len(prefill) * bool(hf)) * repeats
+    bar = tqdm(total=total + len(weights) * ("llama.cpp" in peers), desc="bench decode", file=sys.stderr)
+    rows, ids, prompts, depth_ids, name, kv_f32 = [], [], {}, [], "", 0
+    for mode in weights:
+        llm = LLM(args.model, threads=args.threads, weights=mode, prefix=False)
+        if not ids:
+            ids, name, kv_f32 = llm.encode(PROMPT, chat=True), llm.model_name, llm.config.kv_bytes_per_token()
+            prompts = {n: english_prompt(llm, n) for n in prefill}
+            depth_ids = english_prompt(llm, depth) if depth else []
+        rows += bench_decode(llm, ids, strategies, new, repeats, bar.update)
+        if prefill:
+            rows += bench_prefill(llm, prompts, repeats, bar.update)
+        if depth and mode == depth_pair:
+            rows.append(bench_depth(llm, depth_ids, DEPTH_KV, depth_new, repeats, bar.update))
+        del llm
+        gc.collect()
+    threads = torch.get_num_threads()
+    if hf:
+        from kvcache.bench import hfpeer
+        from kvcache.models.loading import fp32_folder
+
+        rows += hfpeer.rows(str(fp32_folder(args.model)), ids, hf, new, repeats, prompts, threads, bar.update)
+    if "llama.cpp" in peers:
+        from kvcache.bench.llamabench import Work
+
+        work = Work(len(ids), ids, new, repeats, threads, prompts, depth_ids, depth_new, kv_f32)
+        src = Path(str(resolved.source)) if resolved.source is not None else None
+        rows += llamapeer.rows(src, weights, work, depth_pair, bin_dir, bar.update)
+    bar.close()
+    results = [r.summary() for r in rows]
+    kind = llamapeer.kind(bin_dir) if "llama.cpp" in peers else None
+    meta = run_meta(model=name, new_tokens=new, repeats=repeats, prompt_tokens=len(ids), weights=weights,
+                    kv=strategies, prefill=prefill, depth=depth, depth_new_tokens=depth_new, depth_kv=DEPTH_KV,
+                    llama_cpp=kind, llama_cpp_bin=str(bin_dir) if bin_dir else None, host=host_line())
+    rat = print_tables(results, meta)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": results, "ratios": rat}, indent=2))
+    return 0
+
+
+REPORT_PEERS = ("llama.cpp", "transformers")  # the systems a kvcache row is compared with
+
+
+def ratios(results: list[dict[str, object]]) -> list[dict[str, object]]:
+    """kvcache tok/s over each peer's on the same test, length and paired weights (transformers:
+    its fastest cache). ``file`` pairs with llama.cpp's GGUF as shipped, ``q8`` with its Q8_0,
+    ``fp32`` with its F32 and with transformers."""
+    out = []
+    for r in results:
+        if r["system"] != "kvcache" or not r["tok_s"]:
+            continue
+        for peer in REPORT_PEERS:
+            same = [p for p in results if p["system"] == peer and p["tok_s"] and p["test"] == r["test"]
+                    and p["tokens"] == r["tokens"] and p["pair"] == r["pair"]]
+            if not same:
+                continue
+            best = max(same, key=lambda p: p["tok_s"])  # type: ignore[arg-type,return-value]
+            out.append({"test": r["test"], "tokens": r["tokens"], "kvcache": f"{r['weights']} {r['cache']}",
+                        "peer": f"{peer} {best['weights']} {best['cache']}",
+                        "ratio": r["tok_s"] / best["tok_s"]})  # type: ignore[operator]
+    return out
+
+
+def _head(title: str, cols: str) -> None:
+    print(f"\n{title}")
+    print(f"{'system':<13} {'weights':<18} {'cache':<13} " + cols)
+
+
+def _line(r: dict[str, object], cols: str) -> None:
+    print(f"{r['system']:<13} {str(r['weights']):<18} {str(r['cache']):<13} " + cols)
+
+
+def print_tables(results: list[dict[str, object]], meta: dict[str, object]) -> list[dict[str, object]]:
+    """Print every table and the ratios; returns the ratios."""
+    rep = meta["repeats"]
+    print(f"\ndecode: {meta['model']}, chat prompt of {meta['prompt_tokens']} tokens, {meta['new_tokens']} new "
+          f"tokens, batch 1, {meta['threads']} threads, median of {rep} (min-max)")
+    print(f"host: {meta['host']}")
+    _head("decode after the prompt", f"{'tok/s':>7} {'min-max':>13} {'TTFT ms':>8} {'GB/s':>6}")
+    for r in (x for x in results if x["test"] == "decode"):
+        if r["tok_s"] is None:
+            _line(r, str(r["note"]))
+            continue
+        mm = f"{cell(r['tok_s_min'])}-{cell(r['tok_s_max'])}"
+        _line(r, f"{r['tok_s']:>7.1f} {mm:>13} {cell(r['ttft_ms'], '.0f'):>8} {cell(r['gb_s'], '.2f'):>6}")
+    pre = [x for x in results if x["test"] == "prefill"]
+    if pre:
+        _head("prefill: prompt tokens/s into an empty cache", f"{'tokens':>6} {'tok/s':>8} {'min-max':>15} "
+              f"{'seconds':>8}")
+        for n in sorted({int(x["tokens"]) for x in pre}):  # type: ignore[call-overload]
+            for r in (x for x in pre if x["tokens"] == n):
+                if r["tok_s"] is None:
+                    _line(r, f"{n:>6} {r['note']}")
+                    continue
+                mm = f"{cell(r['tok_s_min'], '.0f')}-{cell(r['tok_s_max'], '.0f')}"
+                _line(r, f"{n:>6} {r['tok_s']:>8.0f} {mm:>15} {cell(r['seconds'], '.2f'):>8}")
+    deep = [x for x in results if x["test"] == "depth"]
+    if deep:
+        _head(f"decode after {deep[0]['tokens']} tokens of context ({meta['depth_new_tokens']} new tokens; "
+              "8-bit KV: kvcache int8, llama.cpp q8_0)", f"{'tok/s':>7} {'min-max':>13} {'prefill s':>9} {'GB/s':>6}")
+        for r in deep:
+            if r["tok_s"] is None:
+                _line(r, str(r["note"]))
+                continue
+            mm = f"{cell(r['tok_s_min'])}-{cell(r['tok_s_max'])}"
+            pf = None if r["ttft_ms"] is None else r["ttft_ms"] / 1000  # type: ignore[operator]
+            _line(r, f"{r['tok_s']:>7.1f} {mm:>13} {cell(pf, '.2f'):>9} {cell(r['gb_s'], '.2f'):>6}")
+    rat = ratios(results)
+    if rat:
+        print("\nkvcache / peer, tok/s in this run (each kvcache weights mode against the peer on the same weights)")
+        for x in rat:
+            what = {"decode": "decode", "prefill": f"prefill {x['tokens']}", "depth": f"decode @{x['tokens']}"}
+            print(f"  {what[str(x['test'])]:<14} kvcache {str(x['kvcache']):<26} vs {str(x['peer']):<38} "
+                  f"{x['ratio']:.2f}x")
+    print("\nGB/s: (weights + KV read per step) x tok/s. Pairs: kvcache file (the GGUF's own types) with llama.cpp\n"
+          "on the file as shipped; q8 with llama.cpp's Q8_0 conversion; fp32 with its F32 and with transformers.")
+    return rat

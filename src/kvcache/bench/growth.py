@@ -1,4 +1,4 @@
-"""Growth benchmark: the cost of appending one token's K/V (every layer) as the context grows.
+"""``kvcache bench growth``: the cost of appending one token's K/V (every layer) as the context grows.
 
 kvcache's PagedKVCache writes into reserved pages (its pool doubles when full, so an append is
 amortised O(1)); transformers' DynamicCache concatenates each layer's whole K and V tensors on
@@ -9,16 +9,24 @@ length: 0-1k, 1k-2k, 2k-4k, 4k-8k, ... (k = 1024).
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from kvcache.bench.report import cell, run_meta
 from kvcache.cache.config import CacheConfig
 from kvcache.errors import InvalidParams
 from kvcache.models.config import ModelConfig
+
+DEFAULT_MAX_CONTEXT, QUICK_MAX_CONTEXT = 8192, 2048
+
 
 def buckets(max_context: int) -> list[tuple[int, int]]:
     """[start, end) context ranges: [0, 1024), then doubling, the last one cut at max_context."""
@@ -151,3 +159,46 @@ def bench_growth(model: ModelConfig, max_context: int, repeats: int, progress=No
         for row, us in zip(rows, _per_bucket(hf, ranges)):
             row.transformers_us.append(us)
     return rows, totals, note
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvcache.engine.llm import default_threads
+    from kvcache.models.loading import read_config, resolve_model
+
+    max_context = args.max_context if args.max_context is not None else (
+        QUICK_MAX_CONTEXT if args.quick else DEFAULT_MAX_CONTEXT)
+    repeats = args.repeats if args.repeats is not None else 1
+    if repeats < 1:
+        raise InvalidParams(f"--repeats must be >= 1, got {repeats}")
+    buckets(max_context)  # refuses a bad --max-context
+    resolved = resolve_model(args.model)
+    model = ModelConfig.from_hf(read_config(resolved.path))
+
+    from tqdm import tqdm
+
+    torch.set_num_threads(args.threads or default_threads())
+    bar = tqdm(total=2 * max_context * repeats, desc="bench growth", unit="tok", file=sys.stderr)
+    rows, totals, note = bench_growth(model, max_context, repeats, bar.update)
+    bar.close()
+    results = [r.summary() for r in rows]
+    print(f"\ngrowth: appending one token's K/V to every layer ({model.num_layers} layers, {model.num_kv_heads} KV "
+          f"heads, head_dim {model.head_dim}, fp32) from 0 to {max_context} tokens, {torch.get_num_threads()} "
+          f"threads; mean microseconds per append, median of {repeats}")
+    print(f"{'context':<11} {'kvcache us':>10} {'DynamicCache us':>15} {'DynamicCache/kvcache':>20}")
+    for r in results:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.1f}x"
+        print(f"{r['bucket']:<11} {cell(r['kvcache_us']):>10} {cell(r['transformers_us']):>15} {ratio:>20}")
+    med = {k: (statistics.median(v) if v else None) for k, v in totals.items()}
+    ratio = f"{med['transformers'] / med['kvcache']:.1f}x" if med["transformers"] and med["kvcache"] else "-"
+    print(f"{'total s':<11} {cell(med['kvcache'], '.2f'):>10} {cell(med['transformers'], '.2f'):>15} {ratio:>20}")
+    print("kvcache: PagedKVCache reserve + write per layer (pages, pool doubling when full); "
+          "DynamicCache: update per layer (torch.cat of the whole K and V)")
+    if note:
+        print(note)
+    if args.json:
+        meta = run_meta(model=resolved.name, max_context=max_context, repeats=repeats, layers=model.num_layers,
+                        kv_heads=model.num_kv_heads, head_dim=model.head_dim, note=note)
+        total = {f"{k}_s": v for k, v in med.items()}
+        total.update({f"{k}_s_all": v for k, v in totals.items()})
+        Path(args.json).write_text(json.dumps({"meta": meta, "buckets": results, "total": total}, indent=2))
+    return 0

@@ -146,10 +146,10 @@ def bench_hf(model_dir: str, contexts: list[int], specs: list[str], peers: list[
     return rows
 
 
-def cmd_hf(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from kvcache.bench.context import split_specs
+    from kvcache.cliargs import split_specs
     from kvcache.models.loading import fp32_folder
 
     quick = args.quick

@@ -1,5 +1,6 @@
 """Benchmark reports: the machine (CPU, SIMD features, kernel variant) and versions, the command,
-the terminal table, JSON and plots.
+the terminal table, JSON and plots; the metadata every suite's JSON carries and the table cells
+every suite prints.
 
 ``kvcache bench SUITE --out DIR`` writes DIR/SUITE.json, DIR/SUITE.md (this report) and, for suites
 with a picture, DIR/SUITE.png. The terminal output is captured as it is printed (a tee) and kept
@@ -16,6 +17,23 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import TextIO
+
+
+def cell(x: float | None, spec: str = ".1f") -> str:
+    """A table cell: the number formatted by ``spec``, or ``-`` where there is none."""
+    return "-" if x is None else format(x, spec)
+
+
+def run_meta(**extra: object) -> dict[str, object]:
+    """The ``meta`` of a suite's JSON: the machine, its CPU features, the kernel variant, threads,
+    torch, and the suite's own settings (``extra``)."""
+    import torch
+
+    from kvcache.envinfo import cpu, kernel_variant
+
+    name, feats = cpu()
+    return {"machine": name, "cpu_features": feats, "kernel_variant": kernel_variant(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, **extra}
 
 
 def machine() -> dict[str, str]:

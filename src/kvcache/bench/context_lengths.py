@@ -1,4 +1,4 @@
-"""Context benchmark: decode tok/s and KV bytes per token at several context lengths, per KV spec.
+"""``kvcache bench context``: decode tok/s and KV bytes per token at several context lengths, per KV spec.
 
 Each run prefills a prompt of exactly C tokens of English text (the Python documentation's topic
 pages, shipped with the standard library) and decodes a fixed number of new tokens (EOS ignored),
@@ -12,32 +12,27 @@ after the last step, while the sequence is still alive: bytes held / tokens stor
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
-from dataclasses import dataclass, field, replace
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from kvcache.bench.decode import step_bytes, weight_bytes
+import torch
+
+from kvcache.bench.measure import english_prompt, pregrow, resolve_spec, use_config, weight_bytes
+from kvcache.bench.report import cell, run_meta
+from kvcache.bench.rows import step_bytes
 from kvcache.cache.config import CacheConfig, parse_kv_spec
+from kvcache.cliargs import one_weights, split_specs
 from kvcache.engine.llm import LLM
 from kvcache.engine.params import SamplingParams
 from kvcache.errors import InvalidParams
 from kvcache.eval.fidelity import builtin_text
 
-def split_specs(text: str) -> list[str]:
-    """Split this suite's ``--kv`` into specs: comma-separated items, where an option
-    (``key=value``) belongs to the spec before it. ``dynamic,fp16,int8,int4,sink`` is five specs,
-    ``dynamic,int8,sinks=4,window=1024`` two (``dynamic`` and ``int8,sinks=4,window=1024``).
-    With ``;`` the specs are separated explicitly: ``static,int4;dynamic``."""
-    if ";" in text:
-        return [s.strip().strip(",") for s in text.split(";") if s.strip().strip(",")]
-    specs: list[str] = []
-    for item in (p.strip() for p in text.split(",")):
-        if not item:
-            continue
-        if "=" in item and specs:
-            specs[-1] += "," + item
-        else:
-            specs.append(item)
-    return specs
+DEFAULT_SPECS, QUICK_SPECS = "dynamic,fp16,int8,int4,sink", "dynamic,static"
+DEFAULT_CONTEXTS, QUICK_CONTEXTS = "128,512,2048,8000", "256,1024"
 
 
 def parse_contexts(text: str) -> list[int]:
@@ -58,15 +53,6 @@ def parse_contexts(text: str) -> list[int]:
     return sorted(set(out))
 
 
-def resolve_spec(spec: str, largest: int, model_context: int) -> CacheConfig:
-    """The CacheConfig of a spec, with a static cache sized to hold the largest run when its
-    ``max_tokens`` was left to the default."""
-    cfg = parse_kv_spec(spec)
-    if cfg.capacity == "static" and cfg.max_tokens is None:
-        cfg = replace(cfg, max_tokens=max(min(model_context, 4096), largest))
-    return cfg
-
-
 def check_contexts(contexts: list[int], new: int, model_context: int, configs: dict[str, CacheConfig]) -> None:
     """Refuse a context that leaves no room for the new tokens (model context, static size)."""
     for c in contexts:
@@ -77,20 +63,6 @@ def check_contexts(contexts: list[int], new: int, model_context: int, configs: d
             if cfg.capacity == "static" and cfg.max_tokens is not None and c + new > cfg.max_tokens:
                 raise InvalidParams(f"--contexts: {c} + {new} new tokens exceeds --kv {spec}'s "
                                     f"max_tokens={cfg.max_tokens}")
-
-
-def english_prompt(llm: LLM, n: int, text: str | None = None) -> list[int]:
-    """Exactly ``n`` token ids of English prose (the text repeats if it is too short)."""
-    text = text or builtin_text()
-    chars = max(64, n * 6)
-    while True:
-        piece = text
-        while len(piece) < chars:
-            piece += "\n\n" + text
-        ids = llm.encode(piece[:chars])
-        if len(ids) >= n:
-            return ids[:n]
-        chars *= 2
 
 
 @dataclass
@@ -126,18 +98,6 @@ class ContextRow:
         }
 
 
-def _pregrow(llm: LLM, tokens: int) -> None:
-    """Grow the cache pools to hold one sequence of ``tokens`` tokens, then give the pages back."""
-    cache = getattr(llm.runner, "cache", None)
-    if cache is None or not hasattr(cache, "reserve"):
-        return
-    seq = cache.new_sequence()
-    try:
-        cache.reserve(seq, tokens)
-    finally:
-        cache.free(seq)
-
-
 def _run_once(llm: LLM, ids: list[int], params: SamplingParams, seq):
     """One request on ``seq`` (kept afterwards), with the cache's accounting at its last token."""
     from kvcache.engine.generate import RequestRun
@@ -150,8 +110,6 @@ def _run_once(llm: LLM, ids: list[int], params: SamplingParams, seq):
 
 def bench_context(llm: LLM, specs: dict[str, CacheConfig], contexts: list[int], new: int, repeats: int,
                   progress=None) -> list[ContextRow]:
-    from kvcache.engine.runner import ModelRunner
-
     wbytes = weight_bytes(llm.model)
     params = SamplingParams(max_tokens=new, ignore_eos=True)
     text = builtin_text()
@@ -159,9 +117,7 @@ def bench_context(llm: LLM, specs: dict[str, CacheConfig], contexts: list[int], 
     rows: list[ContextRow] = []
     original = llm.cache_config
     for spec, cfg in specs.items():
-        llm.cache_config = cfg
-        llm.runner = ModelRunner(llm.model, cfg)
-        _pregrow(llm, max(contexts) + new)
+        pregrow(use_config(llm, cfg), max(contexts) + new)
         llm.generate([prompts[contexts[0]][:8]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         for c in contexts:
             row = ContextRow(spec, llm.runner.cache_config.spec(), c)
@@ -184,8 +140,7 @@ def bench_context(llm: LLM, specs: dict[str, CacheConfig], contexts: list[int], 
                 row.note = "no cache: every step recomputes the context"
             rows.append(row)
         llm.runner = None  # type: ignore[assignment]  # free this spec's pools before the next
-    llm.cache_config = original
-    llm.runner = ModelRunner(llm.model, original)
+    use_config(llm, original)
     return rows
 
 
@@ -205,3 +160,63 @@ def reference_spec(specs: list[str]) -> str | None:
     """The first spec that is the default fp32 dynamic cache."""
     default = CacheConfig()
     return next((s for s in specs if parse_kv_spec(s) == default), None)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvcache.models.config import ModelConfig
+    from kvcache.models.loading import read_config, resolve_model
+
+    quick = args.quick
+    weights = one_weights(args)
+    new = args.new_tokens if args.new_tokens is not None else (16 if quick else 64)
+    repeats = args.repeats if args.repeats is not None else (1 if quick else 2)
+    if new < 2:
+        raise InvalidParams(f"--new-tokens must be >= 2, got {new}")
+    if repeats < 1:
+        raise InvalidParams(f"--repeats must be >= 1, got {repeats}")
+    contexts = parse_contexts(args.contexts if args.contexts is not None
+                              else QUICK_CONTEXTS if quick else DEFAULT_CONTEXTS)
+    specs = split_specs(args.kv if args.kv is not None else (QUICK_SPECS if quick else DEFAULT_SPECS))
+    if not specs:
+        raise InvalidParams("--kv needs at least one cache spec, e.g. --kv dynamic,int8")
+    model_context = ModelConfig.from_hf(read_config(resolve_model(args.model).path)).max_position
+    configs = {s: resolve_spec(s, max(contexts) + new, model_context) for s in dict.fromkeys(specs)}
+    check_contexts(contexts, new, model_context, configs)
+
+    from tqdm import tqdm
+
+    llm = LLM(args.model, threads=args.threads, weights=weights)
+    bar = tqdm(total=len(configs) * len(contexts) * repeats, desc="bench context", file=sys.stderr)
+    rows = bench_context(llm, configs, contexts, new, repeats, bar.update)
+    bar.close()
+    ref = reference_spec(list(configs))
+    results = with_ratios([r.summary() for r in rows], ref)
+    width = max(12, *(len(s) for s in configs))
+    print(f"\ncontext: {llm.model_name}, {new} new tokens after a prompt of C tokens of English text, batch 1, "
+          f"{llm.weights} weights, {torch.get_num_threads()} threads, median of {repeats} (min-max)")
+    if repeats > 1:
+        print("repeats keep the prompt's K/V where the spec still holds them; prefill s: runs that prefilled it all")
+    if ref is None:
+        print("(no fp32 dynamic row in --kv: the ratio columns are empty)")
+    header = (f"{'kv':<{width}} {'tok/s':>7} {'min-max':>13} {'prefill s':>9} {'KV B/token':>10} {'KV held':>9} "
+              f"{'GB/s':>6} {'tok/s vs fp32':>13} {'bytes vs fp32':>13}")
+    for c in contexts:
+        print(f"\ncontext {c} tokens")
+        print(header)
+        for r in results:
+            if r["context"] != c:
+                continue
+            held = f"{r['kv_bytes_used'] / 2**20:.1f} MiB" if r["kv_bytes_used"] else "-"
+            tok = f"{cell(r['tok_s_min'])}-{cell(r['tok_s_max'])}"
+            vs_tok = "-" if r["tok_s_vs_ref"] is None else f"{r['tok_s_vs_ref']:.2f}x"
+            vs_b = "-" if r["bytes_vs_ref"] is None else f"{r['bytes_vs_ref']:.3f}x"
+            line = (f"{r['spec']:<{width}} {cell(r['tok_s']):>7} {tok:>13} {cell(r['prefill_s'], '.2f'):>9} "
+                    f"{r['kv_bytes_per_token']:>10.0f} {held:>9} {cell(r['gb_s'], '.2f'):>6} {vs_tok:>13} {vs_b:>13}")
+            print(line + (f"  ({r['note']})" if r["note"] else ""))
+    print("\nKV B/token: bytes the cache holds / tokens stored, after the last step (windows and fp32 tails "
+          "included); GB/s: (weights + KV read per step) x tok/s")
+    if args.json:
+        meta = run_meta(model=llm.model_name, weights=llm.weights, new_tokens=new, repeats=repeats, contexts=contexts,
+                        kv=list(configs), reference=ref, prompt="pydoc_data.topics, first C tokens")
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    return 0

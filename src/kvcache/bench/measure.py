@@ -1,0 +1,78 @@
+"""What the kvcache side of several bench suites shares: prompts of exactly N tokens of English
+prose, the bytes and the label of the weights a step reads, a runner for a cache spec, and pools
+grown before timing so that no timed run pays a one-off resize.
+
+Imports nothing heavy at module level; a suite passes in the LLM it loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvcache.cache.config import CacheConfig
+    from kvcache.engine.llm import LLM
+    from kvcache.engine.runner import ModelRunner
+    from kvcache.models.base import CausalLM
+
+
+def english_prompt(llm: LLM, n: int, text: str | None = None) -> list[int]:
+    """Exactly ``n`` token ids of English prose (the text repeats if it is too short)."""
+    from kvcache.eval.fidelity import builtin_text
+
+    text = text or builtin_text()
+    chars = max(64, n * 6)
+    while True:
+        piece = text
+        while len(piece) < chars:
+            piece += "\n\n" + text
+        ids = llm.encode(piece[:chars])
+        if len(ids) >= n:
+            return ids[:n]
+        chars *= 2
+
+
+def weight_bytes(model: CausalLM) -> int:
+    """Bytes of weights one decode step reads (CausalLM.step_weight_bytes: quantized weights at
+    their own size, input embedding tables not counted)."""
+    return int(model.step_weight_bytes())
+
+
+def weights_label(llm: LLM) -> str:
+    """``file (Q4_1)`` for a GGUF's own types, else the mode (``q8``, ``q4``, ``fp32``)."""
+    if llm.weights != "file":
+        return llm.weights
+    stem = llm.model_path.rsplit("/", 1)[-1]
+    kind = stem[:-5].rsplit(".", 1)[-1] if stem.endswith(".gguf") and "." in stem[:-5] else ""
+    return f"file ({kind})" if kind else "file"
+
+
+def resolve_spec(spec: str, largest: int, model_context: int) -> CacheConfig:
+    """The CacheConfig of a spec, with a static cache sized to hold the largest run when its
+    ``max_tokens`` was left to the default."""
+    from kvcache.cache.config import parse_kv_spec
+
+    cfg = parse_kv_spec(spec)
+    if cfg.capacity == "static" and cfg.max_tokens is None:
+        cfg = replace(cfg, max_tokens=max(min(model_context, 4096), largest))
+    return cfg
+
+
+def use_config(llm: LLM, cfg: CacheConfig) -> ModelRunner:
+    """Give ``llm`` a fresh runner (its own pools) for the cache config ``cfg``; returns it."""
+    from kvcache.engine.runner import ModelRunner
+
+    llm.cache_config = cfg
+    llm.runner = ModelRunner(llm.model, cfg)
+    return llm.runner
+
+
+def pregrow(runner: ModelRunner, tokens: int) -> None:
+    """Grow the pools to hold one sequence of ``tokens`` tokens, then give the pages back."""
+    seq = runner.new_sequence()
+    try:
+        if seq.kv is not None and runner.cache is not None:
+            runner.cache.reserve(seq.kv, tokens)
+    finally:
+        runner.free(seq)
