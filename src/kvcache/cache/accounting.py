@@ -43,10 +43,6 @@ class CacheStats:
         """Pages held by running sequences (referenced, not merely cached)."""
         return self.pages_used - self.pages_cached
 
-    @property
-    def per_layer_bytes_allocated(self) -> tuple[int, ...]:
-        return tuple(s.bytes_allocated for s in self.per_layer)
-
     def as_dict(self) -> dict[str, object]:
         out: dict[str, object] = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "per_layer"}
         out["pages_in_use"] = self.pages_in_use
