@@ -140,3 +140,52 @@ def test_batch_reservation_is_all_or_nothing():
         PagedContext(cache, [a, b], [4, 5], torch.cat((torch.arange(4, 8), torch.arange(4, 9))))
     assert (a.length, b.length) == (4, 4) and cache.allocators[0].num_referenced == used
     cache.check_integrity()
+
+
+class Keeper:
+    """An evictor that keeps pages it was handed (one reference each) and gives back the oldest."""
+
+    def __init__(self) -> None:
+        self.cache: PagedKVCache | None = None
+        self.kept: list[int] = []
+        self.asked: list[tuple[int, int]] = []
+
+    def keep(self, pages: list[int]) -> None:
+        assert self.cache is not None
+        self.cache.allocators[0].incref(pages)
+        self.kept += pages
+
+    def reclaim(self, group: int, short: int) -> None:
+        assert self.cache is not None
+        self.asked.append((group, short))
+        gone, self.kept = self.kept[:short], self.kept[short:]
+        self.cache.allocators[group].release(gone)
+
+    def held_pages(self) -> dict[int, list[int]]:
+        return {0: list(self.kept)}
+
+    def remap(self, group: int, moves: dict[int, int]) -> None:
+        self.kept = [moves.get(p, p) for p in self.kept]
+
+
+def test_evictor_given_at_construction_is_asked_before_the_pool_fails():
+    keeper = Keeper()
+    cache = PagedKVCache(TINY, parse_kv_spec("static,max_tokens=16,max_seqs=1,page_size=4"), evictor=keeper)
+    keeper.cache = cache
+    s = cache.new_sequence()
+    cache.reserve(s, 16)
+    keeper.keep(s.tables[0])
+    cache.free(s)
+    assert cache.stats().pages_cached == 4  # held by the evictor alone: cached, counted as holders
+    cache.check_integrity()
+    t = cache.new_sequence()
+    cache.reserve(t, 6)  # the pool is all cached: two pages reclaimed
+    t.length = 6
+    assert keeper.asked == [(0, 2)] and len(keeper.kept) == 2
+    assert cache.stats().pages_cached == 2
+    cache.check_integrity()
+    with pytest.raises(InvalidParams, match="already has an evictor"):
+        cache.attach_evictor(Keeper())
+    keeper.kept.clear()  # an evictor that drops pages without releasing them breaks the count
+    with pytest.raises(AssertionError, match="holders"):
+        cache.check_integrity()

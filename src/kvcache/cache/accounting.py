@@ -94,7 +94,7 @@ def cache_stats(cache: "PagedKVCache") -> CacheStats:
 
 def cached_pages(cache: "PagedKVCache") -> dict[int, int]:
     """Per group, pages only the prefix index holds (cached, evictable)."""
-    held = cache.index_pages() if cache.index_pages is not None else {}
+    held = cache.evictor.held_pages() if cache.evictor is not None else {}
     return {g: sum(1 for p in pages if cache.allocators[g].refcount(p) == 1) for g, pages in held.items()}
 
 
@@ -103,7 +103,7 @@ def check_integrity(cache: "PagedKVCache") -> None:
     (page tables of live sequences, plus the prefix index); every table covers its sequence's
     length; free + referenced by sequences + cached only by the index == total."""
     ps = cache.page_size
-    held = cache.index_pages() if cache.index_pages is not None else {}
+    held = cache.evictor.held_pages() if cache.evictor is not None else {}
     for g in cache.groups:
         alloc = cache.allocators[g.index]
         alloc.check_integrity()

@@ -120,8 +120,8 @@ def shrink(cache: "PagedKVCache", floor: int) -> int:
         for seq in cache.sequences.values():
             table = seq.tables[g.index]
             seq.tables[g.index] = [moves.get(p, p) for p in table]
-        if moves and cache.remap is not None:
-            cache.remap(g.index, moves)
+        if moves and cache.evictor is not None:
+            cache.evictor.remap(g.index, moves)
         alloc.truncate(keep)
         pool.resize(keep)
     return before - pool_bytes(cache)

@@ -7,18 +7,21 @@ static: room for ``max_seqs`` x ``max_tokens`` preallocated; a request beyond it
 Windows: pages whose tokens no query can see again go back to their group's pool (sink pages stay).
 Quantized encodings: a group's pool holds whole quantized pages; each sequence keeps its latest
 tokens (at most ``residual + page_size - 1``) in fp32 until whole pages can be sealed.
+Pages held beside the sequences (a prefix index) belong to the cache's one ``Evictor``
+(cache/evictor.py), which ``take_pages`` asks to reclaim pages before a pool grows.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from kvcache.cache import budget as _budget
 from kvcache.cache.accounting import CacheStats, cache_stats, check_integrity
 from kvcache.cache.allocator import PageAllocator
+from kvcache.cache.evictor import Evictor
 from kvcache.cache.groups import LayerGroup, plan_groups
 from kvcache.cache.placement import Placement
 from kvcache.cache.pool import PagePool
@@ -34,7 +37,8 @@ __all__ = ["CacheStats", "PagedKVCache"]
 
 
 class PagedKVCache:
-    def __init__(self, model: ModelConfig, config: CacheConfig, device: torch.device | str = "cpu") -> None:
+    def __init__(self, model: ModelConfig, config: CacheConfig, device: torch.device | str = "cpu",
+                 evictor: Evictor | None = None) -> None:
         if not config.uses_cache:
             raise ValueError("PagedKVCache needs a caching strategy, not 'none'")
         config = config.with_capacity(model.max_position)
@@ -76,12 +80,14 @@ class PagedKVCache:
         self._ids = itertools.count()
         self.sequences: dict[int, SeqKV] = {}
         self.cow_copies = 0  # pages copied because a branch wrote into a shared one
-        # set by a prefix cache: frees cached pages when a pool runs short (group, pages short),
-        # and lists the pages its index holds (per group) for accounting and integrity checks
-        self.reclaim: Callable[[int, int], None] | None = None
-        self.index_pages: Callable[[], dict[int, list[int]]] | None = None
-        # set by a prefix cache: renumbers the pages its index holds when shrink moves them
-        self.remap: Callable[[int, dict[int, int]], None] | None = None
+        self.evictor: Evictor | None = evictor  # holds pages beside the sequences (cache/evictor.py)
+
+    def attach_evictor(self, evictor: Evictor) -> None:
+        """Give the cache its evictor after construction (one built on the cache, as a prefix
+        index is); a cache has at most one."""
+        if self.evictor is not None:
+            raise InvalidParams("this cache already has an evictor (one prefix cache per KV cache)")
+        self.evictor = evictor
 
     @property
     def quantized(self) -> bool:
@@ -148,7 +154,7 @@ class PagedKVCache:
             for g in self.groups:
                 need = self.pages_after(seq, g.index, total) - len(seq.tables[g.index])
                 if need > 0:
-                    seq.tables[g.index].extend(self._take_pages(g.index, need))
+                    seq.tables[g.index].extend(self.take_pages(g.index, need))
         except ContextOverflow:
             self.unreserve(seq, before)
             raise
@@ -225,7 +231,7 @@ class PagedKVCache:
         for g in self.groups:
             table, alloc = seq.tables[g.index], self.allocators[g.index]
             if last < len(table) and table[last] != HOLE and alloc.refcount(table[last]) > 1:
-                (new,) = self._take_pages(g.index, 1)
+                (new,) = self.take_pages(g.index, 1)
                 self.pools[g.index].copy_page(table[last], new)
                 alloc.release([table[last]])
                 table[last] = new
@@ -262,11 +268,17 @@ class PagedKVCache:
             del table[keep:]
         seq.length = length
 
-    def _take_pages(self, group: int, n: int) -> list[int]:
-        """Allocate ``n`` pages of a group; a dynamic pool at least doubles when it runs out."""
+    def take_pages(self, group: int, n: int) -> list[int]:
+        """``n`` fresh pages of ``group``'s pool, each with one reference the caller now holds
+        (put them in a page table, or give them back with ``allocators[group].release``).
+
+        When the free pages do not cover ``n``, the evictor reclaims first; then a dynamic pool
+        grows (at least doubling, within its budget). Raises CacheFull when the pages cannot be
+        had (a static pool full, a budgeted one at its budget). Used by reservations, by restoring
+        prefix pages from a tier and by loading a saved sequence."""
         alloc = self.allocators[group]
-        if n > alloc.num_free and self.reclaim is not None:
-            self.reclaim(group, n - alloc.num_free)
+        if n > alloc.num_free and self.evictor is not None:
+            self.evictor.reclaim(group, n - alloc.num_free)
         if n > alloc.num_free and self.config.capacity == "dynamic":
             short, room = n - alloc.num_free, self.room(group)
             extra = max(alloc.total, short)

@@ -70,9 +70,7 @@ class PrefixCache:
 
             self._mac = mac_key(config.secret)
         self.pages = PageEntries(cache)  # what a page entry must hold; entries <-> pool pages
-        cache.reclaim = self.reclaim
-        cache.index_pages = self.index.held_pages
-        cache.remap = self.index.remap
+        cache.attach_evictor(self)  # the cache's Evictor: reclaim, held_pages, remap
 
     # -- lookup -----------------------------------------------------------------------------------
     def lookup(self, tokens: list[int], salt: str | None = None, whole: bool = False) -> tuple[SeqKV, int]:
@@ -256,6 +254,14 @@ class PrefixCache:
             over = self.cached_pages(g) - limit
             if over > 0:
                 self._drop(self.index.evict(over, g, self._in_use))
+
+    def held_pages(self) -> dict[int, list[int]]:
+        """Per group, the pages the index holds (each once): the Evictor contract."""
+        return self.index.held_pages()
+
+    def remap(self, group: int, moves: dict[int, int]) -> None:
+        """The cache's shrink moved pages of ``group`` (old -> new): renumber the index's."""
+        self.index.remap(group, moves)
 
     def cached_pages(self, group: int | None = None) -> int:
         held = self.index.held_pages()

@@ -70,7 +70,7 @@ class PageEntries:
             try:
                 for g in cache.groups:
                     has = self.group_names[g.index][0] in tensors  # all of the group's, or none (fits)
-                    pages.append(cache._take_pages(g.index, 1)[0] if has else HOLE)
+                    pages.append(cache.take_pages(g.index, 1)[0] if has else HOLE)
             except CacheFull:  # no room to restore more: the rest is recomputed
                 for gi, p in enumerate(pages):
                     if p != HOLE:
