@@ -6,14 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from kvcache.plotting import pyplot
 
 
 def plot_suite(suite: str, data_path: Path, out: Path) -> Path | None:
@@ -25,7 +18,7 @@ def plot_suite(suite: str, data_path: Path, out: Path) -> Path | None:
             "memory": _memory, "decode": _decode, "growth": _growth, "hf": _hf}.get(suite)
     if draw is None:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig = draw(plt, data)
     if fig is None:
         return None

@@ -7,20 +7,13 @@ from typing import Sequence
 
 import torch
 
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from kvcache.plotting import pyplot
 
 
 def heatmap(matrix: torch.Tensor, path: Path, title: str, rows: Sequence[str], cols: Sequence[str] | None,
             xlabel: str, ylabel: str) -> Path:
     """matrix: [R, C] -> a PNG with token labels on the axes that have them."""
-    plt = _plt()
+    plt = pyplot()
     r, c = matrix.shape
     fig, ax = plt.subplots(figsize=(min(16, 2 + c * 0.32), min(16, 1.5 + r * 0.32)))
     im = ax.imshow(matrix.float().numpy(), aspect="auto", cmap="viridis")
@@ -40,7 +33,7 @@ def heatmap(matrix: torch.Tensor, path: Path, title: str, rows: Sequence[str], c
 
 def fidelity_plot(rows: Sequence[dict], path: Path, title: str) -> Path:
     """KL divergence and perplexity ratio against KV bytes per token, one point per strategy."""
-    plt = _plt()
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
     for r in rows:
         x = r["bytes_per_token"]
