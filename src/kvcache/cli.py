@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvcache.bench.cli import add_bench_parser
     from kvcache.envinfo import add_env_parser
     from kvcache.eval.cli import add_eval_parser
-    from kvcache.inspect.cli import add_size_parser
+    from kvcache.inspect.cli_size import add_size_parser
     from kvcache.inspect.cli_inspect import add_inspect_parser
 
     add_bench_parser(sub)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from kvcache.fmt import human_bytes
+from kvcache.cliargs import WEIGHTS
 from kvcache.errors import InvalidParams
+from kvcache.fmt import human_bytes
 
 if TYPE_CHECKING:
     from kvcache.inspect.weight_size import WeightSize
@@ -26,7 +27,7 @@ def add_size_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--kv", default=DEFAULT_SPECS,
                    help=f"cache specs separated by ';' (default {DEFAULT_SPECS!r}), e.g. 'fp16;int4,window=4096'")
     s.add_argument("--budget", type=float, default=None, help="memory budget in GiB: longest context and largest batch")
-    s.add_argument("--weights", default=None, choices=("file", "fp32", "q8", "q4"),
+    s.add_argument("--weights", default=None, choices=WEIGHTS,
                    help="with --budget: the weights, held this way, come out of the budget first (file: a GGUF's "
                         "own types; needs a GGUF file)")
     s.set_defaults(func=cmd_size)
