@@ -10,7 +10,11 @@ the config is built, with the list of what works):
 - encoding: ``fp32`` | ``fp16`` | ``bf16`` | ``int8`` | ``int4`` | ``int2`` (KIVI: keys per channel
   over ``group_size`` tokens, values per token over ``group_size`` channels, the last ``residual``
   tokens in fp32);
-- placement: ``device`` | ``host`` | ``disk`` (pages in memory-mapped files under ``dir``).
+- placement: ``device`` | ``host`` | ``disk`` (pages in memory-mapped files under ``dir``);
+- retention: every token | ``press=NAME`` with ``ratio=R`` (the share of tokens evicted) or
+  ``keep=N`` (tokens kept), the latest ``protect`` tokens never evicted (kvcache/press/):
+  ``knorm``, ``snapkv``, ``expected`` score a prompt once it is in; ``tova``, ``h2o`` rescore
+  while generating.
 
 A dynamic pool may be given a memory ``budget`` (``budget=2GiB``, ``budget=25%`` of RAM): it never
 grows past it (see cache/budget.py).
@@ -39,14 +43,17 @@ PRESETS: dict[str, dict[str, object]] = {
     "sliding_window": {"window": 1024, "sinks": 0},
     "sink": {"window": 1024, "sinks": 4},
 }
+PRESS_NAMES = ("knorm", "snapkv", "expected", "tova", "h2o")  # kvcache/press/
+DECODE_PRESSES = ("tova", "h2o")  # rescore while generating
 _INT_OPTIONS = ("page_size", "max_tokens", "max_seqs", "initial_tokens", "window", "sinks",
-                "group_size", "residual")
-_OPTIONS = _INT_OPTIONS + ("dir", "budget")
+                "group_size", "residual", "keep", "protect")
+_OPTIONS = _INT_OPTIONS + ("dir", "budget", "press", "ratio")
 
 
 def _works() -> str:
     return (f"presets: {', '.join(PRESETS)}; encodings: {', '.join(ENCODINGS)}; "
-            f"placements: {', '.join(PLACEMENTS)}; options: {', '.join(o + '=' for o in _OPTIONS)}")
+            f"placements: {', '.join(PLACEMENTS)}; presses: {', '.join(PRESS_NAMES)}; "
+            f"options: {', '.join(o + '=' for o in _OPTIONS)}")
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,10 @@ class CacheConfig:
     placement: str = "device"
     dir: str | None = None  # disk: where the page files go (None: a temporary folder)
     budget: int | None = None  # dynamic: bytes the pools may hold at most (None: no bound)
+    press: str | None = None  # retention: a press scoring tokens (None: every token is kept)
+    ratio: float | None = None  # press: the share of tokens evicted
+    keep: int | None = None  # press: tokens kept (instead of a ratio)
+    protect: int = 64  # press: the latest tokens never evicted
 
     def __post_init__(self) -> None:
         if self.capacity not in CAPACITIES:
@@ -112,12 +123,42 @@ class CacheConfig:
                                 "pool is sized by max_tokens and max_seqs")
         if self.dir is not None and self.placement != "disk":
             raise InvalidParams("dir= applies to the disk placement only; add 'disk' to the spec")
+        self._check_press()
         if self.capacity == "none":
             other = [f.name for f in fields(self) if f.name != "capacity"
                      and getattr(self, f.name) != getattr(_DEFAULT, f.name)]
             if other:
                 raise InvalidParams(f"the 'none' strategy keeps no cache, so {', '.join(other)} cannot apply; "
                                     "drop them or choose dynamic or static")
+
+    def _check_press(self) -> None:
+        """The retention axis: a known press with either a ratio or a token budget."""
+        if self.press is None:
+            extra = [f"{n}=" for n in ("ratio", "keep") if getattr(self, n) is not None]
+            if self.protect != 64:
+                extra.append("protect=")
+            if extra:
+                raise InvalidParams(f"{', '.join(extra)}: press options without a press; add press=NAME "
+                                    f"({', '.join(PRESS_NAMES)})")
+            return
+        if self.press not in PRESS_NAMES:
+            raise InvalidParams(f"unknown press {self.press!r}; presses: {', '.join(PRESS_NAMES)}")
+        if (self.ratio is None) == (self.keep is None):
+            raise InvalidParams(f"press={self.press} needs either ratio=R (the share evicted, e.g. 0.5) "
+                                "or keep=N (tokens kept): exactly one of them")
+        if self.ratio is not None and not 0 < self.ratio < 1:
+            raise InvalidParams(f"ratio is the share of tokens evicted: between 0 and 1 (exclusive), got {self.ratio}")
+        if self.protect < 0:
+            raise InvalidParams(f"protect must be 0 or more, got {self.protect}")
+        if self.keep is not None and self.keep <= self.protect + self.sinks:
+            raise InvalidParams(f"keep={self.keep} must exceed the tokens always kept: protect={self.protect} "
+                                f"plus sinks={self.sinks}")
+        if self.window is not None and self.window <= self.protect + self.sinks:
+            raise InvalidParams(f"window={self.window} shows no token the press could evict: it must exceed "
+                                f"protect={self.protect} plus sinks={self.sinks}")
+        if self.quantized and self.press in DECODE_PRESSES and self.residual <= self.protect:
+            raise InvalidParams(f"press={self.press} with {self.encoding} evicts tokens before they are quantized: "
+                                f"residual ({self.residual}) must exceed protect ({self.protect})")
 
     @property
     def strategy(self) -> str:
@@ -145,8 +186,8 @@ class CacheConfig:
 
     @property
     def exact(self) -> bool:
-        """Whether attention sees exactly what recomputation would (fp32, full visibility)."""
-        return self.encoding == "fp32" and self.window is None
+        """Whether attention sees exactly what recomputation would (fp32, full visibility, every token)."""
+        return self.encoding == "fp32" and self.window is None and self.press is None
 
     def with_capacity(self, model_context: int) -> "CacheConfig":
         """Fill in a static cache's default capacity from the model's context length."""
@@ -194,8 +235,14 @@ def parse_kv_spec(spec: str | CacheConfig | None) -> CacheConfig:
                 continue
             if key not in _OPTIONS:
                 raise InvalidParams(f"unknown --kv option {key!r}; {_works()}")
-            if key == "dir":
+            if key in ("dir", "press"):
                 values[key] = raw
+                continue
+            if key == "ratio":
+                try:
+                    values[key] = float(raw)
+                except ValueError:
+                    raise InvalidParams(f"--kv option ratio needs a number between 0 and 1, got {raw!r}") from None
                 continue
             if key == "budget":
                 from kvcache.cache.budget import parse_budget
