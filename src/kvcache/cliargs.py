@@ -17,13 +17,15 @@ if TYPE_CHECKING:
     from kvcache.cache.config import CacheConfig
     from kvcache.engine.llm import LLM
     from kvcache.engine.params import SamplingParams
+    from kvcache.prefix.config import PrefixConfig
 
 WEIGHTS = ("file", "fp32", "q8", "q4")
 KV_HELP = (
     "cache spec, comma-separated (default: dynamic). Presets: none, dynamic, static, offloaded, "
     "offloaded_static, quantized (int4), sliding_window, sink. Axes: dynamic|static[,max_tokens=N]; "
     "window=N[,sinks=K]; fp32|fp16|bf16|int8|int4|int2[,group_size=G][,residual=R]; "
-    "device|host|disk[,dir=PATH]; page_size=N. Example: static,int4,sinks=4,window=1024"
+    "device|host|disk[,dir=PATH]; page_size=N. Example: static,int4,sinks=4,window=1024. "
+    "auto[,kl=X]: the cheapest strategy within a KL budget, measured once by `kvcache eval --auto` and saved"
 )
 
 
@@ -89,7 +91,12 @@ def kv_config(args: argparse.Namespace, default_budget: str | None = None) -> Ca
     from kvcache.cache.budget import parse_budget
     from kvcache.cache.config import parse_kv_spec
 
-    kv = parse_kv_spec(args.kv)
+    spec = args.kv
+    if isinstance(spec, str) and spec.strip().split(",")[0].strip() == "auto":  # the quality gate's choice
+        from kvcache.eval.cli_auto import resolve_auto
+
+        spec = resolve_auto(spec, args.model, getattr(args, "weights", "file"), getattr(args, "threads", None))
+    kv = parse_kv_spec(spec)
     budget = getattr(args, "kv_budget", None)
     if budget is None and kv.capacity == "dynamic" and kv.budget is None:
         budget = default_budget
@@ -100,15 +107,19 @@ def load_llm(args: argparse.Namespace, default_budget: str | None = None) -> LLM
     """The model of ``add_model_args`` with the prefix cache of ``add_prefix_args`` (off or at its
     defaults where the command has no such options). A bad spec is refused before the model loads."""
     from kvcache.engine.llm import LLM
-    from kvcache.prefix.config import PrefixConfig, tier_secret
 
     kv = kv_config(args, default_budget)
+    return LLM(args.model, kv=kv, threads=args.threads, prefix=prefix_config(args), weights=args.weights)
+
+
+def prefix_config(args: argparse.Namespace) -> PrefixConfig:
+    """The prefix cache of ``add_prefix_args`` (at its defaults where the command has no such options)."""
+    from kvcache.prefix.config import PrefixConfig, tier_secret
+
     secret = tier_secret(getattr(args, "tier_secret", None), getattr(args, "tier_secret_file", None))
-    prefix = PrefixConfig(enabled=not getattr(args, "no_prefix_cache", False),
-                          max_cached_tokens=getattr(args, "prefix_tokens", 16384),
-                          disk=getattr(args, "prefix_dir", None), redis=getattr(args, "redis", None),
-                          secret=secret)
-    return LLM(args.model, kv=kv, threads=args.threads, prefix=prefix, weights=args.weights)
+    return PrefixConfig(enabled=not getattr(args, "no_prefix_cache", False),
+                        max_cached_tokens=getattr(args, "prefix_tokens", 16384),
+                        disk=getattr(args, "prefix_dir", None), redis=getattr(args, "redis", None), secret=secret)
 
 
 def weights_list(args: argparse.Namespace, default: str) -> list[str]:

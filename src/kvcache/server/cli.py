@@ -7,6 +7,7 @@ import sys
 
 from kvcache.cliargs import add_model_args, add_prefix_args, load_llm
 from kvcache.errors import InvalidParams
+from kvcache.server.replicas_cli import add_replica_args
 
 SERVE_BUDGET = "50%"  # a dynamic pool's budget when --kv-budget is not given: half the RAM
 
@@ -41,6 +42,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-choices", type=int, default=128, metavar="N",
                    help="n x prompts in one request (default 128)")
     s.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    add_replica_args(s)
     s.set_defaults(func=cmd_serve)
 
 
@@ -61,6 +63,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     keys = gather_keys(args.api_key, args.api_key_file, "KVCACHE_API_KEY")
     admins = gather_keys([], args.admin_key_file, "KVCACHE_ADMIN_KEY")
     auth = Auth(keys, admins, metrics_public=args.metrics_public)
+    if args.replicas or args.prefill_replicas or args.ray_address:
+        from kvcache.server.replicas_cli import serve_replicas
+
+        return serve_replicas(args, sched, limits, keys, admins, SERVE_BUDGET)
     import uvicorn
 
     from kvcache.fmt import human_bytes
