@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from kvcache.cliargs import add_weights_arg
-from kvcache.errors import InvalidParams, KVCacheError
+from kvcache.errors import InvalidParams
 
 DEFAULT_SPECS = "int8;int4;int2;window=256;sinks=4,window=256"
 
@@ -36,6 +36,20 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--ppl-chunks", type=int, default=8, help="chunks read for --compare-weights (default 8)")
     e.add_argument("--llama-cpp-bin", default=None, metavar="DIR",
                    help="with --compare-weights: also run llama.cpp's llama-perplexity from DIR on the same text")
+    e.add_argument("--auto", action="store_true",
+                   help="the quality gate: measure candidate strategies on the text (default: the built-in one), "
+                        "choose the cheapest in bytes per token within --max-kl and --min-agree, and save the "
+                        "choice beside the model's fingerprint for --kv auto")
+    e.add_argument("--max-kl", type=float, default=None, metavar="NATS",
+                   help="with --auto: mean KL budget against the full cache (default 0.05)")
+    e.add_argument("--min-agree", type=float, default=None, metavar="SHARE",
+                   help="with --auto: least top-1 agreement with the full cache, 0..1 (default 0.9)")
+    e.add_argument("--margin", type=float, default=None, metavar="SE",
+                   help="with --auto: standard errors added to the mean KL before the budget (default 2)")
+    e.add_argument("--candidates", default=None, metavar="SPECS",
+                   help="with --auto: the strategies to measure, separated by ';' (default: all candidates)")
+    e.add_argument("--continuation", type=int, default=256, metavar="N",
+                   help="with --auto: positions scored after the prefilled context (default 256)")
     e.add_argument("--threads", type=int, default=None, help="torch threads (default: all available cores)")
     e.add_argument("--json", default=None, help="write the results to this JSON file")
     e.set_defaults(func=cmd_eval)
@@ -44,9 +58,16 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_eval(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    if args.auto:
+        from kvcache.eval.cli_auto import cmd_eval_auto
+
+        return cmd_eval_auto(args)
+    for opt in ("max_kl", "min_agree", "margin", "candidates"):
+        if getattr(args, opt) is not None:
+            raise InvalidParams(f"--{opt.replace('_', '-')} applies to --auto only")
     from kvcache.cache.config import parse_kv_spec
     from kvcache.engine.llm import LLM
-    from kvcache.eval.fidelity import builtin_text, compare
+    from kvcache.eval.fidelity import compare, read_text
 
     specs = [s.strip() for s in args.kv.split(";") if s.strip()]
     if not specs:
@@ -68,15 +89,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise InvalidParams(f"--greedy-tokens must be 0 (skip) or more, got {args.greedy_tokens}")
     if args.passkey_tokens < 0:
         raise InvalidParams(f"--passkey-tokens must be 0 (skip) or more, got {args.passkey_tokens}")
-    if args.text is None:
-        text, source = builtin_text(), "pydoc_data.topics"
-    else:
-        try:
-            text, source = Path(args.text).read_text(encoding="utf-8"), args.text
-        except (OSError, UnicodeDecodeError) as e:
-            raise KVCacheError(f"cannot read {args.text}: {getattr(e, 'strerror', None) or e}") from None
-        if not text.strip():
-            raise InvalidParams(f"{args.text} is empty: nothing to evaluate")
+    text, source = read_text(args.text)
     if args.compare_weights is not None:
         from kvcache.eval.cli_weights import cmd_eval_weights
 

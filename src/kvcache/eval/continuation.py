@@ -8,7 +8,7 @@ child process (eval/kvpress_child.py), so the two give comparable figures on the
 - the context goes in through ``ModelRunner.step`` (one prefill; a press scores it at the end);
 - the continuation goes in as one more forward, at positions counted from the context's length,
   and every position's next-token distribution is compared with the full fp32 cache's;
-- bytes per token are what the cache holds right after the context, over the context's tokens.
+- bytes per token are what the cache holds once the whole text has gone in, over its tokens.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class Measured:
     kl: float  # mean KL(full || strategy) per position, nats
     kl_se: float  # its standard error over positions
     agreement: float  # share of positions whose most likely token equals the full cache's
-    bytes_per_token: float  # bytes held after the context, over the context's tokens
+    bytes_per_token: float  # bytes held after the whole text, over its tokens
     kl_each: tuple[float, ...] = ()  # per position (for noise estimates; not in as_dict)
 
     def as_dict(self) -> dict[str, object]:
@@ -80,12 +80,14 @@ def _prefill(runner: ModelRunner, context: Sequence[int]):
 
 def _logprobs(runner: ModelRunner, context: Sequence[int], continuation: Sequence[int]) -> tuple[torch.Tensor, float]:
     """Log-probabilities [T, V] over ``continuation[:-1]`` after ``context``, and the bytes per
-    context token the cache held after the context."""
+    token the cache holds once the whole text has gone in (the last token as a decode step, after
+    which pages that left a window are back in the pool)."""
     seq = _prefill(runner, context)
     try:
-        stats = runner.stats()
-        held = stats.bytes_used / max(1, len(context)) if stats is not None else 0.0
         lp = torch.log_softmax(runner.score(seq, list(continuation[:-1])).float(), -1)
+        runner.step([seq], [[continuation[-1]]])
+        stats = runner.stats()
+        held = stats.bytes_used / max(1, stats.tokens_stored) if stats is not None else 0.0
     finally:
         runner.free(seq)
     return lp, held

@@ -12,17 +12,31 @@ import math
 import pydoc_data.topics
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from kvcache.cache.config import CacheConfig, parse_kv_spec
 from kvcache.engine.runner import ModelRunner
-from kvcache.errors import InvalidParams
+from kvcache.errors import InvalidParams, KVCacheError
 
 
 def builtin_text() -> str:
     """English prose every Python ships: the documentation topics of the standard library."""
     return "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+
+
+def read_text(path: str | None) -> tuple[str, str]:
+    """(text, where it came from): the UTF-8 file at ``path``, or the built-in text."""
+    if path is None:
+        return builtin_text(), "pydoc_data.topics"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise KVCacheError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not text.strip():
+        raise InvalidParams(f"{path} is empty: nothing to evaluate")
+    return text, path
 
 
 @dataclass(frozen=True)

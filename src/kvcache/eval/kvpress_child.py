@@ -9,7 +9,7 @@ Request::
     {"model": "<HF folder with fp32 safetensors>", "threads": 2,
      "cases": [{"press": "knorm", "ratio": 0.5}, {"press": "snapkv", "budget": 512}, ...],
      "fidelity": {"context": [ids], "continuation": [ids]} | null,
-     "passkey": [{"context": [ids], "question": [ids]}, ...], "answer_tokens": 8}
+     "passkey": [{"context": [ids], "question": [ids]}, ...], "answer_tokens": 8, "eos": [ids]}
 
 Protocol (kvpress's own pipeline): the context is prefilled through ``model.model`` inside the
 press's context manager, so every layer's K/V are pruned right after that layer's prefill; the
@@ -66,14 +66,14 @@ def _continue(model, cache, ids, start: int):
     return model(input_ids=ids, past_key_values=cache, position_ids=pos).logits[0].float()
 
 
-def _answer(model, cache, question, start: int, n: int, eos: int | None) -> list[int]:
+def _answer(model, cache, question, start: int, n: int, eos: list[int]) -> list[int]:
     """Greedy answer ids after the cache: the question in one forward, then token by token."""
     import torch
 
     logits = _continue(model, cache, question, start)
     out = [int(logits[-1].argmax())]
     pos = start + question.shape[1]
-    while len(out) < n and out[-1] != eos:
+    while len(out) < n and out[-1] not in eos:
         logits = _continue(model, cache, torch.tensor([[out[-1]]]), pos)
         pos += 1
         out.append(int(logits[-1].argmax()))
@@ -149,8 +149,8 @@ def main() -> int:
     answer = {"versions": versions, "results": []}
     with torch.inference_mode():
         m = model_for(None)
-        eos = m.generation_config.eos_token_id
-        eos = eos[0] if isinstance(eos, list) else eos
+        eos = req.get("eos") or m.generation_config.eos_token_id
+        eos = list(eos) if isinstance(eos, (list, tuple)) else [eos]
         t0 = time.perf_counter()
         ref = _run_case(m, {}, fid, keys, n_answer, eos)
         answer["reference"] = {"nll": ref.get("nll"), "passkey": ref["passkey"],

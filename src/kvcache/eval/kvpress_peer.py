@@ -89,6 +89,7 @@ def run_kvpress(
     continuation: list[int] | None = None,
     passkeys: list[tuple[list[int], list[int]]] = (),  # type: ignore[assignment]
     answer_tokens: int = 8,
+    eos: tuple[int, ...] = (),
     threads: int | None = None,
     python: str | Path | None = None,
     timeout: float = 3600.0,
@@ -104,7 +105,7 @@ def run_kvpress(
     if exe is None or not exe.is_file():
         where = exe or ".venv-kvpress/bin/python"
         return _skipped(cases, f"kvpress is not installed ({where} not found; run `make kvpress`)")
-    req = {"model": str(model_folder), "threads": threads, "cases": cases, "answer_tokens": answer_tokens,
+    req = {"model": str(model_folder), "threads": threads, "cases": cases, "answer_tokens": answer_tokens, "eos": list(eos),
            "fidelity": {"context": list(context), "continuation": list(continuation)} if context and continuation else None,
            "passkey": [{"context": list(c), "question": list(q)} for c, q in passkeys]}
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_OFFLINE="1",

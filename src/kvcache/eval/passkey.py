@@ -38,6 +38,47 @@ class Passkey:
         return sum(self.found) / len(self.found)
 
 
+def passkey_cases(tokenizer, n_tokens: int, depths: tuple[float, ...], seed: int = 0) -> list[tuple[list[int], list[int], int]]:
+    """(context, question, key) per depth: the prompts of ``passkey`` cut before the question, with
+    the same keys."""
+    rng = random.Random(seed)
+    question = tokenizer.encode(QUESTION)
+    out = []
+    for d in depths:
+        key = rng.randint(10000, 99999)
+        ids = passkey_prompt(tokenizer, n_tokens, d, key)
+        out.append((ids[: len(ids) - len(question)], ids[len(ids) - len(question):], key))
+    return out
+
+
+def answer_after(runner: ModelRunner, context: list[int], question: list[int], n: int,
+                 eos: tuple[int, ...]) -> list[int]:
+    """Greedy answer ids when the question comes after a context already prefilled (and pressed):
+    the question in one forward, then token by token, stopping at an end-of-sequence token."""
+    seq = runner.new_sequence()
+    try:
+        runner.step([seq], [context])
+        out = [int(runner.step([seq], [question])[0].argmax())]
+        while len(out) < n and out[-1] not in eos:
+            out.append(int(runner.step([seq], [[out[-1]]])[0].argmax()))
+    finally:
+        runner.free(seq)
+    return out
+
+
+def passkey_after(llm, spec: str, n_tokens: int, depths: tuple[float, ...], seed: int = 0,
+                  answer_tokens: int = 8) -> Passkey:  # llm: LLM
+    """Passkey retrieval with the question asked after the context was prefilled on its own (a
+    press compresses the context without seeing the question, as kvpress's pipeline does)."""
+    runner = ModelRunner(llm.model, parse_kv_spec(spec))
+    found, length = [], 0
+    for context, question, key in passkey_cases(llm.tokenizer, n_tokens, depths, seed):
+        ids = answer_after(runner, context, question, answer_tokens, llm.tokenizer.eos_token_ids)
+        found.append(str(key) in llm.tokenizer.decode(ids))
+        length = len(context) + len(question)
+    return Passkey(runner.cache_config.spec(), length, depths, tuple(found))
+
+
 def passkey(llm, spec: str, n_tokens: int, depths: tuple[float, ...], seed: int = 0) -> Passkey:  # llm: LLM
     rng = random.Random(seed)
     runner = ModelRunner(llm.model, parse_kv_spec(spec))
