@@ -61,6 +61,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="cache-vs-none: stop a run without a cache after this long (default 120, --quick 10)")
     b.add_argument("--requests", type=int, default=None,
                    help="throughput: requests arriving at once (default 32, --quick 8)")
+    b.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="throughput: multi-turn chat through N engine replicas on Ray Serve instead: prefix-aware "
+                        "routing against round-robin against one replica (hit rate, TTFT)")
+    b.add_argument("--prefill-replicas", type=int, default=None, metavar="M",
+                   help="throughput with --replicas: also long documents with and without M prefill replicas")
     b.add_argument("--threads", type=int, default=None, help="torch threads for every system")
     b.add_argument("--quick", action="store_true",
                    help="a short run: decode 16 tokens, 1 repeat, prefill 512, depth 512; context 256,1024 with 16 tokens, 1 repeat, "
@@ -78,13 +83,14 @@ OPTIONS = {
     "context": ("new_tokens", "repeats", "kv", "contexts", "weights"),
     "growth": ("repeats", "max_context"),
     "prefix": ("repeats", "system_tokens", "redis", "new_tokens", "weights"),
-    "throughput": ("requests", "new_tokens", "peers", "kv", "weights"),
+    "throughput": ("requests", "new_tokens", "peers", "kv", "weights", "replicas", "prefill_replicas", "redis"),
     "cache-vs-none": ("new_tokens", "time_budget", "peers", "weights"),
     "memory": ("context", "new_tokens", "kv", "peers", "budget", "weights"),
     "hf": ("new_tokens", "repeats", "kv", "peers", "contexts"),
 }
 _FLAGS = ("new_tokens", "repeats", "kv", "peers", "contexts", "max_context", "system_tokens", "redis", "requests",
-          "time_budget", "context", "budget", "weights", "prefill", "depth", "llama_cpp_bin")
+          "time_budget", "context", "budget", "weights", "prefill", "depth", "llama_cpp_bin", "replicas",
+          "prefill_replicas")
 
 
 def _refuse_foreign(args: argparse.Namespace) -> None:

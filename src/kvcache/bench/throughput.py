@@ -208,6 +208,12 @@ def ratios(results: list[dict[str, object]]) -> list[dict[str, object]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "replicas", None) is not None:
+        from kvcache.bench.replicas import run as run_replicas
+
+        return run_replicas(args)
+    if getattr(args, "prefill_replicas", None) is not None or getattr(args, "redis", None) is not None:
+        raise InvalidParams("--prefill-replicas and --redis apply to the throughput suite only with --replicas N")
     quick = args.quick
     count = args.requests if args.requests is not None else (8 if quick else 32)
     new = args.new_tokens if args.new_tokens is not None else (32 if quick else 128)

@@ -112,6 +112,11 @@ class EngineReplica:
         return {"replica": self.name, "role": self.role, "pid": os.getpid(), "model": self.state.model_name,
                 "space": key_space(prefix) if prefix is not None else None}
 
+    async def stats(self) -> dict[str, Any]:
+        """This replica's prefix-cache counters (hit tokens, of which restored from a tier, ...)."""
+        ps = await asyncio.to_thread(self.state.engine.call, self.llm.prefix_stats, 10)
+        return {"replica": self.name, "role": self.role, "prefix": ps.as_dict() if ps is not None else None}
+
     async def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve asks every ``stats_period_s``: the short keys of the pages held here."""
         prefix = self.llm.runner.prefix
