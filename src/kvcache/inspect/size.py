@@ -3,8 +3,10 @@
 Counts the bytes the cache holds for ``context`` tokens of ``batch`` sequences: per layer, the
 tokens its visibility keeps (the model's sliding layers and a configured window keep at most the
 window; sinks count inside it) times the bytes one token costs in the encoding (quantized:
-codes with their fp32 scales and minimums; the latest ``residual`` tokens stay fp32). Page
-rounding is left out: it adds at most one page per layer and sequence.
+codes with their fp32 scales and minimums; the latest ``residual`` tokens stay fp32). A press
+keeps ``int(n * (1 - ratio))`` of n tokens (at least the ``protect`` latest), or ``keep``, and
+records the position each kept slot holds (4 bytes per layer, KV head and token). Page rounding
+is left out: it adds at most one page per layer and sequence.
 """
 
 from __future__ import annotations
@@ -110,11 +112,21 @@ def kv_size(model: ModelConfig, cfg: CacheConfig, context: int, batch: int = 1) 
     per_layer, kept = [], []
     for i in range(model.num_layers):
         window, _ = layer_visibility(model, cfg, i)
-        n = context if window is None else min(context, window)
+        n = press_kept(cfg, context if window is None else min(context, window))
         fp_tokens = min(n, cfg.residual) if cfg.quantized else 0
-        per_layer.append(int(round((n - fp_tokens) * stored + fp_tokens * fp32)))
+        slots = n * model.num_kv_heads * 4 if cfg.press is not None else 0  # positions of the kept slots
+        per_layer.append(int(round((n - fp_tokens) * stored + fp_tokens * fp32)) + slots)
         kept.append(n)
     return Size(sum(per_layer) * batch, tuple(per_layer), tuple(kept))
+
+
+def press_kept(cfg: CacheConfig, n: int) -> int:
+    """Tokens a layer keeps of ``n`` under the config's press (all of them without one)."""
+    if cfg.press is None:
+        return n
+    if cfg.keep is not None:
+        return min(n, cfg.keep)
+    return max(min(n, cfg.protect), int(n * (1 - cfg.ratio)))  # type: ignore[operator]
 
 
 def bounded(model: ModelConfig, cfg: CacheConfig) -> bool:
