@@ -48,8 +48,13 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --auto: standard errors added to the mean KL before the budget (default 2)")
     e.add_argument("--candidates", default=None, metavar="SPECS",
                    help="with --auto: the strategies to measure, separated by ';' (default: all candidates)")
-    e.add_argument("--continuation", type=int, default=256, metavar="N",
-                   help="with --auto: positions scored after the prefilled context (default 256)")
+    e.add_argument("--continuation", type=int, default=None, metavar="N",
+                   help="prefill the text's first --tokens - N tokens through each strategy (a press compresses "
+                        "them), then score the last N against the full cache; the passkey question comes after "
+                        "its prefilled filler (--auto: default 256)")
+    e.add_argument("--kvpress", action="store_true",
+                   help="with --continuation: kvpress's figures for each spec's press and ratio on the same tokens "
+                        "(needs .venv-kvpress: make kvpress; a missing or failing kvpress is a skipped row)")
     e.add_argument("--threads", type=int, default=None, help="torch threads (default: all available cores)")
     e.add_argument("--json", default=None, help="write the results to this JSON file")
     e.set_defaults(func=cmd_eval)
@@ -90,6 +95,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.passkey_tokens < 0:
         raise InvalidParams(f"--passkey-tokens must be 0 (skip) or more, got {args.passkey_tokens}")
     text, source = read_text(args.text)
+    if args.kvpress and args.continuation is None:
+        raise InvalidParams("--kvpress compares after a prefilled prompt: add --continuation N (e.g. 256)")
+    if args.continuation is not None:
+        from kvcache.eval.cli_press import cmd_eval_continuation
+
+        return cmd_eval_continuation(args, text, source, specs)
     if args.compare_weights is not None:
         from kvcache.eval.cli_weights import cmd_eval_weights
 

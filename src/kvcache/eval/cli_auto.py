@@ -69,7 +69,8 @@ def cmd_eval_auto(args) -> int:
             parse_kv_spec(s)  # a bad spec is refused before the model loads
     text, source = read_text(args.text)
     llm = LLM(args.model, threads=args.threads, weights=args.weights, prefix=False)
-    data, row = calibrate(llm, text, source, budget, args.tokens, args.continuation, specs)
+    cont = CAL_CONTINUATION if args.continuation is None else args.continuation
+    data, row = calibrate(llm, text, source, budget, args.tokens, cont, specs)
     if args.json:
         Path(args.json).write_text(json.dumps({"choice": row, **data}, indent=2))
     return 0
