@@ -85,37 +85,38 @@ def _texts(model: str | None, count: int, tokens: int, skip: int = 0) -> list[st
     return out
 
 
-def _stream(client, url: str, messages: list[dict[str, str]], new: int, case: Case, lock: threading.Lock,
+def _stream(url: str, messages: list[dict[str, str]], new: int, case: Case, lock: threading.Lock,
             long: bool = False) -> str:
     """One streamed chat turn; returns its text and records its figures in ``case``."""
+    import urllib.error
+    import urllib.request
+
     body = {"model": "default", "messages": messages, "max_tokens": new, "ignore_eos": True, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(f"{url}/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
     t0 = time.perf_counter()
     first = last = None
-    text, usage = [], None
-    with client.stream("POST", f"{url}/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            with lock:
-                case.errors += 1
-            r.read()
-            return ""
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                with lock:
-                    case.errors += 1
-                return "".join(text)
-            if ev.get("usage"):
-                usage = ev["usage"]
-            for ch in ev.get("choices", []):
-                piece = ch.get("delta", {}).get("content")
-                if piece:
-                    last = time.perf_counter()
-                    first = first or last
-                    text.append(piece)
+    text, usage, failed = [], None, False
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                failed = failed or "error" in ev
+                usage = ev.get("usage") or usage
+                for ch in ev.get("choices", []):
+                    piece = ch.get("delta", {}).get("content")
+                    if piece:
+                        last = time.perf_counter()
+                        first = first or last
+                        text.append(piece)
+    except (OSError, urllib.error.HTTPError):
+        failed = True
     with lock:
+        case.errors += failed
         if first is not None:
             (case.long_ttft_s if long else case.ttft_s).append(first - t0)
         if usage:
@@ -127,23 +128,19 @@ def _stream(client, url: str, messages: list[dict[str, str]], new: int, case: Ca
     return "".join(text)
 
 
-def run_workload(url: str, model_name: str, systems: list[str], turns: int, new: int, case: Case,
+def run_workload(url: str, systems: list[str], turns: int, new: int, case: Case,
                  documents: list[str] = ()) -> None:
     """Every session's turns in order, the sessions (and the documents) at once."""
-    import httpx
-
     lock = threading.Lock()
 
     def session(i: int) -> None:
         msgs = [{"role": "system", "content": systems[i]}]
-        with httpx.Client(timeout=600) as c:
-            for t in range(turns):
-                msgs.append({"role": "user", "content": QUESTIONS[(i + t) % len(QUESTIONS)]})
-                msgs.append({"role": "assistant", "content": _stream(c, url, msgs, new, case, lock)})
+        for t in range(turns):
+            msgs.append({"role": "user", "content": QUESTIONS[(i + t) % len(QUESTIONS)]})
+            msgs.append({"role": "assistant", "content": _stream(url, msgs, new, case, lock)})
 
     def document(text: str) -> None:
-        with httpx.Client(timeout=600) as c:
-            _stream(c, url, [{"role": "user", "content": text + "\n\nSummarize this."}], new, case, lock, long=True)
+        _stream(url, [{"role": "user", "content": text + "\n\nSummarize this."}], new, case, lock, long=True)
 
     threads = [threading.Thread(target=session, args=(i,)) for i in range(len(systems))]
     threads += [threading.Thread(target=document, args=(d,)) for d in documents]
@@ -206,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
                 _clear_redis(tier)
             url = start(spec, topo, port=port)
             case = Case(name, f"{count} x {threads} thr" + (f" + {prefill} prefill" if prefill else ""))
-            run_workload(url, "default", systems, turns, new, case, docs)
+            run_workload(url, systems, turns, new, case, docs)
             cases.append(case)
         stop()
     results = [c.summary() for c in cases]

@@ -126,7 +126,7 @@ class Ingress:
     async def _forward(self, call: HttpCall, hint: RouteHint) -> Response:
         last: BaseException | None = None
         for _ in range(1 + RETRIES):
-            gen = self.engine.options(stream=True).handle.remote(call, route=hint)
+            gen = self.engine.options(stream=True).run_http.remote(call, route=hint)
             try:
                 head = await gen.__anext__()
             except Exception as e:

@@ -90,7 +90,7 @@ class EngineReplica:
             self.name = f"{role}-{os.getpid()}"
         self.header = ((REPLICA_HEADER, self.name.encode()),)
 
-    async def handle(self, call: HttpCall, route: RouteHint | None = None) -> AsyncIterator[Message]:
+    async def run_http(self, call: HttpCall, route: RouteHint | None = None) -> AsyncIterator[Message]:
         """The response to ``call``, streamed (``route`` is for the router only)."""
         async for msg in run_call(self.app, call, self.header):
             yield msg
