@@ -366,7 +366,7 @@ def test_disk_tier_restores_pages_in_a_new_cache(tiny_path, tmp_path, spec):
 def test_restore_across_batches_of_pages(tiny_path, tmp_path, spec, restored):
     """Whole pages come back from disk in batches of RESTORE_BATCH (40 and 31 pages here) into a
     new cache, dynamic or static, and the logits equal recomputation."""
-    from kvcache.prefix.cache import RESTORE_BATCH
+    from kvcache.prefix.restore import RESTORE_BATCH
 
     prompt = [(i * 7 + 3) % 97 for i in range(163)]
     assert 160 // 4 > 2 * RESTORE_BATCH

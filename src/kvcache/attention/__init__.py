@@ -5,6 +5,9 @@
 - backends.py   PagedContext: attention over the paged cache, choosing fused decode, the native
                 pattn/xattn/qattn kernels or dense attention (import it from there: it pulls in
                 the cache, which model code never needs)
+
+Owns the attention math and the choice of backend. May not plan reads or allocate pages (the
+cache's plan.py and paged.py do); it writes a forward's K/V where the plan says.
 """
 
 from kvcache.attention.dense import RecomputeContext, attend_dense, visibility_mask

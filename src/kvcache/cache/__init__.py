@@ -1,4 +1,17 @@
-"""The KV substrate: page pool, allocator, page tables, read planning, memory accounting."""
+"""The KV substrate: where K/V live and who holds which page.
+
+- paged.py       PagedKVCache: per layer group a pool and an allocator, per sequence page tables;
+                 reserve, fork (copy-on-write), truncate, windows' dead pages, ``take_pages``
+- evictor.py     Evictor: the contract with whatever else holds pages (the prefix index)
+- plan.py        ForwardPlan / ReadPlan: what a forward writes where and what each sequence reads
+- pool.py, qpool.py, quant.py   float pages; quantized pages (KIVI) and their codes
+- allocator.py, groups.py, sequence.py, placement.py, prefetch.py, budget.py, accounting.py,
+  persist.py, config.py   free lists, layer groups, page tables, device/host/disk, layer-ahead
+  fetching, the memory budget, stats and the integrity check, cache files, CacheConfig
+
+Owns pages, page tables, lengths and the cache's configuration. May not compute attention
+(attention/) or know what a prefix index keeps beyond the Evictor contract (prefix/).
+"""
 
 from kvcache.cache.allocator import PageAllocator
 from kvcache.cache.paged import CacheStats, PagedKVCache

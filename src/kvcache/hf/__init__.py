@@ -6,6 +6,14 @@
 
 ``PromptCache`` prefills a shared prefix once and forks it per request (shared pages). Importing
 this module checks that the installed transformers is in the supported range.
+
+- cache.py    KVCache / make_cache: the ``transformers.Cache`` face, one BridgeLayer per layer
+- store.py    PageStore: the rows' sequences in a PagedKVCache; writes and reads per layer, planned
+              by cache/plan.py (the engine's planner) with ``reads="window"``
+- layout.py, prompt.py, version.py   the model's layer types, PromptCache, the supported versions
+
+Owns the translation between transformers' cache calls and kvcache's pages. May not plan reads
+itself or change the cache except through PagedKVCache's API; transformers computes attention.
 """
 
 from __future__ import annotations

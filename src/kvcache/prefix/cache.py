@@ -15,24 +15,25 @@ other processes and later runs find it. A tier entry that is missing, corrupt, f
 the right MAC when a secret is set) or for another layout is a miss, removed from its tier before
 anything could promote it; the tokens are recomputed. A RAM match that ends inside a page goes on
 in the tiers from that page's start, so a shorter shared prefix in RAM never hides a longer one
-on disk or in Redis.
+on disk or in Redis. Restore and write-through are restore.py's (TierLink).
+
+Owns the index's policy: what a lookup holds, what a release inserts, what is evicted and when. It
+is the cache's Evictor (cache/evictor.py), attached at construction; it touches pool pages only
+through the allocators' references and ``take_pages`` (via pages.py).
 
 Locking: none; the engine calls it from one thread (the tier writer thread only sees bytes).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from kvcache.cache.paged import PagedKVCache
 from kvcache.cache.sequence import HOLE, SeqKV
 from kvcache.prefix.config import PrefixConfig
-from kvcache.prefix.pages import PageEntries
+from kvcache.prefix.pages import PageEntries, hold
 from kvcache.prefix.radix import Match, Node, RadixIndex
-
-
-RESTORE_BATCH = 16  # pages asked of the tiers at once
+from kvcache.prefix.restore import TierLink, layout_text, open_tiers
 
 
 @dataclass
@@ -62,14 +63,11 @@ class PrefixCache:
         self.cache, self.config, self.fingerprint = cache, config, fingerprint
         self.index = RadixIndex(cache.page_size, len(cache.groups), config.policy, partial=not cache.quantized)
         self.stats_ = PrefixStats()
-        self.layout = _layout_text(cache)
-        self.tiers = _open_tiers(config) if config.tiers else None
-        self._mac: bytes | None = None
-        if config.secret is not None:
-            from kvcache.prefix.entry import mac_key
-
-            self._mac = mac_key(config.secret)
+        self.layout = layout_text(cache)
         self.pages = PageEntries(cache)  # what a page entry must hold; entries <-> pool pages
+        self.tiers = open_tiers(config) if config.tiers else None
+        self.link = (TierLink(cache, self.index, self.pages, self.tiers, fingerprint, self.layout, config.secret)
+                     if self.tiers is not None else None)
         cache.attach_evictor(self)  # the cache's Evictor: reclaim, held_pages, remap
 
     # -- lookup -----------------------------------------------------------------------------------
@@ -80,9 +78,9 @@ class PrefixCache:
         want = tokens if whole else tokens[:-1]
         m = self.index.match(want, salt)
         seq = self.cache.new_sequence()
-        self._hold(seq, m.nodes)  # held first: restoring from a tier may evict, never these
-        if self.tiers is not None:
-            self._restore(want, m, salt, seq)
+        hold(self.cache, seq, m.nodes)  # held first: restoring from a tier may evict, never these
+        if self.link is not None:
+            self.link.restore(want, m, salt, seq)
         length = self._usable(m)
         keep = -(-length // self.cache.page_size)
         for g in range(len(self.cache.groups)):
@@ -94,13 +92,6 @@ class PrefixCache:
         self.stats_.prompt_tokens += len(tokens)
         self.stats_.hit_tokens += length
         return seq, length
-
-    def _hold(self, seq: SeqKV, nodes: list[Node]) -> None:
-        """Append the nodes' pages to the sequence's tables (one more reference each)."""
-        for g in range(len(self.cache.groups)):
-            pages = [n.pages[g] for n in nodes]
-            self.cache.allocators[g].incref([p for p in pages if p != HOLE])
-            seq.tables[g].extend(pages)
 
     def _usable(self, m: Match) -> int:
         """The longest prefix of the match a query could continue from: every token its windowed
@@ -118,63 +109,6 @@ class PrefixCache:
             length = (length - 1) // ps * ps  # the previous page boundary
         return 0
 
-    def _restore(self, tokens: list[int], m: Match, salt: str, seq: SeqKV) -> None:
-        """Extend the RAM match with full pages found in the tiers, asking for up to RESTORE_BATCH
-        chained keys at once (one Redis round trip) and loading each layer's pages with one copy.
-        A match that ends inside a page is first cut back to that page's start; the partial page
-        is given up only when the tiers hold the whole page there."""
-        ps = self.cache.page_size
-        cut = m.length % ps
-        base = m.nodes[:-1] if cut else m.nodes
-        parent = base[-1] if base else self.index.root(salt)
-        key = self._key(parent, salt)
-        at = m.length - cut
-        while at + ps <= len(tokens):
-            keys, chunks = [], []
-            while at + ps <= len(tokens) and len(keys) < RESTORE_BATCH:
-                chunks.append(tuple(tokens[at : at + ps]))
-                key = _page_key(key, chunks[-1])
-                keys.append(key)
-                at += ps
-            found = []
-            for tensors in self.tiers.get_many(keys, self._decode):  # type: ignore[union-attr]
-                if tensors is None:
-                    break
-                found.append(tensors)
-            if found and cut:  # the tiers go further than RAM's partial page: drop it
-                self._unhold(seq, m.nodes.pop())
-                m.length -= cut
-                cut = 0
-            loaded = self.pages.load(found)  # fewer when the pool has no room for all
-            for chunk, k, pages in zip(chunks, keys, loaded):
-                node = self.index.add_child(parent, chunk, pages)
-                node.key = k
-                self._hold(seq, [node])
-                m.nodes.append(node)
-                m.length += ps
-                self.stats_.tier_tokens += ps
-                parent = node
-            if len(loaded) < len(keys):
-                break
-
-    def _decode(self, key: bytes, blob: bytes) -> dict | None:
-        """An entry's tensors if it is intact, made with this secret and shaped for this layout."""
-        from kvcache.prefix.entry import decode_entry
-
-        tensors = decode_entry(blob, key, self._mac)
-        if tensors is None or not self.pages.fits(tensors):
-            self.stats_.rejected += 1
-            return None
-        return tensors
-
-    def _unhold(self, seq: SeqKV, node: Node) -> None:
-        """Take the last node appended by ``_hold`` off the sequence's tables again."""
-        for g in range(len(self.cache.groups)):
-            p = seq.tables[g].pop()
-            assert p == node.pages[g]
-            if p != HOLE:
-                self.cache.allocators[g].release([p])
-
     # -- insertion --------------------------------------------------------------------------------
     def release(self, seq: SeqKV, tokens: list[int], salt: str | None = None) -> None:
         """Put a finished sequence's pages into the index, then free the sequence."""
@@ -188,8 +122,8 @@ class PrefixCache:
             path, taken = self.index.insert(tokens[:n], seq.tables, salt)
             for g, p in taken:
                 self.cache.allocators[g].incref([p])
-            if self.tiers is not None:
-                self._write_through(path, salt)
+            if self.link is not None:
+                self.link.write_through(path, salt)
         self.cache.free(seq)
         self._trim()
 
@@ -197,35 +131,6 @@ class PrefixCache:
         """Whether page ``i`` of the sequence is also held elsewhere (in any group)."""
         return any(i < len(t) and t[i] != HOLE and self.cache.allocators[g].refcount(t[i]) > 1
                    for g, t in enumerate(seq.tables))
-
-    def _write_through(self, path: list[Node], salt: str) -> None:
-        from kvcache.prefix.entry import encode_entry
-
-        key = self._key(None, salt)
-        for node in path:
-            if len(node.tokens) < self.cache.page_size:
-                break
-            if node.key is not None:
-                key = node.key
-                continue
-            key = node.key = _page_key(key, node.tokens)
-            tensors = self.pages.tensors(node.pages)  # copies: the page may be evicted and reused later
-            self.tiers.put_async(key, lambda k=key, t=tensors: encode_entry(k, t, secret=self._mac))  # type: ignore[union-attr]
-
-    def _key(self, node: Node | None, salt: str) -> bytes:
-        """The chained tier key of ``node`` (the root's when None), computed along its path."""
-        from kvcache.prefix.keys import root_key
-
-        path = []
-        while node is not None and node.parent is not None:
-            if node.key is not None:
-                break
-            path.append(node)
-            node = node.parent
-        key = node.key if node is not None and node.key is not None else root_key(self.fingerprint, self.layout, salt)
-        for n in reversed(path):
-            key = n.key = _page_key(key, n.tokens)
-        return key
 
     # -- eviction ---------------------------------------------------------------------------------
     def _in_use(self, g: int, p: int) -> bool:
@@ -275,8 +180,9 @@ class PrefixCache:
     def stats(self) -> PrefixStats:
         s = self.stats_
         s.cached_pages, s.nodes = self.cached_pages(), self.index.num_nodes
-        if self.tiers is not None:
-            s.tiers = self.tiers.stats_dict()
+        if self.link is not None:
+            s.tier_tokens, s.rejected = self.link.restored_tokens, self.link.rejected
+            s.tiers = self.link.tiers.stats_dict()
         return s
 
     def tenant_stats(self, salt: str | None) -> dict[str, int]:
@@ -293,27 +199,3 @@ class PrefixCache:
     def close(self) -> None:
         if self.tiers is not None:
             self.tiers.close()
-
-
-def _page_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
-    from kvcache.prefix.keys import page_key
-
-    return page_key(parent, tokens)
-
-
-def _layout_text(cache: PagedKVCache) -> str:
-    c, m = cache.config, cache.model
-    return json.dumps({"encoding": c.encoding, "page_size": cache.page_size, "group_size": c.group_size,
-                       "layers": m.num_layers, "kv_heads": m.num_kv_heads, "head_dim": m.head_dim,
-                       "groups": [[list(g.layers), g.window, g.sinks] for g in cache.groups]}, sort_keys=True)
-
-
-def _open_tiers(config: PrefixConfig):
-    from kvcache.prefix.tiers import DiskTier, RedisTier, TierChain
-
-    tiers = []
-    if config.disk is not None:
-        tiers.append(DiskTier(config.disk, config.disk_bytes))
-    if config.redis is not None:
-        tiers.append(RedisTier(config.redis))
-    return TierChain(tiers)

@@ -8,6 +8,9 @@
 - ``load(entries)``: fresh pool pages holding the entries, as many as the pool has room for, each
   layer written with one copy.
 
+``hold`` and ``unhold`` put index nodes' pages into a sequence's page tables (one reference more
+each) and take the last one off again.
+
 Locking: none; called on the engine thread (the tensors it returns may go to the writer thread).
 """
 
@@ -17,8 +20,9 @@ import torch
 
 from kvcache.cache.paged import PagedKVCache
 from kvcache.cache.pool import PagePool
-from kvcache.cache.sequence import HOLE
+from kvcache.cache.sequence import HOLE, SeqKV
 from kvcache.errors import CacheFull
+from kvcache.prefix.radix import Node
 
 
 class PageEntries:
@@ -89,3 +93,20 @@ class PageEntries:
                     pool.load_pages(j, ids, {n: torch.cat([entries[i][f"layer{layer}.{n}"] for i, _ in rows], 1)
                                              for n in pool.parts[j]})
         return out
+
+
+def hold(cache: PagedKVCache, seq: SeqKV, nodes: list[Node]) -> None:
+    """Append the nodes' pages to the sequence's tables (one more reference each)."""
+    for g in range(len(cache.groups)):
+        pages = [n.pages[g] for n in nodes]
+        cache.allocators[g].incref([p for p in pages if p != HOLE])
+        seq.tables[g].extend(pages)
+
+
+def unhold(cache: PagedKVCache, seq: SeqKV, node: Node) -> None:
+    """Take the last node appended by ``hold`` off the sequence's tables again."""
+    for g in range(len(cache.groups)):
+        p = seq.tables[g].pop()
+        assert p == node.pages[g]
+        if p != HOLE:
+            cache.allocators[g].release([p])

@@ -8,7 +8,7 @@ import warnings
 from collections.abc import Callable
 
 from kvcache.errors import KVCacheError
-from kvcache.prefix.tiers import TierUnavailable
+from kvcache.prefix.tier_base import TierUnavailable
 
 
 class RedisTier:

@@ -13,8 +13,9 @@
   tier that held it and never promoted), and writes to all of them, on a background writer
   thread when asked to (``put_async``).
 
-Tiers store bytes as given and know nothing of tensors; ``entry.py`` turns pages into bytes that
-carry their key and a digest.
+Tiers store bytes as given and know nothing of tensors (the ``Tier`` protocol, ``TierUnavailable``
+and ``TierStats`` live in tier_base.py); ``entry.py`` turns pages into bytes that carry their key
+and a digest.
 
 Locking: the chain's writer thread is the only thing that runs concurrently with the caller. Each
 tier guards its own bookkeeping with a lock, so ``get`` on the caller's thread and ``put`` on the
@@ -27,34 +28,13 @@ import queue
 import threading
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
+from kvcache.prefix.tier_base import Blob, Tier, TierStats, TierUnavailable
+from kvcache.prefix.tier_disk import DiskTier
+from kvcache.prefix.tier_redis import RedisTier
 
-class TierUnavailable(UserWarning):
-    """A tier could not be read or written; the prefix cache goes on without it for a while."""
-
-
-@dataclass
-class TierStats:
-    """Counters of a TierChain. ``hits``: per tier name; ``misses``: gets no tier answered;
-    ``writes``: entries written (to all tiers); ``errors``: failed reads or writes in any tier;
-    ``dropped``: queued writes given up because the queue was full; ``rejected``: entries found
-    that the caller's ``decode`` refused (corrupt, forged, another layout), removed."""
-
-    hits: dict[str, int] = field(default_factory=dict)
-    misses: int = 0
-    writes: int = 0
-    errors: int = 0
-    dropped: int = 0
-    rejected: int = 0
-
-    def as_dict(self) -> dict[str, object]:
-        return {"hits": dict(self.hits), "misses": self.misses, "writes": self.writes,
-                "errors": self.errors, "dropped": self.dropped, "rejected": self.rejected}
-
-
-Blob = Union[bytes, Callable[[], bytes]]
+__all__ = ["DiskTier", "RedisTier", "Tier", "TierChain", "TierStats", "TierUnavailable"]
 
 
 class TierChain:
@@ -65,7 +45,7 @@ class TierChain:
     for the queue to drain; ``close`` flushes and stops the thread.
     """
 
-    def __init__(self, tiers: list, queue_size: int = 1024) -> None:
+    def __init__(self, tiers: list[Tier], queue_size: int = 1024) -> None:
         self.tiers = list(tiers)
         self.names: list[str] = []
         for i, t in enumerate(self.tiers):
@@ -132,7 +112,7 @@ class TierChain:
             self._failed(i, "write", e)
 
     # -- writing ----------------------------------------------------------------------------------
-    def put(self, key: bytes, blob: Blob, tiers: list | None = None) -> None:
+    def put(self, key: bytes, blob: Blob, tiers: list[Tier] | None = None) -> None:
         """Write ``blob`` (bytes, or a callable giving them) to every tier (or ``tiers``), now."""
         try:
             data = blob() if callable(blob) else blob
@@ -150,7 +130,7 @@ class TierChain:
             with self._lock:
                 self._stats.writes += 1
 
-    def put_async(self, key: bytes, blob: Blob, tiers: list | None = None) -> None:
+    def put_async(self, key: bytes, blob: Blob, tiers: list[Tier] | None = None) -> None:
         """Queue a write for the writer thread; ``blob`` may be a callable, run there. Never waits:
         with the queue full the write is dropped (and counted). After ``close`` it writes now."""
         if self._closed:
@@ -158,7 +138,7 @@ class TierChain:
             return
         self._enqueue(key, blob, tiers)
 
-    def _enqueue(self, key: bytes, blob: Blob, tiers: list | None) -> None:
+    def _enqueue(self, key: bytes, blob: Blob, tiers: list[Tier] | None) -> None:
         try:
             self._q.put_nowait((key, blob, tiers))
         except queue.Full:
@@ -235,8 +215,3 @@ class TierChain:
     def stats_dict(self) -> dict[str, object]:
         return self.stats.as_dict()
 
-
-from kvcache.prefix.tier_disk import DiskTier  # noqa: E402  (they import TierUnavailable above)
-from kvcache.prefix.tier_redis import RedisTier  # noqa: E402
-
-__all__ = ["DiskTier", "RedisTier", "TierChain", "TierStats", "TierUnavailable"]
