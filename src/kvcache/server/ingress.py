@@ -39,11 +39,12 @@ def _died(e: BaseException) -> bool:
 
 
 class Ingress:
-    def __init__(self, engine: Any, prefill: Any, tokenizer_dir: str, spec: Any, topo: Any) -> None:
+    def __init__(self, engine: Any, prefill: Any, tokenizer_dir: str, spec: Any, prefill_min_tokens: int) -> None:
         from kvcache.models.tokenizer import Tokenizer
         from kvcache.server.auth import Auth
 
-        self.engine, self.prefill, self.topo, self.limits = engine, prefill, topo, spec.limits
+        self.engine, self.prefill, self.limits = engine, prefill, spec.limits
+        self.prefill_min_tokens = prefill_min_tokens
         self.auth = Auth(spec.api_keys, spec.admin_keys, metrics_public=spec.metrics_public)
         self.tok = SimpleNamespace(tokenizer=Tokenizer.from_dir(tokenizer_dir))  # what server/tokens.py reads
         self.space: KeySpace | None = None
@@ -55,7 +56,7 @@ class Ingress:
                         await self._body(http))
         ids, salt = await self._tokens(call)
         hint = RouteHint(route_keys(self.space, ids, salt), len(ids)) if ids and self.space is not None else RouteHint()
-        if self.prefill is not None and len(ids) >= self.topo.prefill_min_tokens:
+        if self.prefill is not None and len(ids) >= self.prefill_min_tokens:
             await self._prefill(call, ids, hint)
         return await self._forward(call, hint)
 

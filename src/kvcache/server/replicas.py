@@ -155,7 +155,7 @@ def build_application(spec: ReplicaSpec, topo: Topology, tokenizer_dir: str):
     prefill = engine(PREFILL, topo.prefill_replicas, "prefill") if topo.prefill_replicas else None
     ingress = serve.deployment(Ingress).options(name=INGRESS, num_replicas=1, max_ongoing_requests=10000,
                                                 ray_actor_options={"num_cpus": 0})
-    return ingress.bind(engine(ENGINE, topo.replicas, "engine"), prefill, tokenizer_dir, spec, topo)
+    return ingress.bind(engine(ENGINE, topo.replicas, "engine"), prefill, tokenizer_dir, spec, topo.prefill_min_tokens)
 
 
 def start(spec: ReplicaSpec, topo: Topology, host: str = "127.0.0.1", port: int = 8000,
