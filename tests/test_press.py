@@ -180,3 +180,280 @@ def test_counts_follow_ratio_keep_and_protection() -> None:
     gone = pos.clone()
     gone[:, 5] = -1
     assert not bool(candidates(gone, 100, press, 0)[:, 5].any())  # already evicted
+
+
+# -- on a tiny model: the cache against recomputation with the same tokens masked ----------------------
+PROMPT = [(7 * i + 3) % 150 + 2 for i in range(100)]
+STEPS = 6
+
+
+class MaskedRecompute:
+    """The oracle: recompute every token from scratch; query i of layer l, KV head h sees key j when
+    ``allowed[l][h, i, j]`` (sinks scored against the query turned back by ``delta[i]``)."""
+
+    def __init__(self, allowed: list[torch.Tensor], sinks: int = 0, delta: torch.Tensor | None = None,
+                 rotary=None) -> None:
+        self.allowed, self.sinks, self.delta, self.rotary = allowed, sinks, delta, rotary
+
+    def attend_packed(self, *args):
+        return None
+
+    def attend_block(self, *args):
+        return False
+
+    def attend(self, layer, q, k, v, scale):
+        n, hq, d = q.shape
+        hkv = k.shape[1]
+        out = torch.empty_like(q)
+        for h in range(hq):
+            kh = h // (hq // hkv)
+            s = (q[:, h] @ k[:, kh].T) * scale  # [n, n]
+            if self.sinks and self.delta is not None:
+                qs = self.rotary.rotate(q[:, h : h + 1], -self.delta)[:, 0]
+                s[:, : self.sinks] = (qs @ k[: self.sinks, kh].T) * scale
+            s = s.masked_fill(~self.allowed[layer][kh], float("-inf"))
+            out[:, h] = s.softmax(-1) @ v[:, kh]
+        return out
+
+
+def _kept_now(seq) -> list[list[set[int]]]:
+    """[layer][head] -> the positions the cache holds for that layer and KV head."""
+    st, out = seq.kv.press, []
+    for g, pos in enumerate(st.pos):
+        for j in range(pos.shape[0]):
+            out.append([set(x for x in pos[j, h, : st.n[g]].tolist() if x >= 0) for h in range(pos.shape[1])])
+    return out
+
+
+def _run_press(llm, prompt, steps):
+    """Prompt, then greedy decode steps: (logits per step, tokens, kept sets seen by each query)."""
+    runner = llm.runner
+    seq = runner.new_sequence()
+    logits = runner.step([seq], [prompt])[0]
+    outs, toks, seen = [logits], list(prompt), []
+    for _ in range(steps):
+        tok = int(outs[-1].argmax())
+        toks.append(tok)
+        outs.append(runner.step([seq], [[tok]])[0])
+        seen.append(_kept_now(seq))
+    return outs, toks, seen, seq
+
+
+def _oracle(llm, toks, n_prompt, seen, window=None, sinks=0):
+    """Logits of each decode step from MaskedRecompute."""
+    cfg = llm.config
+    n = len(toks)
+    allowed = []
+    for layer in range(cfg.num_layers):
+        a = torch.ones(cfg.num_kv_heads, n, n).tril().bool()
+        for i in range(n_prompt, n):
+            for h in range(cfg.num_kv_heads):
+                row = torch.zeros(n, dtype=torch.bool)
+                row[list(seen[i - n_prompt][layer][h])] = True
+                a[h, i] &= row
+        if window is not None:
+            i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+            a &= ((i - j) < window - sinks) | (j < sinks)
+        allowed.append(a)
+    pos = torch.arange(n)
+    delta = (pos - (window - 1)).clamp(min=0) if window is not None else None
+    ctx = MaskedRecompute(allowed, sinks, delta, llm.model.rotary_for_layer(0))
+    with torch.inference_mode():
+        return llm.model(torch.tensor(toks), pos, ctx)  # [n, V]
+
+
+@pytest.mark.parametrize("press", ["knorm", "snapkv", "expected", "tova", "h2o"])
+def test_press_decodes_as_recompute_with_the_evicted_tokens_masked(tiny_dir, press):
+    from kvcache import LLM
+
+    path, _ = tiny_dir("llama")
+    llm = LLM(str(path), kv=f"dynamic,page_size=4,press={press},ratio=0.5,protect=4", prefix=False)
+    outs, toks, seen, seq = _run_press(llm, PROMPT, STEPS)
+    ref = _oracle(llm, toks, len(PROMPT), seen)
+    for s in range(1, STEPS + 1):
+        torch.testing.assert_close(outs[s], ref[len(PROMPT) + s - 1], atol=1e-4, rtol=1e-4)
+    held = [len(x) for x in seen[-1][0]]
+    assert held[0] < len(toks) - 1 and len(set(held)) == 1
+    llm.check_integrity()
+    llm.runner.free(seq)
+
+
+def test_prefill_press_keeps_what_its_reference_keeps_on_a_tiny_model(tiny_dir):
+    """The model's own keys, recorded by a capture of the same prompt, give the reference's choice."""
+    from kvcache import LLM
+
+    path, _ = tiny_dir("llama")
+    llm = LLM(str(path), kv="dynamic,page_size=4,press=knorm,ratio=0.5,protect=4", prefix=False)
+    keys = {}
+
+    class Capture(MaskedRecompute):
+        def attend(self, layer, q, k, v, scale):
+            keys[layer] = k.detach().clone()
+            return super().attend(layer, q, k, v, scale)
+
+    n = len(PROMPT)
+    allowed = [torch.ones(llm.config.num_kv_heads, n, n).tril().bool()] * llm.config.num_layers
+    with torch.inference_mode():
+        llm.model(torch.tensor(PROMPT), torch.arange(n), Capture(allowed))
+    seq = llm.runner.new_sequence()
+    llm.runner.step([seq], [PROMPT])
+    kept = _kept_now(seq)
+    for layer, k in keys.items():
+        for h in range(k.shape[1]):
+            scores = (-k[:, h].norm(dim=-1)).tolist()
+            assert kept[layer][h] == _top(scores, int(n * 0.5), set(range(n - 4, n))), (layer, h)
+    llm.runner.free(seq)
+
+
+@pytest.mark.parametrize("kv", ["window=24,page_size=4", "sinks=4,window=24,page_size=4"])
+def test_press_composes_with_windows_and_sinks_exactly(tiny_dir, kv):
+    from kvcache import LLM
+
+    path, _ = tiny_dir("llama")
+    llm = LLM(str(path), kv=f"{kv},press=knorm,ratio=0.5,protect=4", prefix=False)
+    outs, toks, seen, seq = _run_press(llm, PROMPT, STEPS)
+    window = 24
+    sinks = 4 if "sinks" in kv else 0
+    ref = _oracle(llm, toks, len(PROMPT), seen, window, sinks)
+    for s in range(1, STEPS + 1):
+        torch.testing.assert_close(outs[s], ref[len(PROMPT) + s - 1], atol=1e-4, rtol=1e-4)
+    llm.check_integrity()
+
+
+def test_quantized_press_evicts_then_quantizes(tiny_dir):
+    """int4: the prompt waits in fp32 until the press has chosen, so the same tokens go as with
+    fp32; what stays is sealed into pages afterwards and decoding reads it."""
+    from kvcache import LLM
+
+    path, _ = tiny_dir("llama")
+    spec = "page_size=8,group_size=8,residual=16,press=snapkv,ratio=0.5,protect=4"
+    full = LLM(str(path), kv=spec, prefix=False)
+    quant = LLM(str(path), kv="int4," + spec, prefix=False)
+    a, _, seen_a, sa = _run_press(full, PROMPT, 4)
+    b, _, seen_b, sb = _run_press(quant, PROMPT, 4)
+    assert seen_a[0] == seen_b[0]  # the same tokens kept in every layer and head
+    assert len(sb.kv.tables[0]) >= 4 and sb.kv.tail_len(0) <= 16 + 8  # sealed after the press
+    for x, y in zip(a, b):
+        assert float((x - y).abs().max()) < 0.05 * float(x.abs().max())  # int4's noise, not other tokens
+        assert int(x.argmax()) == int(y.argmax())
+    quant.check_integrity()
+
+
+def test_quantized_decode_press_evicts_only_full_precision_tokens(tiny_dir):
+    from kvcache import LLM
+
+    path, _ = tiny_dir("llama")
+    llm = LLM(str(path), kv="int8,page_size=8,group_size=8,residual=24,press=tova,keep=40,protect=4", prefix=False)
+    _, toks, seen, seq = _run_press(llm, PROMPT, 12)
+    kv = seq.kv
+    assert kv.held(0) <= 40 + 1 and [len(x) for x in seen[-1][0]] == [kv.held(0)] * 2
+    sealed = len(kv.tables[0]) * 8
+    first = [set(x) for x in seen[0][0]]
+    for h in range(2):  # sealed slots keep their tokens from step to step
+        s0 = sorted(first[h])[:sealed]
+        assert set(s0) <= set(seen[-1][0][h])
+    llm.check_integrity()
+
+
+def test_bytes_held_drop_with_the_ratio(tiny_dir):
+    from kvcache import LLM
+
+    path, _ = tiny_dir("llama")
+    sizes = {}
+    for spec in ("dynamic,page_size=4", "dynamic,page_size=4,press=knorm,ratio=0.5,protect=4",
+                 "dynamic,page_size=4,press=knorm,ratio=0.75,protect=4"):
+        llm = LLM(str(path), kv=spec, prefix=False)
+        seq = llm.runner.new_sequence()
+        llm.runner.step([seq], [PROMPT])
+        st = llm.kv_stats()
+        cap = seq.kv.press.pos[0].shape[2] if seq.kv.press is not None else 0
+        sizes[spec] = (st.bytes_used, st.pages_used, seq.kv.held(0), cap)
+        llm.check_integrity()
+    full, half, quarter = sizes.values()
+    assert (half[2], quarter[2]) == (50, 25)
+    assert half[1] == 13 and quarter[1] == 7 and full[1] == 25  # pages past the kept slots went back
+    per_token = full[0] / len(PROMPT)
+    slot_bytes = 3 * 2 * half[3] * 4  # the positions: int32 per layer, KV head and slot
+    assert abs(half[0] - 50 * per_token - slot_bytes) < 1
+    assert quarter[0] < half[0] < full[0]
+
+
+def test_refused_combinations():
+    from kvcache.cache.config import parse_kv_spec
+    from kvcache.hf import make_cache
+
+    bad = {"ratio=0.5": "press options without a press", "press=knorm": "exactly one of them",
+           "press=knorm,ratio=0.5,keep=100": "exactly one of them", "press=lru,ratio=0.5": "unknown press",
+           "press=knorm,ratio=1.5": "between 0 and 1", "press=knorm,keep=50,protect=64": "must exceed",
+           "window=60,press=knorm,ratio=0.5": "shows no token", "none,press=knorm,ratio=0.5": "keeps no cache",
+           "int4,press=tova,ratio=0.5,residual=64": "evicts tokens before they are quantized",
+           "press=knorm,ratio=x": "needs a number"}
+    for spec, words in bad.items():
+        with pytest.raises(InvalidParams, match=words):
+            parse_kv_spec(spec)
+    assert parse_kv_spec("int4,press=tova,ratio=0.5,protect=32").spec() == "dynamic,int4,press=tova,ratio=0.5,protect=32"
+    with pytest.raises(InvalidParams, match="transformers bridge"):
+        make_cache(_llama_config(), "press=knorm,ratio=0.5")
+
+
+def _llama_config():
+    from conftest import tiny_hf_config
+
+    return tiny_hf_config("llama")
+
+
+def test_generate_through_the_public_api(tiny_dir):
+    from kvcache import LLM, SamplingParams
+
+    path, _ = tiny_dir("llama")
+    llm = LLM(str(path), kv="page_size=4,press=snapkv,ratio=0.5,protect=4")
+    out = llm.generate([PROMPT, PROMPT[:80]], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in out] == [6, 6]
+    ref = LLM(str(path), kv="page_size=4,press=snapkv,ratio=0.5,protect=4", prefix=False)
+    alone = ref.generate(PROMPT, SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert alone.outputs[0].token_ids == out[0].outputs[0].token_ids
+    llm.check_integrity()
+
+
+# -- compressed shared prefixes ---------------------------------------------------------------------
+def test_compressed_system_prompt_is_shared_and_keyed_apart(tiny_dir):
+    from kvcache import LLM
+    from kvcache.prefix.restore import layout_text
+
+    path, _ = tiny_dir("llama")
+    spec = "page_size=4,press=knorm,ratio=0.5,protect=4"
+    llm = LLM(str(path), kv=spec)
+    runner, system = llm.runner, PROMPT[:60]
+    first = runner.lookup(system + [5])
+    assert first.tokens == []
+    runner.step([first], [system])  # compressed once, at the end of the prompt
+    runner.release(first)
+    entry = next(iter(runner.prefix.spans.entries.values()))
+    assert entry.tokens == tuple(system) and entry.slots == [30]
+    assert runner.prefix.index.num_nodes == 0  # no uncompressed page was indexed
+
+    outs = {}
+    for q in ([9, 8, 7, 6, 5, 4, 3, 2], [11, 12, 13]):
+        seq = runner.lookup(system + q)
+        assert seq.tokens == system and seq.kv.held(0) == 30
+        assert seq.kv.tables[0][:7] == entry.pages[0][:7]  # the same pages, not copies
+        logits = runner.step([seq], [q])[0]
+        fresh = LLM(str(path), kv=spec, prefix=False).runner
+        alone = fresh.new_sequence()
+        fresh.step([alone], [system])
+        expect = fresh.step([alone], [q])[0]
+        torch.testing.assert_close(logits, expect, atol=1e-5, rtol=1e-5)
+        outs[tuple(q)] = logits
+        runner.release(seq)
+    assert runner.prefix.stats().hit_tokens == 2 * len(system)
+    llm.check_integrity()
+
+    # a question-aware press shares nothing; keys for tiers name the press
+    snap = LLM(str(path), kv="page_size=4,press=snapkv,ratio=0.5,protect=4")
+    s = snap.runner.lookup(system + [5])
+    snap.runner.step([s], [system])
+    snap.runner.release(s)
+    assert snap.runner.prefix.spans is None and snap.runner.lookup(system + [5]).tokens == []
+    texts = {layout_text(LLM(str(path), kv=k, prefix=False).runner.cache) for k in
+             ("page_size=4", spec, "page_size=4,press=knorm,ratio=0.25,protect=4", "page_size=4,press=expected,ratio=0.5,protect=4")}
+    assert len(texts) == 4

@@ -27,6 +27,8 @@ import torch
 
 from kvcache import kernels
 from kvcache.attention.dense import attend, attend_with_sinks
+from kvcache.attention.masked import attend_heads, press_mask
+from kvcache.cache import retention
 from kvcache.cache.paged import PagedKVCache
 from kvcache.cache.plan import ForwardPlan, ReadPlan
 from kvcache.cache.pool import PagePool
@@ -62,11 +64,13 @@ class PagedContext:
         # or extends (page tables, first row of each sequence, its new tokens, lengths)
         self.decode: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(cache.groups)
         self.extend: list[tuple[torch.Tensor, ...] | None] = [None] * len(cache.groups)
+        # a press reading a prompt records its queries, which the fused decode never exposes
+        self.observing = [i for i, seq in enumerate(plan.seqs) if seq.press is not None and seq.press.observing]
         if cache.config.encoding == "fp32" and not cache.placement.offloaded and max(new_tokens) <= EXTEND_MAX:
             decodes = all(n == 1 for n in new_tokens)
-            lens = plan.lengths()
             for g in cache.groups:
-                if g.window is None and not g.sinks:
+                lens = plan.lengths(g.index)
+                if g.window is None and not g.sinks and not any(r[g.index].press for r in plan.reads):
                     t = plan.page_tables(g.index)
                     if decodes:
                         self.decode[g.index] = (t, lens)
@@ -82,7 +86,7 @@ class PagedContext:
         [B, Hq D]; None otherwise."""
         gi, j = self.cache.where[layer]
         batched = self.decode[gi]
-        if batched is None:
+        if batched is None or self.observing:
             return None
         pool = self.cache.pools[gi]
         return kernels.decode_attend(qkv, heads, cos, sin, qk_norm, eps, pool.flat[j], pool.page_size,  # type: ignore[union-attr]
@@ -95,7 +99,7 @@ class PagedContext:
         one native call (kernels/dattn.c kv_q_attn_block); False otherwise."""
         gi, j = self.cache.where[layer]
         batched = self.decode[gi]
-        if batched is None:
+        if batched is None or self.observing:
             return False
         pool = self.cache.pools[gi]
         return attn_block(x, weights, heads, cos, sin, qk_norm, eps, scale, post_norm, pool.flat[j],  # type: ignore[union-attr]
@@ -108,6 +112,9 @@ class PagedContext:
         gi, j = cache.where[layer]
         pool = cache.pools[gi]
         single = len(plan.reads) == 1
+        for i in self.observing:
+            rot = self.rotaries[layer] if self.rotaries is not None else None
+            retention.observe(plan.seqs[i], layer, q[plan.rows[i]], rot, scale)
         offloaded = cache.placement.offloaded
         olds: list[torch.Tensor | None] = [None] * len(plan.reads)
         if self.prefetcher is not None:  # offloaded
@@ -139,7 +146,7 @@ class PagedContext:
             qq = q if single else q[rows]
             if isinstance(pool, PagePool) and not offloaded:
                 kv = pool.read(j, read.first_slot, read.slots, read.positions.shape[0])  # [2, Hkv, L, D]
-                outs.append(self._dense(layer, qq, kv, read, scale))
+                outs.append(self._dense(layer, qq, kv, read, scale, i))
                 continue
             kv_new = torch.stack((k[rows], v[rows])).transpose(1, 2)  # [2, Hkv, n, D]
             if isinstance(pool, QuantPool):
@@ -148,7 +155,7 @@ class PagedContext:
             kv = olds[i]  # [2, Hkv, L, D], the part stored before this forward filled in
             assert kv is not None
             kv[:, :, kv.shape[2] - kv_new.shape[2] :] = kv_new
-            outs.append(self._dense(layer, qq, kv, read, scale))
+            outs.append(self._dense(layer, qq, kv, read, scale, i))
         return outs[0] if single else torch.cat(outs, 0)
 
     def load_old(self, layer: int) -> list[torch.Tensor]:
@@ -178,8 +185,11 @@ class PagedContext:
             buf[:, :, :m].copy_(src, non_blocking=True)
         return buf
 
-    def _dense(self, layer: int, q: torch.Tensor, kv: torch.Tensor, read: ReadPlan, scale: float) -> torch.Tensor:
-        """q: [T, Hq, D]; kv: [2, Hkv, L, D] -> [T, Hq, D]."""
+    def _dense(self, layer: int, q: torch.Tensor, kv: torch.Tensor, read: ReadPlan, scale: float,
+               i: int = 0) -> torch.Tensor:
+        """q: [T, Hq, D]; kv: [2, Hkv, L, D] -> [T, Hq, D]. ``i``: the sequence's index in the batch."""
+        if read.press:
+            return self._pressed(layer, q, kv, scale, i)
         if read.delta is not None:
             rot = self.rotaries[layer] if self.rotaries is not None else None
             if rot is not None:
@@ -188,6 +198,37 @@ class PagedContext:
                                       read.n_sink, scale)
                 return o.transpose(0, 1)
         return attend(q.transpose(0, 1), kv[0], kv[1], read.mask, scale).transpose(0, 1)
+
+    def _pressed(self, layer: int, q: torch.Tensor, kv: torch.Tensor, scale: float, i: int) -> torch.Tensor:
+        """A press sequence whose layers and KV heads hold different tokens in their slots: masks
+        per head from the positions the slots hold (windows and sinks by position), and the
+        attention weights handed to the press when it scores with them. q: [T, Hq, D]; kv:
+        [2, Hkv, L, D] -> [T, Hq, D]."""
+        seq = self.plan.seqs[i]
+        st = seq.press
+        assert st is not None
+        gi, j = self.cache.where[layer]
+        g = self.cache.groups[gi]
+        t = q.shape[0]
+        q_pos = torch.arange(seq.length - t, seq.length)
+        k_pos = st.positions(gi, j)  # [Hkv, L]
+        mask = press_mask(q_pos, k_pos, g.window, g.sinks)
+        q_sink, n_sink = None, 0
+        rot = self.rotaries[layer] if self.rotaries is not None else None
+        if g.sinks and g.window is not None and rot is not None:
+            delta = (q_pos - (g.window - 1)).clamp(min=0)  # [T]
+            if bool((delta > 0).any()):
+                q_sink = rot.rotate(q, -delta).transpose(0, 1)
+                n_sink = int(((k_pos[0] >= 0) & (k_pos[0] < g.sinks)).sum())
+        weights = st.press.attention and (st.observing or st.press.decode)
+        out, summed, last = attend_heads(q.transpose(0, 1), kv[0], kv[1], mask, scale, q_sink, n_sink, weights)
+        acc = st.acc[gi]
+        if summed is not None and acc is not None:
+            acc[j, :, : summed.shape[1]] += summed
+        if last is not None and st.press.decode and not st.observing:
+            st.last[layer] = last
+        st.scale = scale
+        return out.transpose(0, 1)
 
     def _quant(self, layer: int, gi: int, j: int, i: int, pool: QuantPool, q: torch.Tensor,
                buf: torch.Tensor | None, kv_new: torch.Tensor, read: ReadPlan, seq: SeqKV,
@@ -202,7 +243,8 @@ class PagedContext:
         n_q = read.n_pages * pool.page_size
         rest = torch.cat((tail, kv_new), 2)  # [2, Hkv, t + n, D]
         out = None
-        if buf is None and q.shape[0] == 1 and read.mask is None and read.delta is None and read.n_pages:
+        if buf is None and q.shape[0] == 1 and read.mask is None and read.delta is None and read.n_pages \
+                and not read.press:
             hkv, d = kv_new.shape[1], kv_new.shape[3]
             pages = read.pages if read.pages is not None else torch.arange(read.page_run, read.page_run + read.n_pages)
             o = kernels.quant_decode((q[0] * scale).view(hkv, -1, d), pages, pool.parts[j], pool.page_size,
@@ -212,6 +254,6 @@ class PagedContext:
             if buf is None:
                 buf = self._load_old_one(layer, i)
             buf[:, :, n_q:] = rest
-            out = self._dense(layer, q, buf, read, scale)
+            out = self._dense(layer, q, buf, read, scale, i)
         tails[j] = pool.seal(j, read.new_pages, rest)
         return out

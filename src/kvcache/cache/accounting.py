@@ -69,11 +69,15 @@ def cache_stats(cache: "PagedKVCache") -> CacheStats:
             table = s.tables[g.index]
             for i, p in enumerate(table):
                 if p != HOLE:
-                    tokens_in_pages += min(ps, s.length - i * ps) if not cache.quantized else ps
+                    tokens_in_pages += min(ps, s.held(g.index) - i * ps) if not cache.quantized else ps
         per_tok = pool.token_bytes
         share = pool.nbytes // len(g.layers)
+        # a press's record of the token each slot holds, per layer and head (cache/retention.py)
+        slots = sum(int(s.press.pos[g.index][0].numel() * s.press.pos[g.index].element_size())
+                    + (0 if s.press.acc[g.index] is None else s.press.acc[g.index][0].numel() * 4)  # type: ignore[union-attr]
+                    for s in cache.sequences.values() if s.press is not None)
         for j, layer in enumerate(g.layers):
-            tail = _tail_bytes(cache, g.index, j)
+            tail = _tail_bytes(cache, g.index, j) + slots
             layers.append(LayerStats(layer, g.index, g.window, g.sinks, per_tok, alloc.total,
                                      alloc.num_referenced, share + tail, int(tokens_in_pages * per_tok) + tail))
     layers.sort(key=lambda s: s.layer)
@@ -115,9 +119,13 @@ def check_integrity(cache: "PagedKVCache") -> None:
             counts[p] = counts.get(p, 0) + 1
         for s in cache.sequences.values():
             table = s.tables[g.index]
-            covered = len(table) * ps + s.tail_len(g.index) if cache.quantized else -(-s.length // ps)
-            if (cache.quantized and covered != s.length) or (not cache.quantized and len(table) != covered):
-                raise AssertionError(f"sequence {s.seq_id}, group {g.index}: {len(table)} pages for {s.length} tokens")
+            held = s.held(g.index)
+            covered = len(table) * ps + s.tail_len(g.index) if cache.quantized else -(-held // ps)
+            if (cache.quantized and covered != held) or (not cache.quantized and len(table) != covered):
+                raise AssertionError(f"sequence {s.seq_id}, group {g.index}: {len(table)} pages for {held} tokens")
+            if s.press is not None and s.press.n[g.index] != held:
+                raise AssertionError(f"sequence {s.seq_id}, group {g.index}: {s.press.n[g.index]} slot positions "
+                                     f"for {held} slots")
             for p in table:
                 if p != HOLE:
                     counts[p] = counts.get(p, 0) + 1

@@ -7,6 +7,9 @@ static: room for ``max_seqs`` x ``max_tokens`` preallocated; a request beyond it
 Windows: pages whose tokens no query can see again go back to their group's pool (sink pages stay).
 Quantized encodings: a group's pool holds whole quantized pages; each sequence keeps its latest
 tokens (at most ``residual + page_size - 1``) in fp32 until whole pages can be sealed.
+A press (``config.press``): each sequence holds its kept tokens in slots, fewer than its length;
+cache/retention.py evicts, packs and follows which token each slot holds (page math here counts
+slots: ``seq.held(g)``).
 Pages held beside the sequences (a prefix index) belong to the cache's one ``Evictor``
 (cache/evictor.py), which ``take_pages`` asks to reclaim pages before a pool grows.
 """
@@ -19,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from kvcache.cache import budget as _budget
+from kvcache.cache import retention
 from kvcache.cache.accounting import CacheStats, cache_stats, check_integrity
 from kvcache.cache.allocator import PageAllocator
 from kvcache.cache.evictor import Evictor
@@ -97,6 +101,13 @@ class PagedKVCache:
     def new_sequence(self) -> SeqKV:
         seq = SeqKV(next(self._ids), [[] for _ in self.groups],
                     tails=[[] if self.quantized else None for _ in self.groups])
+        if self.config.press is not None:
+            from kvcache.press import make_press
+            from kvcache.press.state import PressState
+
+            seq.dropped = [0] * len(self.groups)
+            seq.press = PressState(make_press(self.config.press), [len(g.layers) for g in self.groups],
+                                   self.model.num_layers, self.model.num_kv_heads)
         if self.quantized:
             hkv, d = self.model.num_kv_heads, self.model.head_dim
             for g in self.groups:
@@ -132,10 +143,14 @@ class PagedKVCache:
         return _budget.shrink(self, self.initial_pages)
 
     def pages_after(self, seq: SeqKV, group: int, length: int) -> int:
-        """Logical pages the group's table holds once the sequence has ``length`` tokens."""
+        """Logical pages the group's table holds once the sequence has ``length`` tokens (slots,
+        with a press). A quantized press sequence reading a prompt seals nothing until the press
+        has chosen (evict, then quantize what stays)."""
         ps = self.page_size
         if not self.quantized:
             return -(-length // ps)
+        if seq.press is not None and seq.press.observing:
+            return len(seq.tables[group])
         sealed = len(seq.tables[group]) * ps
         return len(seq.tables[group]) + max(0, (length - sealed - self.config.residual) // ps)
 
@@ -147,12 +162,16 @@ class PagedKVCache:
             raise ContextOverflow(
                 f"sequence of {total} tokens exceeds the static cache capacity of {cap} tokens "
                 "(raise it with --kv static,max_tokens=N)")
+        if seq.press is not None:
+            if new_tokens > 1:
+                seq.press.observing = True  # a prompt (or a chat turn) is being read
+            retention.settle(self, seq)
         self.release_dead(seq)
         self._own_last_page(seq)
         before = [len(t) for t in seq.tables]
         try:
             for g in self.groups:
-                need = self.pages_after(seq, g.index, total) - len(seq.tables[g.index])
+                need = self.pages_after(seq, g.index, seq.held(g.index) + new_tokens) - len(seq.tables[g.index])
                 if need > 0:
                     seq.tables[g.index].extend(self.take_pages(g.index, need))
         except ContextOverflow:
@@ -189,6 +208,9 @@ class PagedKVCache:
 
     def release_dead(self, seq: SeqKV) -> None:
         """Windowed groups: give back pages no query at ``seq.length`` or later can see."""
+        if seq.press is not None:
+            retention.release_dead(self, seq)
+            return
         ps = self.page_size
         for g in self.groups:
             dead = g.dead_before(seq.length)
@@ -201,6 +223,8 @@ class PagedKVCache:
 
     def can_truncate(self, seq: SeqKV, length: int) -> bool:
         """Whether a query at ``length`` would find every token it may see still stored."""
+        if seq.press is not None:
+            return length == seq.length or (not seq.press.released and retention.cut_point(self, seq, length) is not None)
         ps = self.page_size
         for g in self.groups:
             lo, table = max(g.sinks, g.dead_before(length)), seq.tables[g.index]
@@ -220,21 +244,30 @@ class PagedKVCache:
             if self.quantized:
                 child.tails[g.index] = [t.clone() for t in seq.tails[g.index]]  # type: ignore[union-attr]
         child.length = seq.length
+        if seq.press is not None:
+            child.dropped, child.press = list(seq.dropped), seq.press.clone()
         return child
 
     def _own_last_page(self, seq: SeqKV) -> None:
         """Copy-on-write: before new tokens go into a partly filled page that another sequence
         also holds, give this sequence its own copy."""
-        if self.quantized or not seq.length % self.page_size:
+        if self.quantized:
             return
-        last = (seq.length - 1) // self.page_size
         for g in self.groups:
-            table, alloc = seq.tables[g.index], self.allocators[g.index]
-            if last < len(table) and table[last] != HOLE and alloc.refcount(table[last]) > 1:
-                (new,) = self.take_pages(g.index, 1)
-                self.pools[g.index].copy_page(table[last], new)
-                alloc.release([table[last]])
-                table[last] = new
+            held = seq.held(g.index)
+            if held % self.page_size:
+                self.own_pages(seq, g.index, (held - 1) // self.page_size, (held - 1) // self.page_size + 1)
+
+    def own_pages(self, seq: SeqKV, group: int, first: int, stop: int) -> None:
+        """Copy-on-write: pages ``first .. stop - 1`` of the group's table that another holder
+        shares become the sequence's own copies."""
+        table, alloc = seq.tables[group], self.allocators[group]
+        for i in range(first, min(stop, len(table))):
+            if table[i] != HOLE and alloc.refcount(table[i]) > 1:
+                (new,) = self.take_pages(group, 1)
+                self.pools[group].copy_page(table[i], new)
+                alloc.release([table[i]])
+                table[i] = new
                 self.cow_copies += 1
 
     def truncate(self, seq: SeqKV, length: int) -> None:
@@ -243,6 +276,9 @@ class PagedKVCache:
         moves the kept part of the last page back to the fp32 tail (as it was dequantized)."""
         if not 0 <= length <= seq.length:
             raise ValueError(f"cannot truncate a sequence of {seq.length} tokens to {length}")
+        if seq.press is not None:
+            retention.truncate(self, seq, length)
+            return
         ps = self.page_size
         for g in self.groups:
             table, alloc, pool = seq.tables[g.index], self.allocators[g.index], self.pools[g.index]
@@ -293,6 +329,17 @@ class PagedKVCache:
             alloc.grow(extra)
         return alloc.allocate(n)
 
+    def end_prompt(self, seq: SeqKV) -> None:
+        """A prompt is in: a press scores the tokens read since its last compression and evicts
+        its share (no-op without a press, or while generating)."""
+        retention.end_prompt(self, seq)
+
+    def pass_span(self, seq: SeqKV) -> None:
+        """The tokens read since the last compression stay as they are (scored text, not a prompt)."""
+        if seq.press is not None:
+            seq.press.since, seq.press.observing = seq.length, False
+            seq.press.reset_observations()
+
     def free(self, seq: SeqKV) -> None:
         for g in self.groups:
             self.allocators[g.index].release([p for p in seq.tables[g.index] if p != HOLE])
@@ -300,6 +347,9 @@ class PagedKVCache:
             if self.quantized:
                 seq.tails[g.index] = []
         seq.length = 0
+        if seq.press is not None:
+            seq.dropped = [0] * len(self.groups)
+            seq.press = None
         self.sequences.pop(seq.seq_id, None)
 
     def write(self, layer: int, seq: SeqKV, start: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -53,6 +53,9 @@ class ReadPlan:
     shift: int = 0  # window reads: the sinks turn by this many positions (they sit before the window)
     mask: Mask = None  # stored reads: which keys each query sees (attention/dense.py's forms)
     delta: torch.Tensor | None = None  # stored reads: [T] per query, how far its sinks turn; None: none do
+    # a press: ``positions`` count slots, and when this is set attention masks each layer and KV
+    # head by the token positions its slots hold (cache/retention.py), not by ``mask``
+    press: bool = False
 
 
 # -- what a query may see -------------------------------------------------------------------------
@@ -103,17 +106,22 @@ def _slots(table: list[int], page_size: int, pos: torch.Tensor) -> torch.Tensor:
 # -- one sequence, one group ----------------------------------------------------------------------
 def plan_stored(cache: PagedKVCache, seq: SeqKV, gi: int, q_pos: torch.Tensor, sealed_pages: int) -> ReadPlan:
     """Every key the group still stores for ``seq`` (now ``seq.length`` tokens, its queries at
-    ``q_pos`` [T]), with the mask and sink shifts that give each query its window."""
+    ``q_pos`` [T]), with the mask and sink shifts that give each query its window. With a press,
+    positions are slots (``seq.held``) and ``press`` says whether attention masks by the tokens
+    the slots hold."""
     g, ps, table = cache.groups[gi], cache.page_size, seq.tables[gi]
+    length = seq.held(gi)
+    if seq.press is not None:
+        q_pos = torch.arange(length - q_pos.shape[0], length)
     if cache.quantized:
         live = [table[i] for i in range(sealed_pages) if table[i] != HOLE]
         run = run_start(live)
-        pos = stored_positions(table, ps, seq.length, sealed_pages)
+        pos = stored_positions(table, ps, length, sealed_pages)
         plan = ReadPlan(pos, pages=torch.tensor(live, dtype=torch.long) if run is None else None, page_run=run,
                         n_pages=len(live), index_start=0,
                         new_pages=torch.tensor(table[sealed_pages:], dtype=torch.long))
     else:
-        pos = stored_positions(table, ps, seq.length, len(table))
+        pos = stored_positions(table, ps, length, len(table))
         first = run_start(table)  # no holes and consecutive: a view
         plan = ReadPlan(pos, first_slot=first * ps if first is not None else None,
                         slots=_slots(table, ps, pos) if first is None else None)
@@ -124,7 +132,20 @@ def plan_stored(cache: PagedKVCache, seq: SeqKV, gi: int, q_pos: torch.Tensor, s
         delta = (q_pos - (g.window - 1)).clamp(min=0)  # [T]
         if bool((delta > 0).any()):
             plan.delta = delta
+    if seq.press is not None:
+        plan.press = needs_mask(cache, seq, gi)
     return plan
+
+
+def needs_mask(cache: PagedKVCache, seq: SeqKV, gi: int) -> bool:
+    """Whether a press sequence's reads of group ``gi`` mask by token positions (and go through
+    the press's attention): windows and sinks, slots marked evicted, and presses that score with
+    the attention weights (H2O reading a prompt, decode-time presses while generating)."""
+    st, g = seq.press, cache.groups[gi]
+    assert st is not None
+    if g.window is not None or g.sinks or st.masked(gi):
+        return True
+    return st.press.attention and (st.observing or st.press.decode)
 
 
 def plan_window(table: list[int], page_size: int, group: LayerGroup, old: int, end: int,
@@ -184,9 +205,12 @@ class ForwardPlan:
         for seq, n, lens in zip(seqs, new_tokens, self.sealed):
             old = seq.length
             seq.length += n
+            if seq.press is not None:
+                for gi in range(len(cache.groups)):
+                    seq.press.append(gi, old, n)
             if not cache.quantized:
                 for gi in range(len(cache.groups)):
-                    write_slots[gi].append(cache.slots(seq, gi, old, n))
+                    write_slots[gi].append(cache.slots(seq, gi, seq.held(gi) - n, n))
             if reads == "stored":
                 q_pos = positions[start : start + n] if positions is not None else torch.arange(old, old + n)
                 self.reads.append([plan_stored(cache, seq, gi, q_pos, lens[gi]) for gi in range(len(cache.groups))])
@@ -205,6 +229,7 @@ class ForwardPlan:
             t[b, : len(seq.tables[group])] = torch.tensor(seq.tables[group], dtype=torch.long)
         return t
 
-    def lengths(self) -> torch.Tensor:
-        """Each sequence's length once this forward is through: [B] int64."""
-        return torch.tensor([seq.length for seq in self.seqs], dtype=torch.long)
+    def lengths(self, group: int = 0) -> torch.Tensor:
+        """Each sequence's slots in a group once this forward is through (its length, without a
+        press): [B] int64."""
+        return torch.tensor([seq.held(group) for seq in self.seqs], dtype=torch.long)

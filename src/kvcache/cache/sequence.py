@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvcache.press.state import PressState
 
 HOLE = -1  # a page table entry whose page went back to the pool (out of the window)
 
@@ -18,6 +22,14 @@ class SeqKV:
     # quantized groups: per group, per layer of the group, the fp32 K/V of the tokens after the
     # last full page ([2, Hkv, t, D]); None for float groups
     tails: list[list[torch.Tensor] | None] = field(default_factory=list)
+    # a press (cache/retention.py): per group, tokens whose slots were packed away or released,
+    # and the retention state (which token each slot holds); empty and None without one
+    dropped: list[int] = field(default_factory=list)
+    press: "PressState | None" = None
+
+    def held(self, group: int = 0) -> int:
+        """Slots the sequence uses in a group: its length, less what a press packed away."""
+        return self.length - self.dropped[group] if self.dropped else self.length
 
     @property
     def pages(self) -> list[int]:

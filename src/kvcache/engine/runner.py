@@ -115,15 +115,26 @@ class ModelRunner:
         seq.tokens = []
 
     @torch.inference_mode()
-    def step(self, seqs: Sequence[Seq], new_tokens: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Append ``new_tokens[i]`` to ``seqs[i]`` and return the logits after each: [B, vocab]."""
+    def step(self, seqs: Sequence[Seq], new_tokens: Sequence[Sequence[int]],
+             prompt_end: bool | Sequence[bool] = True) -> torch.Tensor:
+        """Append ``new_tokens[i]`` to ``seqs[i]`` and return the logits after each: [B, vocab].
+        ``prompt_end`` (per sequence, or for all): whether this completes what the sequence reads
+        before sampling (a prompt chunked over several steps passes False until its last); a
+        cache with a press scores a completed prompt then."""
         for seq, toks in zip(seqs, new_tokens):
             if not toks:
                 raise ValueError("a step needs at least one new token per sequence")
             self._check_room(seq, len(toks))
         if self.windowed and any(len(t) > WINDOW_CHUNK for t in new_tokens):
-            return self._chunked(seqs, new_tokens)
-        return self._forward(seqs, new_tokens)
+            logits = self._chunked(seqs, new_tokens)
+        else:
+            logits = self._forward(seqs, new_tokens)
+        if self.cache is not None and self.cache.config.press is not None:
+            ends = [prompt_end] * len(seqs) if isinstance(prompt_end, bool) else list(prompt_end)
+            for seq, end in zip(seqs, ends):
+                if end and seq.kv is not None:
+                    self.cache.end_prompt(seq.kv)
+        return logits
 
     def _chunked(self, seqs: Sequence[Seq], new_tokens: Sequence[Sequence[int]]) -> torch.Tensor:
         """Windowed layers: a long prefill goes in chunks, so masks stay [chunk, window] and pages
@@ -166,7 +177,10 @@ class ModelRunner:
         if not tokens:
             raise ValueError("score needs at least one token")
         self._check_room(seq, len(tokens))
-        return self._forward([seq], [tokens], all_rows=True)[-len(tokens) :]  # none: the prefix is recomputed too
+        logits = self._forward([seq], [tokens], all_rows=True)[-len(tokens) :]  # none: the prefix is recomputed too
+        if self.cache is not None and seq.kv is not None:
+            self.cache.pass_span(seq.kv)  # scored text stays whole, as generated tokens do
+        return logits
 
     def _forward(self, seqs: Sequence[Seq], new_tokens: Sequence[Sequence[int]], all_rows: bool = False) -> torch.Tensor:
         if self.cache is None:

@@ -148,6 +148,9 @@ def make_cache(model: Any, spec: str | CacheConfig | None = "dynamic") -> Cache:
     if not config.uses_cache:
         raise InvalidParams("the 'none' strategy keeps no cache: call generate(..., use_cache=False) instead "
                             "of passing a cache")
+    if config.press is not None:
+        raise InvalidParams(f"press={config.press} runs in kvcache's own engine (LLM, generate, serve); the "
+                            "transformers bridge keeps every token")
     hf_config = getattr(model, "config", model)
     cache = KVCache(layout_of(hf_config), config)
     if getattr(hf_config, "is_encoder_decoder", False):

@@ -21,6 +21,10 @@ Owns the index's policy: what a lookup holds, what a release inserts, what is ev
 is the cache's Evictor (cache/evictor.py), attached at construction; it touches pool pages only
 through the allocators' references and ``take_pages`` (via pages.py).
 
+A cache with a press keeps no uncompressed pages here: with a question-agnostic press
+(``knorm``, ``expected``) its compressed prompts are shared through spans.py's SpanIndex, keyed
+apart from these pages; with any other press nothing is shared.
+
 Locking: none; the engine calls it from one thread (the tier writer thread only sees bytes).
 """
 
@@ -34,6 +38,8 @@ from kvcache.prefix.config import PrefixConfig
 from kvcache.prefix.pages import PageEntries, hold
 from kvcache.prefix.radix import Match, Node, RadixIndex
 from kvcache.prefix.restore import TierLink, layout_text, open_tiers
+from kvcache.prefix.spans import SpanIndex, span_lookup, span_release
+from kvcache.press import QUESTION_AGNOSTIC
 
 
 @dataclass
@@ -68,6 +74,9 @@ class PrefixCache:
         self.tiers = open_tiers(config) if config.tiers else None
         self.link = (TierLink(cache, self.index, self.pages, self.tiers, fingerprint, self.layout, config.secret)
                      if self.tiers is not None else None)
+        self.spans: SpanIndex | None = None  # compressed prompts (a question-agnostic press)
+        if cache.config.press in QUESTION_AGNOSTIC:
+            self.spans = SpanIndex(cache)
         cache.attach_evictor(self)  # the cache's Evictor: reclaim, held_pages, remap
 
     # -- lookup -----------------------------------------------------------------------------------
@@ -75,6 +84,14 @@ class PrefixCache:
         """A new sequence holding the K/V of the longest reusable prefix of ``tokens[:-1]`` (of all
         of ``tokens`` when ``whole``)."""
         salt = self.config.salt if salt is None else salt
+        if self.cache.config.press is not None:
+            if self.spans is None:
+                return self.cache.new_sequence(), 0
+            seq, length = span_lookup(self.spans, self.cache, tokens, salt, whole)
+            self.stats_.requests += 1
+            self.stats_.prompt_tokens += len(tokens)
+            self.stats_.hit_tokens += length
+            return seq, length
         want = tokens if whole else tokens[:-1]
         m = self.index.match(want, salt)
         seq = self.cache.new_sequence()
@@ -113,6 +130,13 @@ class PrefixCache:
     def release(self, seq: SeqKV, tokens: list[int], salt: str | None = None) -> None:
         """Put a finished sequence's pages into the index, then free the sequence."""
         salt = self.config.salt if salt is None else salt
+        if self.cache.config.press is not None:
+            if self.spans is None:
+                self.cache.free(seq)
+            else:
+                span_release(self.spans, self.cache, seq, tokens, salt)
+                self._trim()
+            return
         n, ps = seq.length, self.cache.page_size
         if self.cache.quantized:  # only sealed pages; the fp32 tail stays with the sequence
             n = min(n, min(len(t) for t in seq.tables) * ps)
@@ -148,6 +172,8 @@ class PrefixCache:
         what exceeds ``max_cached_tokens`` (see the module doc)."""
         room = self.cache.room(group)
         if room is not None and room < short:
+            if self.spans is not None:
+                self.stats_.evicted_pages += self.spans.evict(short - room)
             self._drop(self.index.evict(short - room, group, self._in_use))
         else:
             self._trim()
@@ -155,6 +181,9 @@ class PrefixCache:
     def _trim(self) -> None:
         """Dynamic pools: evict cached pages beyond ``max_cached_tokens``."""
         limit = -(-self.config.max_cached_tokens // self.cache.page_size)
+        if self.spans is not None:
+            while self.spans.cached_slots() > self.config.max_cached_tokens and self.spans.evict(1):
+                pass
         for g in range(len(self.cache.groups)):
             over = self.cached_pages(g) - limit
             if over > 0:
@@ -162,24 +191,32 @@ class PrefixCache:
 
     def held_pages(self) -> dict[int, list[int]]:
         """Per group, the pages the index holds (each once): the Evictor contract."""
+        if self.spans is not None:
+            return self.spans.held_pages()  # a press cache's radix index stays empty
         return self.index.held_pages()
 
     def remap(self, group: int, moves: dict[int, int]) -> None:
         """The cache's shrink moved pages of ``group`` (old -> new): renumber the index's."""
         self.index.remap(group, moves)
+        if self.spans is not None:
+            self.spans.remap(group, moves)
 
     def cached_pages(self, group: int | None = None) -> int:
-        held = self.index.held_pages()
+        held = self.held_pages()
         groups = held if group is None else {group: held[group]}
         return sum(1 for g, pages in groups.items() for p in pages if not self._in_use(g, p))
 
     def clear(self) -> None:
         """Drop the RAM index (tiers keep their entries)."""
         self._drop(self.index.clear())
+        if self.spans is not None:
+            self.spans.clear()
 
     def stats(self) -> PrefixStats:
         s = self.stats_
         s.cached_pages, s.nodes = self.cached_pages(), self.index.num_nodes
+        if self.spans is not None:
+            s.nodes = len(self.spans.entries)
         if self.link is not None:
             s.tier_tokens, s.rejected = self.link.restored_tokens, self.link.rejected
             s.tiers = self.link.tiers.stats_dict()

@@ -35,7 +35,10 @@ def layout_text(cache: PagedKVCache) -> str:
     c, m = cache.config, cache.model
     return json.dumps({"encoding": c.encoding, "page_size": cache.page_size, "group_size": c.group_size,
                        "layers": m.num_layers, "kv_heads": m.num_kv_heads, "head_dim": m.head_dim,
-                       "groups": [[list(g.layers), g.window, g.sinks] for g in cache.groups]}, sort_keys=True)
+                       "groups": [[list(g.layers), g.window, g.sinks] for g in cache.groups],
+                       # a press's entries never mix with another press's, or with whole prompts
+                       **({"press": [c.press, c.ratio, c.keep, c.protect]} if c.press is not None else {})},
+                      sort_keys=True)
 
 
 def open_tiers(config: PrefixConfig) -> TierChain:

@@ -31,7 +31,7 @@ class LayerObservation:
         if self.queries is not None:
             q = torch.cat((self.queries, q), 1)[:, -keep:]
             q_pos = torch.cat((self.q_pos, q_pos))[-keep:]  # type: ignore[arg-type]
-        self.queries, self.q_pos = q.clone(), q_pos.clone()
+        self.queries, self.q_pos = q.contiguous().clone(), q_pos.clone()
 
     def record_moments(self, q_pre: torch.Tensor) -> None:
         """q_pre: [T, Hq, D] queries before RoPE (the rows to count)."""

@@ -36,7 +36,7 @@ def window_scores(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, pos:
     (-1: evicted, never seen), averaged over the queries and pooled: [Hq, S]."""
     hq, hkv = q.shape[0], keys.shape[0]
     g = hq // hkv
-    s = torch.matmul(q.float().view(hkv, g * q.shape[1], -1), keys.float().transpose(1, 2))  # [Hkv, g w, S]
+    s = torch.matmul(q.float().reshape(hkv, g * q.shape[1], -1), keys.float().transpose(1, 2))  # [Hkv, g w, S]
     s = s.view(hkv, g, q.shape[1], -1) * scale
     seen = (pos[:, None, None, :] >= 0) & (pos[:, None, None, :] <= q_pos[None, None, :, None])  # [Hkv,1,w,S]
     p = torch.softmax(s.masked_fill(~seen, float("-inf")), -1).nan_to_num_(0.0)
