@@ -2,8 +2,9 @@
 the cheapest that stays within a quality budget, remember it beside the model's fingerprint.
 
 - Candidates: the encodings (fp16, bf16, int8, int4, int2), sink+window caches alone and with int8
-  or int4, and, where the cache has presses, each press at several ratios with fp32, int8 and
-  int4 (evict, then quantize what stays). The full fp32 cache is always there (KL 0), so a choice
+  or int4, and, where the cache has presses, each press at several ratios with int8 and int4
+  (evict, then quantize what stays; int8 costs about nothing in KL, so an fp32 press would only
+  ever lose to it). The full fp32 cache is always there (KL 0), so a choice
   always exists. Per-layer precision is not a candidate: CacheConfig holds one encoding for all
   layers.
 - Measurement: eval/continuation.py's protocol (prefill the calibration context through the
@@ -109,7 +110,7 @@ def candidates(presses: bool | None = None) -> list[str]:
     if presses_available() if presses is None else presses:
         for p in PRESSES:
             for r in RATIOS:
-                out += [f"press={p},ratio={r:g}"] + [f"{e},press={p},ratio={r:g}" for e in ("int8", "int4")]
+                out += [f"{e},press={p},ratio={r:g}" for e in ("int8", "int4")]
     return out
 
 

@@ -58,7 +58,8 @@ def answer_after(runner: ModelRunner, context: list[int], question: list[int], n
     seq = runner.new_sequence()
     try:
         runner.step([seq], [context])
-        out = [int(runner.step([seq], [question])[0].argmax())]
+        # the question is read through the pressed context, not pressed itself (as kvpress does)
+        out = [int(runner.step([seq], [question], prompt_end=False)[0].argmax())]
         while len(out) < n and out[-1] not in eos:
             out.append(int(runner.step([seq], [[out[-1]]])[0].argmax()))
     finally:
