@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
             topo = Topology(replicas=count, prefill_replicas=prefill, policy=policy, replica_cpus=threads)
             if tier:
                 _clear_redis(tier)
-            url = start(spec, topo, port=port)
+            url = start(spec, topo, port=port, ray_cpus=4 * (n + m))  # room for every case and its redeployment
             case = Case(name, f"{count} x {threads} thr" + (f" + {prefill} prefill" if prefill else ""))
             run_workload(url, systems, turns, new, case, docs)
             cases.append(case)

@@ -159,9 +159,9 @@ def build_application(spec: ReplicaSpec, topo: Topology, tokenizer_dir: str):
 
 
 def start(spec: ReplicaSpec, topo: Topology, host: str = "127.0.0.1", port: int = 8000,
-          ray_address: str | None = None, quiet: bool = True) -> str:
+          ray_address: str | None = None, quiet: bool = True, ray_cpus: int | None = None) -> str:
     """Start (or join) Ray, run the application and return its base URL (``http://host:port/v1``).
-    Blocks until every replica is up."""
+    Blocks until every replica is up. ``ray_cpus``: logical CPUs of a Ray started here."""
     import ray
 
     from kvcache.models.loading import resolve_model
@@ -171,7 +171,10 @@ def start(spec: ReplicaSpec, topo: Topology, host: str = "127.0.0.1", port: int 
         if ray_address:
             ray.init(address=ray_address, log_to_driver=not quiet)
         else:
-            cpus = max(os.cpu_count() or 1, int(-(-(topo.replicas + topo.prefill_replicas) * topo.replica_cpus // 1)))
+            need = -(-(topo.replicas + topo.prefill_replicas) * topo.replica_cpus // 1)
+            # logical CPUs: twice what the replicas reserve, so a redeployment's new replicas are
+            # scheduled while the old ones drain
+            cpus = ray_cpus or max(os.cpu_count() or 1, 2 * int(need))
             ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=not quiet,
                      object_store_memory=256 << 20, configure_logging=not quiet)
     serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": "WARNING"})
