@@ -1,47 +1,34 @@
-"""One request's life: reuse what the sequence already holds, prefill, fork for n, decode, stop."""
+"""One request on its own: LLM.generate of one prompt, LLM.stream, chat sessions, the benchmarks.
+
+A ``RequestRun`` is a scheduler serving that one request, so a single prompt takes the same path as
+several prompts and the server's requests: prefix reuse, fork for ``n``, EOS, stop strings, the
+length and context limits and the streaming hold-back are decided in ``engine/scheduler.py`` and
+``Sample.take`` only. Its scheduler feeds the whole prompt in one forward (no prefill chunks).
+"""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
-from kvcache.engine.params import CompletionOutput, RequestOutput, SamplingParams
+from kvcache.engine.params import Delta, RequestOutput, SamplingParams
+from kvcache.engine.request import Request, check_prompt
 from kvcache.engine.runner import ModelRunner, Seq
-from kvcache.engine.sampler import log_probs, make_generator, sample, token_logprob
-from kvcache.engine.stops import TextTracker
-from kvcache.errors import ContextOverflow
+from kvcache.engine.scheduler import Scheduler, SchedulerConfig
 from kvcache.models.tokenizer import Tokenizer
 
-
-@dataclass
-class Delta:
-    """A streamed piece of sample ``index``'s text; ``finish_reason`` is set on its last piece."""
-
-    index: int
-    text: str
-    token_id: int | None
-    finish_reason: str | None = None
-    logprobs: list | None = None  # TokenLogprob of the tokens since the last Delta, when asked for
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+__all__ = ["Delta", "RequestRun"]
 
 
 class RequestRun:
-    """Iterate to run the request; ``result`` is complete when iteration ends.
+    """Iterate to run the request (its Deltas, every sample's); ``result`` is complete when
+    iteration ends. A failure is raised as it happened, after the request's pages went back.
 
-    ``seq`` may already hold tokens (a chat session, a loaded prompt cache); without one, the
-    prefix cache gives a sequence holding the longest cached prefix of the prompt. The longest
-    common prefix with the prompt is kept (never the whole prompt: its last token is recomputed for
-    its logits) and only the rest is prefilled. With ``keep_seq`` the first sample's sequence is
-    left in place for the next turn; the others go to the prefix cache (under ``salt``) or are
-    freed.
+    ``seq`` may already hold tokens (a chat session, a loaded prompt cache): those it shares with
+    the prompt are kept (never the whole prompt: its last token is recomputed for its logits) and
+    only the rest is prefilled; without one, the prefix cache gives the longest cached prefix.
+    With ``keep_seq`` the first sample's sequence is left in place for the next turn; the others go
+    to the prefix cache (under ``salt``) or are freed. A prompt that does not fit the context is
+    refused here, before anything runs.
     """
 
     def __init__(
@@ -55,84 +42,25 @@ class RequestRun:
         keep_seq: bool = False,
         salt: str | None = None,
     ) -> None:
-        if not prompt_ids:
-            raise ContextOverflow("the prompt is empty: give at least one token")
-        if len(prompt_ids) >= runner.capacity:
-            raise ContextOverflow(
-                f"prompt of {len(prompt_ids)} tokens does not fit the context of {runner.capacity} "
-                "tokens (it needs room for at least one new token)"
-            )
-        self.runner = runner
-        self.tokenizer = tokenizer
-        self.prompt_ids = prompt_ids
-        self.params = params
-        self.seq = seq  # None: looked up in the prefix cache when the run starts
-        self.keep_seq = keep_seq
-        self.salt = salt
-        self.eos = set(tokenizer.eos_token_ids) | set(runner.config.eos_token_ids)
+        check_prompt(prompt_ids, runner.capacity)
+        whole_prompt = SchedulerConfig(max_batch_tokens=len(prompt_ids) + params.n, max_running=1)
+        self.scheduler = Scheduler(runner, tokenizer, whole_prompt)
+        self.request = Request("0", list(prompt_ids), params, salt=salt, prompt=prompt, seq=seq,
+                               keep_seq=keep_seq, record_stats=True)
         self.result = RequestOutput(prompt=prompt, prompt_token_ids=list(prompt_ids), outputs=[])
 
     def __iter__(self) -> Iterator[Delta]:
-        p, runner = self.params, self.runner
-        t0 = time.perf_counter()
-        if self.seq is None:
-            self.seq = runner.lookup(self.prompt_ids, self.salt)
-        reuse = min(common_prefix(self.seq.tokens, self.prompt_ids), len(self.prompt_ids) - 1)
-        reuse = runner.reusable(self.seq, reuse)
-        runner.truncate(self.seq, reuse)
-        self.result.cached_tokens = reuse
-        seqs = [self.seq]
+        req, sched = self.request, self.scheduler
+        deltas: list[Delta] = []
+        req.on_delta = deltas.append
+        sched.add(req)
         try:
-            logits = runner.step(seqs, [self.prompt_ids[reuse:]])  # [1, V]
-            seqs += [runner.fork(self.seq) for _ in range(p.n - 1)]
-            logits = logits.expand(p.n, -1)
-            gens = [make_generator(p, i) for i in range(p.n)]
-            texts = [TextTracker(self.tokenizer, p.stop) for _ in range(p.n)]
-            tokens: list[list[int]] = [[] for _ in range(p.n)]
-            reasons: list[str | None] = [None] * p.n
-            lps: list[list] = [[] for _ in range(p.n)]
-            sent = [0] * p.n
-            t_first = 0.0
-            while True:
-                feed: list[int] = []
-                for i in range(p.n):
-                    if reasons[i] is not None:
-                        continue
-                    row = logits[len(feed)]
-                    tok = sample(row, p, gens[i])
-                    feed.append(i)
-                    tokens[i].append(tok)
-                    if p.logprobs is not None:
-                        lps[i].append(token_logprob(log_probs(row), tok, p.logprobs))
-                    if tok in self.eos and not p.ignore_eos:
-                        tokens[i].pop()
-                        del lps[i][len(tokens[i]) :]
-                        reasons[i] = "stop"
-                    elif texts[i].add(tok):
-                        reasons[i] = "stop"
-                    elif len(tokens[i]) >= p.max_tokens or len(seqs[i].tokens) >= runner.capacity:
-                        reasons[i] = "length"
-                    piece = texts[i].pending(final=reasons[i] is not None)
-                    if piece or reasons[i] is not None:
-                        yield Delta(i, piece, tok, reasons[i], lps[i][sent[i] :] if p.logprobs is not None else None)
-                        sent[i] = len(lps[i])
-                if not t_first:
-                    t_first = time.perf_counter()
-                live = [i for i in range(p.n) if reasons[i] is None]
-                if not live:
-                    break
-                logits = runner.step([seqs[i] for i in live], [[tokens[i][-1]] for i in live])
-            t_end = time.perf_counter()
+            while sched.has_work:
+                sched.step()
+                yield from deltas
+                deltas.clear()
         finally:
-            stats = runner.stats()
-            self.result.kv_stats = stats
-            self.result.kv_bytes = stats.bytes_used if stats is not None else 0
-            for i, s in enumerate(seqs):
-                if not (self.keep_seq and i == 0):
-                    runner.release(s, self.salt)  # frees a sequence whose last forward failed
-        self.result.prefill_s = t_first - t0
-        self.result.decode_s = t_end - t_first
-        self.result.outputs = [
-            CompletionOutput(i, texts[i].text, tokens[i], reasons[i] or "length",
-                             lps[i] if p.logprobs is not None else None) for i in range(p.n)
-        ]
+            sched.abort(req.request_id)  # left early (or failed): its pages go back
+        if req.exception is not None:
+            raise req.exception
+        self.result = req.output()

@@ -11,8 +11,8 @@ import torch
 
 from kvcache.cache.paged import CacheStats
 from kvcache.cache.config import CacheConfig, parse_kv_spec
-from kvcache.engine.generate import Delta, RequestRun
-from kvcache.engine.params import RequestOutput, SamplingParams
+from kvcache.engine.generate import RequestRun
+from kvcache.engine.params import Delta, RequestOutput, SamplingParams
 from kvcache.engine.runner import ModelRunner
 from kvcache.errors import InvalidParams
 from kvcache.models.config import ModelConfig
@@ -184,7 +184,11 @@ class LLM:
         bos = self.tokenizer.bos_token_id
         if ids and bos is not None and ids[0] == bos and not isinstance(prompt, list):
             ids = ids[1:]  # the text continues the cached tokens: no second BOS
-        return RequestRun(self.runner, self.tokenizer, seq.tokens + ids, params, prompt=text, seq=seq, salt=salt)
+        try:
+            return RequestRun(self.runner, self.tokenizer, seq.tokens + ids, params, prompt=text, seq=seq, salt=salt)
+        except Exception:
+            self.runner.free(seq)  # refused before it ran: the loaded pages go back
+            raise
 
     def save_cache(self, path: str, prompt: Prompt | Messages, chat: bool = False) -> int:
         """Compute the K/V of ``prompt`` once and save them (with its token ids) to ``path``, for

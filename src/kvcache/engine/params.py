@@ -1,4 +1,4 @@
-"""SamplingParams (vLLM's names) and the per-request outputs."""
+"""SamplingParams (vLLM's names) and what a request gives back: streamed deltas and its outputs."""
 
 from __future__ import annotations
 
@@ -71,6 +71,17 @@ def _check(ok: bool, message: str) -> None:
 
 
 @dataclass
+class Delta:
+    """A streamed piece of sample ``index``'s text; ``finish_reason`` is set on its last piece."""
+
+    index: int
+    text: str
+    token_id: int | None
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # the tokens' entries since the last Delta, when asked for
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -105,10 +116,6 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str:
         return self.outputs[0].finish_reason
-
-    @property
-    def num_generated(self) -> int:
-        return sum(len(o.token_ids) for o in self.outputs)
 
     @property
     def decode_tok_s(self) -> float:

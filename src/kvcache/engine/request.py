@@ -1,20 +1,22 @@
 """A request as the scheduler holds it: its samples, timings, outcome and how a failure is reported.
 
 ``Request`` is what callers submit (prompt token ids, SamplingParams, tenant salt, a delta
-callback) and what they get back when it ends (``samples``, ``error`` and ``error_kind``).
-``Sample`` is one of its ``n`` continuations: its sequence, the tokens still to feed, its tokens,
-text and, when asked for, each token's log-probability with the most likely alternatives.
+callback, optionally a sequence to continue) and what they get back when it ends (``samples``,
+``error`` and ``error_kind``). ``Sample`` is one of its ``n`` continuations: its sequence, the
+tokens still to feed, its tokens, text and, when asked for, each token's log-probability with the
+most likely alternatives. ``Sample.take`` is the one place that decides when a sample ends (EOS, a
+stop string, ``max_tokens``, the context) and which text is safe to stream.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from kvcache.engine.generate import Delta
-from kvcache.engine.params import CompletionOutput, RequestOutput, SamplingParams, TokenLogprob
+from kvcache.engine.params import CompletionOutput, Delta, RequestOutput, SamplingParams, TokenLogprob
 from kvcache.engine.runner import Seq
 from kvcache.engine.stops import TextTracker
 from kvcache.errors import CacheFull, ContextOverflow, InvalidParams
@@ -37,7 +39,8 @@ class Sample:
     def take(self, tok: int, entry: TokenLogprob | None, eos: set[int], params: SamplingParams, room: int) -> str:
         """Add a sampled token (and its log-probability entry, if asked for). The sample ends on
         EOS (the token is dropped), a stop string, ``max_tokens``, or when ``room`` tokens (what
-        the context leaves after the prompt) are generated. Returns the text now safe to stream."""
+        the context leaves after the prompt) are generated: prompt and completion together never
+        exceed the context. Returns the text now safe to stream."""
         self.tokens.append(tok)
         if entry is not None:
             self.logprobs.append(entry)
@@ -77,6 +80,13 @@ class Request:
     t_arrival: float = 0.0
     t_first: float = 0.0
     t_end: float = 0.0
+    # a sequence the first sample continues (a chat session's, a loaded prompt cache): the tokens
+    # it shares with the prompt are kept, the rest recomputed; None: the prefix cache's longest match
+    seq: Seq | None = None
+    keep_seq: bool = False  # the caller keeps ``seq`` when the request ends (else released like any)
+    record_stats: bool = False  # take the cache's statistics as the request ends, before its pages go back
+    kv_stats: Any = None  # those statistics (CacheStats), with record_stats
+    exception: Exception | None = field(default=None, repr=False)  # the failure behind ``error``
 
     @property
     def finished(self) -> bool:
@@ -91,7 +101,18 @@ class Request:
         r.prefill_s = max(0.0, self.t_first - self.t_arrival) if self.t_first else 0.0
         r.decode_s = max(0.0, self.t_end - self.t_first) if self.t_first else 0.0
         r.metrics = {"preemptions": self.preemptions}
+        if self.kv_stats is not None:
+            r.kv_stats, r.kv_bytes = self.kv_stats, self.kv_stats.bytes_used
         return r
+
+
+def check_prompt(prompt_ids: list[int], capacity: int) -> None:
+    """Refuse a prompt that leaves no room in the context for one new token."""
+    if not prompt_ids:
+        raise ContextOverflow("the prompt is empty: give at least one token")
+    if len(prompt_ids) >= capacity:
+        raise ContextOverflow(f"prompt of {len(prompt_ids)} tokens does not fit the context of {capacity} "
+                              "tokens (it needs room for at least one new token)")
 
 
 def error_kind(error: Exception) -> str:

@@ -1,9 +1,16 @@
-"""Scheduler: continuous batching over the paged cache.
+"""Scheduler: continuous batching over the paged cache, and the engine's only generation loop.
+
+Every request runs here: several prompts and the server's (through EngineLoop), and a single one
+too (``engine.generate.RequestRun``: LLM.generate of one prompt, LLM.stream, chat sessions, a
+scheduler of one request). Where a sample's sequence starts (prefix reuse), when the ``n`` samples
+fork and when a sample ends (``Sample.take``) is decided here and nowhere else.
 
 Every ``step`` runs one model forward over a batch of sequences of different lengths:
 
 1. waiting requests are admitted (FIFO, or by priority) while fewer than ``max_running`` are
-   served and the pool has room; each sample's sequence starts from the prefix cache;
+   served and the pool has room; each sample's sequence starts from the prefix cache, or from the
+   sequence the request brought (its tokens shared with the prompt are kept; never all of them:
+   the last prompt token is recomputed for its logits);
 2. the batch is planned: every decoding sample feeds its last token, then samples still
    prefilling feed a chunk of their prompt, so at most ``max_batch_tokens`` tokens go into one
    forward and a long prompt never stalls the others' decoding (chunked prefill);
@@ -29,12 +36,13 @@ from dataclasses import dataclass
 import torch
 
 from kvcache.engine import faults
-from kvcache.engine.request import Request, Sample, error_kind
+from kvcache.engine.request import Request, Sample, check_prompt, error_kind
 from kvcache.engine.runner import ModelRunner
 from kvcache.engine.sampler import log_probs, make_generator, sample, token_logprob
 from kvcache.engine.stops import TextTracker
-from kvcache.errors import CacheFull, ContextOverflow, InvalidParams, KVCacheError
+from kvcache.errors import CacheFull, InvalidParams, KVCacheError
 from kvcache.models.tokenizer import Tokenizer
+from kvcache.prefix.radix import common_prefix
 
 __all__ = ["Request", "Sample", "Scheduler", "SchedulerConfig", "error_kind"]
 
@@ -67,11 +75,7 @@ class Scheduler:
     # -- requests --------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         """Queue a request; a prompt that cannot fit the context is refused here."""
-        if not req.prompt_ids:
-            raise ContextOverflow("the prompt is empty: give at least one token")
-        if len(req.prompt_ids) >= self.runner.capacity:
-            raise ContextOverflow(f"prompt of {len(req.prompt_ids)} tokens does not fit the context of "
-                                  f"{self.runner.capacity} tokens (it needs room for at least one new token)")
+        check_prompt(req.prompt_ids, self.runner.capacity)
         req.arrival = next(self._arrivals)
         req.t_arrival = req.t_arrival or time.perf_counter()
         p = req.params
@@ -127,8 +131,7 @@ class Scheduler:
         return done
 
     def _run(self, batch: list[tuple[Request, Sample, int]]) -> torch.Tensor:
-        return self.runner.step([s.seq for _, s, _ in batch], [s.feed[:n] for _, s, n in batch],  # type: ignore[misc]
-                                prompt_end=[n == len(s.feed) for _, s, n in batch])
+        return self.runner.step([s.seq for _, s, _ in batch], [s.feed[:n] for _, s, n in batch])  # type: ignore[misc]
 
     def _forward(self, batch: list[tuple[Request, Sample, int]],
                  done: list[Request]) -> tuple[list[tuple[Request, Sample, int]], torch.Tensor | None]:
@@ -182,7 +185,7 @@ class Scheduler:
             if seq is None or req.error is not None or s.reason is not None:
                 continue
             full = req.prompt_ids + s.tokens
-            if not self.runner.rollback(seq):
+            if not self.runner.rollback(seq) and not _kept(req, s):  # a kept one was emptied in place
                 self.runner.free(seq)
                 s.seq = seq = self.runner.lookup(full, req.salt)
             before = len(s.feed)
@@ -215,15 +218,30 @@ class Scheduler:
                     faults.check("admit", req.prompt_ids)
                 for s in req.samples:
                     if s.reason is None:
-                        full = req.prompt_ids + s.tokens
-                        s.seq = self.runner.lookup(full, req.salt)
-                        s.feed = full[len(s.seq.tokens):]
+                        self._start(req, s)
             except Exception as e:
                 self._fail(req, e, done)
                 continue
             if req.cached_tokens < 0:
                 req.cached_tokens = len(req.samples[0].seq.tokens)  # type: ignore[union-attr]
             self.running.append(req)
+
+    def _start(self, req: Request, s: Sample) -> None:
+        """Give ``s`` its sequence and feed: the request's own sequence for its first sample (cut
+        to the tokens it shares with the prompt and generated tokens, never all of them, and to
+        what a window still lets a query see), else the prefix cache's longest match."""
+        full = req.prompt_ids + s.tokens
+        if s.index == 0 and req.seq is not None:
+            seq = req.seq
+            if not req.keep_seq:
+                req.seq = None  # the request's own now: given back like any, never taken twice
+        else:
+            seq = self.runner.lookup(full, req.salt)
+        keep = min(common_prefix(seq.tokens, full), len(full) - 1)
+        keep = self.runner.reusable(seq, keep)
+        if keep < len(seq.tokens):
+            self.runner.truncate(seq, keep)
+        s.seq, s.feed = seq, full[keep:]
 
     def _room_for(self, req: Request) -> bool:
         """Whether a static pool, or a dynamic one at its budget, has the pages for the request's
@@ -276,6 +294,7 @@ class Scheduler:
             req.t_first = time.perf_counter()
         lp = log_probs(logits) if p.logprobs is not None else None
         room = self.runner.capacity - len(req.prompt_ids)
+        ended = []
         for x in group:
             tok = sample(logits, p, x.gen)
             piece = x.take(tok, token_logprob(lp, tok, p.logprobs or 0) if lp is not None else None, self.eos, p, room)
@@ -283,9 +302,12 @@ class Scheduler:
                 req.on_delta(x.delta(piece, tok, lp is not None))
             if x.reason is None:
                 x.feed = [tok]
-            elif x.seq is not None:
-                self.runner.release(x.seq, req.salt)
-                x.seq = None
+            else:
+                ended.append(x)
+        if ended and req.record_stats and req.finished:
+            req.kv_stats = self.runner.stats()  # before the last samples' pages go back
+        for x in ended:
+            self._give_back(req, x)
 
     # -- pressure ---------------------------------------------------------------------------------
     def _victim(self) -> Request | None:
@@ -307,10 +329,19 @@ class Scheduler:
 
     def _drop_pages(self, req: Request) -> None:
         for s in req.samples:
-            if s.seq is not None:
-                self.runner.release(s.seq, req.salt)  # computed K/V stay reusable in the index
-                s.seq = None
+            self._give_back(req, s)
             s.feed = []
+
+    def _give_back(self, req: Request, s: Sample) -> None:
+        """The sample is done with its sequence: released (computed K/V stay reusable in the prefix
+        index), or, when the caller keeps it, left holding the tokens it has computed."""
+        if s.seq is None:
+            return
+        if _kept(req, s):
+            self.runner.rollback(s.seq)  # after a failed forward: back to what its tokens say
+        else:
+            self.runner.release(s.seq, req.salt)
+        s.seq = None
 
     def _fail(self, req: Request, error: Exception, done: list[Request]) -> None:
         """End ``req`` with ``error``: out of the queues, its pages back, reported as done."""
@@ -321,5 +352,11 @@ class Scheduler:
         self._held_back = False
         req.error = str(error) if isinstance(error, KVCacheError) else f"internal error: {type(error).__name__}: {error}"
         req.error_kind = error_kind(error)
+        req.exception = error
         req.t_end = time.perf_counter()
         done.append(req)
+
+
+def _kept(req: Request, s: Sample) -> bool:
+    """Whether ``s`` runs on the sequence its request brought and the caller keeps."""
+    return req.keep_seq and s.seq is not None and s.seq is req.seq

@@ -15,10 +15,11 @@ import json
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from kvcache.engine.generate import RequestRun, common_prefix
+from kvcache.engine.generate import RequestRun
 from kvcache.engine.params import RequestOutput, SamplingParams
 from kvcache.engine.runner import Seq
 from kvcache.errors import InvalidParams
+from kvcache.prefix.radix import common_prefix
 
 if TYPE_CHECKING:
     from kvcache.engine.llm import LLM
