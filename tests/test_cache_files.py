@@ -164,9 +164,9 @@ def test_static_capacity_ends_with_length(tiny):
     llm.__dict__.update(tiny.__dict__)
     llm.runner = ModelRunner(tiny.model, parse_kv_spec("static,max_tokens=20,page_size=4"))
     r = llm.generate([PROMPT], SamplingParams(max_tokens=50, ignore_eos=True))[0]
-    # documented: a full static cache ends the request with finish_reason "length" (the last
-    # sampled token is returned without being stored)
-    assert r.finish_reason == "length" and len(PROMPT) + len(r.token_ids) == 21
+    # documented: a full static cache ends the request with finish_reason "length" (prompt and
+    # completion together fill it)
+    assert r.finish_reason == "length" and len(PROMPT) + len(r.token_ids) == 20
     llm.runner.check_integrity()
 
 
@@ -178,11 +178,11 @@ def test_tiny_rotary_model_runs_past_its_context_with_sinks(tiny_dir):
     assert r.kv_stats.pages_used <= 1 + 32 // 8 + 1  # memory stays bounded by the window
     full = LLM(str(path), kv="dynamic")
     r = full.generate([PROMPT], SamplingParams(max_tokens=300, ignore_eos=True))[0]
-    assert len(PROMPT) + len(r.token_ids) == 257  # a full cache stops at the context (256 stored + 1)
+    assert len(PROMPT) + len(r.token_ids) == 256  # a full cache stops at the context
     gpt2_path, _ = tiny_dir("gpt2")  # learned absolute positions: the window does not lift the limit
     g = LLM(str(gpt2_path), kv="sinks=4,window=32")
     r = g.generate([PROMPT], SamplingParams(max_tokens=300, ignore_eos=True))[0]
-    assert len(PROMPT) + len(r.token_ids) == 257
+    assert len(PROMPT) + len(r.token_ids) == 256
     assert torch.get_num_threads() >= 1
 
 
