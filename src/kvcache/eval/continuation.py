@@ -8,7 +8,8 @@ child process (eval/kvpress_child.py), so the two give comparable figures on the
 - the context goes in through ``ModelRunner.step`` (one prefill; a press scores it at the end);
 - the continuation goes in as one more forward, at positions counted from the context's length,
   and every position's next-token distribution is compared with the full fp32 cache's;
-- bytes per token are what the cache holds once the whole text has gone in, over its tokens.
+- bytes per token are what the cache holds after the text, over its tokens (slots, scales and the
+  positions a press keeps per slot included).
 """
 
 from __future__ import annotations
@@ -80,12 +81,13 @@ def _prefill(runner: ModelRunner, context: Sequence[int]):
 
 def _logprobs(runner: ModelRunner, context: Sequence[int], continuation: Sequence[int]) -> tuple[torch.Tensor, float]:
     """Log-probabilities [T, V] over ``continuation[:-1]`` after ``context``, and the bytes per
-    token the cache holds once the whole text has gone in (the last token as a decode step, after
-    which pages that left a window are back in the pool)."""
+    token the cache holds after them (a windowed cache takes the last token as a decode step, after
+    which the pages that left its window are back in the pool)."""
     seq = _prefill(runner, context)
     try:
         lp = torch.log_softmax(runner.score(seq, list(continuation[:-1])).float(), -1)
-        runner.step([seq], [[continuation[-1]]])
+        if runner.cache_config.window is not None:  # pages that left the window go back at the next step
+            runner.step([seq], [[continuation[-1]]])
         stats = runner.stats()
         held = stats.bytes_used / max(1, stats.tokens_stored) if stats is not None else 0.0
     finally:
