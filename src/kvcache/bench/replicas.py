@@ -48,6 +48,8 @@ class Case:
     tpot_s: list[float] = field(default_factory=list)
     prompt: int = 0
     cached: int = 0
+    doc_prompt: int = 0
+    doc_cached: int = 0  # of the documents' prompt tokens, those found cached (restored after a prefill)
     tokens: int = 0
     wall_s: float = 0.0
     errors: int = 0
@@ -63,6 +65,7 @@ class Case:
                 "ttft_p50_s": pct(self.ttft_s, 0.5), "ttft_p99_s": pct(self.ttft_s, 0.99),
                 "ttft_mean_s": statistics.fmean(self.ttft_s) if self.ttft_s else None,
                 "long_ttft_p50_s": pct(self.long_ttft_s, 0.5),
+                "doc_hit_rate": self.doc_cached / self.doc_prompt if self.doc_prompt else None,
                 "tpot_p50_ms": None if not self.tpot_s else pct(self.tpot_s, 0.5) * 1000,  # type: ignore[operator]
                 "tok_s": self.tokens / self.wall_s if self.wall_s else None, "wall_s": self.wall_s,
                 "errors": self.errors, "note": self.note}
@@ -120,8 +123,13 @@ def _stream(url: str, messages: list[dict[str, str]], new: int, case: Case, lock
         if first is not None:
             (case.long_ttft_s if long else case.ttft_s).append(first - t0)
         if usage:
-            case.prompt += usage["prompt_tokens"]
-            case.cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            if long:
+                case.doc_prompt += usage["prompt_tokens"]
+                case.doc_cached += cached
+            else:
+                case.prompt += usage["prompt_tokens"]
+                case.cached += cached
             case.tokens += usage["completion_tokens"]
             if first is not None and last is not None and usage["completion_tokens"] > 1:
                 case.tpot_s.append((last - first) / (usage["completion_tokens"] - 1))
@@ -219,12 +227,13 @@ def _print(results: list[dict], sessions: int, turns: int, new: int, n: int) -> 
     print(f"\nreplicas: {sessions} chat sessions at once, {turns} turns each, own system prompt of about "
           f"{SYSTEM_TOKENS} tokens, {new} new tokens per turn (EOS ignored); {n} replicas of 1 thread or one of {n}")
     print(f"{'case':<44} {'replicas':<18} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TTFT mean':>9} "
-          f"{'doc TTFT':>9} {'TPOT ms':>8} {'tok/s':>6} {'errors':>6}")
+          f"{'doc TTFT':>9} {'doc hit':>8} {'TPOT ms':>8} {'tok/s':>6} {'errors':>6}")
     for r in results:
         hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.1%}"
+        doc = "-" if r["doc_hit_rate"] is None else f"{r['doc_hit_rate']:.1%}"
         print(f"{r['case']:<44} {r['replicas']:<18} {hit:>8} {cell(r['ttft_p50_s'], '.2f'):>9} "
               f"{cell(r['ttft_p99_s'], '.2f'):>9} {cell(r['ttft_mean_s'], '.2f'):>9} "
-              f"{cell(r['long_ttft_p50_s'], '.2f'):>9} {cell(r['tpot_p50_ms'], '.0f'):>8} {cell(r['tok_s']):>6} "
+              f"{cell(r['long_ttft_p50_s'], '.2f'):>9} {doc:>8} {cell(r['tpot_p50_ms'], '.0f'):>8} {cell(r['tok_s']):>6} "
               f"{r['errors']:>6}")
 
 
