@@ -457,3 +457,22 @@ def test_compressed_system_prompt_is_shared_and_keyed_apart(tiny_dir):
     texts = {layout_text(LLM(str(path), kv=k, prefix=False).runner.cache) for k in
              ("page_size=4", spec, "page_size=4,press=knorm,ratio=0.25,protect=4", "page_size=4,press=expected,ratio=0.5,protect=4")}
     assert len(texts) == 4
+
+
+def test_compressed_sequence_saves_and_loads(tiny_dir, tmp_path):
+    from kvcache import LLM
+
+    path, _ = tiny_dir("llama")
+    spec = "page_size=4,press=expected,ratio=0.5,protect=4"
+    llm = LLM(str(path), kv=spec, prefix=False)
+    runner = llm.runner
+    seq = runner.new_sequence()
+    runner.step([seq], [PROMPT])
+    runner.save(seq, str(tmp_path / "p.kv"), llm.fingerprint)
+    expect = runner.step([seq], [[5]])[0]
+    other = LLM(str(path), kv=spec, prefix=False)
+    loaded = other.runner.load(str(tmp_path / "p.kv"), other.fingerprint)
+    assert loaded.kv.held(0) == 50 and torch.equal(loaded.kv.press.pos[0][:, :, :50], seq.kv.press.pos[0][:, :, :50])
+    torch.testing.assert_close(other.runner.step([loaded], [[5]])[0], expect, atol=1e-5, rtol=1e-5)
+    with pytest.raises(Exception, match="does not fit this cache"):
+        LLM(str(path), kv="page_size=4", prefix=False).runner.load(str(tmp_path / "p.kv"), llm.fingerprint)

@@ -36,6 +36,8 @@ def _layout(cache: PagedKVCache) -> dict[str, object]:
     out["page_size"] = cache.page_size
     out.update(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                groups=[list(g.layers) for g in cache.groups])
+    # a press's files hold the slots it kept and which tokens they hold (None: every token)
+    out["press"] = [c.press, c.ratio, c.keep, c.protect] if c.press is not None else None
     return out
 
 
@@ -78,7 +80,11 @@ def save_sequence(cache: PagedKVCache, seq: SeqKV, tokens: list[int], path: str 
             tails = seq.tails[g.index]
             if tails is not None:
                 tensors[f"layer{layer}.tail"] = tails[j].contiguous()
-    meta = {"format": FORMAT, "fingerprint": fingerprint, "layout": json.dumps(_layout(cache)),
+        if seq.press is not None:
+            tensors[f"group{g.index}.positions"] = seq.press.pos[g.index][:, :, : seq.press.n[g.index]].contiguous()
+    press = {} if seq.press is None else {"dropped": json.dumps(seq.dropped), "since": str(seq.press.since),
+                                          "points": json.dumps(seq.press.points)}
+    meta = {**press, "format": FORMAT, "fingerprint": fingerprint, "layout": json.dumps(_layout(cache)),
             "tokens": json.dumps(tokens), "length": str(seq.length),
             "holes": json.dumps([[i for i, p in enumerate(t) if p == HOLE] for t in seq.tables]),
             "table_lens": json.dumps([len(t) for t in seq.tables]), **(extra or {})}
@@ -155,6 +161,14 @@ def load_sequence(cache: PagedKVCache, path: str | Path, fingerprint: str) -> tu
                 if seq.tails[g.index] is not None:
                     seq.tails[g.index][j] = tensors[f"layer{layer}.tail"].clone()  # type: ignore[index]
         seq.length = int(meta["length"])
+        if seq.press is not None:
+            seq.dropped = [int(x) for x in json.loads(meta["dropped"])]
+            for g in cache.groups:
+                pos = tensors[f"group{g.index}.positions"]
+                seq.press.append(g.index, 0, pos.shape[2])
+                seq.press.pos[g.index][:, :, : pos.shape[2]] = pos
+            seq.press.since, seq.press.points = int(meta["since"]), json.loads(meta["points"])
+            seq.press.observing = False
         if len(tokens) != seq.length:
             raise KVCacheError(f"cache file {path} holds {len(tokens)} token ids for {seq.length} tokens")
         cache.check_integrity()
