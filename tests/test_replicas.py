@@ -145,7 +145,8 @@ class Deployment:
 
 @pytest.fixture(scope="module")
 def ray_app(request):
-    pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'kvcache[ray]'; make setup-test)")
+    pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'kvcache[ray]'; make setup-test)",
+                        exc_type=ImportError)
     import ray
 
     try:
