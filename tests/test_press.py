@@ -476,3 +476,39 @@ def test_compressed_sequence_saves_and_loads(tiny_dir, tmp_path):
     torch.testing.assert_close(other.runner.step([loaded], [[5]])[0], expect, atol=1e-5, rtol=1e-5)
     with pytest.raises(Exception, match="does not fit this cache"):
         LLM(str(path), kv="page_size=4", prefix=False).runner.load(str(tmp_path / "p.kv"), llm.fingerprint)
+
+
+def test_compressed_prompt_goes_through_the_disk_tier(tiny_dir, tmp_path):
+    """Another process (a fresh LLM on the same folder) starts from the compressed prompt; another
+    press, or a corrupt entry, is a miss."""
+    from kvcache import LLM
+    from kvcache.prefix.config import PrefixConfig
+
+    path, _ = tiny_dir("llama")
+    spec, system, q = "page_size=4,press=knorm,ratio=0.5,protect=4", PROMPT[:60], [9, 8, 7]
+    tier = PrefixConfig(disk=str(tmp_path / "tier"))
+    a = LLM(str(path), kv=spec, prefix=tier)
+    s = a.runner.lookup(system + q)
+    a.runner.step([s], [system])
+    a.runner.release(s)
+    a.flush()
+
+    b = LLM(str(path), kv=spec, prefix=tier)
+    seq = b.runner.lookup(system + q)
+    assert seq.tokens == system and seq.kv.held(0) == 30
+    assert b.prefix_stats().tier_tokens == len(system)
+    fresh = LLM(str(path), kv=spec, prefix=False).runner
+    alone = fresh.new_sequence()
+    fresh.step([alone], [system])
+    torch.testing.assert_close(b.runner.step([seq], [q])[0], fresh.step([alone], [q])[0], atol=1e-5, rtol=1e-5)
+    b.check_integrity()
+
+    other = LLM(str(path), kv="page_size=4,press=knorm,ratio=0.25,protect=4", prefix=tier)
+    assert other.runner.lookup(system + q).tokens == []  # keyed by the press and its ratio
+    for f in (tmp_path / "tier").rglob("*"):
+        if f.is_file() and f.stat().st_size > 1000:
+            data = bytearray(f.read_bytes())
+            data[-5] ^= 0xFF
+            f.write_bytes(bytes(data))
+    c = LLM(str(path), kv=spec, prefix=tier)
+    assert c.runner.lookup(system + q).tokens == []  # a corrupt entry is a miss

@@ -41,6 +41,24 @@ def _layout(cache: PagedKVCache) -> dict[str, object]:
     return out
 
 
+def pages_by_name(cache: PagedKVCache, group: int, pages: list[int],
+                  tails: list[torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Copies of some pages of a group, per layer in their stored form (``layer{i}.kv``
+    [2, Hkv, n, page_size, D], or each quantized part), and its fp32 tails (``layer{i}.tail``)."""
+    out: dict[str, torch.Tensor] = {}
+    pool = cache.pools[group]
+    for j, layer in enumerate(cache.groups[group].layers):
+        if pages:
+            state = pool.page_state(j, pages)
+            if isinstance(state, torch.Tensor):
+                out[f"layer{layer}.kv"] = state.contiguous()
+            else:
+                out.update({f"layer{layer}.{n}": t.contiguous() for n, t in state.items()})
+        if tails is not None:
+            out[f"layer{layer}.tail"] = tails[j].contiguous()
+    return out
+
+
 def digest(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
     """BLAKE2b over the metadata (the digest field left out) and every tensor's name, dtype,
     shape and bytes, in name order."""
@@ -69,17 +87,7 @@ def save_sequence(cache: PagedKVCache, seq: SeqKV, tokens: list[int], path: str 
     tensors: dict[str, torch.Tensor] = {}
     for g in cache.groups:
         live = [p for p in seq.tables[g.index] if p != HOLE]
-        pool = cache.pools[g.index]
-        for j, layer in enumerate(g.layers):
-            if live:
-                state = pool.page_state(j, live)
-                if isinstance(state, torch.Tensor):
-                    tensors[f"layer{layer}.kv"] = state.contiguous()
-                else:
-                    tensors.update({f"layer{layer}.{n}": t.contiguous() for n, t in state.items()})
-            tails = seq.tails[g.index]
-            if tails is not None:
-                tensors[f"layer{layer}.tail"] = tails[j].contiguous()
+        tensors.update(pages_by_name(cache, g.index, live, seq.tails[g.index]))
         if seq.press is not None:
             tensors[f"group{g.index}.positions"] = seq.press.pos[g.index][:, :, : seq.press.n[g.index]].contiguous()
     press = {} if seq.press is None else {"dropped": json.dumps(seq.dropped), "since": str(seq.press.since),

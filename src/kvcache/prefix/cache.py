@@ -38,6 +38,7 @@ from kvcache.prefix.config import PrefixConfig
 from kvcache.prefix.pages import PageEntries, hold
 from kvcache.prefix.radix import Match, Node, RadixIndex
 from kvcache.prefix.restore import TierLink, layout_text, open_tiers
+from kvcache.prefix.span_tiers import SpanLink
 from kvcache.prefix.spans import SpanIndex, span_lookup, span_release
 from kvcache.press import QUESTION_AGNOSTIC
 
@@ -75,8 +76,11 @@ class PrefixCache:
         self.link = (TierLink(cache, self.index, self.pages, self.tiers, fingerprint, self.layout, config.secret)
                      if self.tiers is not None else None)
         self.spans: SpanIndex | None = None  # compressed prompts (a question-agnostic press)
+        self.span_link: SpanLink | None = None
         if cache.config.press in QUESTION_AGNOSTIC:
             self.spans = SpanIndex(cache)
+            if self.tiers is not None:
+                self.span_link = SpanLink(cache, self.spans, self.tiers, fingerprint, self.layout, config.secret)
         cache.attach_evictor(self)  # the cache's Evictor: reclaim, held_pages, remap
 
     # -- lookup -----------------------------------------------------------------------------------
@@ -87,7 +91,7 @@ class PrefixCache:
         if self.cache.config.press is not None:
             if self.spans is None:
                 return self.cache.new_sequence(), 0
-            seq, length = span_lookup(self.spans, self.cache, tokens, salt, whole)
+            seq, length = span_lookup(self.spans, self.cache, tokens, salt, whole, self.span_link)
             self.stats_.requests += 1
             self.stats_.prompt_tokens += len(tokens)
             self.stats_.hit_tokens += length
@@ -134,7 +138,7 @@ class PrefixCache:
             if self.spans is None:
                 self.cache.free(seq)
             else:
-                span_release(self.spans, self.cache, seq, tokens, salt)
+                span_release(self.spans, self.cache, seq, tokens, salt, self.span_link)
                 self._trim()
             return
         n, ps = seq.length, self.cache.page_size
@@ -220,6 +224,8 @@ class PrefixCache:
         if self.link is not None:
             s.tier_tokens, s.rejected = self.link.restored_tokens, self.link.rejected
             s.tiers = self.link.tiers.stats_dict()
+        if self.span_link is not None:
+            s.tier_tokens = self.span_link.restored_tokens
         return s
 
     def tenant_stats(self, salt: str | None) -> dict[str, int]:

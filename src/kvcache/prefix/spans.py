@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvcache.cache.paged import PagedKVCache
 from kvcache.cache.sequence import SeqKV
+
+if TYPE_CHECKING:
+    from kvcache.prefix.span_tiers import SpanLink
 
 
 @dataclass
@@ -94,15 +98,19 @@ class SpanIndex:
                 pages.append(list(seq.tables[g][: -(-c // ps)]))
                 tails.append(None)
         pos = [st.pos[g][:, :, :c].clone() for g, c in enumerate(slots)]
-        entry = SpanEntry(salt, key[1], pages, list(slots), pos, tails, next(self._clock))
-        for g, ps_ in enumerate(pages):
-            for p in ps_:
+        return self.adopt(SpanEntry(salt, key[1], pages, list(slots), pos, tails))
+
+    def adopt(self, entry: SpanEntry) -> SpanEntry:
+        """Index an entry: the index takes one reference to each of its pages it did not hold."""
+        for g, pages in enumerate(entry.pages):
+            for p in pages:
                 n = self.refs[g].get(p, 0)
                 if not n:
-                    cache.allocators[g].incref([p])
+                    self.cache.allocators[g].incref([p])
                 self.refs[g][p] = n + 1
-        self.entries[key] = entry
-        self.lengths.setdefault(salt, set()).add(length)
+        entry.last_used = next(self._clock)
+        self.entries[(entry.salt, entry.tokens)] = entry
+        self.lengths.setdefault(entry.salt, set()).add(len(entry.tokens))
         return entry
 
     # -- eviction ---------------------------------------------------------------------------------
@@ -152,18 +160,24 @@ class SpanIndex:
             self.drop(e)
 
 
-def span_lookup(index: SpanIndex, cache: PagedKVCache, tokens: list[int], salt: str, whole: bool) -> tuple[SeqKV, int]:
+def span_lookup(index: SpanIndex, cache: PagedKVCache, tokens: list[int], salt: str, whole: bool,
+                link: "SpanLink | None" = None) -> tuple[SeqKV, int]:
     """A new sequence holding the longest compressed prompt that begins ``tokens`` (never all of
-    them unless ``whole``), or an empty one."""
+    them unless ``whole``): from RAM, else from the tiers through ``link``; or an empty one."""
+    limit = len(tokens) if whole else len(tokens) - 1
+    entry = index.match(tokens, salt, limit)
+    if link is not None:
+        longer = link.find(tokens, salt, limit) if entry is None or len(entry.tokens) < limit else None
+        entry = longer if longer is not None and (entry is None or len(longer.tokens) > len(entry.tokens)) else entry
     seq = cache.new_sequence()
-    entry = index.match(tokens, salt, len(tokens) if whole else len(tokens) - 1)
     if entry is None:
         return seq, 0
     index.attach(entry, seq)
     return seq, len(entry.tokens)
 
 
-def span_release(index: SpanIndex, cache: PagedKVCache, seq: SeqKV, tokens: list[int], salt: str) -> None:
+def span_release(index: SpanIndex, cache: PagedKVCache, seq: SeqKV, tokens: list[int], salt: str,
+                 link: "SpanLink | None" = None) -> None:
     """Index every prompt the finished sequence compressed (the tokens before each compression
     point still sit in its first slots), then free it."""
     from kvcache.cache.retention import cut_point
@@ -173,6 +187,7 @@ def span_release(index: SpanIndex, cache: PagedKVCache, seq: SeqKV, tokens: list
         for length in st.points:
             if 0 < length <= min(len(tokens), seq.length):
                 cuts = cut_point(cache, seq, length)
-                if cuts is not None:
-                    index.insert(seq, tokens, salt, length, cuts)
+                entry = index.insert(seq, tokens, salt, length, cuts) if cuts is not None else None
+                if entry is not None and link is not None:
+                    link.write(entry)
     cache.free(seq)
