@@ -458,6 +458,15 @@ def test_compressed_system_prompt_is_shared_and_keyed_apart(tiny_dir):
              ("page_size=4", spec, "page_size=4,press=knorm,ratio=0.25,protect=4", "page_size=4,press=expected,ratio=0.5,protect=4")}
     assert len(texts) == 4
 
+    # the public way: cache the system prompt once, then every request that starts with it reuses it
+    llm2 = LLM(str(path), kv=spec)
+    assert llm2.cache_prefix(system) == len(system)
+    from kvcache import SamplingParams
+
+    outs = llm2.generate([system + [9, 8], system + [11, 12]], SamplingParams(max_tokens=3, ignore_eos=True, n=2))
+    assert [o.cached_tokens for o in outs] == [len(system)] * 2 and all(len(o.outputs) == 2 for o in outs)
+    llm2.check_integrity()
+
 
 def test_compressed_sequence_saves_and_loads(tiny_dir, tmp_path):
     from kvcache import LLM

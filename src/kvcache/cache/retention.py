@@ -237,6 +237,7 @@ def release_dead(cache: "PagedKVCache", seq: SeqKV) -> None:
             del table[first:i]
             st.cut(gi, first * ps, i * ps)
             seq.dropped[gi] += (i - first) * ps
+            st.released = True
 
 
 def observe(seq: SeqKV, layer: int, q: torch.Tensor, rotary: object | None, scale: float) -> None:

@@ -202,6 +202,23 @@ class LLM:
             self.runner.free(seq)
         return len(ids)
 
+    def cache_prefix(self, prompt: Prompt | Messages, chat: bool = False, salt: str | None = None) -> int:
+        """Compute the K/V of ``prompt`` once and leave them in the prefix cache, so later prompts
+        that begin with its tokens start from there (under a question-agnostic press, ``knorm`` or
+        ``expected``, compressed once: a shared system prompt). Returns the tokens cached."""
+        if self.runner.prefix is None:
+            raise InvalidParams("prefix caching is off (prefix=False): nothing would keep the prompt")
+        ids = self.encode(prompt, chat)
+        seq = self.runner.lookup(ids, salt, whole=True)
+        try:
+            if len(seq.tokens) < len(ids):
+                self.runner.step([seq], [ids[len(seq.tokens):]])
+        except Exception:
+            self.runner.free(seq)
+            raise
+        self.runner.release(seq, salt)
+        return len(ids)
+
     def chat_session(self, system: str | None = None, resume: str | None = None,
                      salt: str | None = None) -> "ChatSession":
         """A multi-turn chat; ``resume``: a file written by ``ChatSession.save``."""
