@@ -521,3 +521,21 @@ def test_compressed_prompt_goes_through_the_disk_tier(tiny_dir, tmp_path):
             f.write_bytes(bytes(data))
     c = LLM(str(path), kv=spec, prefix=tier)
     assert c.runner.lookup(system + q).tokens == []  # a corrupt entry is a miss
+
+
+@pytest.mark.parametrize("kv", ["static,max_tokens=128", "disk", "host", "bf16"])
+def test_press_composes_with_capacity_placement_and_float_encodings(tiny_dir, kv):
+    from kvcache import LLM
+
+    path, _ = tiny_dir("llama")
+    press = "page_size=4,press=h2o,ratio=0.5,protect=4"
+    ref, _, seen_ref, _ = _run_press(LLM(str(path), kv=press, prefix=False), PROMPT, 8)
+    llm = LLM(str(path), kv=f"{kv},{press}", prefix=False)
+    outs, _, seen, seq = _run_press(llm, PROMPT, 8)
+    tol = 2e-2 if kv == "bf16" else 1e-5
+    for a, b in zip(ref, outs):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+    if kv != "bf16":
+        assert seen == seen_ref
+    assert seq.kv.held(0) < len(PROMPT)
+    llm.check_integrity()
