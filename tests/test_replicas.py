@@ -30,9 +30,11 @@ import pytest
 
 from kvcache.engine.scheduler import SchedulerConfig
 from kvcache.prefix.config import PrefixConfig
+from kvcache.server.intake import Limits
 from kvcache.server.routing import Candidate, KeySpace, Policy, held_pages, index_summary, key_space, route_keys, unpack
 
 KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"
+LIMIT = 64 << 10  # request bytes the replicas accept
 QUESTIONS = ["Summarize the text in one sentence.", "Which language is the text about?",
              "Name one keyword of the text.", "Give the text a title."]
 
@@ -108,7 +110,7 @@ class Deployment:
 
         if self.policy != policy:
             spec = ReplicaSpec(threads=1, api_keys=(KEY_A, KEY_B), scheduler=SchedulerConfig(max_running=8),
-                               prefix=PrefixConfig(redis=self.redis))
+                               prefix=PrefixConfig(redis=self.redis), limits=Limits(max_request_bytes=LIMIT))
             self.url = start(spec, Topology(replicas=2, policy=policy, stats_period_s=0.5), port=self.port)
             self.policy = policy
         return self.url
@@ -213,6 +215,8 @@ def test_openai_client_against_routed_endpoint(ray_app):
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
     status, _, body = _post(f"{url}/completions", b"{not json")
     assert status == 400 and "JSON" in body["error"]["message"]
+    status, _, body = _post(f"{url}/completions", {"model": "smollm2", "prompt": "x" * (LIMIT + 10)})
+    assert status == 413 and body["error"]["code"] == "request_too_large"
 
 
 def test_repeated_prefixes_stay_on_their_replica(ray_app):

@@ -63,9 +63,6 @@ class Ingress:
     async def _body(self, http: HttpRequest) -> bytes:
         """The body, cut one byte past the limit (the replica answers 413 from its size)."""
         limit = self.limits.max_request_bytes
-        declared = http.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            return b""
         chunks, size = [], 0
         async for chunk in http.stream():
             if size <= limit:
