@@ -17,7 +17,7 @@ from kvcache.eval.cli_auto import calibrate, resolve_auto
 from kvcache.eval.continuation import measure, reference, split
 from kvcache.eval.fidelity import builtin_text
 
-TOKENS, CONT = 256, 48
+TOKENS, CONT = 192, 40
 SPECS = ["int8", "int4", "int2", "sinks=4,window=64"]
 if auto.presses_available():
     SPECS += ["int4,press=knorm,ratio=0.5,protect=16"]
