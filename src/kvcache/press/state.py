@@ -42,7 +42,7 @@ class PressState:
         """``count`` new tokens at positions start.. take the next slots of group ``g``."""
         n, pos = self.n[g], self.pos[g]
         if n + count > pos.shape[2]:
-            cap = max(n + count, 2 * pos.shape[2], 64)
+            cap = max(n + count, pos.shape[2] + pos.shape[2] // 4, 64)  # a quarter more: amortized, little slack
             self.pos[g] = torch.cat((pos, torch.full((*pos.shape[:2], cap - pos.shape[2]), -1, dtype=torch.int32)), 2)
             acc = self.acc[g]
             if acc is not None:
@@ -64,11 +64,15 @@ class PressState:
     def keep(self, g: int, idx: torch.Tensor) -> None:
         """Keep only slots ``idx`` ([n_layers, Hkv, m] int64, increasing) of group g, packed to the front."""
         m = idx.shape[2]
-        self.pos[g][:, :, :m] = torch.gather(self.pos[g][:, :, : self.n[g]], 2, idx)
-        self.pos[g][:, :, m : self.n[g]] = -1
+        cap = min(self.pos[g].shape[2], max(64, m + m // 8))  # what was packed away is given back too
+        pos = torch.full((*idx.shape[:2], cap), -1, dtype=torch.int32)
+        pos[:, :, :m] = torch.gather(self.pos[g][:, :, : self.n[g]], 2, idx)
+        self.pos[g] = pos
         acc = self.acc[g]
         if acc is not None:
-            acc[:, :, :m] = torch.gather(acc[:, :, : self.n[g]], 2, idx)
+            new = torch.zeros(self.pos[g].shape)
+            new[:, :, :m] = torch.gather(acc[:, :, : self.n[g]], 2, idx)
+            self.acc[g] = new
         self.n[g] = m
 
     def cut(self, g: int, a: int, b: int) -> None:
