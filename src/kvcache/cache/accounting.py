@@ -119,13 +119,13 @@ def check_integrity(cache: "PagedKVCache") -> None:
             counts[p] = counts.get(p, 0) + 1
         for s in cache.sequences.values():
             table = s.tables[g.index]
-            held = s.held(g.index)
-            covered = len(table) * ps + s.tail_len(g.index) if cache.quantized else -(-held // ps)
-            if (cache.quantized and covered != held) or (not cache.quantized and len(table) != covered):
-                raise AssertionError(f"sequence {s.seq_id}, group {g.index}: {len(table)} pages for {held} tokens")
-            if s.press is not None and s.press.n[g.index] != held:
+            slots = s.held(g.index)
+            covered = len(table) * ps + s.tail_len(g.index) if cache.quantized else -(-slots // ps)
+            if (cache.quantized and covered != slots) or (not cache.quantized and len(table) != covered):
+                raise AssertionError(f"sequence {s.seq_id}, group {g.index}: {len(table)} pages for {slots} tokens")
+            if s.press is not None and s.press.n[g.index] != slots:
                 raise AssertionError(f"sequence {s.seq_id}, group {g.index}: {s.press.n[g.index]} slot positions "
-                                     f"for {held} slots")
+                                     f"for {slots} slots")
             for p in table:
                 if p != HOLE:
                     counts[p] = counts.get(p, 0) + 1
