@@ -240,20 +240,22 @@ def _run_press(llm, prompt, steps):
 
 
 def _oracle(llm, toks, n_prompt, seen, window=None, sinks=0):
-    """Logits of each decode step from MaskedRecompute."""
+    """Logits of each decode step from MaskedRecompute (``window``: every layer's, else the
+    model's own per layer)."""
     cfg = llm.config
     n = len(toks)
     allowed = []
     for layer in range(cfg.num_layers):
+        own = cfg.layer_windows[layer] if cfg.layer_windows and window is None else None
         a = torch.ones(cfg.num_kv_heads, n, n).tril().bool()
         for i in range(n_prompt, n):
             for h in range(cfg.num_kv_heads):
                 row = torch.zeros(n, dtype=torch.bool)
                 row[list(seen[i - n_prompt][layer][h])] = True
                 a[h, i] &= row
-        if window is not None:
+        if window is not None or own is not None:
             i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
-            a &= ((i - j) < window - sinks) | (j < sinks)
+            a &= ((i - j) < (window or own) - sinks) | (j < sinks)
         allowed.append(a)
     pos = torch.arange(n)
     delta = (pos - (window - 1)).clamp(min=0) if window is not None else None
@@ -544,4 +546,18 @@ def test_press_composes_with_capacity_placement_and_float_encodings(tiny_dir, kv
     if kv != "bf16":
         assert seen == seen_ref
     assert seq.kv.held(0) < len(PROMPT)
+    llm.check_integrity()
+
+
+def test_press_on_a_model_with_sliding_layers(tiny_dir):
+    """Gemma 3: sliding layers (window 8) and full ones in separate groups, each packed on its own."""
+    from kvcache import LLM
+
+    path, _ = tiny_dir("gemma3")
+    llm = LLM(str(path), kv="page_size=4,press=knorm,ratio=0.5,protect=4", prefix=False)
+    outs, toks, seen, seq = _run_press(llm, PROMPT, 4)
+    ref = _oracle(llm, toks, len(PROMPT), seen)
+    for s in range(1, 5):
+        torch.testing.assert_close(outs[s], ref[len(PROMPT) + s - 1], atol=1e-4, rtol=1e-4)
+    assert len(seq.kv.tables) == 2 and seq.kv.held(1) < len(PROMPT)
     llm.check_integrity()
