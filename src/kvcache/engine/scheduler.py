@@ -131,7 +131,8 @@ class Scheduler:
         return done
 
     def _run(self, batch: list[tuple[Request, Sample, int]]) -> torch.Tensor:
-        return self.runner.step([s.seq for _, s, _ in batch], [s.feed[:n] for _, s, n in batch])  # type: ignore[misc]
+        return self.runner.step([s.seq for _, s, _ in batch], [s.feed[:n] for _, s, n in batch],  # type: ignore[misc]
+                                prompt_end=[n == len(s.feed) for _, s, n in batch])
 
     def _forward(self, batch: list[tuple[Request, Sample, int]],
                  done: list[Request]) -> tuple[list[tuple[Request, Sample, int]], torch.Tensor | None]:
