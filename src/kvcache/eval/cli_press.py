@@ -101,7 +101,7 @@ def cmd_eval_continuation(args: argparse.Namespace, text: str, source: str, spec
                 res["kvpress"] = {"skipped": p.skipped}
             else:
                 d, se = paired(r.kl_each, p.kl)
-                held = (p.kept + len(cont) - 1) * fp32 / (len(context) + len(cont) - 1)
+                held = (p.kept + 1) * fp32 / (len(context) + 1)  # its fp32 DynamicCache, as kvcache's bytes are read
                 verdict = "within noise" if abs(d) <= 2 * se else "differs"
                 print(f"  {'kvpress ' + p.press + ' ' + format(p.ratio if p.ratio is not None else p.budget, 'g'):<38} "
                       f"{p.ppl:>8.3f} {p.agreement:>6.1%} {p.mean_kl:>9.4f} {'':>7} {held:>11,.0f} {held / fp32:>7.3f}x"

@@ -6,10 +6,12 @@ reads through what is left), and how kvpress measures its presses: the same prot
 child process (eval/kvpress_child.py), so the two give comparable figures on the same token ids.
 
 - the context goes in through ``ModelRunner.step`` (one prefill; a press scores it at the end);
-- the continuation goes in as one more forward, at positions counted from the context's length,
-  and every position's next-token distribution is compared with the full fp32 cache's;
-- bytes per token are what the cache holds after the text, over its tokens (slots, scales and the
-  positions a press keeps per slot included).
+- the continuation's first token goes in as a decode step, the rest as one more forward, at
+  positions counted from the context's length; every position's next-token distribution is
+  compared with the full fp32 cache's (a prefill-time press gives the same logits as kvpress's
+  single forward; a decode-time press may evict once more at that step);
+- bytes per token are what the cache holds after that first step, over the tokens it has seen
+  (slots, scales and the positions a press keeps per slot included): the compressed prompt.
 """
 
 from __future__ import annotations
@@ -81,15 +83,16 @@ def _prefill(runner: ModelRunner, context: Sequence[int]):
 
 def _logprobs(runner: ModelRunner, context: Sequence[int], continuation: Sequence[int]) -> tuple[torch.Tensor, float]:
     """Log-probabilities [T, V] over ``continuation[:-1]`` after ``context``, and the bytes per
-    token the cache holds after them (a windowed cache takes the last token as a decode step, after
-    which the pages that left its window are back in the pool)."""
+    token the cache holds once the prompt has settled. The continuation's first token goes in as a
+    decode step (after which a quantized cache has sealed what its press kept and a window's pages
+    are back in the pool: the bytes are read there), the rest as one teacher-forced forward."""
     seq = _prefill(runner, context)
     try:
-        lp = torch.log_softmax(runner.score(seq, list(continuation[:-1])).float(), -1)
-        if runner.cache_config.window is not None:  # pages that left the window go back at the next step
-            runner.step([seq], [[continuation[-1]]])
+        first = runner.step([seq], [[continuation[0]]])  # [1, V]
         stats = runner.stats()
         held = stats.bytes_used / max(1, stats.tokens_stored) if stats is not None else 0.0
+        rest = [runner.score(seq, list(continuation[1:-1]))] if len(continuation) > 2 else []  # [T - 1, V]
+        lp = torch.log_softmax(torch.cat([first, *rest]).float(), -1)
     finally:
         runner.free(seq)
     return lp, held
