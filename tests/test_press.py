@@ -561,3 +561,21 @@ def test_press_on_a_model_with_sliding_layers(tiny_dir):
         torch.testing.assert_close(outs[s], ref[len(PROMPT) + s - 1], atol=1e-4, rtol=1e-4)
     assert len(seq.kv.tables) == 2 and seq.kv.held(1) < len(PROMPT)
     llm.check_integrity()
+
+
+def test_a_prompt_in_chunks_is_compressed_once_at_its_end(tiny_dir):
+    from kvcache import LLM, SamplingParams
+    from kvcache.engine.scheduler import SchedulerConfig
+
+    path, _ = tiny_dir("llama")
+    spec = "page_size=4,press=snapkv,ratio=0.5,protect=4"
+    p = SamplingParams(max_tokens=6, ignore_eos=True)
+    whole = LLM(str(path), kv=spec, prefix=False).generate(PROMPT, p)[0]
+    llm = LLM(str(path), kv=spec, prefix=False)
+    chunked = llm.generate_batch([PROMPT], p, scheduler=SchedulerConfig(max_batch_tokens=16))[0]
+    assert chunked.outputs[0].token_ids == whole.outputs[0].token_ids
+    runner = llm.runner
+    seq = runner.new_sequence()
+    for a in range(0, len(PROMPT), 16):  # what the scheduler does: only the last chunk ends the prompt
+        runner.step([seq], [PROMPT[a : a + 16]], prompt_end=a + 16 >= len(PROMPT))
+    assert seq.kv.press.points == [len(PROMPT)] and seq.kv.held(0) == 64  # SnapKV keeps its 64-query window
