@@ -579,3 +579,17 @@ def test_a_prompt_in_chunks_is_compressed_once_at_its_end(tiny_dir):
     for a in range(0, len(PROMPT), 16):  # what the scheduler does: only the last chunk ends the prompt
         runner.step([seq], [PROMPT[a : a + 16]], prompt_end=a + 16 >= len(PROMPT))
     assert seq.kv.press.points == [len(PROMPT)] and seq.kv.held(0) == 64  # SnapKV keeps its 64-query window
+
+
+@pytest.mark.parametrize("press", ["expected", "snapkv", "tova", "h2o", "knorm"])
+def test_short_prompts_evict_only_what_may_go(tiny_dir, press):
+    from kvcache import LLM
+
+    path, _ = tiny_dir("llama")
+    llm = LLM(str(path), kv=f"page_size=4,press={press},ratio=0.5,protect=2", prefix=False)
+    _, toks, seen, seq = _run_press(llm, PROMPT[:3], 3)
+    if press in ("expected", "snapkv"):  # its own protection (4 first tokens, 64-query window) covers all
+        assert seen[0][0][0] == {0, 1, 2, 3}
+    else:  # only the token before the protected two could go
+        assert {1, 2, 3} <= seen[0][0][0] and 0 not in seen[-1][0][0]
+    llm.check_integrity()

@@ -90,7 +90,8 @@ def end_prompt(cache: "PagedKVCache", seq: SeqKV) -> None:
             if n:
                 allowed = candidates(view.pos, seq.length, st.press, cfg.protect, g.sinks, st.since,
                                      _frozen(cache, seq, g.index))
-                ev = evict_mask(st.press.score(view), allowed, n)
+                if bool(allowed.any()):  # nothing may go (a short prompt): nothing to score
+                    ev = evict_mask(st.press.score(view), allowed, n)
             keep.append(view.live & ~ev)
         pack(cache, seq, g.index, torch.stack(keep))
     st.since, st.observing = seq.length, False
@@ -115,9 +116,11 @@ def settle(cache: "PagedKVCache", seq: SeqKV) -> None:
                 if not n or not ready or (st.last[layer] is not None and st.last[layer].shape[1] != pos.shape[1]):
                     keep.append(pos >= 0)
                     continue
-                view = _view(cache, seq, gi, j, last=True)
                 allowed = candidates(pos, seq.length, st.press, cfg.protect, g.sinks, 0, _frozen(cache, seq, gi))
-                ev = evict_mask(st.press.score(view), allowed, n)
+                if not bool(allowed.any()):
+                    keep.append(pos >= 0)
+                    continue
+                ev = evict_mask(st.press.score(_view(cache, seq, gi, j, last=True)), allowed, n)
                 keep.append((pos >= 0) & ~ev)
                 marked = marked or bool(ev.any())
             if marked:
