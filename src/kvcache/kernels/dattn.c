@@ -268,32 +268,15 @@ int kv_q_attn_block(int B, int H, float *x, int64_t ldx, const float *g_in, floa
         return rc;
     }
     int bad = 0;
-    const int G1 = (QKV + 7) / 8, G2 = (H + 7) / 8;
 #pragma omp parallel num_threads(n_threads)
     {
 #pragma omp for schedule(static)
         for (int r = 0; r < B; r++) act_row(r, H, x, ldx, g_in, eps, sx.q, sx.da, sx.sa, sx.inv);
-        for (int r0 = 0; r0 < B; r0 += RCHUNK) {
-            const int r1 = B - r0 < RCHUNK ? B : r0 + RCHUNK;
-#pragma omp for schedule(static)
-            for (int g = 0; g < G1; g++)
-                mm_group(&wqkv, g, r0, r1, sx.q, sx.da, sx.sa, qkv_b, eps >= 0.f ? sx.inv : NULL, qkv, QKV, 0);
-        }
+        mm_rows(&wqkv, B, &sx, qkv_b, eps >= 0.f ? sx.inv : NULL, qkv, QKV, 0);
         attend_in_region(&a, &bad);
 #pragma omp for schedule(static)
         for (int r = 0; r < B; r++) act_row(r, HD, att, HD, NULL, -1.f, so.q, so.da, so.sa, so.inv);
-        for (int r0 = 0; r0 < B; r0 += RCHUNK) {
-            const int r1 = B - r0 < RCHUNK ? B : r0 + RCHUNK;
-#pragma omp for schedule(static)
-            for (int g = 0; g < G2; g++) {
-                if (post_w) mm_group(&wo, g, r0, r1, so.q, so.da, so.sa, o_b, NULL, y, H, 0);
-                else mm_group(&wo, g, r0, r1, so.q, so.da, so.sa, o_b, NULL, x, ldx, 1);
-            }
-        }
-        if (post_w) {
-#pragma omp for schedule(static)
-            for (int r = 0; r < B; r++) add_normed(H, y + (size_t)r * H, post_w, post_eps, x + (int64_t)r * ldx);
-        }
+        mm_residual(&wo, B, &so, o_b, x, ldx, y, post_w, post_eps);
     }
     release(&a);
     free(buf);

@@ -473,6 +473,28 @@ KV_HIDDEN void add_normed(int H, const float *y, const float *w, float eps, floa
     for (int k = 0; k < H; k++) x[k] += y[k] * inv * w[k];
 }
 
+KV_HIDDEN void mm_rows(const QW *wt, int n, const Scratch *s, const float *bias, const float *rscale, float *y,
+                       int64_t ldy, int accumulate) {
+    const int G = (wt->out + 7) / 8;
+    for (int r0 = 0; r0 < n; r0 += RCHUNK) {
+        const int r1 = n - r0 < RCHUNK ? n : r0 + RCHUNK;
+#pragma omp for schedule(static)
+        for (int g = 0; g < G; g++) mm_group(wt, g, r0, r1, s->q, s->da, s->sa, bias, rscale, y, ldy, accumulate);
+    }
+}
+
+KV_HIDDEN void mm_residual(const QW *wt, int n, const Scratch *s, const float *bias, float *x, int64_t ldx, float *y,
+                           const float *post_w, float post_eps) {
+    if (!post_w) {
+        mm_rows(wt, n, s, bias, NULL, x, ldx, 1);
+        return;
+    }
+    const int H = wt->out;
+    mm_rows(wt, n, s, bias, NULL, y, H, 0);
+#pragma omp for schedule(static)
+    for (int r = 0; r < n; r++) add_normed(H, y + (size_t)r * H, post_w, post_eps, x + (int64_t)r * ldx);
+}
+
 /* act(gate) * up for one row of [gate | up] (I each, a multiple of VL): silu (act 0) or the tanh
  * GELU (1), both from exp of non-positive numbers (vmath.h), written over the gate half. */
 static void glu_row(int act, int I, float *h) {
@@ -507,35 +529,18 @@ int kv_q_mlp(int n, int H, int I, float *x, int64_t ldx, const float *g_in, floa
     if (buf == NULL) return 4;
     const Scratch a = scratch_at(buf, n, H), b = scratch_at(buf + s1, n, I);
     float *h = (float *)(buf + ((s1 + s2 + 63) & ~(size_t)63)), *y = post_w ? h + (size_t)n * 2 * I : NULL;
-    const int G1 = (2 * I + 7) / 8, G2 = (H + 7) / 8;
 #pragma omp parallel num_threads(n_threads)
     {
 #pragma omp for schedule(static)
         for (int r = 0; r < n; r++) act_row(r, H, x, ldx, g_in, eps, a.q, a.da, a.sa, a.inv);
-        for (int r0 = 0; r0 < n; r0 += RCHUNK) {
-            const int r1 = n - r0 < RCHUNK ? n : r0 + RCHUNK;
-#pragma omp for schedule(static)
-            for (int g = 0; g < G1; g++)
-                mm_group(&gu, g, r0, r1, a.q, a.da, a.sa, gu_b, eps >= 0.f ? a.inv : NULL, h, 2 * I, 0);
-        }
+        mm_rows(&gu, n, &a, gu_b, eps >= 0.f ? a.inv : NULL, h, 2 * I, 0);
 #pragma omp for schedule(static)
         for (int r = 0; r < n; r++) { /* act(gate) * up into the gate half, then its int8 activations */
             float *hr = h + (size_t)r * 2 * I;
             glu_row(act, I, hr);
             act_row(r, I, h, 2 * I, NULL, -1.f, b.q, b.da, b.sa, b.inv);
         }
-        for (int r0 = 0; r0 < n; r0 += RCHUNK) {
-            const int r1 = n - r0 < RCHUNK ? n : r0 + RCHUNK;
-#pragma omp for schedule(static)
-            for (int g = 0; g < G2; g++) {
-                if (post_w) mm_group(&dn, g, r0, r1, b.q, b.da, b.sa, dn_b, NULL, y, H, 0);
-                else mm_group(&dn, g, r0, r1, b.q, b.da, b.sa, dn_b, NULL, x, ldx, 1);
-            }
-        }
-        if (post_w) {
-#pragma omp for schedule(static)
-            for (int r = 0; r < n; r++) add_normed(H, y + (size_t)r * H, post_w, post_eps, x + (int64_t)r * ldx);
-        }
+        mm_residual(&dn, n, &b, dn_b, x, ldx, y, post_w, post_eps);
     }
     free(buf);
     return 0;

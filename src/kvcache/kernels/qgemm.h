@@ -32,5 +32,13 @@ KV_HIDDEN void mm_group(const QW *wt, int g, int r0, int r1, const int8_t *q, co
                         const float *bias, const float *rscale, float *y, int64_t ldy, int accumulate);
 /* x += rms_norm(y) * w, one row of H */
 KV_HIDDEN void add_normed(int H, const float *y, const float *w, float eps, float *x);
+/* Called inside a parallel region (the loops are shared with `omp for`):
+ * mm_rows: every column group of wt over rows 0 .. n - 1 of s's activations, RCHUNK rows at a time;
+ * mm_residual: x += o, or x += rms_norm(o) * post_w when post_w is given (o staged in y [n, wt->out]),
+ * where o is wt times s's activations: an output projection and its residual. */
+KV_HIDDEN void mm_rows(const QW *wt, int n, const Scratch *s, const float *bias, const float *rscale, float *y,
+                       int64_t ldy, int accumulate);
+KV_HIDDEN void mm_residual(const QW *wt, int n, const Scratch *s, const float *bias, float *x, int64_t ldx, float *y,
+                           const float *post_w, float post_eps);
 
 #endif
