@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pspan.h"
 #include "qgemm.h"
 
 #define CHUNK 256 /* keys per work item at most */
@@ -137,39 +138,7 @@ static void run_item(const Attn *a, int64_t i, float *scores) {
     const float *q = a->qkv + (int64_t)it->b * a->ldq + (int64_t)it->h * g * D;
     const float *K = a->kv + (int64_t)it->h * a->S * D, *V = a->kv + ((int64_t)a->hkv + it->h) * a->S * D;
     const int64_t *table = a->tables + (int64_t)it->b * a->max_pages;
-    for (int j = 0; j < g; j++) m[j] = -INFINITY;
-    for (int64_t t = 0; t < n; t++) {
-        const int64_t p = it->j0 + t;
-        const float *k = K + (table[p / ps] * ps + p % ps) * D;
-        for (int j = 0; j < g; j++) {
-            const float *qj = q + (int64_t)j * D;
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int c = 0; c < D; c++) s += qj[c] * k[c];
-            s *= a->scale;
-            scores[(int64_t)j * n + t] = s;
-            if (s > m[j]) m[j] = s;
-        }
-    }
-    for (int j = 0; j < g; j++) {
-        float sum = 0.f, *sj = scores + (int64_t)j * n;
-        for (int64_t t = 0; t < n; t++) {
-            sj[t] = expf(sj[t] - m[j]);
-            sum += sj[t];
-        }
-        l[j] = sum;
-    }
-    memset(acc, 0, sizeof(float) * (size_t)g * D);
-    for (int64_t t = 0; t < n; t++) {
-        const int64_t p = it->j0 + t;
-        const float *v = V + (table[p / ps] * ps + p % ps) * D;
-        for (int j = 0; j < g; j++) {
-            const float w = scores[(int64_t)j * n + t];
-            float *o = acc + (int64_t)j * D;
-#pragma omp simd
-            for (int c = 0; c < D; c++) o[c] += w * v[c];
-        }
-    }
+    span_attend(g, D, ps, q, K, V, table, it->j0, n, a->scale, scores, m, l, acc);
 }
 
 /* Sequence b's query heads of KV head h: merge its chunks into out. first: its first item. */

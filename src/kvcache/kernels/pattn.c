@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pspan.h"
+
 #define MAXG 32
 
 static void one(int hkv, int g, int D, int ps, int64_t S, const float *q, const float *kv,
@@ -25,36 +27,7 @@ static void one(int hkv, int g, int D, int ps, int64_t S, const float *q, const 
     const float *K = kv + (int64_t)h * S * D;
     const float *V = kv + ((int64_t)hkv + h) * S * D;
     float m[MAXG], l[MAXG];
-    for (int i = 0; i < g; i++) m[i] = -INFINITY;
-    for (int64_t t = 0; t < len; t++) {
-        const float *k = K + (table[t / ps] * ps + t % ps) * D;
-        for (int i = 0; i < g; i++) {
-            const float *qi = q + (int64_t)i * D;
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int c = 0; c < D; c++) s += qi[c] * k[c];
-            scores[(int64_t)i * len + t] = s;
-            if (s > m[i]) m[i] = s;
-        }
-    }
-    for (int i = 0; i < g; i++) {
-        float sum = 0.f, *si = scores + (int64_t)i * len;
-        for (int64_t t = 0; t < len; t++) {
-            si[t] = expf(si[t] - m[i]);
-            sum += si[t];
-        }
-        l[i] = sum;
-    }
-    memset(out, 0, sizeof(float) * (size_t)g * D);
-    for (int64_t t = 0; t < len; t++) {
-        const float *v = V + (table[t / ps] * ps + t % ps) * D;
-        for (int i = 0; i < g; i++) {
-            const float w = scores[(int64_t)i * len + t];
-            float *o = out + (int64_t)i * D;
-#pragma omp simd
-            for (int c = 0; c < D; c++) o[c] += w * v[c];
-        }
-    }
+    span_attend(g, D, ps, q, K, V, table, 0, len, 1.f, scores, m, l, out);
     for (int i = 0; i < g; i++) {
         const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
         for (int c = 0; c < D; c++) out[(int64_t)i * D + c] *= inv;
