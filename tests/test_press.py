@@ -593,3 +593,21 @@ def test_short_prompts_evict_only_what_may_go(tiny_dir, press):
     else:  # only the token before the protected two could go
         assert {1, 2, 3} <= seen[0][0][0] and 0 not in seen[-1][0][0]
     llm.check_integrity()
+
+
+def test_compressed_prompt_is_never_a_whole_prompt_hit(tiny_dir):
+    """The same prompt again must compute at least its last token: a compressed span is reused only
+    when the prompt goes past it, and generating from that prompt matches a fresh cache."""
+    from kvcache import LLM, SamplingParams
+
+    path, _ = tiny_dir("llama")
+    spec = "page_size=4,press=knorm,ratio=0.5,protect=4"
+    llm = LLM(str(path), kv=spec)
+    system = PROMPT[:60]
+    assert llm.cache_prefix(system) == len(system)
+    assert llm.runner.lookup(system).tokens == []  # no hit that would leave nothing to compute
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    (out,) = llm.generate([system], params)
+    (fresh,) = LLM(str(path), kv=spec, prefix=False).generate([system], params)
+    assert out.cached_tokens == 0 and out.outputs[0].token_ids == fresh.outputs[0].token_ids
+    llm.check_integrity()
