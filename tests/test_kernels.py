@@ -53,6 +53,52 @@ def test_kernel_equals_torch_path(spec, monkeypatch):
         torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_kernel_reads_float16_scales_like_torch(bits):
+    """The kernel widens float16 scales and minimums itself: normals of both signs and magnitudes,
+    subnormals and zeros give what torch's float16 -> float32 gives."""
+    if kernels.qattn() is None:
+        pytest.skip("no C compiler here")
+    from kvcache.cache.qpool import QuantPool
+
+    torch.manual_seed(3)
+    pool = QuantPool(1, 2, 32, 16, 4, bits, 8)
+    parts = pool.parts[0]
+    special = torch.tensor([0.0, -0.0, 6e-8, -6e-8, 3e-5, -1e-6, 300.0, -120.5, 1.5, -2.25, 1e-3],
+                           dtype=torch.float16)
+    parts["kc"].random_(0, 256)
+    parts["vc"].random_(0, 256)
+    for n in ("ks", "km", "vs", "vm"):  # small values mostly, the special ones sprinkled in
+        t = parts[n]
+        t.copy_((torch.randn(t.shape) * 0.05).to(torch.float16))
+        flat = t.view(-1)
+        idx = torch.randperm(flat.numel())[: 4 * special.numel()]
+        flat[idx] = special.repeat(4)
+    parts["ks"].clamp_(-2, 2)  # scores within a few units: the softmax keeps every token in play
+    parts["km"].clamp_(-2, 2)
+    pages = torch.tensor([2, 0, 3], dtype=torch.long)
+    q = torch.randn(2, 3, 32) * 0.05
+    tail = torch.randn(2, 2, 5, 32)
+    got = kernels.quant_decode(q, pages, parts, 16, 8, bits, tail)
+    dense = torch.empty(2, 2, 48, 32)
+    pool.read_into(0, pages, 0, 3, dense)
+    k = torch.cat([dense[0], tail[0]], 1)  # [Hkv, 53, D]
+    v = torch.cat([dense[1], tail[1]], 1)
+    w = torch.softmax(torch.matmul(q.double(), k.double().transpose(1, 2)), -1)
+    want = torch.matmul(w, v.double()).float()
+    assert got is not None
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+    assert kernels.quant_decode(q, pages, {**parts, "ks": parts["ks"].float()}, 16, 8, bits, tail) is None
+    # value codes 0 and one minimum per (head, channel group) over every token: the output is that
+    # minimum, widened exactly (subnormals included)
+    parts["vc"].zero_()
+    mins = torch.tensor([6e-8, -3e-5, 1e-6, -0.0, 300.0, -120.5, 2.0**-24 * 1023, 65504.0], dtype=torch.float16)
+    parts["vm"].copy_(mins.view(2, 1, 1, 4).expand_as(parts["vm"]))
+    got = kernels.quant_decode(q, pages, parts, 16, 8, bits, torch.zeros(2, 2, 0, 32))
+    want = mins.float().view(2, 1, 4, 1).expand(2, 3, 4, 8).reshape(2, 3, 32)
+    torch.testing.assert_close(got, want, atol=0, rtol=1e-6)
+
+
 def batched_decode_outputs(spec: str, use_kernel: bool, monkeypatch) -> list[torch.Tensor]:
     monkeypatch.setattr(kernels, "_LIBS", {} if use_kernel else {"qattn": False, "pattn": False})
     torch.manual_seed(1)

@@ -32,15 +32,15 @@ def _values(seed: int = 1) -> torch.Tensor:
 def _roundtrip_keys(k: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     codes, scale, minv = quant.quantize_keys(k, bits)
     assert codes.shape == (H, N, G, D * bits // 8) and codes.dtype == torch.uint8
-    assert scale.shape == minv.shape == (H, N, 1, D) and scale.dtype == minv.dtype == torch.float32
-    return quant.dequantize_keys(codes, scale, minv, bits), scale
+    assert scale.shape == minv.shape == (H, N, 1, D) and scale.dtype == minv.dtype == torch.float16
+    return quant.dequantize_keys(codes, scale, minv, bits), scale.float()
 
 
 def _roundtrip_values(v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     codes, scale, minv = quant.quantize_values(v, bits, GROUP)
     assert codes.shape == (H, T, D * bits // 8) and codes.dtype == torch.uint8
-    assert scale.shape == minv.shape == (H, T, D // GROUP) and scale.dtype == minv.dtype == torch.float32
-    return quant.dequantize_values(codes, scale, minv, bits, GROUP), scale
+    assert scale.shape == minv.shape == (H, T, D // GROUP) and scale.dtype == minv.dtype == torch.float16
+    return quant.dequantize_values(codes, scale, minv, bits, GROUP), scale.float()
 
 
 def _rel(x: torch.Tensor, x_hat: torch.Tensor) -> float:
@@ -117,15 +117,39 @@ def test_per_channel_keys_beat_per_token_on_outlier_channels(bits):
 
 
 @pytest.mark.parametrize("bits", quant.BITS)
-def test_constant_group_reconstructs_exactly(bits):
+def test_constant_group_reconstructs_to_its_float16(bits):
+    # a constant group that is a float16 (-2.5, 1.25) keeps scale 1 and comes back exactly; one
+    # that is not (0.37) gets the float16 below it and a tiny scale, within float16's rounding
     k = torch.full((H, N, G, D), 0.37)
     k[:, 1] = -2.5
     k_hat, scale = _roundtrip_keys(k, bits)
-    assert torch.equal(k_hat, k) and (scale == 1).all()
+    assert (scale[:, 1] == 1).all() and torch.equal(k_hat[:, 1], k[:, 1])
+    assert ((k_hat - k).abs() <= 0.37 * 2.0**-11).all()
     v = _values()
     v[:, 5, :GROUP] = 1.25
     v_hat, _ = _roundtrip_values(v, bits)
     assert torch.equal(v_hat[:, 5, :GROUP], v[:, 5, :GROUP])
+
+
+@pytest.mark.parametrize("bits", quant.BITS)
+def test_float16_scales_keep_half_a_step_where_rounding_to_nearest_would_not(bits):
+    # minimums just above a float16: rounding them to the nearest float16 would lift the range off
+    # the group's smallest value; quantize rounds the minimum down and the scale up instead
+    base = torch.tensor(1000.0 + 0.49).expand(H, N, G, D).clone()  # float16 steps are 0.5 near 1000
+    k = base + torch.rand(H, N, G, D) * 2.0**-6
+    k_hat, scale = _roundtrip_keys(k, bits)
+    assert ((k - k_hat).abs() <= scale / 2 + 1e-6 * k.abs().amax()).all()  # plus float32 arithmetic
+    v = torch.tensor(-3000.3) + torch.rand(H, T, D) * 0.01
+    v_hat, vscale = _roundtrip_values(v, bits)
+    assert ((v - v_hat).abs() <= vscale.repeat_interleave(GROUP, dim=-1) / 2 + 1e-6 * v.abs().amax()).all()
+
+
+def test_values_beyond_float16_are_clipped_not_infinite():
+    k = _keys() * 1e6
+    for bits in quant.BITS:
+        codes, scale, minv = quant.quantize_keys(k, bits)
+        out = quant.dequantize_keys(codes, scale, minv, bits)
+        assert out.isfinite().all() and out.abs().max() <= 65504 * 1.01
 
 
 def test_values_group_must_divide_head_dim():
@@ -146,10 +170,10 @@ def test_bits_outside_allowed_raise():
 
 
 def test_bytes_per_token_by_hand():
-    # H=3, D=64, int4, key groups of 32 tokens, value groups of 32 channels
-    keys = 3 * (64 * 4 / 8 + 2 * 4 * 64 / 32)  # codes 32 B + scale/min 16 B per head
-    values = 3 * (64 * 4 / 8 + 2 * 4 * (64 / 32))  # codes 32 B + 2 groups x 8 B per head
-    assert keys == values == 144
-    assert quant.bytes_per_token(3, 64, 4, 32) == pytest.approx(288.0)
-    # against fp32 K+V (3 * 64 * 4 * 2 = 1536 B): a 5.3x saving
-    assert quant.bytes_per_token(3, 64, 8, 32) == pytest.approx(3 * (64 + 16) * 2)
+    # H=3, D=64, int4, key groups of 32 tokens, value groups of 32 channels, float16 scales
+    keys = 3 * (64 * 4 / 8 + 2 * 2 * 64 / 32)  # codes 32 B + scale/min 8 B per head
+    values = 3 * (64 * 4 / 8 + 2 * 2 * (64 / 32))  # codes 32 B + 2 groups x 4 B per head
+    assert keys == values == 120
+    assert quant.bytes_per_token(3, 64, 4, 32) == pytest.approx(240.0)
+    # against fp32 K+V (3 * 64 * 4 * 2 = 1536 B): a 6.4x saving
+    assert quant.bytes_per_token(3, 64, 8, 32) == pytest.approx(3 * (64 + 8) * 2)

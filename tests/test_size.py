@@ -30,7 +30,7 @@ def test_known_models_by_hand():
 def test_quantized_and_sink_bytes():
     _, smol = load_model_config(None)  # SmolLM2-135M: 30 layers, 3 KV heads x 64
     fp32_token = 2 * 3 * 64 * 4
-    int4_token = 3 * (32 + 16) * 2  # codes 32 B + scale/min per head for K and V (group 32)
+    int4_token = 3 * (32 + 8) * 2  # codes 32 B + float16 scale/min per head for K and V (group 32)
     size = kv_size(smol, parse_kv_spec("int4"), 8192)
     assert size.bytes_total == 30 * ((8192 - 128) * int4_token + 128 * fp32_token)
     sink = kv_size(smol, parse_kv_spec("sinks=4,window=1024"), 8192)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from kvcache.cache import quant
 from kvcache.cache.paged import PagedKVCache
 from kvcache.cache.pool import PagePool
 from kvcache.cache.sequence import HOLE, SeqKV
@@ -34,6 +35,8 @@ def _layout(cache: PagedKVCache) -> dict[str, object]:
     c, m = cache.config, cache.model
     out: dict[str, object] = {k: getattr(c, k) for k in _SHAPING}
     out["page_size"] = cache.page_size
+    if c.quantized:  # how the scales and minimums are stored
+        out["scales"] = str(quant.SCALE_DTYPE).removeprefix("torch.")
     out.update(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                groups=[list(g.layers) for g in cache.groups])
     # a press's files hold the slots it kept and which tokens they hold (None: every token)

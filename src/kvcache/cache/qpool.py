@@ -3,9 +3,9 @@
 Per layer of the group:
   kc: [Hkv, P, page_size/G, D, G*bits/8] uint8  key codes, per channel over groups of G tokens,
                                             stored channel-major (a channel's G codes together)
-  ks, km: [Hkv, P, page_size/G, D] fp32      their scale and minimum
+  ks, km: [Hkv, P, page_size/G, D] fp16      their scale and minimum
   vc: [Hkv, P, page_size, D*bits/8] uint8   value codes; values per token over groups of G channels
-  vs, vm: [Hkv, P, page_size, D/G] fp32      their scale and minimum
+  vs, vm: [Hkv, P, page_size, D/G] fp16      their scale and minimum
 Only full pages are stored here; a sequence's latest tokens stay in fp32 (its tail) until they
 are older than the residual window, then whole pages are quantized at once.
 """
@@ -50,10 +50,10 @@ class QuantPool:
     def _shapes(self, pages: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         h, ps, d, g = self.num_kv_heads, self.page_size, self.head_dim, self.group
         packed = d * self.bits // 8
-        f32, u8 = torch.float32, torch.uint8
-        return {"kc": ((h, pages, ps // g, d, g * self.bits // 8), u8), "ks": ((h, pages, ps // g, d), f32),
-                "km": ((h, pages, ps // g, d), f32), "vc": ((h, pages, ps, packed), u8),
-                "vs": ((h, pages, ps, d // g), f32), "vm": ((h, pages, ps, d // g), f32)}
+        f16, u8 = quant.SCALE_DTYPE, torch.uint8
+        return {"kc": ((h, pages, ps // g, d, g * self.bits // 8), u8), "ks": ((h, pages, ps // g, d), f16),
+                "km": ((h, pages, ps // g, d), f16), "vc": ((h, pages, ps, packed), u8),
+                "vs": ((h, pages, ps, d // g), f16), "vm": ((h, pages, ps, d // g), f16)}
 
     def resize(self, num_pages: int) -> None:
         """Grow or shrink to ``num_pages`` pages, keeping the contents of the pages that stay."""
@@ -115,11 +115,11 @@ class QuantPool:
         if self.bits != 8:
             kc, vc = quant.unpack_codes(kc, self.bits), quant.unpack_codes(vc, self.bits)
         k_out = out[0].view(h, m, ps // g, g, d)
-        torch.mul(kc.view(h, m, ps // g, d, g).transpose(3, 4), p["ks"].unsqueeze(3), out=k_out)
-        k_out.add_(p["km"].unsqueeze(3))
+        torch.mul(kc.view(h, m, ps // g, d, g).transpose(3, 4), p["ks"].float().unsqueeze(3), out=k_out)
+        k_out.add_(p["km"].float().unsqueeze(3))
         v_out = out[1].view(h, m, ps, d // g, g)
-        torch.mul(vc.view(h, m, ps, d // g, g), p["vs"].unsqueeze(4), out=v_out)
-        v_out.add_(p["vm"].unsqueeze(4))
+        torch.mul(vc.view(h, m, ps, d // g, g), p["vs"].float().unsqueeze(4), out=v_out)
+        v_out.add_(p["vm"].float().unsqueeze(4))
 
     def layer_tensors(self, layer: int) -> list[torch.Tensor]:
         return list(self.parts[layer].values())

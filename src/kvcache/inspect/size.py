@@ -3,7 +3,7 @@
 Counts the bytes the cache holds for ``context`` tokens of ``batch`` sequences: per layer, the
 tokens its visibility keeps (the model's sliding layers and a configured window keep at most the
 window; sinks count inside it) times the bytes one token costs in the encoding (quantized:
-codes with their fp32 scales and minimums; the latest ``residual`` tokens stay fp32). A press
+codes with their fp16 scales and minimums; the latest ``residual`` tokens stay fp32). A press
 keeps ``int(n * (1 - ratio))`` of n tokens (at least the ``protect`` latest), or ``keep``, and
 records the position each kept slot holds (4 bytes per layer, KV head and token). Page rounding
 is left out: it adds at most one page per layer and sequence.

@@ -93,14 +93,15 @@ def paged_decode(
 def quant_decode(
     q: torch.Tensor,  # [Hkv, g, D] fp32 contiguous, softmax scale applied
     pages: torch.Tensor,  # [n] int64 contiguous: pool pages in position order
-    parts: dict[str, torch.Tensor],  # the layer's QuantPool tensors (kc ks km vc vs vm)
+    parts: dict[str, torch.Tensor],  # the layer's QuantPool tensors (kc ks km vc vs vm; scales float16)
     page_size: int,
     group: int,
     bits: int,
     tail: torch.Tensor,  # [2, Hkv, t, D] fp32 contiguous: the tokens after the quantized pages
 ) -> torch.Tensor | None:  # [Hkv, g, D], or None when the kernel is unavailable
     lib = qattn()
-    if lib is None or not _cpu_f32(q, tail) or not _i64(pages) or q.dim() != 3:
+    if (lib is None or not _cpu_f32(q, tail) or not _i64(pages) or q.dim() != 3
+            or any(parts[n].dtype != torch.float16 for n in ("ks", "km", "vs", "vm"))):
         return None
     hkv, g, d = q.shape
     out = torch.empty(hkv, g, d)

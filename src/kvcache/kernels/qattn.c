@@ -8,8 +8,9 @@
  *
  * Layouts (P = pages in the pool, ps = page size, G = group, Dp = D * bits / 8):
  *   q    [hkv, g, D] float, already multiplied by the softmax scale
- *   kc   [hkv, P, ps / G, D, G * bits / 8] uint8 (channel-major)   ks, km [hkv, P, ps / G, D] float
- *   vc   [hkv, P, ps, Dp] uint8   vs, vm [hkv, P, ps, D / G] float
+ *   kc   [hkv, P, ps / G, D, G * bits / 8] uint8 (channel-major)   ks, km [hkv, P, ps / G, D] half
+ *   vc   [hkv, P, ps, Dp] uint8   vs, vm [hkv, P, ps, D / G] half
+ * Scales and minimums are IEEE half floats (uint16_t bits), widened here one group at a time.
  *   tk, tv [hkv, n_tail, D] float     out [hkv, g, D] float
  */
 #include <math.h>
@@ -20,6 +21,26 @@
 #define MAXG 32
 #define MAXD 512
 #define MAXGROUP 512
+
+/* IEEE binary16 bits -> float, exactly (normals, subnormals, zeros, infinities, NaN). */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (!man) {
+        bits = sign;
+    } else { /* subnormal: man * 2^-24 */
+        const float f = (float)man * 5.9604644775390625e-08f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
 
 static inline void unpack_row(const uint8_t *src, int D, int bits, float *dst) {
     if (bits == 8) {
@@ -46,20 +67,21 @@ typedef struct {
 } part_t;
 
 static void run_pages(int h, int g, int D, int ps, int G, int bits, const float *q, const int64_t *pages,
-                      int p0, int p1, const uint8_t *kc, const float *ks, const float *km, const uint8_t *vc,
-                      const float *vs, const float *vm, int64_t P, part_t *out) {
+                      int p0, int p1, const uint8_t *kc, const uint16_t *ks, const uint16_t *km, const uint8_t *vc,
+                      const uint16_t *vs, const uint16_t *vm, int64_t P, part_t *out) {
     const int Dp = D * bits / 8, Gp = G * bits / 8, ng = ps / G, vg = D / G;
     const int n_tok = (p1 - p0) * ps;
     float *scores = (float *)malloc(sizeof(float) * (size_t)g * (n_tok > 0 ? n_tok : 1));
-    float qs[MAXG * MAXD], zt[MAXG], row[MAXD];
+    float qs[MAXG * MAXD], zt[MAXG], row[MAXD], s[MAXD], z[MAXD];
     for (int i = 0; i < g; i++) { out->m[i] = -INFINITY; out->l[i] = 0.f; }
     memset(out->acc, 0, sizeof(float) * (size_t)g * D);
     int t = 0;
     for (int pi = p0; pi < p1; pi++) {
         const int64_t page = pages[pi];
         for (int kg = 0; kg < ng; kg++) {
-            const float *s = ks + (((int64_t)h * P + page) * ng + kg) * D;
-            const float *z = km + (((int64_t)h * P + page) * ng + kg) * D;
+            const uint16_t *s16 = ks + (((int64_t)h * P + page) * ng + kg) * D;
+            const uint16_t *z16 = km + (((int64_t)h * P + page) * ng + kg) * D;
+            for (int c = 0; c < D; c++) { s[c] = half_to_float(s16[c]); z[c] = half_to_float(z16[c]); }
             for (int i = 0; i < g; i++) {
                 float acc = 0.f;
                 for (int c = 0; c < D; c++) {
@@ -102,9 +124,9 @@ static void run_pages(int h, int g, int D, int ps, int G, int bits, const float 
         for (int r = 0; r < ps; r++, t++) {
             const int64_t tok = ((int64_t)h * P + page) * ps + r;
             unpack_row(vc + tok * Dp, D, bits, row);
-            const float *s = vs + tok * vg, *z = vm + tok * vg;
+            const uint16_t *vs16 = vs + tok * vg, *vm16 = vm + tok * vg;
             for (int gr = 0; gr < vg; gr++) {
-                const float sg = s[gr], zg = z[gr];
+                const float sg = half_to_float(vs16[gr]), zg = half_to_float(vm16[gr]);
                 float *rg = row + gr * G;
                 for (int c = 0; c < G; c++) rg[c] = rg[c] * sg + zg;
             }
@@ -146,8 +168,8 @@ static void run_tail(int h, int g, int D, const float *q, const float *tk, const
 }
 
 int kv_quant_decode(int hkv, int g, int D, int ps, int G, int bits, const float *q, const int64_t *pages,
-                    int n_pages, const uint8_t *kc, const float *ks, const float *km, const uint8_t *vc,
-                    const float *vs, const float *vm, int64_t P, const float *tk, const float *tv, int n_tail,
+                    int n_pages, const uint8_t *kc, const uint16_t *ks, const uint16_t *km, const uint8_t *vc,
+                    const uint16_t *vs, const uint16_t *vm, int64_t P, const float *tk, const float *tv, int n_tail,
                     float *out, int n_threads) {
     if (g < 1 || g > MAXG || D < 1 || D > MAXD || G < 1 || G > MAXGROUP || ps % G || D % G || (D * bits) % 8 ||
         (G * bits) % 8 || n_pages < 0 || n_tail < 0 || hkv < 1 || (bits != 2 && bits != 4 && bits != 8))

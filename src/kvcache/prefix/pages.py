@@ -29,23 +29,26 @@ class PageEntries:
     def __init__(self, cache: PagedKVCache) -> None:
         self.cache = cache
         self.shapes: dict[str, tuple[int, ...]] = {}  # tensor name -> shape
+        self.dtypes: dict[str, torch.dtype] = {}  # tensor name -> dtype
         self.group_names: list[list[str]] = []  # per group, its tensors' names
         for g in cache.groups:
             pool, names = cache.pools[g.index], []
             for j, layer in enumerate(g.layers):
                 if isinstance(pool, PagePool):  # [2, Hkv, 1, ps, D]
-                    named = {"kv": (2, pool.num_kv_heads, 1, pool.page_size, pool.head_dim)}
+                    named = {"kv": ((2, pool.num_kv_heads, 1, pool.page_size, pool.head_dim), pool.dtype)}
                 else:  # each part [*, pages, ...] with one page
-                    named = {n: (t.shape[0], 1, *t.shape[2:]) for n, t in pool.parts[j].items()}
-                for n, shape in named.items():
+                    named = {n: ((t.shape[0], 1, *t.shape[2:]), t.dtype) for n, t in pool.parts[j].items()}
+                for n, (shape, dtype) in named.items():
                     self.shapes[f"layer{layer}.{n}"] = tuple(shape)
+                    self.dtypes[f"layer{layer}.{n}"] = dtype
                     names.append(f"layer{layer}.{n}")
             self.group_names.append(names)
 
     def fits(self, tensors: dict[str, torch.Tensor]) -> bool:
-        """Whether an entry holds this layout's tensors with the pool's shapes, each group's all or
-        none (a page of a windowed group may be out of its window)."""
-        if any(n not in self.shapes or tuple(t.shape) != self.shapes[n] for n, t in tensors.items()):
+        """Whether an entry holds this layout's tensors with the pool's shapes and dtypes, each
+        group's all or none (a page of a windowed group may be out of its window)."""
+        if any(n not in self.shapes or tuple(t.shape) != self.shapes[n] or t.dtype != self.dtypes[n]
+               for n, t in tensors.items()):
             return False
         return all(sum(n in tensors for n in names) in (0, len(names)) for names in self.group_names)
 
