@@ -159,12 +159,13 @@ def test_expected_attention_follows_its_definition() -> None:
 def test_presses_are_named_with_their_papers() -> None:
     import kvcache.press as pkg
 
-    papers = {"knorm": "Devoto", "snapkv": "Li et al", "expected": "kvpress", "tova": "Oren", "h2o": "Zhang"}
+    papers = {"knorm": "Devoto", "snapkv": "Li et al", "expected": "kvpress", "tova": "Oren", "h2o": "Zhang",
+              "kvzip": "Kim et al"}
     assert set(PRESSES) == set(papers)
     for name, cls in PRESSES.items():
         doc = __import__(cls.__module__, fromlist=["x"]).__doc__ or ""
         assert papers[name] in doc, name
-    assert pkg.QUESTION_AGNOSTIC == ("knorm", "expected")
+    assert pkg.QUESTION_AGNOSTIC == ("knorm", "expected", "kvzip")
 
 
 # -- how many go ------------------------------------------------------------------------------------
@@ -264,7 +265,7 @@ def _oracle(llm, toks, n_prompt, seen, window=None, sinks=0):
         return llm.model(torch.tensor(toks), pos, ctx)  # [n, V]
 
 
-@pytest.mark.parametrize("press", ["knorm", "snapkv", "expected", "tova", "h2o"])
+@pytest.mark.parametrize("press", ["knorm", "snapkv", "expected", "kvzip", "tova", "h2o"])
 def test_press_decodes_as_recompute_with_the_evicted_tokens_masked(tiny_dir, press):
     from kvcache import LLM
 
@@ -305,6 +306,86 @@ def test_prefill_press_keeps_what_its_reference_keeps_on_a_tiny_model(tiny_dir):
             scores = (-k[:, h].norm(dim=-1)).tolist()
             assert kept[layer][h] == _top(scores, int(n * 0.5), set(range(n - 4, n))), (layer, h)
     llm.runner.free(seq)
+
+
+@pytest.mark.parametrize("kv", ["dynamic,page_size=4", "int8,group_size=8,residual=16"])
+@pytest.mark.parametrize("chunk", [2048, 24])
+def test_kvzip_keeps_what_the_replayed_prompt_attends_to(tiny_dir, monkeypatch, kv, chunk):
+    """KVzip's reference: each chunk replayed after the prompt (its request, the template's answer
+    opening, the chunk) in a from-scratch forward; a slot scores the largest softmax weight any
+    replayed token of its KV head's group gives it, the softmax over the sinks, the chunk and the
+    replayed tokens. The replay leaves the sequence as it was, less what the press evicted."""
+    from kvcache import LLM
+    from kvcache.press.kvzip import KVzipPress
+
+    monkeypatch.setattr(KVzipPress, "chunk", chunk)
+    path, _ = tiny_dir("llama")
+    llm = LLM(str(path), kv=f"{kv},press=kvzip,ratio=0.5,protect=4", prefix=False)
+    cfg, n = llm.config, len(PROMPT)
+    replay = llm.model.replay_prompt
+    assert replay is not None and len(replay.first) > 3
+    scores = torch.zeros(cfg.num_layers, cfg.num_kv_heads, n)
+    for a in range(0, n, chunk):
+        b = min(n, a + chunk)
+        toks = PROMPT + replay.ids(PROMPT, a, b)
+        qs: dict[int, torch.Tensor] = {}
+        ks: dict[int, torch.Tensor] = {}
+
+        class Capture(MaskedRecompute):
+            def attend(self, layer, q, k, v, scale):
+                qs[layer], ks[layer] = q.detach().clone(), k.detach().clone()
+                return super().attend(layer, q, k, v, scale)
+
+        m = len(toks)
+        allowed = [torch.ones(cfg.num_kv_heads, m, m).tril().bool()] * cfg.num_layers
+        with torch.inference_mode():
+            llm.model(torch.tensor(toks), torch.arange(m), Capture(allowed))
+        j = torch.arange(m)
+        for layer in range(cfg.num_layers):
+            q, k = qs[layer][n:], ks[layer]  # the replayed queries; every key
+            g = q.shape[1] // k.shape[1]
+            for h in range(cfg.num_kv_heads):
+                s = torch.einsum("tgd,sd->gts", q[:, h * g : (h + 1) * g], k[:, h]) / math.sqrt(q.shape[-1])
+                seen = (j < min(4, a)) | ((j >= a) & (j < b)) | ((j >= n) & (j[None, :] <= torch.arange(n, m)[:, None]))
+                p = s.masked_fill(~seen, float("-inf")).softmax(-1)  # [g, T, m]
+                scores[layer, h, a:b] = torch.maximum(scores[layer, h, a:b], p[:, :, a:b].amax(dim=(0, 1)))
+    seq = llm.runner.new_sequence()
+    llm.runner.step([seq], [PROMPT])
+    assert seq.tokens == PROMPT and seq.kv.length == n  # the replay is gone
+    kept = _kept_now(seq)
+    forced = set(range(4)) | set(range(n - 4, n))
+    for layer in range(cfg.num_layers):
+        for h in range(cfg.num_kv_heads):
+            want = _top(scores[layer, h].tolist(), int(n * 0.5), forced)
+            assert kept[layer][h] == want, (layer, h)
+    assert all(a is None for a in seq.kv.press.acc)  # the replay's scores are not kept
+    llm.check_integrity()
+    llm.runner.free(seq)
+
+
+def test_kvzip_needs_the_tokenizer_and_room_to_replay(tiny_dir):
+    from kvcache import LLM
+    from kvcache.engine.runner import ModelRunner
+
+    path, _ = tiny_dir("llama")
+    llm = LLM(str(path), kv="press=kvzip,ratio=0.5", prefix=False)
+    room = llm.config.max_position
+    seq = llm.runner.new_sequence()
+    with pytest.raises(InvalidParams, match="room after the prompt to replay"):
+        llm.runner.step([seq], [[5] * (room - 2)])
+    llm.runner.free(seq)
+    llm.model.replay_prompt = None
+    bare = ModelRunner(llm.model, llm.cache_config)
+    seq = bare.new_sequence()
+    with pytest.raises(InvalidParams, match="needs the model's tokenizer"):
+        bare.step([seq], [PROMPT])
+    bare.free(seq)
+    ok = llm.runner.new_sequence()  # the runner that failed still serves
+    llm.model.replay_prompt = __import__("kvcache.press.kvzip", fromlist=["x"]).replay_prompt(llm.tokenizer)
+    llm.runner.replay = llm.model.replay_prompt
+    llm.runner.step([ok], [PROMPT])
+    llm.check_integrity()
+    llm.runner.free(ok)
 
 
 @pytest.mark.parametrize("kv", ["window=24,page_size=4", "sinks=4,window=24,page_size=4"])
@@ -611,3 +692,22 @@ def test_compressed_prompt_is_never_a_whole_prompt_hit(tiny_dir):
     (fresh,) = LLM(str(path), kv=spec, prefix=False).generate([system], params)
     assert out.cached_tokens == 0 and out.outputs[0].token_ids == fresh.outputs[0].token_ids
     llm.check_integrity()
+
+
+@pytest.mark.parametrize("press", ["tova", "h2o"])
+def test_decode_press_generates_after_scored_text(tiny_dir, press):
+    """Scored text (runner.score) is kept whole; generating after it works, and a decode-time press
+    starts evicting once a generated token's attention is known (TOVA has no prompt query then)."""
+    from kvcache import LLM
+
+    path, _ = tiny_dir("llama")
+    llm = LLM(str(path), kv=f"dynamic,page_size=4,press={press},ratio=0.5,protect=4", prefix=False)
+    seq = llm.runner.new_sequence()
+    llm.runner.score(seq, PROMPT)
+    assert seq.kv.length - seq.kv.dropped[0] == len(PROMPT)  # nothing evicted from scored text
+    for tok in (5, 6, 7):
+        assert llm.runner.step([seq], [[tok]]).shape[0] == 1
+    held = [len(h) for h in _kept_now(seq)[0]]
+    assert max(held) <= int((len(PROMPT) + 3) * 0.5) + 1
+    llm.check_integrity()
+    llm.runner.free(seq)

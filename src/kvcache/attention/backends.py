@@ -37,6 +37,7 @@ from kvcache.cache.qpool import QuantPool
 from kvcache.cache.sequence import SeqKV
 from kvcache.models.layers import Rotary
 from kvcache.models.qweight import attn_block
+from kvcache.press.kvzip import replay_peaks
 
 EXTEND_MAX = 256  # most new tokens per sequence for the native extend attention (SDPA beyond)
 
@@ -66,7 +67,9 @@ class PagedContext:
         self.extend: list[tuple[torch.Tensor, ...] | None] = [None] * len(cache.groups)
         # a press reading a prompt records its queries, which the fused decode never exposes
         self.observing = [i for i, seq in enumerate(plan.seqs) if seq.press is not None and seq.press.observing]
-        if cache.config.encoding == "fp32" and not cache.placement.offloaded and max(new_tokens) <= EXTEND_MAX:
+        # KVzip's replay scores from every slot's keys: the dense path, where they are at hand
+        replaying = any(seq.press is not None and seq.press.replay is not None for seq in plan.seqs)
+        if cache.config.encoding == "fp32" and not replaying and not cache.placement.offloaded and max(new_tokens) <= EXTEND_MAX:
             decodes = all(n == 1 for n in new_tokens)
             for g in cache.groups:
                 lens = plan.lengths(g.index)
@@ -188,6 +191,9 @@ class PagedContext:
     def _dense(self, layer: int, q: torch.Tensor, kv: torch.Tensor, read: ReadPlan, scale: float,
                i: int = 0) -> torch.Tensor:
         """q: [T, Hq, D]; kv: [2, Hkv, L, D] -> [T, Hq, D]. ``i``: the sequence's index in the batch."""
+        st = self.plan.seqs[i].press
+        if st is not None and st.replay is not None:
+            self._replay_scores(layer, q, kv, scale, i)
         if read.press:
             return self._pressed(layer, q, kv, scale, i)
         if read.delta is not None:
@@ -198,6 +204,20 @@ class PagedContext:
                                       read.n_sink, scale)
                 return o.transpose(0, 1)
         return attend(q.transpose(0, 1), kv[0], kv[1], read.mask, scale).transpose(0, 1)
+
+    def _replay_scores(self, layer: int, q: torch.Tensor, kv: torch.Tensor, scale: float, i: int) -> None:
+        """KVzip: the largest attention the replayed tokens q [T, Hq, D] give each slot of kv
+        [2, Hkv, L, D], gathered into the press's scores (press/kvzip.py)."""
+        seq = self.plan.seqs[i]
+        st = seq.press
+        assert st is not None and st.replay is not None
+        gi, j = self.cache.where[layer]
+        acc = st.acc[gi]
+        assert acc is not None
+        lo, hi, end = st.replay
+        q_pos = torch.arange(seq.length - q.shape[0], seq.length)
+        peak = replay_peaks(q, q_pos, kv[0], st.positions(gi, j), scale, lo, hi, end, st.press.protect_first)
+        acc[j, :, : peak.shape[1]] = torch.maximum(acc[j, :, : peak.shape[1]], peak)
 
     def _pressed(self, layer: int, q: torch.Tensor, kv: torch.Tensor, scale: float, i: int) -> torch.Tensor:
         """A press sequence whose layers and KV heads hold different tokens in their slots: masks

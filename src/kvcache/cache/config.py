@@ -13,8 +13,8 @@ the config is built, with the list of what works):
 - placement: ``device`` | ``host`` | ``disk`` (pages in memory-mapped files under ``dir``);
 - retention: every token | ``press=NAME`` with ``ratio=R`` (the share of tokens evicted) or
   ``keep=N`` (tokens kept), the latest ``protect`` tokens never evicted (kvcache/press/):
-  ``knorm``, ``snapkv``, ``expected`` score a prompt once it is in; ``tova``, ``h2o`` rescore
-  while generating.
+  ``knorm``, ``snapkv``, ``expected``, ``kvzip`` score a prompt once it is in; ``tova``, ``h2o``
+  rescore while generating.
 
 A dynamic pool may be given a memory ``budget`` (``budget=2GiB``, ``budget=25%`` of RAM): it never
 grows past it (see cache/budget.py).
@@ -43,7 +43,7 @@ PRESETS: dict[str, dict[str, object]] = {
     "sliding_window": {"window": 1024, "sinks": 0},
     "sink": {"window": 1024, "sinks": 4},
 }
-PRESS_NAMES = ("knorm", "snapkv", "expected", "tova", "h2o")  # kvcache/press/
+PRESS_NAMES = ("knorm", "snapkv", "expected", "kvzip", "tova", "h2o")  # kvcache/press/
 DECODE_PRESSES = ("tova", "h2o")  # rescore while generating
 _INT_OPTIONS = ("page_size", "max_tokens", "max_seqs", "initial_tokens", "window", "sinks",
                 "group_size", "residual", "keep", "protect")

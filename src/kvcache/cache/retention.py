@@ -97,6 +97,8 @@ def end_prompt(cache: "PagedKVCache", seq: SeqKV) -> None:
     st.since, st.observing = seq.length, False
     st.points.append(seq.length)
     st.reset_observations()
+    if st.press.replay:
+        st.end_replay()
 
 
 def settle(cache: "PagedKVCache", seq: SeqKV) -> None:
@@ -112,7 +114,8 @@ def settle(cache: "PagedKVCache", seq: SeqKV) -> None:
             for j, layer in enumerate(g.layers):
                 pos = st.positions(gi, j)
                 n = decode_evictions(pos, seq.length, cfg.ratio, cfg.keep)
-                ready = st.last[layer] is not None or st.acc[gi] is not None
+                # TOVA waits for a query's weights (none after scored text), H2O has its sums
+                ready = st.last[layer] is not None if st.press.latest else st.acc[gi] is not None
                 if not n or not ready or (st.last[layer] is not None and st.last[layer].shape[1] != pos.shape[1]):
                     keep.append(pos >= 0)
                     continue

@@ -22,6 +22,7 @@ from kvcache.models.tokenizer import Tokenizer
 from kvcache.models.weights import check_mode, effective_mode
 from kvcache.prefix.cache import PrefixStats
 from kvcache.prefix.config import PrefixConfig, parse_prefix
+from kvcache.press.kvzip import replay_prompt
 
 if TYPE_CHECKING:
     from kvcache.engine.scheduler import SchedulerConfig
@@ -73,6 +74,7 @@ class LLM:
         self.model = build_model(self.config, state_dict, mode)
         del state_dict
         self.tokenizer = Tokenizer.from_dir(resolved.path)
+        self.model.replay_prompt = replay_prompt(self.tokenizer)  # press=kvzip's replay request
         self.model_path = str(resolved.source)
         self.model_name = resolved.name
         kinds = self.model.weight_kinds()

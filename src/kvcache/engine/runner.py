@@ -20,6 +20,7 @@ from kvcache.errors import ContextOverflow, InvalidParams
 from kvcache.models.base import CausalLM
 from kvcache.prefix.cache import PrefixCache
 from kvcache.prefix.config import PrefixConfig
+from kvcache.press.kvzip import KVzipPress, ReplayPrompt
 
 
 UNBOUNDED = 2**62
@@ -46,6 +47,8 @@ class ModelRunner:
         self.rotaries = [model.rotary_for_layer(i) for i in range(model.config.num_layers)]
         self.capacity = self._capacity()  # fixed for the runner's life; checked every step
         self.windowed = self.cache is not None and any(g.window is not None for g in self.cache.groups)
+        # KVzip's replay request, which LLM makes from the tokenizer and hangs on the model
+        self.replay: ReplayPrompt | None = getattr(model, "replay_prompt", None)
         self.prefix: PrefixCache | None = None
         if self.cache is not None and prefix is not None and prefix.enabled:
             self.prefix = PrefixCache(self.cache, prefix, fingerprint)
@@ -121,20 +124,59 @@ class ModelRunner:
         ``prompt_end`` (per sequence, or for all): whether this completes what the sequence reads
         before sampling (a prompt chunked over several steps passes False until its last); a
         cache with a press scores a completed prompt then."""
-        for seq, toks in zip(seqs, new_tokens):
+        ends = [prompt_end] * len(seqs) if isinstance(prompt_end, bool) else list(prompt_end)
+        replays = self.cache is not None and self.cache.press_replays
+        for seq, toks, end in zip(seqs, new_tokens, ends):
             if not toks:
                 raise ValueError("a step needs at least one new token per sequence")
             self._check_room(seq, len(toks))
+            if replays and end and seq.kv is not None and seq.kv.press is not None and seq.kv.press.observing:
+                self._replay_chunk(len(seq.tokens) + len(toks))  # refused before the prompt is read
         if self.windowed and any(len(t) > WINDOW_CHUNK for t in new_tokens):
             logits = self._chunked(seqs, new_tokens)
         else:
             logits = self._forward(seqs, new_tokens)
         if self.cache is not None and self.cache.config.press is not None:
-            ends = [prompt_end] * len(seqs) if isinstance(prompt_end, bool) else list(prompt_end)
             for seq, end in zip(seqs, ends):
                 if end and seq.kv is not None:
+                    if replays and seq.kv.press is not None and seq.kv.press.observing:
+                        self._replay(seq)
                     self.cache.end_prompt(seq.kv)
         return logits
+
+    def _replay_chunk(self, end: int) -> int:
+        """Tokens of a prompt of ``end`` tokens replayed at once (press/kvzip.py); refuses a prompt
+        that leaves no room for its replay."""
+        if self.replay is None:
+            raise InvalidParams("press=kvzip replays the prompt and needs the model's tokenizer: load the "
+                                "model with kvcache.LLM (or set ModelRunner.replay)")
+        chunk = min(KVzipPress.chunk, self.capacity - end - self.replay.overhead())
+        if chunk < 1:
+            raise InvalidParams(f"press=kvzip needs room after the prompt to replay it: the prompt holds {end} "
+                                f"of the model's {self.capacity} tokens; shorten it or choose another press")
+        return chunk
+
+    def _replay(self, seq: Seq) -> None:
+        """KVzip (press/kvzip.py): the model reads a request to repeat the prompt read since the
+        last compression, then that prompt, a chunk at a time; the press gathers the attention the
+        replayed tokens give each slot. The replayed tokens are dropped after each chunk."""
+        kv = seq.kv
+        assert kv is not None and kv.press is not None and self.replay is not None
+        st, end, since = kv.press, kv.length, kv.press.since
+        context = seq.tokens[since:end]
+        chunk = self._replay_chunk(end)
+        st.start_replay()
+        try:
+            for a in range(0, len(context), chunk):
+                b = min(len(context), a + chunk)
+                st.replay = (since + a, since + b, end)
+                try:
+                    self._forward([seq], [self.replay.ids(context, a, b)])
+                finally:
+                    self.truncate(seq, end)
+        finally:
+            st.replay = None
+        # the scores stay in acc for end_prompt, which drops them
 
     def _chunked(self, seqs: Sequence[Seq], new_tokens: Sequence[Sequence[int]]) -> torch.Tensor:
         """Windowed layers: a long prefill goes in chunks, so masks stay [chunk, window] and pages

@@ -48,6 +48,8 @@ class Press:
     queries: ClassVar[int] = 0  # latest prompt queries it needs (post-RoPE)
     moments: ClassVar[bool] = False  # needs the prompt queries' mean and covariance (pre-RoPE)
     attention: ClassVar[bool] = False  # needs the attention weights of every query it sees
+    replay: ClassVar[bool] = False  # the model replays the prompt to score it (KVzip)
+    latest: ClassVar[bool] = False  # while generating, scores with the latest query's weights (TOVA)
     protect_first: ClassVar[int] = 0  # leading positions this press never evicts
     protect_last: ClassVar[int] = 0  # latest positions this press never evicts
 

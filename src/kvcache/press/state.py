@@ -7,7 +7,9 @@ but the same number everywhere, so every layer and head of a group uses the same
 accumulated attention sits beside them in ``acc[g]``. ``obs[layer]`` holds what the forwards
 recorded since the last compression (press/observe.py). ``since`` is the position the next
 prefill-time compression starts from, ``points`` the lengths at which prompts were compressed;
-``observing`` is set while a prompt is being read.
+``observing`` is set while a prompt is being read; ``replay`` while the model replays one for
+KVzip: (first, end) of the chunk of positions being scored and the prompt's length, the replayed
+tokens' largest attention per slot gathering in ``acc`` (press/kvzip.py).
 
 Tensors only: the cache (cache/retention.py) moves the K/V, this follows the slots.
 """
@@ -34,6 +36,7 @@ class PressState:
         self.points: list[int] = []  # lengths at which a prompt was compressed
         self.released = False  # a window gave pages back (earlier lengths cannot be gone back to)
         self.observing = True
+        self.replay: tuple[int, int, int] | None = None
         self.scale = 1.0
         self.rotary: list[object | None] = [None] * num_layers
 
@@ -95,6 +98,15 @@ class PressState:
         total = sum(p.numel() * p.element_size() for p in self.pos)
         return total + sum(a.numel() * a.element_size() for a in self.acc if a is not None)
 
+    def start_replay(self) -> None:
+        """Room for the replay's scores beside every slot (KVzip)."""
+        self.acc = [torch.zeros(p.shape) for p in self.pos]
+
+    def end_replay(self) -> None:
+        self.replay = None
+        if not self.press.attention:
+            self.acc = [None] * len(self.acc)
+
     def reset_observations(self) -> None:
         for o in self.obs:
             o.reset()
@@ -109,5 +121,5 @@ class PressState:
         out.n = list(self.n)
         out.obs = [o.clone() for o in self.obs]
         out.last = [None if t is None else t.clone() for t in self.last]
-        out.scale, out.rotary = self.scale, list(self.rotary)
+        out.scale, out.rotary, out.replay = self.scale, list(self.rotary), self.replay
         return out

@@ -20,6 +20,7 @@ class TOVAPress(Press):
     decode = True
     queries = 1
     attention = True
+    latest = True
     protect_last = 1
 
     def score(self, view: LayerView) -> torch.Tensor:
