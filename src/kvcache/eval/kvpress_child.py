@@ -46,6 +46,8 @@ def _press(name: str, ratio: float):
         return kvpress.ExpectedAttentionPress(compression_ratio=ratio)
     if name == "tova":
         return kvpress.TOVAPress(compression_ratio=ratio)
+    if name == "kvzip":  # layerwise: each layer evicts its share, as kvcache's does (heads may differ)
+        return kvpress.KVzipPress(compression_ratio=ratio, layerwise=True)
     if name == "h2o":  # H2O's accumulated attention, as kvpress scores it (needs eager attention)
         return kvpress.ObservedAttentionPress(compression_ratio=ratio)
     raise ValueError(f"no kvpress press for {name!r}")

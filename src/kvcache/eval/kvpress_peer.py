@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 CHILD = Path(__file__).with_name("kvpress_child.py")
-PRESSES = ("knorm", "snapkv", "expected", "tova", "h2o")  # those kvpress has a counterpart of
+PRESSES = ("knorm", "snapkv", "expected", "kvzip", "tova", "h2o")  # those kvpress has a counterpart of
 ENV_PYTHON = "KVCACHE_KVPRESS_PYTHON"
 
 
