@@ -165,3 +165,17 @@ def test_config_missing_a_value(tmp_path):
 
     with pytest.raises(ModelLoadError, match="lacks 'num_hidden_layers'"):
         ModelConfig.from_hf({"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2})
+
+
+def test_converted_tokenizer_loads_in_transformers_as_ours():
+    """transformers' AutoTokenizer reads the converted folder (what kvpress's KVzip loads) and
+    encodes as kvcache's own tokenizer does; the architecture's class would want an <unk>."""
+    from transformers import AutoTokenizer
+
+    from kvcache.models.tokenizer import Tokenizer
+
+    folder = resolve_model(None).path
+    assert json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    theirs, ours = AutoTokenizer.from_pretrained(str(folder)), Tokenizer.from_dir(folder)
+    for text in ("\n\nRepeat the previous context exactly.", "The pass key is 60494. Remember it."):
+        assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)

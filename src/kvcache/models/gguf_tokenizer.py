@@ -46,6 +46,9 @@ def write_tokenizer(gguf_path: Path, meta: dict[str, Any], out_dir: Path) -> Non
     template = meta.get("tokenizer.chat_template") or (GEMMA_TEMPLATE if arch == "gemma3" else None)
     bos_id, eos_id = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
     config = {
+        # the generic fast tokenizer: transformers' AutoTokenizer would otherwise pick the
+        # architecture's own class (CodeLlama's for llama), which insists on an "<unk>" token
+        "tokenizer_class": "PreTrainedTokenizerFast",
         "chat_template": template,
         "bos_token": tok.convert_ids_to_tokens(int(bos_id)) if bos_id is not None else None,
         "eos_token": tok.convert_ids_to_tokens(int(eos_id)) if eos_id is not None else None,

@@ -24,7 +24,7 @@ from kvcache.errors import ModelLoadError
 from kvcache.models.bundled import BUNDLED, DEFAULT, bundled_path, is_installed
 from kvcache.models.paths import cache_home
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
 @dataclass(frozen=True)
