@@ -676,13 +676,16 @@ def test_short_prompts_evict_only_what_may_go(tiny_dir, press):
     llm.check_integrity()
 
 
-def test_compressed_prompt_is_never_a_whole_prompt_hit(tiny_dir):
+@pytest.mark.parametrize("press", ["knorm", "kvzip"])
+def test_compressed_prompt_is_never_a_whole_prompt_hit(tiny_dir, press):
     """The same prompt again must compute at least its last token: a compressed span is reused only
-    when the prompt goes past it, and generating from that prompt matches a fresh cache."""
+    when the prompt goes past it, and generating from that prompt matches a fresh cache; a prompt
+    that goes past it starts from the compressed span (KVzip's replay included) and generates what
+    a fresh cache does."""
     from kvcache import LLM, SamplingParams
 
     path, _ = tiny_dir("llama")
-    spec = "page_size=4,press=knorm,ratio=0.5,protect=4"
+    spec = f"page_size=4,press={press},ratio=0.5,protect=4"
     llm = LLM(str(path), kv=spec)
     system = PROMPT[:60]
     assert llm.cache_prefix(system) == len(system)
@@ -691,6 +694,12 @@ def test_compressed_prompt_is_never_a_whole_prompt_hit(tiny_dir):
     (out,) = llm.generate([system], params)
     (fresh,) = LLM(str(path), kv=spec, prefix=False).generate([system], params)
     assert out.cached_tokens == 0 and out.outputs[0].token_ids == fresh.outputs[0].token_ids
+    (longer,) = llm.generate([system + [9, 8, 7]], params)
+    fresh_llm = LLM(str(path), kv=spec, prefix=False)
+    seq = fresh_llm.runner.new_sequence()
+    fresh_llm.runner.step([seq], [system])  # the span compressed alone, as cache_prefix does
+    want = [int(fresh_llm.runner.step([seq], [[9, 8, 7]])[0].argmax())]
+    assert longer.cached_tokens == len(system) and longer.outputs[0].token_ids[0] == want[0]
     llm.check_integrity()
 
 
