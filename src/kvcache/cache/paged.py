@@ -97,13 +97,6 @@ class PagedKVCache:
     def quantized(self) -> bool:
         return self.config.quantized
 
-    @property
-    def press_replays(self) -> bool:
-        """Whether the press scores a prompt by having the model replay it (KVzip)."""
-        from kvcache.press import PRESSES
-
-        return self.config.press is not None and PRESSES[self.config.press].replay
-
     # -- sequences ---------------------------------------------------------------------------
     def new_sequence(self) -> SeqKV:
         seq = SeqKV(next(self._ids), [[] for _ in self.groups],

@@ -31,7 +31,7 @@ import torch
 
 BITS = (8, 4, 2)
 SCALE_DTYPE = torch.float16  # how scales and minimums are stored
-SCALE_BYTES = 2
+SCALE_BYTES = torch.finfo(SCALE_DTYPE).bits // 8
 _HALF_MAX = 65504.0
 
 __all__ = ["BITS", "SCALE_DTYPE", "bytes_per_token", "dequantize_keys", "dequantize_values", "pack_codes",

@@ -24,6 +24,12 @@ from kvcache.press.kvzip import KVzipPress, ReplayPrompt
 
 
 UNBOUNDED = 2**62
+
+
+def _replays(seq: "Seq") -> bool:
+    """Whether the prompt this sequence is reading is to be replayed for its press (KVzip)."""
+    st = seq.kv.press if seq.kv is not None else None
+    return st is not None and st.observing and st.press.replay
 WINDOW_CHUNK = 512  # prefill tokens per forward when some layers see only a window
 
 
@@ -125,12 +131,11 @@ class ModelRunner:
         before sampling (a prompt chunked over several steps passes False until its last); a
         cache with a press scores a completed prompt then."""
         ends = [prompt_end] * len(seqs) if isinstance(prompt_end, bool) else list(prompt_end)
-        replays = self.cache is not None and self.cache.press_replays
         for seq, toks, end in zip(seqs, new_tokens, ends):
             if not toks:
                 raise ValueError("a step needs at least one new token per sequence")
             self._check_room(seq, len(toks))
-            if replays and end and seq.kv is not None and seq.kv.press is not None and seq.kv.press.observing:
+            if end and _replays(seq):
                 self._replay_chunk(len(seq.tokens) + len(toks))  # refused before the prompt is read
         if self.windowed and any(len(t) > WINDOW_CHUNK for t in new_tokens):
             logits = self._chunked(seqs, new_tokens)
@@ -139,7 +144,7 @@ class ModelRunner:
         if self.cache is not None and self.cache.config.press is not None:
             for seq, end in zip(seqs, ends):
                 if end and seq.kv is not None:
-                    if replays and seq.kv.press is not None and seq.kv.press.observing:
+                    if _replays(seq):
                         self._replay(seq)
                     self.cache.end_prompt(seq.kv)
         return logits
