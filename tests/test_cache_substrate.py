@@ -91,7 +91,8 @@ def test_kv_spec_parsing_and_errors():
         parse_kv_spec("dynamic,max_tokens=5")
     with pytest.raises(InvalidParams, match="needs an integer"):
         parse_kv_spec("static,max_tokens=lots")
-    assert parse_kv_spec("static,dynamic").capacity == "dynamic"  # later items override
+    with pytest.raises(InvalidParams, match="both set capacity"):  # never the last one silently
+        parse_kv_spec("static,dynamic")
 
 
 def test_stats_accounting():

@@ -59,7 +59,15 @@ def add_prefix_args(p: argparse.ArgumentParser) -> None:
                    help="tokens of finished requests kept in RAM for reuse (default 16384)")
     p.add_argument("--tier-secret-file", default=None, metavar="FILE",
                    help="a secret (the file's first line) with which disk and Redis entries carry a keyed MAC: "
-                        "entries without the right MAC are misses. Also KVCACHE_TIER_SECRET")
+                        "entries without the right MAC are misses. Also KVCACHE_TIER_SECRET. Without one, the "
+                        "installation's own secret ($KVCACHE_HOME/tier-secret, made on first use) is used: give "
+                        "every machine that shares a tier the same file")
+    p.add_argument("--tier-unsigned", action="store_true",
+                   help="tier entries carry only a CRC-32 (catches bit rot, not a forger who can write to the "
+                        "folder or the Redis)")
+    p.add_argument("--tier-timeout", type=float, default=2.0, metavar="S",
+                   help="longest wait for a tier read; a tier slower than this is a miss and is skipped for a "
+                        "while (default 2)")
     p.add_argument("--tier-secret", default=None, metavar="SECRET",
                    help="the same secret given inline (it shows in `ps`: prefer the file or the variable)")
 
@@ -69,6 +77,8 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
     p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 is greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: off)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens at least this share of the most likely one's probability (default 0: off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
@@ -80,7 +90,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
     return SamplingParams(
         max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+        min_p=args.min_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
     )
 
 
@@ -114,12 +124,22 @@ def load_llm(args: argparse.Namespace, default_budget: str | None = None) -> LLM
 
 def prefix_config(args: argparse.Namespace) -> PrefixConfig:
     """The prefix cache of ``add_prefix_args`` (at its defaults where the command has no such options)."""
-    from kvcache.prefix.config import PrefixConfig, tier_secret
+    from dataclasses import replace
+
+    from kvcache.prefix.config import SECRET_ENV, PrefixConfig, tier_secret
 
     secret = tier_secret(getattr(args, "tier_secret", None), getattr(args, "tier_secret_file", None))
-    return PrefixConfig(enabled=not getattr(args, "no_prefix_cache", False),
-                        max_cached_tokens=getattr(args, "prefix_tokens", 16384),
-                        disk=getattr(args, "prefix_dir", None), redis=getattr(args, "redis", None), secret=secret)
+    unsigned = getattr(args, "tier_unsigned", False)
+    if unsigned and secret is not None:
+        raise InvalidParams("--tier-unsigned and a tier secret (--tier-secret-file, --tier-secret, "
+                            f"{SECRET_ENV}) exclude each other")
+    config = PrefixConfig(enabled=not getattr(args, "no_prefix_cache", False),
+                          max_cached_tokens=getattr(args, "prefix_tokens", 16384),
+                          disk=getattr(args, "prefix_dir", None), redis=getattr(args, "redis", None), secret=secret,
+                          unsigned=unsigned, tier_timeout_s=getattr(args, "tier_timeout", 2.0))
+    if config.tiers and secret is None and not unsigned:  # resolved here, so that replicas elsewhere share it
+        config = replace(config, secret=config.mac_secret())
+    return config
 
 
 def weights_list(args: argparse.Namespace, default: str) -> list[str]:

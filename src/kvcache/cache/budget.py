@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING
 from kvcache.errors import InvalidParams
 
 if TYPE_CHECKING:
+    from kvcache.cache.config import CacheConfig
     from kvcache.cache.paged import PagedKVCache
+    from kvcache.models.config import ModelConfig
 
 _UNITS = {"": 2**30, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
           "gb": 10**9, "tb": 10**12, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -53,6 +55,31 @@ def parse_budget(text: str | int | float) -> int:
     if out < 1:
         raise InvalidParams(f"KV budget {text!r} is zero")
     return out
+
+
+def check_preallocation(config: "CacheConfig", model: "ModelConfig", layers: int, pages: int) -> None:
+    """Refuse a pool whose first allocation (``pages`` pages in each of ``layers`` layers) would
+    not fit in this machine's RAM, naming what asked for it and the bytes, instead of failing
+    inside the allocator (a disk-placed pool is memory-mapped: its bound is the disk)."""
+    if config.placement == "disk":
+        return
+    if config.quantized:
+        from kvcache.cache.quant import bytes_per_token
+
+        per_token = bytes_per_token(model.num_kv_heads, model.head_dim, config.bits, config.group_size)
+    else:
+        size = {"fp32": 4, "fp16": 2, "bf16": 2}[config.encoding]
+        per_token = 2 * model.num_kv_heads * model.head_dim * size
+    need = int(per_token * config.pages_of * pages * layers)
+    ram = ram_bytes()
+    if need > ram:
+        from kvcache.fmt import human_bytes
+
+        asked = (f"static,max_tokens={config.max_tokens} x max_seqs={config.max_seqs}" if config.capacity == "static"
+                 else f"initial_tokens={config.initial_tokens}")
+        raise InvalidParams(f"--kv {asked} would preallocate {human_bytes(need)} of K/V, more than this machine's "
+                            f"{human_bytes(ram)} of RAM; ask for fewer tokens" +
+                            (" or use the dynamic capacity" if config.capacity == "static" else ""))
 
 
 def pool_bytes(cache: "PagedKVCache") -> int:

@@ -48,6 +48,7 @@ DECODE_PRESSES = ("tova", "h2o")  # rescore while generating
 _INT_OPTIONS = ("page_size", "max_tokens", "max_seqs", "initial_tokens", "window", "sinks",
                 "group_size", "residual", "keep", "protect")
 _OPTIONS = _INT_OPTIONS + ("dir", "budget", "press", "ratio")
+MAX_INT_OPTION = 2**31 - 1  # no count of tokens, pages or sequences is larger
 
 
 def _works() -> str:
@@ -223,6 +224,19 @@ def parse_kv_spec(spec: str | CacheConfig | None) -> CacheConfig:
     if not parts:
         raise InvalidParams(f"empty --kv spec; {_works()}")
     values: dict[str, object] = {}
+    said: dict[str, str] = {}  # key -> the item that set it (an explicit item, or a preset)
+
+    def put(key: str, value: object, item: str, preset: bool = False) -> None:
+        """Set ``key``; two items that set it differently are refused, except an explicit item
+        refining what a preset set (``sliding_window,window=512``)."""
+        if key in values and values[key] != value:
+            first = said[key]
+            if preset or first not in PRESETS:
+                raise InvalidParams(f"--kv {first!r} and {item!r} both set {key} ({values[key]} vs {value}); "
+                                    "give one")
+        values[key] = value
+        said[key] = item
+
     for part in parts:
         if "=" in part:
             key, _, raw = part.partition("=")
@@ -231,34 +245,38 @@ def parse_kv_spec(spec: str | CacheConfig | None) -> CacheConfig:
             if key in ("bits",):
                 if raw not in ("8", "4", "2", "16", "32"):
                     raise InvalidParams(f"bits must be 8, 4 or 2 (or 16/32 for floats), got {raw!r}")
-                values["encoding"] = {"16": "fp16", "32": "fp32"}.get(raw, f"int{raw}")
+                put("encoding", {"16": "fp16", "32": "fp32"}.get(raw, f"int{raw}"), part)
                 continue
             if key not in _OPTIONS:
                 raise InvalidParams(f"unknown --kv option {key!r}; {_works()}")
             if key in ("dir", "press"):
-                values[key] = raw
+                put(key, raw, part)
                 continue
             if key == "ratio":
                 try:
-                    values[key] = float(raw)
+                    put(key, float(raw), part)
                 except ValueError:
                     raise InvalidParams(f"--kv option ratio needs a number between 0 and 1, got {raw!r}") from None
                 continue
             if key == "budget":
                 from kvcache.cache.budget import parse_budget
 
-                values[key] = parse_budget(raw)
+                put(key, parse_budget(raw), part)
                 continue
             try:
-                values[key] = int(raw)
+                number = int(raw)
             except ValueError:
                 raise InvalidParams(f"--kv option {key} needs an integer, got {raw!r}") from None
+            if abs(number) > MAX_INT_OPTION:
+                raise InvalidParams(f"--kv option {key}={raw} is out of range (at most {MAX_INT_OPTION})")
+            put(key, number, part)
         elif part in PRESETS:
-            values.update(PRESETS[part])
+            for key, value in PRESETS[part].items():
+                put(key, value, part, preset=True)
         elif part in ENCODINGS:
-            values["encoding"] = part
+            put("encoding", part, part)
         elif part in PLACEMENTS:
-            values["placement"] = part
+            put("placement", part, part)
         else:
             raise InvalidParams(f"unknown --kv item {part!r}; {_works()}")
     return CacheConfig(**values)  # type: ignore[arg-type]

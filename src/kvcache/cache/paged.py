@@ -59,6 +59,7 @@ class PagedKVCache:
             pages = config.max_seqs * -(-config.max_tokens // ps)
         else:
             pages = -(-config.initial_tokens // ps)
+        _budget.check_preallocation(config, model, model.num_layers, pages)
         self.placement = Placement(config.placement, torch.device(device), config.dir)
         self.where: list[tuple[int, int]] = [(0, 0)] * model.num_layers  # layer -> (group, index)
         self.pools: list[PagePool | QuantPool] = []

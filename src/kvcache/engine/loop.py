@@ -37,6 +37,7 @@ class EngineLoop:
         self.shrunk_bytes = 0  # given back by idle shrinks
         self._spare = False  # work ran since the last shrink
         self._idle_since = 0.0  # when the last step ended
+        self._working_since: float | None = None  # when the loop last made progress while it had work; None: waiting
         self._thread = threading.Thread(target=self._run, name="kvcache-engine", daemon=True)
         self._thread.start()
 
@@ -54,6 +55,13 @@ class EngineLoop:
         self._post("call", (fn, fut))
         return fut.result(timeout)
 
+    def stalled_for(self) -> float | None:
+        """Seconds since the loop last made progress (finished a step or a command) while it had
+        work; None while it waits for work. A step that hangs (a tier read that never returns, a
+        kernel stuck) shows here and in the server's /health."""
+        since = self._working_since
+        return None if since is None else time.monotonic() - since
+
     def close(self) -> None:
         with self._cv:
             self._stop = True
@@ -69,6 +77,8 @@ class EngineLoop:
         sched = self.scheduler
         while True:
             with self._cv:
+                if not self._inbox and not sched.has_work:
+                    self._working_since = None
                 while not self._inbox and not sched.has_work and not self._stop:
                     left = self._idle_since + IDLE_SHRINK_S - time.monotonic() if self._spare else None
                     if left is not None and left <= 0:
@@ -77,6 +87,8 @@ class EngineLoop:
                 if self._stop:
                     return
                 inbox, self._inbox = self._inbox, []
+                if self._working_since is None:
+                    self._working_since = time.monotonic()
             for kind, payload in inbox:
                 self._handle(kind, payload)
             if sched.has_work:
@@ -88,6 +100,7 @@ class EngineLoop:
                     for req in finished:
                         req.error_kind = "internal"
                 self.step_s += time.perf_counter() - t0
+                self._working_since = time.monotonic()
                 self._spare, self._idle_since = True, time.monotonic()
                 for req in finished:
                     self._finish(req)

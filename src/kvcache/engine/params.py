@@ -12,7 +12,9 @@ from kvcache.errors import InvalidParams
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    temperature 0 (or anything below 1e-6) is greedy. top_k 0 (or -1) and top_p 1.0 turn those filters off. ``stop`` strings
+    temperature 0 (or anything below 1e-6) is greedy. top_k 0 (or -1), top_p 1.0 and min_p 0 turn those
+    filters off; min_p keeps the tokens whose probability (after temperature) is at least min_p times
+    the most likely token's. ``stop`` strings
     end the text before the match; EOS ends it unless ``ignore_eos``. ``n`` samples share the
     prompt's cache pages. Any integer seed is accepted: sample i uses (seed + i) mod 2^64.
     ``logprobs``: record each generated token's log-probability under the model (log-softmax of
@@ -24,6 +26,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -44,8 +47,10 @@ class SamplingParams:
                f"temperature must be between 0 and 100, got {self.temperature!r}")
         _check(isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0,
                f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(isinstance(self.top_k, int) and self.top_k >= -1,
-               f"top_k must be an integer >= 0 (0 or -1: off), got {self.top_k!r}")
+        _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= -1,
+               f"top_k must be an integer >= 1, or 0 or -1 for off, got {self.top_k!r}")
+        _check(isinstance(self.min_p, (int, float)) and not isinstance(self.min_p, bool)
+               and 0.0 <= self.min_p <= 1.0, f"min_p must be between 0 and 1, got {self.min_p!r}")
         _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
                f"seed must be an integer, got {self.seed!r}")
         _check(isinstance(self.n, int) and 1 <= self.n <= 128, f"n must be between 1 and 128, got {self.n!r}")

@@ -246,6 +246,7 @@ class ModelRunner:
         rows = None if all_rows else torch.tensor(lens).cumsum(0) - 1  # [B] last token of each sequence
         if faults.ACTIVE:
             faults.check("forward", ids.tolist())
+            faults.check("stall", ids.tolist())
         logits = self.model(ids, positions, ctx, logits_rows=rows)  # [B, vocab]
         for seq, toks in zip(seqs, new_tokens):
             seq.tokens.extend(toks)

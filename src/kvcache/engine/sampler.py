@@ -1,4 +1,4 @@
-"""Token selection: greedy, temperature, top-k, top-p, with per-sample seeded generators.
+"""Token selection: greedy, temperature, top-k, top-p, min-p, with per-sample seeded generators.
 
 Inputs are bounded here rather than trusted: a seed is reduced modulo 2^64 (sample i of a request
 uses seed + i, which may pass the top), and a temperature below ``GREEDY_BELOW`` picks greedily
@@ -35,7 +35,13 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """Pick one token from logits [V] (float32)."""
     if is_greedy(params):
         return int(torch.argmax(logits))
-    scores = logits.float() / params.temperature
+    return int(torch.multinomial(distribution(logits, params), 1, generator=generator))
+
+
+def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The probabilities [V] a sampled token is drawn from: logits [V] divided by the temperature,
+    then top-k, top-p and min-p, in transformers' order (its logits warpers give the same)."""
+    scores = logits.float() / max(params.temperature, GREEDY_BELOW)
     if params.top_k > 0 and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -47,7 +53,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
     probs = torch.softmax(scores, -1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    if params.min_p > 0.0:  # keep p >= min_p * max p
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+        probs = probs / probs.sum()
+    return probs
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     e.set_defaults(func=cmd_eval)
 
 
+PRESS_CONTINUATION = 256  # tokens scored after the prefilled prompt when a spec has a press
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -97,6 +100,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     text, source = read_text(args.text)
     if args.kvpress and args.continuation is None:
         raise InvalidParams("--kvpress compares after a prefilled prompt: add --continuation N (e.g. 256)")
+    pressed = [s for s in specs if parse_kv_spec(s).press is not None]
+    if pressed and args.continuation is None:
+        # teacher-forced scoring feeds the text in chunks and never ends a prompt: a press would never
+        # act, and its rows would be the full cache's. Score a continuation after a prefilled prompt.
+        args.continuation = min(PRESS_CONTINUATION, args.tokens // 2)
+        print(f"eval: {pressed[0]!r} has a press, which acts once a prompt is in: prefilling the first "
+              f"{args.tokens - args.continuation} tokens and scoring the last {args.continuation} "
+              f"(--continuation {args.continuation})", file=sys.stderr)
     if args.continuation is not None:
         from kvcache.eval.cli_press import cmd_eval_continuation
 

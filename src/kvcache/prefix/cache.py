@@ -73,14 +73,15 @@ class PrefixCache:
         self.layout = layout_text(cache)
         self.pages = PageEntries(cache)  # what a page entry must hold; entries <-> pool pages
         self.tiers = open_tiers(config) if config.tiers else None
-        self.link = (TierLink(cache, self.index, self.pages, self.tiers, fingerprint, self.layout, config.secret)
+        secret = config.mac_secret() if self.tiers is not None else None
+        self.link = (TierLink(cache, self.index, self.pages, self.tiers, fingerprint, self.layout, secret)
                      if self.tiers is not None else None)
         self.spans: SpanIndex | None = None  # compressed prompts (a question-agnostic press)
         self.span_link: SpanLink | None = None
         if cache.config.press in QUESTION_AGNOSTIC:
             self.spans = SpanIndex(cache)
             if self.tiers is not None:
-                self.span_link = SpanLink(cache, self.spans, self.tiers, fingerprint, self.layout, config.secret)
+                self.span_link = SpanLink(cache, self.spans, self.tiers, fingerprint, self.layout, secret)
         cache.attach_evictor(self)  # the cache's Evictor: reclaim, held_pages, remap
 
     # -- lookup -----------------------------------------------------------------------------------

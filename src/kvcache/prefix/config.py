@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import secrets
+import stat
 from dataclasses import dataclass, field
 
 from kvcache.errors import InvalidParams
+from kvcache.models.paths import cache_home
 
 
 @dataclass(frozen=True)
@@ -19,7 +22,11 @@ class PrefixConfig:
     size bound. ``redis``: a Redis URL (``redis://host:port/db``) shared by several processes.
     ``salt``: the default tenant salt (requests may give their own). ``secret``: tier entries
     carry a keyed MAC made with it, and entries without the right MAC are misses (see
-    prefix/entry.py); every process sharing a tier needs the same secret.
+    prefix/entry.py); every process sharing a tier needs the same secret. Without one, the
+    installation's own secret is used (``installation_secret``: made on first use, 0600 in the
+    cache home), so by default no entry is served that this installation did not write.
+    ``unsigned``: entries carry only a CRC-32 (bit rot is caught, a forger who can write to the
+    tier is not). ``tier_timeout_s``: the longest a tier read is waited for (then a miss).
     """
 
     enabled: bool = True
@@ -30,10 +37,16 @@ class PrefixConfig:
     redis: str | None = None
     salt: str = ""
     secret: str | None = field(default=None, repr=False)
+    unsigned: bool = False
+    tier_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
+        if self.unsigned and self.secret is not None:
+            raise InvalidParams("a tier secret and unsigned (CRC-only) entries exclude each other: give one")
+        if not self.tier_timeout_s > 0:
+            raise InvalidParams(f"the tier read timeout must be positive, got {self.tier_timeout_s}")
         if self.secret is not None and not self.secret.strip():
-            raise InvalidParams("the tier secret is empty: give a secret, or none to use CRC-32 digests")
+            raise InvalidParams("the tier secret is empty: give a secret, or none for the installation's own")
         if self.policy not in ("lru", "lfu"):
             raise InvalidParams(f"unknown prefix eviction policy {self.policy!r}: lru or lfu")
         if self.max_cached_tokens < 0:
@@ -44,6 +57,13 @@ class PrefixConfig:
     @property
     def tiers(self) -> bool:
         return self.disk is not None or self.redis is not None
+
+    def mac_secret(self) -> str | None:
+        """The secret tier entries are MAC'd with: the given one, else the installation's; None
+        when ``unsigned``."""
+        if self.unsigned:
+            return None
+        return self.secret if self.secret is not None else installation_secret()
 
 
 def parse_prefix(value: "PrefixConfig | bool | None") -> PrefixConfig:
@@ -57,6 +77,42 @@ def parse_prefix(value: "PrefixConfig | bool | None") -> PrefixConfig:
 
 
 SECRET_ENV = "KVCACHE_TIER_SECRET"
+SECRET_FILE = "tier-secret"  # in the cache home: this installation's secret
+
+
+def installation_secret() -> str:
+    """This installation's tier secret, ``$KVCACHE_HOME/tier-secret``: 64 random hex digits made
+    on first use (0600, created exclusively, so two processes starting together agree). A file
+    that is not a regular file of this user's, or that others may read or write, is refused:
+    whoever can read it can forge entries."""
+    path = cache_home() / SECRET_FILE
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        except FileNotFoundError:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            except FileExistsError:  # another process made it meanwhile: read theirs
+                continue
+            with os.fdopen(fd, "w") as fh:
+                fh.write(secrets.token_hex(32) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            continue
+        except OSError as e:
+            raise InvalidParams(f"cannot read the installation's tier secret {path}: {e.strerror}") from None
+        with os.fdopen(fd, "r", encoding="ascii", errors="replace") as fh:
+            st = os.fstat(fh.fileno())
+            if not stat.S_ISREG(st.st_mode) or (hasattr(os, "getuid") and st.st_uid != os.getuid()):
+                raise InvalidParams(f"the installation's tier secret {path} is not a file of this user's; remove it")
+            if stat.S_IMODE(st.st_mode) & 0o077:
+                raise InvalidParams(f"the installation's tier secret {path} is open to other users "
+                                    f"(mode {stat.S_IMODE(st.st_mode):o}); chmod 600 it, or remove it to make a new one")
+            value = fh.read(4096).strip()
+        if len(value) >= 32:
+            return value
+        raise InvalidParams(f"the installation's tier secret {path} is empty or too short; remove it to make a new one")
+    raise InvalidParams(f"cannot create the installation's tier secret {path}")
 
 
 def tier_secret(inline: str | None = None, file: str | None = None, env: str = SECRET_ENV) -> str | None:

@@ -48,7 +48,7 @@ def open_tiers(config: PrefixConfig) -> TierChain:
         tiers.append(DiskTier(config.disk, config.disk_bytes))
     if config.redis is not None:
         tiers.append(RedisTier(config.redis))
-    return TierChain(tiers)
+    return TierChain(tiers, read_timeout_s=config.tier_timeout_s)
 
 
 class TierLink:

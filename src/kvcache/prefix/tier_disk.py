@@ -2,12 +2,16 @@
 
 Files are created 0600 (never following a link; written to a temporary name and renamed), the
 folders kvcache creates are 0700, and a folder that belongs to another user is refused: entries
-hold K/V from which prompts can be recovered.
+hold K/V from which prompts can be recovered. Reads never block on what is found under an entry's
+name: only a regular file is read (a FIFO, a device or a link is a miss and removed), and it must
+not grow past its size while it is read.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -16,6 +20,7 @@ from pathlib import Path
 from kvcache.errors import KVCacheError
 
 _STALE_TMP_S = 3600.0  # temporary files older than this are leftovers of a crashed writer
+MAX_ENTRY_BYTES = 256 << 20  # no page entry is larger (a 3B model's fp32 page of 16 tokens: about 4 MB)
 
 
 class DiskTier:
@@ -90,12 +95,12 @@ class DiskTier:
         """The bytes stored under ``key``, or None (missing, or unreadable: then removed)."""
         f = self._file(key)
         try:
-            data = f.read_bytes()
+            data = _read_entry(f)
         except FileNotFoundError:  # never written, or removed by another process
             with self._lock:
                 self._nbytes -= self._files.pop(f, 0)
             return None
-        except OSError:  # a damaged file or disk, a folder where a file should be
+        except OSError:  # a damaged file or disk; a folder, pipe, device or link where a file should be
             with self._lock:
                 self.errors += 1
             self._remove(f)
@@ -156,6 +161,32 @@ class DiskTier:
 
     def __repr__(self) -> str:
         return f"DiskTier({str(self.path)!r}, max_bytes={self.max_bytes})"
+
+
+def _read_entry(f: Path) -> bytes:
+    """An entry's bytes. Only a regular file of at most MAX_ENTRY_BYTES is read: it is opened
+    without following a link and without blocking (a FIFO planted under an entry's name would
+    otherwise hang the open until someone writes to it), then checked with fstat; anything else
+    (a pipe, a device, a socket, a folder, a link) raises OSError, so the caller removes it."""
+    fd = os.open(f, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(f))
+        if st.st_size > MAX_ENTRY_BYTES:
+            raise OSError(errno.EFBIG, f"{st.st_size} bytes, over the {MAX_ENTRY_BYTES} an entry may have", str(f))
+        chunks, left = [], st.st_size + 1  # one byte more: a file that grew meanwhile is refused too
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        if left <= 0:
+            raise OSError(errno.EFBIG, "the file grew while it was read", str(f))
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _write_new(f: Path, data: bytes) -> None:

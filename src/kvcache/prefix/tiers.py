@@ -11,23 +11,30 @@
 - ``TierChain``: asks the tiers in order (a hit in a later tier is copied into the earlier ones,
   once the caller's ``decode`` has accepted it: a corrupt or forged entry is removed from the
   tier that held it and never promoted), and writes to all of them, on a background writer
-  thread when asked to (``put_async``).
+  thread when asked to (``put_async``). Every read runs on a reader thread of its tier and is
+  waited for at most ``read_timeout_s``: a tier that does not answer in time (a hung disk, a
+  stalled server, a file that blocks) is a miss, and is skipped until its read returns and
+  ``retry_after_s`` has passed, so the caller (the engine) never waits longer than that.
 
 Tiers store bytes as given and know nothing of tensors (the ``Tier`` protocol, ``TierUnavailable``
 and ``TierStats`` live in tier_base.py); ``entry.py`` turns pages into bytes that carry their key
 and a digest.
 
-Locking: the chain's writer thread is the only thing that runs concurrently with the caller. Each
-tier guards its own bookkeeping with a lock, so ``get`` on the caller's thread and ``put`` on the
-writer thread may overlap; the chain guards its counters with a lock.
+Locking: the chain's writer thread and the reader threads (a daemon thread per read, at most one
+running per tier) run concurrently with the caller. Each tier guards its own bookkeeping with a
+lock, so a read and ``put`` on the writer thread may overlap; the chain guards its counters with a
+lock.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from kvcache.prefix.tier_base import Blob, Tier, TierStats, TierUnavailable
@@ -35,6 +42,20 @@ from kvcache.prefix.tier_disk import DiskTier
 from kvcache.prefix.tier_redis import RedisTier
 
 __all__ = ["DiskTier", "RedisTier", "Tier", "TierChain", "TierStats", "TierUnavailable"]
+
+
+def _in_thread(fn: Callable[[], Any]) -> Future:
+    """``fn()`` on a daemon thread of its own (one that hangs never holds up the process's exit)."""
+    fut: Future = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # handed to the waiter, who counts it as a failed read
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="kvcache-tier-read", daemon=True).start()
+    return fut
 
 
 class TierChain:
@@ -45,8 +66,12 @@ class TierChain:
     for the queue to drain; ``close`` flushes and stops the thread.
     """
 
-    def __init__(self, tiers: list[Tier], queue_size: int = 1024) -> None:
+    def __init__(self, tiers: list[Tier], queue_size: int = 1024, read_timeout_s: float = 2.0,
+                 retry_after_s: float = 10.0) -> None:
         self.tiers = list(tiers)
+        self.read_timeout_s, self.retry_after_s = read_timeout_s, retry_after_s
+        self._pending: list[Future | None] = [None] * len(self.tiers)  # a read that outlived its wait
+        self._skip_until = [0.0] * len(self.tiers)
         self.names: list[str] = []
         for i, t in enumerate(self.tiers):
             name = getattr(t, "name", type(t).__name__)
@@ -74,9 +99,8 @@ class TierChain:
         for i, tier in enumerate(self.tiers):
             if not todo:
                 break
-            many = getattr(tier, "get_many", None)
             try:
-                blobs = many([keys[j] for j in todo]) if many else [tier.get(keys[j]) for j in todo]
+                blobs = self._read(i, [keys[j] for j in todo])
             except Exception as e:
                 self._failed(i, "read", e)
                 continue
@@ -99,6 +123,27 @@ class TierChain:
         with self._lock:
             self._stats.misses += len(todo)
         return out
+
+    def _read(self, i: int, keys: list[bytes]) -> list[bytes | None]:
+        """Tier ``i``'s bytes for ``keys``, read on its reader thread; TimeoutError when it does not
+        answer within ``read_timeout_s``, or while an earlier read that did not is still running
+        (or ended less than ``retry_after_s`` ago)."""
+        pending = self._pending[i]
+        if pending is not None:
+            if not pending.done():
+                raise TimeoutError(f"an earlier read has not returned after {self.read_timeout_s:g} s")
+            self._pending[i] = None
+            self._skip_until[i] = time.monotonic() + self.retry_after_s
+        if time.monotonic() < self._skip_until[i]:
+            raise TimeoutError(f"skipped for {self.retry_after_s:g} s after a read that took too long")
+        tier = self.tiers[i]
+        many = getattr(tier, "get_many", None)
+        fut = _in_thread(lambda: many(keys) if many else [tier.get(k) for k in keys])
+        try:
+            return fut.result(self.read_timeout_s)
+        except FutureTimeout:
+            self._pending[i] = fut
+            raise TimeoutError(f"no answer within {self.read_timeout_s:g} s") from None
 
     def __contains__(self, key: bytes) -> bool:
         return any(key in t for t in self.tiers)

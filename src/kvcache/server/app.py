@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request as HttpRequest
+from fastapi import FastAPI, Request as HttpRequest, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -29,7 +29,8 @@ from kvcache.engine.scheduler import Scheduler, SchedulerConfig
 from kvcache.engine.scoring import prompt_logprobs
 from kvcache.errors import KVCacheError
 from kvcache.server.auth import Auth, Caller
-from kvcache.server.intake import Limits, check_limits, check_unsupported, read_json
+from kvcache.server.intake import (ClientGone, Limits, check_limits, check_unsupported, ignored_header, read_json,
+                                   unknown_fields)
 from kvcache.server.logprobs import TokenText, completion_logprobs
 from kvcache.server.metrics import Metrics
 from kvcache.server.protocol import ApiError, ChatRequest, CompletionRequest, error_body, new_id
@@ -63,7 +64,7 @@ class ServerState:
                                  "preemptions_total": sched.preemptions, "engine_steps_total": sched.steps}
         st = llm.kv_stats()
         if st is not None:
-            out.update(kv_pages_total=st.pages_total, kv_pages_used=st.pages_used, kv_pages_cached=st.pages_cached,
+            out.update(kv_pages=st.pages_total, kv_pages_used=st.pages_used, kv_pages_cached=st.pages_cached,
                        kv_pages_in_use=st.pages_in_use, kv_bytes_allocated=st.bytes_allocated,
                        kv_usage_ratio=st.pages_in_use / st.pages_total if st.pages_total else 0.0)
         ps = llm.prefix_stats()
@@ -105,6 +106,11 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
     async def _bad_input(_: HttpRequest, e: KVCacheError) -> JSONResponse:
         return JSONResponse(error_body(str(e)), status_code=400)
 
+    @app.exception_handler(ClientGone)
+    async def _gone(_: HttpRequest, e: ClientGone) -> Response:
+        # nobody waits for an answer (or one that stalls gets a last one): close without a traceback
+        return PlainTextResponse(f"{e}\n", status_code=408, headers={"Connection": "close"})
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: HttpRequest, e: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(error_body(str(e.detail), "invalid_request_error"), status_code=e.status_code)
@@ -114,8 +120,13 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
         return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        """200 while the engine steps (or has nothing to do); 503 when it has had work and not
+        finished a step for ``--stall-after`` seconds (a step, or a tier read, that hangs)."""
+        stalled = state.engine.stalled_for()
+        if stalled is not None and stalled > state.limits.stall_after_s:
+            return JSONResponse({"status": "stalled", "engine_busy_s": round(stalled, 1)}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
     async def models(http: HttpRequest) -> dict[str, Any]:
@@ -141,10 +152,12 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
         return await asyncio.to_thread(state.engine.call, report)
 
     @app.post("/v1/completions")
-    async def completions(http: HttpRequest) -> Any:
+    async def completions(http: HttpRequest, response: Response) -> Any:
         caller = state.caller(http)
         raw = await read_json(http, state.limits)
         check_unsupported(raw)
+        ignored = ignored_header(unknown_fields(raw, CompletionRequest, state.limits))
+        response.headers.update(ignored)
         body = CompletionRequest.model_validate(raw)
         _check_model(state, body.model)
         prompts = _prompts(body.prompt)
@@ -156,15 +169,17 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
         echoes = await _echoes(state, body, reqs) if body.echo else None
         rid = new_id("cmpl")
         if body.stream:
-            return sse(stream_completion(state, http, rid, body, reqs, echoes or []))
+            return sse(stream_completion(state, http, rid, body, reqs, echoes or []), ignored)
         done = await collect(state, http, reqs, "prompt")
         return completion_response(rid, state.model_name, done, echoes, state.text_of)
 
     @app.post("/v1/chat/completions")
-    async def chat(http: HttpRequest) -> Any:
+    async def chat(http: HttpRequest, response: Response) -> Any:
         caller = state.caller(http)
         raw = await read_json(http, state.limits)
         check_unsupported(raw)
+        ignored = ignored_header(unknown_fields(raw, ChatRequest, state.limits))
+        response.headers.update(ignored)
         body = ChatRequest.model_validate(raw)
         _check_model(state, body.model)
         check_limits(state.limits, 1, body.n, body.stop)
@@ -178,7 +193,7 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
         req = _request(state, ids, body, body.sampling(min(1024, room)), caller, None, "messages")
         rid = new_id("chatcmpl")
         if body.stream:
-            return sse(stream_chat(state, http, rid, body, req))
+            return sse(stream_chat(state, http, rid, body, req), ignored)
         (done,) = await collect(state, http, [req], "messages")
         return chat_response(rid, state.model_name, done, state.text_of)
 

@@ -41,6 +41,17 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="prompts in one /v1/completions request (default 64)")
     s.add_argument("--max-choices", type=int, default=128, metavar="N",
                    help="n x prompts in one request (default 128)")
+    s.add_argument("--unknown-fields", choices=("warn", "reject"), default="warn",
+                   help="request fields kvcache does not know: warn (accept; the log and the "
+                        "X-KVCache-Ignored-Fields reply header name them; the default, as vLLM) or reject "
+                        "(400 'Unrecognized request argument', as OpenAI's API)")
+    s.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="drop a request whose body stalls this many seconds (default 30)")
+    s.add_argument("--head-timeout", type=float, default=10.0, metavar="S",
+                   help="close a connection whose request line and headers take longer than this (default 10)")
+    s.add_argument("--stall-after", type=float, default=30.0, metavar="S",
+                   help="/health answers 503 'stalled' when the engine has had work for this many seconds "
+                        "without finishing a step (default 30)")
     s.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     add_replica_args(s)
     s.set_defaults(func=cmd_serve)
@@ -49,6 +60,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise InvalidParams(f"--port must be between 1 and 65535, got {args.port}")
+    if not args.head_timeout > 0:
+        raise InvalidParams(f"--head-timeout must be positive, got {args.head_timeout}")
     from kvcache.engine.scheduler import SchedulerConfig
 
     sched = SchedulerConfig(max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
@@ -56,7 +69,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvcache.server.intake import Limits
 
     limits = Limits(max_request_bytes=args.max_request_bytes, max_prompts=args.max_prompts,
-                    max_choices=args.max_choices)
+                    max_choices=args.max_choices, unknown_fields=args.unknown_fields,
+                    body_timeout_s=args.body_timeout, stall_after_s=args.stall_after)
     from kvcache.server.auth import Auth, gather_keys
 
     # keys are checked before the model loads: an empty one is refused, never an open door
@@ -80,5 +94,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     kv = f"kv={llm.cache_config.spec()}" + (f" (budget {human_bytes(budget)})" if budget else "")
     print(f"kvcache serve · model {name!r} · {kv} · http://{args.host}:{args.port}/v1" + who,
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    from kvcache.server.guard import GuardedH11
+
+    GuardedH11.head_timeout_s = args.head_timeout
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=GuardedH11)
     return 0

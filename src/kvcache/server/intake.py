@@ -10,6 +10,11 @@ parameters kvcache does not implement, and the server's limits on prompts, choic
   cannot be encoded, so no tokenizer can take it).
 - ``check_unsupported``: a parameter kvcache does not implement, set to anything but its "off"
   value, gets 400 naming it, rather than being ignored.
+- ``unknown_fields``: fields no OpenAI-style server knows (``"foo": 1``). By default they are
+  accepted, as vLLM does, so that clients which send their own extras keep working, but never
+  silently: the server log names them (once per name) and the reply carries them in the
+  ``X-KVCache-Ignored-Fields`` header. ``serve --unknown-fields reject`` answers 400
+  "Unrecognized request argument supplied: foo", as OpenAI's API does.
 - ``check_limits``: prompts per request, ``n`` x prompts, and the count and length of stop strings.
 
 Every refusal is an ApiError with one line naming the limit or the parameter.
@@ -19,14 +24,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request as HttpRequest
+from starlette.requests import ClientDisconnect
 
 from kvcache.errors import InvalidParams
 from kvcache.server.protocol import ApiError
 
+log = logging.getLogger("kvcache.server")
 PARSE_INLINE = 1 << 16  # bodies larger than this are parsed on a worker thread
 DRAIN_MAX = 64 << 20  # an oversized body up to this is read (and dropped) so the client gets its 413
 
@@ -40,8 +49,16 @@ class Limits:
     max_choices: int = 128  # --max-choices: n x prompts in one request
     max_stop: int = 16  # stop strings per request
     max_stop_chars: int = 256  # characters per stop string
+    unknown_fields: str = "warn"  # --unknown-fields: "warn" (accept, log and name them) or "reject" (400)
+    body_timeout_s: float = 30.0  # --body-timeout: a body that stalls this long between chunks is dropped
+    stall_after_s: float = 30.0  # --stall-after: /health answers 503 when the engine has had work and no step ended
 
     def __post_init__(self) -> None:
+        if self.unknown_fields not in ("warn", "reject"):
+            raise InvalidParams(f"--unknown-fields must be warn or reject, got {self.unknown_fields!r}")
+        for flag, v in (("--body-timeout", self.body_timeout_s), ("--stall-after", self.stall_after_s)):
+            if not v > 0:
+                raise InvalidParams(f"{flag} must be positive, got {v}")
         for name in ("max_request_bytes", "max_prompts", "max_choices", "max_stop", "max_stop_chars"):
             if getattr(self, name) < 1:
                 raise InvalidParams(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -54,7 +71,7 @@ async def read_json(http: HttpRequest, limits: Limits) -> Any:
     if declared.isdigit() and int(declared) > max(limit, DRAIN_MAX):
         raise _too_large(int(declared), limit)  # not worth reading: the connection is closed on the client
     chunks, size = [], 0
-    async for chunk in http.stream():
+    async for chunk in _timed(http, limits.body_timeout_s):
         size += len(chunk)
         if size > DRAIN_MAX:
             raise _too_large(size, limit)
@@ -66,6 +83,27 @@ async def read_json(http: HttpRequest, limits: Limits) -> Any:
     if len(raw) > PARSE_INLINE:
         return await asyncio.to_thread(parse_json, raw)
     return parse_json(raw)
+
+
+class ClientGone(Exception):
+    """The client left, or stalled past the body timeout, before its body was read: nobody is
+    there to answer, so the app closes the exchange quietly (no traceback, no reply)."""
+
+
+async def _timed(http: HttpRequest, timeout_s: float) -> AsyncIterator[bytes]:
+    """The body's chunks; a client that sends nothing for ``timeout_s`` (a stalled upload, a
+    slowloris) or disconnects ends it with ClientGone."""
+    it = http.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(it.__anext__(), timeout_s)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise ClientGone(f"the body stalled for {timeout_s:g} s") from None
+        except ClientDisconnect:
+            raise ClientGone("the client disconnected while sending its body") from None
+        yield chunk
 
 
 def _too_large(size: int, limit: int) -> ApiError:
@@ -139,6 +177,43 @@ def check_unsupported(body: Any) -> None:
     if asked:
         raise ApiError(400, f"kvcache does not support {', '.join(repr(a) for a in asked)}; leave "
                             f"{'it' if len(asked) == 1 else 'them'} out", param=asked[0], code="unsupported_parameter")
+
+
+# fields of OpenAI's request bodies that change nothing kvcache computes: accepted without a word
+QUIET = frozenset({"store", "metadata", "service_tier", "user", "stream_options", "best_of", "prompt_cache_key",
+                   "safety_identifier", "reasoning_effort", "web_search_options"})
+IGNORED_HEADER = "X-KVCache-Ignored-Fields"
+_logged: set[str] = set()  # unknown names already written to the log (bounded: MAX_LOGGED)
+MAX_LOGGED = 256
+
+
+def unknown_fields(body: Any, model: type, limits: Limits) -> list[str]:
+    """The body's fields that neither ``model`` (a pydantic request class) nor the lists above
+    know. With ``limits.unknown_fields == "reject"``: 400 naming the first. Otherwise each new
+    name is logged once, and the caller names them in the reply's IGNORED_HEADER."""
+    if not isinstance(body, dict):
+        return []
+    known = set(model.model_fields) | set(UNSUPPORTED) | QUIET
+    unknown = sorted(k for k in body if k not in known)
+    if not unknown:
+        return []
+    if limits.unknown_fields == "reject":
+        raise ApiError(400, f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0],
+                       code="unknown_parameter")
+    new = [k for k in unknown if k not in _logged]
+    if new and len(_logged) < MAX_LOGGED:
+        _logged.update(new)
+        log.warning("kvcache: ignored unknown request field(s) %s (serve --unknown-fields reject refuses them)",
+                    ", ".join(repr(k[:64]) for k in new))
+    return unknown
+
+
+def ignored_header(names: list[str]) -> dict[str, str]:
+    """The reply header naming ignored fields (ASCII, bounded), or none."""
+    if not names:
+        return {}
+    text = ", ".join("".join(c if " " <= c <= "~" else "?" for c in n[:64]) for n in names[:16])
+    return {IGNORED_HEADER: text}
 
 
 def _same(a: Any, b: Any) -> bool:

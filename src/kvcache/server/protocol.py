@@ -33,6 +33,8 @@ class _Common(BaseModel):
     max_tokens: Optional[StrictInt] = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = Field(default=0, ge=-1)  # vLLM's: 0 or -1 is off
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # vLLM's: 0 is off
     n: StrictInt = Field(default=1, ge=1, le=MAX_N)
     stop: Optional[Union[StrictStr, list[StrictStr]]] = None
     seed: Optional[StrictInt] = None
@@ -46,7 +48,7 @@ class _Common(BaseModel):
     def sampling(self, default_max: int) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(max_tokens=self.max_tokens or default_max, temperature=self.temperature,
-                              top_p=self.top_p, seed=self.seed, stop=stop, n=self.n, ignore_eos=self.ignore_eos,
+                              top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=stop, n=self.n, ignore_eos=self.ignore_eos,
                               logprobs=self.logprob_count())
 
     def logprob_count(self) -> int | None:

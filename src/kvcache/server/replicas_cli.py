@@ -7,6 +7,7 @@ process (a local cluster of this machine) unless ``--ray-address`` names one to 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 
@@ -53,6 +54,10 @@ def check_replica_args(args: argparse.Namespace) -> None:
         raise InvalidParams(f"--prefill-min-tokens must be at least 2, got {args.prefill_min_tokens}")
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def serve_replicas(args: argparse.Namespace, scheduler, limits, keys: list[str], admins: list[str],
                    default_budget: str) -> int:
     """Run the replicas until interrupted. ``default_budget``: one process's KV budget, shared out
@@ -82,11 +87,15 @@ def serve_replicas(args: argparse.Namespace, scheduler, limits, keys: list[str],
     tier = " · shared Redis tier" if args.redis else " · no shared tier (--redis)"
     print(f"kvcache serve · {n} engine replica(s)" + (f" + {m} prefill" if m else "") + f" on {where} · "
           f"router {args.router}{tier} · {url}", file=sys.stderr, flush=True)
+    # SIGTERM (a service manager, `kill`) takes the same way out as Ctrl-C: without this the
+    # process would die at once and leave the local Ray's agents running
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the shutdown short
         stop(shutdown_ray=True, delete_only=not local)
     return 0

@@ -103,13 +103,13 @@ async def collect(state: "ServerState", http: HttpRequest, reqs: list[Request], 
     return [done[i] for i in range(len(reqs))]
 
 
-def sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+def sse(events: AsyncIterator[dict[str, Any]], headers: dict[str, str] | None = None) -> StreamingResponse:
     async def gen() -> AsyncIterator[bytes]:
         async for ev in events:
             yield f"data: {json.dumps(ev)}\n\n".encode()
         yield b"data: [DONE]\n\n"
 
-    return StreamingResponse(gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", **(headers or {})})
 
 
 async def stream_completion(state: "ServerState", http: HttpRequest, rid: str, body: CompletionRequest,
