@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvcache import LLM
-from kvcache.attention.dense import RecomputeContext
+from kvcache.attention.recompute import RecomputeContext
 from kvcache.cache.config import parse_kv_spec
 from kvcache.engine.runner import ModelRunner
 

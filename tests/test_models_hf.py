@@ -16,7 +16,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from kvcache.attention.dense import RecomputeContext  # noqa: E402
+from kvcache.attention.recompute import RecomputeContext  # noqa: E402
 from kvcache.errors import UnsupportedArchitecture  # noqa: E402
 from kvcache.models.base import CausalLM  # noqa: E402
 from kvcache.models.config import ModelConfig  # noqa: E402

@@ -18,7 +18,7 @@ from gguf.quants import dequantize, quantize
 from kvcache.kernels import build
 from kvcache.models.qweight import FORMAT_OF, QWeight, common_format
 
-KERNELS = ("qgemm", "pgemm", "pattn", "xattn", "qattn")
+KERNELS = ("qgemm", "pgemm", "qattn")
 LEGACY = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
 KQUANTS = {T.Q2_K: (84, 80, 82), T.Q3_K: (110, 108, None), T.Q4_K: (144, 0, 2), T.Q5_K: (176, 0, 2),
            T.Q6_K: (210, 208, None)}  # block bytes, offsets of d and dmin

@@ -10,7 +10,8 @@ Owns the attention math and the choice of backend. May not plan reads or allocat
 cache's plan.py and paged.py do); it writes a forward's K/V where the plan says.
 """
 
-from kvcache.attention.dense import RecomputeContext, attend_dense, visibility_mask
+from kvcache.attention.dense import attend_dense, visibility_mask
+from kvcache.attention.recompute import RecomputeContext
 from kvcache.attention.interface import AttentionContext
 
 __all__ = ["AttentionContext", "RecomputeContext", "attend_dense", "visibility_mask"]

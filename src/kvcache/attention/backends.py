@@ -39,7 +39,6 @@ from kvcache.models.layers import Rotary
 from kvcache.models.qweight import attn_block
 from kvcache.press.kvzip import replay_peaks
 
-EXTEND_MAX = 256  # most new tokens per sequence for the native extend attention (SDPA beyond)
 
 
 class PagedContext:
@@ -61,52 +60,48 @@ class PagedContext:
         self.prefetcher = Prefetcher(self.load_old, cache.placement.compute) if cache.placement.offloaded else None
         if self.prefetcher is not None:
             self.prefetcher.start(0)
-        # per group, the batched native path every sequence takes: decodes (page tables, lengths)
-        # or extends (page tables, first row of each sequence, its new tokens, lengths)
-        self.decode: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(cache.groups)
-        self.extend: list[tuple[torch.Tensor, ...] | None] = [None] * len(cache.groups)
-        # a press reading a prompt records its queries, which the fused decode never exposes
+        # per group, the native path every sequence takes (fp32 pages, full visibility): page
+        # tables, each sequence's first row and new tokens, and its length after this forward.
+        # cattn.c attends every row in one canonical order, so a row's bits do not depend on the
+        # batch, the chunk, a prefix hit or a recompute.
+        self.rows: list[tuple[torch.Tensor, ...] | None] = [None] * len(cache.groups)
+        # a press reading a prompt records its queries, which the fused path never exposes
         self.observing = [i for i, seq in enumerate(plan.seqs) if seq.press is not None and seq.press.observing]
         # KVzip's replay scores from every slot's keys: the dense path, where they are at hand
         replaying = any(seq.press is not None and seq.press.replay is not None for seq in plan.seqs)
-        if cache.config.encoding == "fp32" and not replaying and not cache.placement.offloaded and max(new_tokens) <= EXTEND_MAX:
-            decodes = all(n == 1 for n in new_tokens)
+        if cache.config.encoding == "fp32" and not replaying and not cache.placement.offloaded:
+            new = torch.tensor(list(new_tokens), dtype=torch.long)
+            row0 = torch.cumsum(new, 0) - new
             for g in cache.groups:
-                lens = plan.lengths(g.index)
                 if g.window is None and not g.sinks and not any(r[g.index].press for r in plan.reads):
-                    t = plan.page_tables(g.index)
-                    if decodes:
-                        self.decode[g.index] = (t, lens)
-                    elif kernels.xattn() is not None:
-                        new = torch.tensor(list(new_tokens), dtype=torch.long)
-                        self.extend[g.index] = (t, torch.cumsum(new, 0) - new, new, lens)
+                    self.rows[g.index] = (plan.page_tables(g.index), row0, new, plan.lengths(g.index))
 
-    # -- fused decode -----------------------------------------------------------------------------
+    # -- fused paths -----------------------------------------------------------------------------
     def attend_packed(self, layer: int, qkv: torch.Tensor, heads: tuple[int, int, int], cos: torch.Tensor,
                       sin: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, scale: float) -> torch.Tensor | None:
-        """Decodes over fp32 pages with full visibility: norm, RoPE, the cache write and attention in
-        one native call (kernels/dattn.c) from the projection's rows qkv [B, (Hq + 2 Hkv) D] ->
-        [B, Hq D]; None otherwise."""
+        """Every new token over fp32 pages with full visibility: norm, RoPE, the cache write and
+        attention in one native call (kernels/dattn.c) from the projection's rows qkv
+        [N, (Hq + 2 Hkv) D] -> [N, Hq D]; None otherwise."""
         gi, j = self.cache.where[layer]
-        batched = self.decode[gi]
-        if batched is None or self.observing:
+        rows = self.rows[gi]
+        if rows is None or self.observing:
             return None
         pool = self.cache.pools[gi]
         return kernels.decode_attend(qkv, heads, cos, sin, qk_norm, eps, pool.flat[j], pool.page_size,  # type: ignore[union-attr]
-                                     self.plan.write_slots[gi], batched[0], batched[1], scale)  # type: ignore[arg-type]
+                                     self.plan.write_slots[gi], rows, scale)  # type: ignore[arg-type]
 
     def attend_block(self, layer: int, x: torch.Tensor, weights: tuple, heads: tuple[int, int, int],
                      cos: torch.Tensor, sin: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, scale: float,
                      post_norm: torch.Tensor | None) -> bool:
-        """Decodes over fp32 pages with quantized weights: the whole attention half of the layer in
-        one native call (kernels/dattn.c kv_q_attn_block); False otherwise."""
+        """Every new token over fp32 pages with quantized weights: the whole attention half of the
+        layer in one native call (kernels/dattn.c kv_q_attn_block); False otherwise."""
         gi, j = self.cache.where[layer]
-        batched = self.decode[gi]
-        if batched is None or self.observing:
+        rows = self.rows[gi]
+        if rows is None or self.observing:
             return False
         pool = self.cache.pools[gi]
         return attn_block(x, weights, heads, cos, sin, qk_norm, eps, scale, post_norm, pool.flat[j],  # type: ignore[union-attr]
-                          pool.page_size, self.plan.write_slots[gi], batched[0], batched[1])  # type: ignore[arg-type]
+                          pool.page_size, self.plan.write_slots[gi], rows)  # type: ignore[arg-type]
 
     # -- the general call -------------------------------------------------------------------------
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -131,17 +126,9 @@ class PagedContext:
         outs = []
         if isinstance(pool, PagePool):
             pool.write(j, plan.write_slots[gi], k, v)  # type: ignore[arg-type]
-            batched = self.decode[gi]
-            if batched is not None:  # pattn
-                b, hq, d = q.shape
-                hkv = pool.num_kv_heads
-                o = kernels.paged_decode((q * scale).view(b, hkv, hq // hkv, d), pool.flat[j], batched[0],
-                                         batched[1], pool.page_size)
-                if o is not None:
-                    return o.view(b, hq, d)
-            extend = self.extend[gi]
-            if extend is not None:  # xattn
-                o = kernels.paged_extend((q * scale).contiguous(), pool.flat[j], *extend, pool.page_size)
+            rows = self.rows[gi]
+            if rows is not None:  # cattn.c, in place through the page tables
+                o = kernels.paged_extend((q * scale).contiguous(), pool.flat[j], *rows, pool.page_size)
                 if o is not None:
                     return o
         for i, (rows, reads, seq) in enumerate(zip(plan.rows, plan.reads, plan.seqs)):

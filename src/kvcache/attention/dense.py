@@ -1,6 +1,4 @@
-"""Dense reference attention with grouped-query heads, explicit positions and sliding windows, and
-``RecomputeContext``, the context of the ``none`` strategy (no cache: every forward attends within
-itself).
+"""Dense reference attention with grouped-query heads, explicit positions and sliding windows.
 
 Owns the attention math on gathered K/V and the masks' forms (``Mask``); knows nothing of pages,
 pools or kernels (attention/backends.py dispatches, cache/plan.py plans).
@@ -116,40 +114,3 @@ def attend_with_sinks(
         p = torch.softmax(scores, -1).view(hkv, g * (b - a), -1)
         outs.append(torch.matmul(p, v).view(hq, b - a, d))
     return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
-
-
-class RecomputeContext:
-    """No cache: each sequence's tokens attend only to tokens of the same forward (the `none`
-    strategy, and the oracle that every exact cache strategy is compared against)."""
-
-    def __init__(
-        self,
-        seq_lens: Sequence[int],
-        positions: torch.Tensor,
-        layer_windows: Sequence[int | None],
-    ) -> None:
-        self.seq_lens = list(seq_lens)
-        self.positions = positions  # [N] int64
-        self.layer_windows = list(layer_windows)
-
-    def attend_packed(self, *args: object) -> None:
-        return None
-
-    def attend_block(self, *args: object) -> bool:
-        return False
-
-    def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        outs = []
-        start = 0
-        window = self.layer_windows[layer]
-        for n in self.seq_lens:
-            sl = slice(start, start + n)
-            pos = self.positions[sl]
-            o = attend_dense(
-                q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1), pos, pos, window, scale
-            )  # [Hq, n, D]
-            outs.append(o.transpose(0, 1))
-            start += n
-        return outs[0] if len(outs) == 1 else torch.cat(outs, 0)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from kvcache.attention.backends import PagedContext
-from kvcache.attention.dense import RecomputeContext
+from kvcache.attention.recompute import RecomputeContext
 from kvcache.cache.paged import CacheStats, PagedKVCache
 from kvcache.cache.sequence import SeqKV
 from kvcache.cache.config import CacheConfig

@@ -2,9 +2,10 @@
 
 ``qgemm.c`` (with ``qpack.c``) multiplies activations by quantized weights in kvcache's repacked
 formats (int8 dot products; see qformat.h) and repacks GGUF blocks into them; ``qattn.c`` decodes
-attention straight from quantized pages; ``pattn.c`` decodes a batch of sequences straight from
-float32 pages through their page tables; ``xattn.c`` attends a few new tokens per sequence (an
-extend after a prefix hit, a chat turn, a short prefill chunk) over float32 pages in place;
+attention straight from quantized pages; ``cattn.c`` (in the qgemm library) attends any number of
+new tokens per sequence over float32 pages in place, in one canonical order, so that a row's result
+is the same bits whether it is decoded, extended, prefilled or recomputed, alone or in a batch;
+``dattn.c`` fuses it with the rotary embedding, the cache write and the projections;
 ``pgemm.c`` multiplies several rows by packed fp32 projection weights (register tiles that reuse
 every weight across rows). build.py compiles each once per CPU variant (AVX512-VNNI, AVX-VNNI,
 AVX2, generic) into ``$KVCACHE_HOME/kernels`` and loads the best variant this CPU runs; when there
@@ -65,9 +66,20 @@ def qattn() -> ctypes.CDLL | None:
                  [_I, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _I, _P, _I])
 
 
+def _canonical(switch: str) -> ctypes.CDLL | None:
+    """The qgemm library, home of the canonical float32 paged attention (cattn.c); ``switch`` names
+    a caller that can be turned off on its own (``_LIBS[switch] = False``: the torch path)."""
+    return None if _LIBS.get(switch) is False else qgemm()
+
+
 def pattn() -> ctypes.CDLL | None:
-    """The batched float32 paged decode-attention library, or None."""
-    return _load("pattn", "kv_paged_decode", [_I, _I, _I, _I, _I, _I64, _P, _P, _P, _I, _P, _P, _I])
+    """The library answering ``paged_decode`` (cattn.c), or None."""
+    return _canonical("pattn")
+
+
+def xattn() -> ctypes.CDLL | None:
+    """The library answering ``paged_extend`` (cattn.c), or None."""
+    return _canonical("xattn")
 
 
 def paged_decode(
@@ -77,17 +89,12 @@ def paged_decode(
     lens: torch.Tensor,  # [B] int64: tokens each query attends to (its own included)
     page_size: int,
 ) -> torch.Tensor | None:  # [B, Hkv, g, D], or None when the kernel is unavailable
-    lib = pattn()
-    if lib is None or not _cpu_f32(q, flat) or not _i64(tables, lens) or q.dim() != 4 or flat.dim() != 4:
+    if pattn() is None or q.dim() != 4 or not _cpu_f32(q):
         return None
     b, hkv, g, d = q.shape
-    if flat.shape[1] != hkv or flat.shape[3] != d or lens.shape != (b,) or tables.shape[0] != b:
-        return None
-    out = torch.empty(b, hkv, g, d)
-    rc = lib.kv_paged_decode(b, hkv, g, d, page_size, flat.shape[2], q.data_ptr(), flat.data_ptr(),
-                             tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(),
-                             torch.get_num_threads())
-    return out if rc == 0 else None
+    ones = torch.ones(b, dtype=torch.long)
+    out = _attend(q.view(b, hkv * g, d), flat, tables, torch.arange(b), ones, lens, page_size)
+    return None if out is None else out.view(b, hkv, g, d)
 
 
 def quant_decode(
@@ -137,11 +144,6 @@ def packed_matmul(
     return y if rc == 0 else None
 
 
-def xattn() -> ctypes.CDLL | None:
-    """The float32 paged extend-attention library (several new tokens per sequence), or None."""
-    return _load("xattn", "kv_paged_extend", [_I, _I, _I, _I, _I, _I64, _P, _P, _P, _I, _P, _P, _P, _P, _I])
-
-
 def paged_extend(
     q: torch.Tensor,  # [N, Hq, D] fp32 contiguous, softmax scale applied; sequences' rows one after another
     flat: torch.Tensor,  # [2, Hkv, S, D] fp32 contiguous: a pool layer
@@ -151,15 +153,25 @@ def paged_extend(
     lens: torch.Tensor,  # [B] int64: tokens it holds, the new ones included
     page_size: int,
 ) -> torch.Tensor | None:  # [N, Hq, D], or None when the kernel is unavailable for these inputs
-    lib = xattn()
-    if lib is None or not _cpu_f32(q, flat) or not _i64(tables, row0, new, lens) or q.dim() != 3:
+    if xattn() is None:
+        return None
+    return _attend(q, flat, tables, row0, new, lens, page_size)
+
+
+def _attend(q: torch.Tensor, flat: torch.Tensor, tables: torch.Tensor, row0: torch.Tensor, new: torch.Tensor,
+            lens: torch.Tensor, page_size: int) -> torch.Tensor | None:
+    """cattn.c over q [N, Hq, D] (scale applied) -> [N, Hq, D]; None when it cannot take the inputs."""
+    lib = qgemm()
+    if (lib is None or not _cpu_f32(q, flat) or not _i64(tables, row0, new, lens) or q.dim() != 3
+            or flat.dim() != 4 or flat.shape[3] != q.shape[2] or q.shape[1] % flat.shape[1] or tables.dim() != 2
+            or tables.shape[0] != row0.shape[0] or row0.shape != new.shape or new.shape != lens.shape):
         return None
     n, hq, d = q.shape
     hkv = flat.shape[1]
     out = torch.empty(n, hq, d)
-    rc = lib.kv_paged_extend(tables.shape[0], hkv, hq // hkv, d, page_size, flat.shape[2], q.data_ptr(),
+    rc = lib.kv_paged_attend(tables.shape[0], hkv, hq // hkv, d, page_size, flat.shape[2], q.data_ptr(),
                              flat.data_ptr(), tables.data_ptr(), tables.shape[1], row0.data_ptr(), new.data_ptr(),
-                             lens.data_ptr(), out.data_ptr(), torch.get_num_threads())
+                             lens.data_ptr(), out.data_ptr(), n, torch.get_num_threads())
     return out if rc == 0 else None
 
 
@@ -173,11 +185,12 @@ def qgemm() -> ctypes.CDLL | None:
                                          _I, _I])
     if lib is not None and not getattr(lib, "_kv_typed", False):
         f = ctypes.c_float
-        lib.kv_decode_attend.argtypes = [_I, _I, _I, _I, _I, _P, _I64, _P, _P, _P, f, _P, _I, _I64, _P, _P, _I, _P,
-                                         f, _P, _I]
+        lib.kv_decode_attend.argtypes = [_I, _I, _I, _I, _I, _P, _I64, _P, _P, _P, f, _P, _I, _I64, _P, _P, _I, _I,
+                                         _P, _P, _P, f, _P, _I]
         lib.kv_q_attn_block.argtypes = [_I, _I, _P, _I64, _P, f, _I, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P,
-                                        _I, _I64, _P, _P, _I, _P, f, _I, _P, _P, _P, _P, _P, f, _I]
-        for fn in (lib.kv_decode_attend, lib.kv_q_attn_block):
+                                        _I, _I64, _P, _P, _I, _I, _P, _P, _P, f, _I, _P, _P, _P, _P, _P, f, _I]
+        lib.kv_paged_attend.argtypes = [_I, _I, _I, _I, _I, _I64, _P, _P, _P, _I, _P, _P, _P, _P, _I64, _I]
+        for fn in (lib.kv_decode_attend, lib.kv_q_attn_block, lib.kv_paged_attend):
             fn.restype = ctypes.c_int
         lib.kv_q_mlp.argtypes = [_I, _I, _I, _P, _I64, _P, ctypes.c_float, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P,
                                  _I, _P, ctypes.c_float, _I]
@@ -192,36 +205,38 @@ def qgemm() -> ctypes.CDLL | None:
 
 
 def dattn() -> ctypes.CDLL | None:
-    """The fused decode attention (norm, rotary, cache write, attention; kernels/dattn.c, built into
-    the qgemm library), or None."""
+    """The fused attention (norm, rotary, cache write, canonical attention; kernels/dattn.c, built
+    into the qgemm library), or None."""
     return qgemm()
 
 
 def decode_attend(
-    qkv: torch.Tensor,  # [B, (hq + 2 hkv) * D] fp32, unit column stride: q and k heads rotated in place
+    qkv: torch.Tensor,  # [N, (hq + 2 hkv) * D] fp32, unit column stride: q and k heads rotated in place
     heads: tuple[int, int, int],  # hq, hkv, D
-    cos: torch.Tensor,  # [B, rot] fp32 contiguous (rot may be 0)
-    sin: torch.Tensor,  # [B, rot] fp32 contiguous, rotate_half's sign folded in
+    cos: torch.Tensor,  # [N, rot] fp32 contiguous (rot may be 0)
+    sin: torch.Tensor,  # [N, rot] fp32 contiguous, rotate_half's sign folded in
     qk_norm: torch.Tensor | None,  # [hq + hkv, D] fp32 contiguous: per-head RMSNorm weights
     eps: float,
     flat: torch.Tensor,  # [2, hkv, S, D] fp32 contiguous: a pool layer
     page_size: int,
-    slots: torch.Tensor,  # [B] int64: where each new token's K/V go
-    tables: torch.Tensor,  # [B, max_pages] int64 contiguous
-    lens: torch.Tensor,  # [B] int64: tokens each query attends to, its own included
+    slots: torch.Tensor,  # [N] int64: where each new token's K/V go
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],  # tables [B, P], row0, nnew, lens [B]
     scale: float,
-) -> torch.Tensor | None:  # [B, hq * D], or None when the kernel cannot take these inputs
+) -> torch.Tensor | None:  # [N, hq * D], or None when the kernel cannot take these inputs
+    """Every new token of every sequence in one call: norm, RoPE, the cache write and attention."""
     lib = dattn()
     hq, hkv, d = heads
+    tables, row0, nnew, lens = rows
     if (lib is None or qkv.dtype != torch.float32 or qkv.device.type != "cpu" or qkv.dim() != 2
-            or qkv.stride(1) != 1 or not _cpu_f32(cos, sin, qk_norm, flat) or not _i64(slots, tables, lens)
+            or qkv.stride(1) != 1 or not _cpu_f32(cos, sin, qk_norm, flat) or not _i64(slots, *rows)
             or flat.dim() != 4 or flat.shape[1] != hkv or flat.shape[3] != d or cos.shape != sin.shape
             or cos.shape[0] != qkv.shape[0] or slots.shape[0] != qkv.shape[0]):
         return None
-    b = qkv.shape[0]
-    out = torch.empty(b, hq * d)
-    rc = lib.kv_decode_attend(b, hq, hkv, d, cos.shape[1], qkv.data_ptr(), qkv.stride(0), cos.data_ptr(),
+    n = qkv.shape[0]
+    out = torch.empty(n, hq * d)
+    rc = lib.kv_decode_attend(n, hq, hkv, d, cos.shape[1], qkv.data_ptr(), qkv.stride(0), cos.data_ptr(),
                               sin.data_ptr(), None if qk_norm is None else qk_norm.data_ptr(), float(eps),
                               flat.data_ptr(), page_size, flat.shape[2], slots.data_ptr(), tables.data_ptr(),
-                              tables.shape[1], lens.data_ptr(), float(scale), out.data_ptr(), torch.get_num_threads())
+                              tables.shape[1], tables.shape[0], row0.data_ptr(), nnew.data_ptr(), lens.data_ptr(),
+                              float(scale), out.data_ptr(), torch.get_num_threads())
     return out if rc == 0 else None

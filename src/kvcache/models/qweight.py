@@ -228,28 +228,31 @@ def fused_mlp(x: torch.Tensor, gate_up: object, down: object, act: int | None, e
 
 def attn_block(x: torch.Tensor, weights: tuple, heads: tuple[int, int, int], cos: torch.Tensor, sin: torch.Tensor,
                qk_norm: torch.Tensor | None, eps: float, scale: float, post_norm: torch.Tensor | None,
-               flat: torch.Tensor, page_size: int, slots: torch.Tensor, tables: torch.Tensor,
-               lens: torch.Tensor) -> bool:
-    """One decode step's attention half for sequences of one new token each, in one native call:
-    x [B, H] += o(attend(rope(norm(qkv(rms_norm(x)))))) with the new K/V written into the pool layer
-    ``flat`` [2, Hkv, S, D] at ``slots``. ``weights``: (qkv, qkv bias, o, o bias); False when they
-    are not single-format QWeights or the inputs do not fit the kernel (nothing was done then)."""
+               flat: torch.Tensor, page_size: int, slots: torch.Tensor,
+               rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
+    """One step's attention half for every new token of every sequence, in one native call:
+    x [N, H] += o(attend(rope(norm(qkv(rms_norm(x)))))) with the new K/V written into the pool layer
+    ``flat`` [2, Hkv, S, D] at ``slots`` [N]; ``rows``: (page tables [B, P], first row, new tokens,
+    lengths [B]) of the sequences. ``weights``: (qkv, qkv bias, o, o bias); False when they are not
+    single-format QWeights or the inputs do not fit the kernel (nothing was done then)."""
     qkv, qkv_b, o, o_b = weights
     hq, hkv, d = heads
+    tables, row0, nnew, lens = rows
     n = x.shape[0]
     if (type(qkv) is not QWeight or type(o) is not QWeight or x.dtype != torch.float32 or x.dim() != 2
             or not x.is_cpu or x.stride(1) != 1 or x.shape[1] != qkv.k or o.out != qkv.k or o.k != hq * d
             or qkv.out != (hq + 2 * hkv) * d or flat.dtype != torch.float32 or not flat.is_contiguous()
             or flat.shape[1] != hkv or flat.shape[3] != d or cos.shape[0] != n or not cos.is_contiguous()
-            or not sin.is_contiguous() or (qk_norm is not None and not qk_norm.is_contiguous())):
+            or not sin.is_contiguous() or (qk_norm is not None and not qk_norm.is_contiguous())
+            or slots.shape[0] != n):
         return False
     rot = cos.numel() // n
     rc = _lib().kv_q_attn_block(
         n, qkv.k, x.data_ptr(), x.stride(0), qkv._scale_ptr, eps, qkv.fmt, *qkv._ptrs,
         None if qkv_b is None else _vector_ptr(qkv_b, qkv.out, "bias"), hq, hkv, d, rot, cos.data_ptr(),
         sin.data_ptr(), None if qk_norm is None else qk_norm.data_ptr(), flat.data_ptr(), page_size,
-        flat.shape[2], slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), scale, o.fmt, *o._ptrs,
-        None if o_b is None else _vector_ptr(o_b, o.out, "bias"),
+        flat.shape[2], slots.data_ptr(), tables.data_ptr(), tables.shape[1], tables.shape[0], row0.data_ptr(),
+        nnew.data_ptr(), lens.data_ptr(), scale, o.fmt, *o._ptrs, None if o_b is None else _vector_ptr(o_b, o.out, "bias"),
         None if post_norm is None else _vector_ptr(post_norm, o.out, "norm weight"), eps, torch.get_num_threads())
     if rc == 4 or rc == 2:
         raise MemoryError("the fused attention could not allocate its buffers")
