@@ -16,7 +16,7 @@ CFG = ModelConfig(model_type="llama", vocab_size=8, hidden_size=64, intermediate
 
 
 def decode_outputs(spec: str, use_kernel: bool, monkeypatch) -> list[torch.Tensor]:
-    monkeypatch.setattr(kernels, "_LIBS", {} if use_kernel else {"qattn": False, "pattn": False})
+    monkeypatch.setattr(kernels, "_LIBS", {} if use_kernel else {"qattn": False, "pattn": False, "xattn": False})
     torch.manual_seed(0)
     cache = PagedKVCache(CFG, parse_kv_spec(spec))
     a, b = cache.new_sequence(), cache.new_sequence()
@@ -100,7 +100,7 @@ def test_kernel_reads_float16_scales_like_torch(bits):
 
 
 def batched_decode_outputs(spec: str, use_kernel: bool, monkeypatch) -> list[torch.Tensor]:
-    monkeypatch.setattr(kernels, "_LIBS", {} if use_kernel else {"qattn": False, "pattn": False})
+    monkeypatch.setattr(kernels, "_LIBS", {} if use_kernel else {"qattn": False, "pattn": False, "xattn": False})
     torch.manual_seed(1)
     cache = PagedKVCache(CFG, parse_kv_spec(spec))
     seqs = [cache.new_sequence() for _ in range(3)]
@@ -118,17 +118,17 @@ def batched_decode_outputs(spec: str, use_kernel: bool, monkeypatch) -> list[tor
 
 @pytest.mark.parametrize("spec", ["dynamic,page_size=4", "static,max_tokens=64,max_seqs=3,page_size=16"])
 def test_batched_float_decode_kernel_equals_torch_path(spec, monkeypatch):
-    if kernels.pattn() is None:
+    if kernels.xattn() is None:
         pytest.skip("no C compiler here: the torch path is the only one")
     calls = []
-    real = kernels.paged_decode
+    real = kernels.paged_extend  # decodes and extends alike: the canonical attention (cattn.c)
 
     def counted(*args):
         out = real(*args)
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(kernels, "paged_decode", counted)
+    monkeypatch.setattr(kernels, "paged_extend", counted)
     fast = batched_decode_outputs(spec, True, monkeypatch)
     assert calls and all(calls)
     slow = batched_decode_outputs(spec, False, monkeypatch)
@@ -178,7 +178,7 @@ def test_linear_uses_the_kernel_for_several_rows_and_matches_the_batched_product
     torch.testing.assert_close(fast, layers.linear(x, pw), atol=1e-5, rtol=1e-5)
 
 
-# -- extend attention over float pages (xattn.c) ---------------------------------------------------
+# -- extend attention over float pages (cattn.c) ---------------------------------------------------
 
 def extend_outputs(cfg: ModelConfig, spec: str, steps: list[list[int]], use_kernel: bool, monkeypatch):
     """Run forwards of ``steps[i][b]`` new tokens for sequence b over shared pool pages."""

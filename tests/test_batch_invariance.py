@@ -1,0 +1,135 @@
+"""Batch invariance with the file's quantized weights: a sequence's logits are the same bits
+whatever path computed them: recomputation, a dynamic or a static cache, any prefill chunking, a
+prefix hit, a batch of 1, 8 or 32 beside other sequences. (With quantized weights the activations
+are rounded to int8: any path that reduced in another order would round some value the other way
+and change the text, as the greedy text of the issue's prompt did before.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache import LLM, SamplingParams
+
+TEXTS = ["The history of the printing press begins", "Water boils at a temperature of",
+         "def fibonacci(n):\n    ", "In a distant galaxy, a small robot named", "The three primary colours are",
+         "Once upon a time there was a", "A recipe for bread needs flour, water,", "The capital of Australia is"]
+
+
+@pytest.fixture(scope="module")
+def llms():
+    made: dict[str, LLM] = {}
+
+    def get(kv: str, prefix: bool = False) -> LLM:
+        key = f"{kv}|{prefix}"
+        if key not in made:
+            made[key] = LLM(kv=kv, prefix=prefix)  # the bundled file, its own Q4_1/Q8_0 weights
+        return made[key]
+
+    return get
+
+
+def _prompts(llm: LLM, k: int) -> list[list[int]]:
+    """k prompts of different lengths (long ones cross the attention's 128-key chunks)."""
+    base = [llm.encode(t) for t in TEXTS]
+    out = []
+    for i in range(k):
+        ids = list(base[i % len(base)])
+        for j in range(i // len(base)):
+            ids += base[(i + j + 1) % len(base)]
+        if i % 3 == 0:
+            ids = ids * (1 + i % 5)  # some run past 128 and 256 tokens
+        out.append(ids)
+    return out
+
+
+def _feed(llm: LLM, ids: list[int], chunks: list[int], steps: int = 4) -> list[torch.Tensor]:
+    """Logits after the prompt (fed in ``chunks``; 0: the rest) and after ``steps`` greedy tokens."""
+    r = llm.runner
+    seq = r.new_sequence()
+    at, out = 0, []
+    for c in chunks:
+        feed = ids[at : at + c] if c else ids[at:]
+        at += len(feed)
+        logits = r.step([seq], [feed])[0]
+    assert at == len(ids)
+    out.append(logits)
+    for _ in range(steps):
+        logits = r.step([seq], [[int(logits.argmax())]])[0]
+        out.append(logits)
+    r.free(seq)
+    return out
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor], what: str) -> None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(x, y), f"{what}, step {i}: max difference {float((x - y).abs().max()):.3g}"
+
+
+@pytest.mark.parametrize("path", ["dynamic", "static,max_tokens=1024", "dynamic|chunks 1,2,5", "dynamic|chunks 127",
+                                  "dynamic|chunks 64", "dynamic|one by one"])
+def test_every_cache_path_gives_recomputations_bits(llms, path):
+    kv, _, how = path.partition("|")
+    ref_llm, llm = llms("none"), llms(kv)
+    for ids in _prompts(ref_llm, 8)[:5]:
+        want = _feed(ref_llm, ids, [0], steps=3)
+        if how == "one by one":
+            chunks = [1] * len(ids)
+        elif how:
+            sizes = [int(x) for x in how.split()[1].split(",")]
+            chunks, left = [], len(ids)
+            while left > 0:
+                c = min(sizes[len(chunks) % len(sizes)], left)
+                chunks.append(c)
+                left -= c
+        else:
+            chunks = [0]
+        _same(want, _feed(llm, ids, chunks, steps=3), f"{path}, {len(ids)}-token prompt")
+
+
+@pytest.mark.parametrize("batch", [8, 32])
+def test_a_sequence_in_a_batch_gives_its_bits_alone(llms, batch):
+    llm = llms("dynamic")
+    r = llm.runner
+    prompts = _prompts(llm, batch)
+    alone = [_feed(llm, p, [0], steps=2) for p in prompts]
+    seqs = [r.new_sequence() for _ in prompts]
+    logits = r.step(seqs, prompts)  # all prompts in one forward
+    got = [[row] for row in logits]
+    for _ in range(2):  # decodes of all sequences at once
+        logits = r.step(seqs, [[int(g[-1].argmax())] for g in got])
+        for g, row in zip(got, logits):
+            g.append(row)
+    for s in seqs:
+        r.free(s)
+    for i, (a, g) in enumerate(zip(alone, got)):
+        _same(a, g, f"sequence {i} of a batch of {batch}")
+    llm.check_integrity()
+
+
+def test_a_prefix_hit_gives_recomputations_bits(llms):
+    llm, ref = llms("dynamic", prefix=True), llms("none")
+    r = llm.runner
+    for ids in _prompts(ref, 8)[:4]:
+        first = ids[: max(2, 2 * len(ids) // 3)]
+        seq = r.lookup(first)
+        r.step([seq], [first[len(seq.tokens):]])
+        r.release(seq)  # its pages go to the prefix index
+        seq = r.lookup(ids)
+        hit = len(seq.tokens)
+        assert hit >= len(first) - llm.runner.cache.page_size  # a real hit, whole pages of it
+        logits = r.step([seq], [ids[hit:]])[0]
+        r.free(seq)
+        _same(_feed(ref, ids, [0], steps=0), [logits], f"prefix hit of {hit} of {len(ids)} tokens")
+    llm.check_integrity()
+
+
+def test_greedy_text_is_the_same_with_and_without_the_cache_and_beside_others(llms):
+    """The tutorials' first demonstration: the cache changes the speed, not the text."""
+    params = SamplingParams(max_tokens=24)
+    texts = {kv: llms(kv).generate([TEXTS[0]], params)[0].text for kv in ("none", "dynamic", "static,max_tokens=1024")}
+    assert len(set(texts.values())) == 1, texts
+    together = llms("dynamic").generate(TEXTS, params)
+    assert together[0].text == texts["none"]
+    for i, t in enumerate(TEXTS[1:4], 1):
+        assert llms("none").generate([t], params)[0].text == together[i].text
