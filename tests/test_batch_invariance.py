@@ -124,6 +124,23 @@ def test_a_prefix_hit_gives_recomputations_bits(llms):
     llm.check_integrity()
 
 
+@pytest.mark.parametrize("weights", ["fp32", "q8"])
+def test_other_weights_are_batch_invariant_too(weights):
+    ref, llm = LLM(kv="none", weights=weights, prefix=False), LLM(kv="dynamic", weights=weights, prefix=False)
+    prompts = _prompts(ref, 8)
+    alone = [_feed(ref, p, [0], steps=1) for p in prompts]
+    for p, a in zip(prompts[:3], alone):
+        _same(a, _feed(llm, p, [5] * (len(p) // 5) + [0] * (len(p) % 5 > 0), steps=1), f"{weights}, chunks of 5")
+    r = llm.runner
+    seqs = [r.new_sequence() for _ in prompts]
+    first = r.step(seqs, prompts)
+    second = r.step(seqs, [[int(row.argmax())] for row in first])
+    for s in seqs:
+        r.free(s)
+    for i, a in enumerate(alone):
+        _same(a, [first[i], second[i]], f"{weights}, sequence {i} of a batch of 8")
+
+
 def test_greedy_text_is_the_same_with_and_without_the_cache_and_beside_others(llms):
     """The tutorials' first demonstration: the cache changes the speed, not the text."""
     params = SamplingParams(max_tokens=24)
@@ -133,3 +150,29 @@ def test_greedy_text_is_the_same_with_and_without_the_cache_and_beside_others(ll
     assert together[0].text == texts["none"]
     for i, t in enumerate(TEXTS[1:4], 1):
         assert llms("none").generate([t], params)[0].text == together[i].text
+
+
+def test_a_served_greedy_request_does_not_depend_on_what_runs_beside_it():
+    """Through `kvcache serve` (the file's weights, continuous batching with prompt chunks mixed
+    into decode steps): the same greedy text alone and beside six other requests."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_server import Server
+
+    s = Server("smollm2", "--max-batch-tokens", "48")
+    try:
+        def complete(prompt: str, n: int = 32) -> str:
+            body = {"model": "smollm2", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+            code, reply = s.post("/v1/completions", json.dumps(body).encode())
+            assert code == 200, reply
+            return reply["choices"][0]["text"]
+
+        alone = [complete(t) for t in TEXTS[:3]]
+        with ThreadPoolExecutor(7) as pool:
+            others = [pool.submit(complete, t * (1 + i % 3), 40) for i, t in enumerate(TEXTS[3:7])]
+            together = list(pool.map(complete, TEXTS[:3]))
+            [f.result() for f in others]
+        assert together == alone
+    finally:
+        s.close()

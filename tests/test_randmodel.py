@@ -20,15 +20,18 @@ def test_parse_shape() -> None:
             parse_shape(bad)
 
 
-def test_main_errors_exit_2(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+def test_main_errors_exit_2(capsys: pytest.CaptureFixture[str], tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCACHE_HOME", str(tmp_path))  # no cached file may answer
     assert main(["--shape", "bogus"]) == 2
     assert main(["--shape", "1b", "--ftype", "Q4_0", "--llama-cpp-bin", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("error: ") for line in err)
 
 
-def test_tiny_random_gguf_loads(tmp_path) -> None:
+def test_tiny_random_gguf_loads(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     import kvcache
+
+    monkeypatch.setenv("KVCACHE_HOME", str(tmp_path / "home"))  # the converted folder goes there, not ~/.cache
 
     _, shape = parse_shape(TINY)
     path = write_f16(shape, tmp_path / "tiny.gguf", seed=0, progress=False)

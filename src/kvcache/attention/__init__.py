@@ -1,9 +1,10 @@
 """Attention over what the cache returns.
 
 - interface.py  AttentionContext: the one call a model's attention layer makes
-- dense.py      dense attention on gathered K/V, masks, RecomputeContext (the ``none`` strategy)
-- backends.py   PagedContext: attention over the paged cache, choosing fused decode, the native
-                pattn/xattn/qattn kernels or dense attention (import it from there: it pulls in
+- dense.py      dense attention on gathered K/V, masks
+- recompute.py  RecomputeContext (the ``none`` strategy): the cache's kernels over a scratch pool
+- backends.py   PagedContext: attention over the paged cache, choosing the fused kernels, the
+                native cattn/qattn kernels or dense attention (import it from there: it pulls in
                 the cache, which model code never needs)
 
 Owns the attention math and the choice of backend. May not plan reads or allocate pages (the

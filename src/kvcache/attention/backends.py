@@ -2,16 +2,17 @@
 
 Per layer group, once per forward (from cache/plan.py's ForwardPlan), then per layer:
 
-- fused decode (``attend_packed``, ``attend_block``): decodes over fp32 pages with full
-  visibility; norm, RoPE, the cache write and attention in one native call (kernels/dattn.c),
-  or the layer's whole attention half with quantized weights;
-- pattn: decodes (one or many) over fp32 pages with full visibility; one native call reads every
-  sequence's pages in place (no gathered copy, no per-sequence loop);
-- xattn: a few new tokens per sequence (at most EXTEND_MAX: an extend after a prefix hit, a chat
-  turn, a short chunk of prefill) over fp32 pages with full visibility, causal among the new ones;
+- fused (``attend_packed``, ``attend_block``): every new token of every sequence over fp32 pages
+  with full visibility (decodes, extends, prefill chunks): norm, RoPE, the cache write and
+  attention in one native call (kernels/dattn.c over cattn.c), or the layer's whole attention
+  half with quantized weights;
+- cattn: the same attention from q, k, v computed in torch (a press sequence recording its queries);
 - qattn: a lone decode query over quantized pages with everything in view, codes read in place;
-- dense: everything else (windows, sinks, fp16/bf16, offloaded pools, long prefills, no compiler):
-  each sequence's keys gathered (quantized pages dequantized) and attention/dense.py's math.
+- dense: everything else (windows, sinks, fp16/bf16, offloaded pools, no compiler): each sequence's
+  keys gathered (quantized pages dequantized) and attention/dense.py's math.
+
+cattn.c reduces every query row in one canonical order, so the fused path gives a row the same
+bits whatever else the forward holds (batch invariance; recompute runs it too).
 
 Every native path returns None when it cannot take its inputs, and the next one down runs: all
 give the same result. Owns the choice and the calls; may not plan (cache/plan.py decides which

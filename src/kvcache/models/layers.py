@@ -57,13 +57,15 @@ def linear(x: torch.Tensor, w: Any, b: torch.Tensor | None = None) -> torch.Tens
     """x: [N, in] @ packed w: [k, in, part] (+ b: [k, 1, part]) -> [N, k * part]; or, for a
     quantized weight (models/qweight.py, bias [out]), its int8 product -> [N, out].
 
-    Several rows go to the native kernel (kernels/pgemm.c: every weight loaded once serves
-    several rows; 1.4-2.8x MKL's sgemm at 2-2048 rows on the reference machine) when it is there;
-    one row, and everything without the kernel, runs as a batched product over the k blocks."""
+    Rows go to the native kernel (kernels/pgemm.c: every weight loaded once serves several rows;
+    1.4-2.8x MKL's sgemm at 2-2048 rows on the reference machine) when it is there, one row too:
+    each output element is one multiply-add chain over the inputs whatever the number of rows, so a
+    row's product is the same bits alone or in a batch. Without the kernel, a batched product over
+    the k blocks."""
     if not isinstance(w, torch.Tensor):
         return w.forward(x, b)
     n = x.shape[0]
-    if n > 1 and _MULTI_ROW:
+    if _MULTI_ROW:
         y = kernels.packed_matmul(x, w, b)
         if y is not None:
             return y
