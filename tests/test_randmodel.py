@@ -32,7 +32,6 @@ def test_tiny_random_gguf_loads(tmp_path, monkeypatch: pytest.MonkeyPatch) -> No
     import kvcache
 
     monkeypatch.setenv("KVCACHE_HOME", str(tmp_path / "home"))  # the converted folder goes there, not ~/.cache
-
     _, shape = parse_shape(TINY)
     path = write_f16(shape, tmp_path / "tiny.gguf", seed=0, progress=False)
     llm = kvcache.LLM(str(path), prefix=False)

@@ -8,7 +8,8 @@ writes them) with normal(0, 0.02) weights and all-ones norms, and the tokenizer 
 one; ``make`` quantizes it with llama.cpp's own ``llama-quantize`` into any ftype that tool names.
 Files are cached as ``$KVCACHE_HOME/benchmodels/<shape>-<seed>-<ftype>.gguf``: a second call is
 instant. Weights are generated one tensor at a time (in row chunks), so a 3B file never needs
-more than one tensor in memory.
+more than one tensor in memory. A Qwen shape is written as ``llama`` too (no Q/K/V biases), and
+Llama 3.2's rope scaling is left out (no ``rope_freqs`` tensor): neither changes the speed.
 
     python -m kvcache.bench.randmodel --shape 1b --ftype Q4_0,Q4_K_M,Q8_0 [--llama-cpp-bin DIR] [--seed 0]
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -53,7 +55,7 @@ SHAPES: dict[str, Shape] = {
 }
 _INT_KEYS = ("hidden", "layers", "heads", "kv_heads", "ffn", "head_dim", "context")
 _ABBR = {"hidden": "h", "layers": "l", "heads": "a", "kv_heads": "kv", "ffn": "ff", "head_dim": "d",
-         "rope_theta": "theta", "context": "ctx", "eps": "eps"}  # file names of custom shapes: h64-l2-a4-kv2-ff128
+         "rope_theta": "theta", "context": "ctx", "eps": "eps"}  # in the file names of custom shapes
 _ABBR_ALWAYS = ("hidden", "layers", "heads", "kv_heads", "ffn")
 
 
@@ -78,8 +80,10 @@ def parse_shape(text: str) -> tuple[str, Shape]:
         if key not in known or not val.strip():
             raise ShapeError(f"bad shape item {p!r}: want key=value with key one of {', '.join(sorted(known))}")
         try:
-            given[key] = (int(val) if key in _INT_KEYS else val.strip() in ("1", "true", "yes")
-                          if key == "tied" else float(val))
+            if key == "tied":
+                given[key] = val.strip() in ("1", "true", "yes")
+            else:
+                given[key] = int(val) if key in _INT_KEYS else float(val)
         except ValueError:
             raise ShapeError(f"bad shape item {p!r}: not a number") from None
     if base is None:
@@ -95,10 +99,10 @@ def parse_shape(text: str) -> tuple[str, Shape]:
         raise ShapeError(f"shape {text!r}: sizes must be positive and heads a multiple of kv_heads")
     if shape.dim % 2 or (not shape.head_dim and shape.hidden % shape.heads):
         raise ShapeError(f"shape {text!r}: head_dim must be even (and hidden a multiple of heads without head_dim)")
-    if base is None or given:
-        name = "-".join(f"{_ABBR[f.name]}{getattr(shape, f.name):g}" for f in fields(Shape) if f.name != "tied"
-                        and (f.name in _ABBR_ALWAYS or getattr(shape, f.name) != f.default)) + ("" if shape.tied else "-untied")
-        name = name.replace("+", "")
+    if base is None or given:  # e.g. h64-l2-a4-kv2-ff128
+        items = [f"{_ABBR[f.name]}{getattr(shape, f.name):g}" for f in fields(Shape) if f.name in _ABBR
+                 and (f.name in _ABBR_ALWAYS or getattr(shape, f.name) != f.default)]
+        name = "-".join(items + ([] if shape.tied else ["untied"])).replace("+", "")
     return name, shape
 
 
@@ -120,14 +124,14 @@ def _tensors(s: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def _random(shape: tuple[int, ...], rng: np.random.Generator, bar: object) -> np.ndarray:
+def _random(shape: tuple[int, ...], rng: np.random.Generator, done: Callable[[int], object]) -> np.ndarray:
     """normal(0, STD) in float16, made in chunks of rows so no float32 copy of the whole exists."""
     a = np.empty(shape, dtype=np.float16)
     rows = max(1, _CHUNK // shape[1])
     for r in range(0, shape[0], rows):
         chunk = a[r:r + rows]
         chunk[...] = rng.standard_normal(chunk.shape, dtype=np.float32) * STD
-        bar.update(chunk.nbytes)  # type: ignore[attr-defined]
+        done(chunk.nbytes)
     return a
 
 
@@ -181,7 +185,7 @@ def write_f16(shape: Shape, out: Path, seed: int = 0, name: str = "random", prog
         with tqdm(total=total, unit="B", unit_scale=True, desc=out.name, disable=not progress) as bar:
             for i, (tname, tshape) in enumerate(plan):
                 rng = np.random.default_rng([seed, i])  # each tensor its own stream: order-independent
-                a = np.ones(tshape, np.float32) if len(tshape) == 1 else _random(tshape, rng, bar)
+                a = np.ones(tshape, np.float32) if len(tshape) == 1 else _random(tshape, rng, bar.update)
                 w.write_tensor_data(a)
                 del a
         w.close()
