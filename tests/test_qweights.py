@@ -48,7 +48,8 @@ def repacked(t: T, out: int, k: int, fmt: int | None = None, seed: int = 0) -> t
 
 ALL = [*LEGACY, *KQUANTS]
 # memory per weight in its repacked format: values (nibbles or bytes) plus scales (and minimums)
-BYTES_PER_WEIGHT = {T.Q4_0: 0.625, T.Q4_1: 0.625, T.Q5_0: 0.75, T.Q5_1: 0.75, T.Q8_0: 1.0625, T.Q2_K: 1.5,
+# (Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 at the file's own density; the K-quants above it: fp32 scales)
+BYTES_PER_WEIGHT = {T.Q4_0: 0.5625, T.Q4_1: 0.625, T.Q5_0: 0.6875, T.Q5_1: 0.75, T.Q8_0: 1.0625, T.Q2_K: 1.5,
                     T.Q3_K: 1.25, T.Q4_K: 0.75, T.Q5_K: 0.875, T.Q6_K: 1.25}
 
 

@@ -11,8 +11,10 @@
  *       (the low 4 bits of each value); 5-bit formats add 32 bytes, the fifth bits: bit (c * 8 + t)
  *       of the little-endian 64-bit word s (bytes 128 + 8 s ..) = bit 4 of value (c, 8 s + t)
  *   d   NS x 8 scales (NS = 2 for 16-input sub-blocks, else 1), fp16 or fp32 by format
- *   m   NS x 8 minimums of unsigned formats (same dtype), absent for signed ones
- * so that weight (c, k) = d * q + m (unsigned) or d * q (signed), with the scale of k's sub-block.
+ *   m   NS x 8 minimums of unsigned formats (same dtype), absent for signed and offset ones
+ * so that weight (c, k) = d * q + m (unsigned), d * q (signed) or d * (q - OFFSET) (offset formats:
+ * GGUF's Q4_0 and Q5_0, whose minimum is -8 d or -16 d, kept without storing it), with the scale
+ * of k's sub-block.
  * Arrays: qs [G, nb, QB] uint8, d and m [G, nb, NS, 8], G = ceil(out / 8), nb = K / 32; rows of the
  * last group past ``out`` hold zeros.
  *
@@ -35,14 +37,18 @@ enum {
     KVQ_U8_F32_16 = 6, /* bytes 0..3, fp32 d and m per 16 (Q2_K) */
     KVQ_Q5_F16 = 7,  /* nibbles + fifth bits (0..31), fp16 d and m per 32 (Q5_0, Q5_1) */
     KVQ_Q5_F32 = 8,  /* nibbles + fifth bits, fp32 d and m per 32 (Q5_K) */
-    KVQ_NFMT = 9
+    KVQ_Q4O_F16 = 9, /* nibbles 0..15 offset by 8: fp16 d per 32, the minimum -8 d implied (Q4_0) */
+    KVQ_Q5O_F16 = 10, /* nibbles + fifth bits offset by 16: fp16 d per 32, minimum -16 d implied (Q5_0) */
+    KVQ_NFMT = 11
 };
 
-static const int KVQ_NIBBLES[KVQ_NFMT] = {1, 1, 0, 0, 0, 0, 0, 1, 1};
-static const int KVQ_HIGH[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 1, 1};
-static const int KVQ_SIGNED[KVQ_NFMT] = {0, 0, 1, 1, 0, 0, 0, 0, 0};
-static const int KVQ_F16[KVQ_NFMT] = {1, 0, 1, 0, 1, 0, 0, 1, 0};
-static const int KVQ_NS[KVQ_NFMT] = {1, 1, 1, 2, 1, 1, 2, 1, 1};
+static const int KVQ_NIBBLES[KVQ_NFMT] = {1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1};
+static const int KVQ_HIGH[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1};
+static const int KVQ_SIGNED[KVQ_NFMT] = {0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0};
+static const int KVQ_F16[KVQ_NFMT] = {1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 1};
+static const int KVQ_NS[KVQ_NFMT] = {1, 1, 1, 2, 1, 1, 2, 1, 1, 1, 1};
+/* offset formats store no minimums: weight = d * (q - OFFSET), that is m = -OFFSET * d */
+static const int KVQ_OFFSET[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 16};
 
 static inline int kvq_qbytes(int fmt) { return KVQ_NIBBLES[fmt] ? (KVQ_HIGH[fmt] ? 160 : 128) : 256; }
 

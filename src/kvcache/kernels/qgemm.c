@@ -126,7 +126,7 @@ static inline float scale_at(const int F16, const void *p, int64_t i) {
 
 #if ISA == 3
 static inline __attribute__((always_inline)) void group(const int NIB, const int HI, const int SGN, const int F16,
-                                                        const int NS, int nr, Acts a, const uint8_t *w,
+                                                        const int NS, const int OFS, int nr, Acts a, const uint8_t *w,
                                                         const void *dv, const void *mv, float out[RT][8]) {
     __m512 acc[RT];
     __m256 accm[RT];
@@ -175,7 +175,7 @@ static inline __attribute__((always_inline)) void group(const int NIB, const int
             ds[h] = F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)dv + at)))
                         : _mm256_loadu_ps((const float *)dv + at);
             dd[h] = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(ds[h]));
-            if (!SGN)
+            if (!SGN && !OFS)
                 ms[h] = F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)mv + at)))
                             : _mm256_loadu_ps((const float *)mv + at);
         }
@@ -193,15 +193,17 @@ static inline __attribute__((always_inline)) void group(const int NIB, const int
                                                        _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, w2, a2), w3, a3));
                     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dd[0], sda), acc[r]);
                     if (SGN) accm[r] = _mm256_fnmadd_ps(ds[0], _mm256_set1_ps(128.f * (s0 + s1)), accm[r]);
+                    else if (OFS) accm[r] = _mm256_fnmadd_ps(ds[0], _mm256_set1_ps((float)OFS * (s0 + s1)), accm[r]);
                     else accm[r] = _mm256_fmadd_ps(ms[0], _mm256_set1_ps(s0 + s1), accm[r]);
                 } else {
                     const __m512i t0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, w0, a0), w1, a1);
                     const __m512i t1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, w2, a2), w3, a3);
                     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t0), _mm512_mul_ps(dd[0], sda), acc[r]);
                     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t1), _mm512_mul_ps(dd[1], sda), acc[r]);
-                    if (SGN) {
-                        accm[r] = _mm256_fnmadd_ps(ds[0], _mm256_set1_ps(128.f * s0), accm[r]);
-                        accm[r] = _mm256_fnmadd_ps(ds[1], _mm256_set1_ps(128.f * s1), accm[r]);
+                    if (SGN || OFS) {
+                        const float o = SGN ? 128.f : (float)OFS;
+                        accm[r] = _mm256_fnmadd_ps(ds[0], _mm256_set1_ps(o * s0), accm[r]);
+                        accm[r] = _mm256_fnmadd_ps(ds[1], _mm256_set1_ps(o * s1), accm[r]);
                     } else {
                         accm[r] = _mm256_fmadd_ps(ms[0], _mm256_set1_ps(s0), accm[r]);
                         accm[r] = _mm256_fmadd_ps(ms[1], _mm256_set1_ps(s1), accm[r]);
@@ -243,7 +245,8 @@ static inline __m256i fifth_bits(uint32_t m) {
 }
 
 static inline __attribute__((always_inline)) void half(const int NIB, const int HI, const int SGN, const int F16,
-                                                       const int NS, int hf, int nr, Acts a, const uint8_t *w,
+                                                       const int NS, const int OFS, int hf, int nr, Acts a,
+                                                       const uint8_t *w,
                                                        const void *dv, const void *mv, float out[RT][8]) {
     __m256 acc[RT];
     __m128 accm[RT];
@@ -285,7 +288,7 @@ static inline __attribute__((always_inline)) void half(const int NIB, const int 
             ds[h] = F16 ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)dv + at)))
                         : _mm_loadu_ps((const float *)dv + at);
             dd[h] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(ds[h]), dup);
-            if (!SGN)
+            if (!SGN && !OFS)
                 ms[h] = F16 ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)mv + at)))
                             : _mm_loadu_ps((const float *)mv + at);
         }
@@ -302,13 +305,15 @@ static inline __attribute__((always_inline)) void half(const int NIB, const int 
                     const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3]));
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dd[0], sda), acc[r]);
                     if (OFF) accm[r] = _mm_fnmadd_ps(ds[0], _mm_set1_ps(128.f * (s0 + s1)), accm[r]);
+                    else if (OFS) accm[r] = _mm_fnmadd_ps(ds[0], _mm_set1_ps((float)OFS * (s0 + s1)), accm[r]);
                     else if (!SGN) accm[r] = _mm_fmadd_ps(ms[0], _mm_set1_ps(s0 + s1), accm[r]);
                 } else {
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p[0], p[1])), _mm256_mul_ps(dd[0], sda), acc[r]);
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p[2], p[3])), _mm256_mul_ps(dd[1], sda), acc[r]);
-                    if (OFF) {
-                        accm[r] = _mm_fnmadd_ps(ds[0], _mm_set1_ps(128.f * s0), accm[r]);
-                        accm[r] = _mm_fnmadd_ps(ds[1], _mm_set1_ps(128.f * s1), accm[r]);
+                    if (OFF || OFS) {
+                        const float o = OFF ? 128.f : (float)OFS;
+                        accm[r] = _mm_fnmadd_ps(ds[0], _mm_set1_ps(o * s0), accm[r]);
+                        accm[r] = _mm_fnmadd_ps(ds[1], _mm_set1_ps(o * s1), accm[r]);
                     } else if (!SGN) {
                         accm[r] = _mm_fmadd_ps(ms[0], _mm_set1_ps(s0), accm[r]);
                         accm[r] = _mm_fmadd_ps(ms[1], _mm_set1_ps(s1), accm[r]);
@@ -326,15 +331,15 @@ static inline __attribute__((always_inline)) void half(const int NIB, const int 
 }
 
 static inline __attribute__((always_inline)) void group(const int NIB, const int HI, const int SGN, const int F16,
-                                                        const int NS, int nr, Acts a, const uint8_t *w,
+                                                        const int NS, const int OFS, int nr, Acts a, const uint8_t *w,
                                                         const void *dv, const void *mv, float out[RT][8]) {
-    half(NIB, HI, SGN, F16, NS, 0, nr, a, w, dv, mv, out);
-    half(NIB, HI, SGN, F16, NS, 1, nr, a, w, dv, mv, out);
+    half(NIB, HI, SGN, F16, NS, OFS, 0, nr, a, w, dv, mv, out);
+    half(NIB, HI, SGN, F16, NS, OFS, 1, nr, a, w, dv, mv, out);
 }
 
 #else
 static inline __attribute__((always_inline)) void group(const int NIB, const int HI, const int SGN, const int F16,
-                                                        const int NS, int nr, Acts a, const uint8_t *w,
+                                                        const int NS, const int OFS, int nr, Acts a, const uint8_t *w,
                                                         const void *dv, const void *mv, float out[RT][8]) {
     const int qb = NIB ? (HI ? 160 : 128) : 256;
     for (int r = 0; r < nr; r++)
@@ -361,7 +366,8 @@ static inline __attribute__((always_inline)) void group(const int NIB, const int
                     const int si = NS == 1 ? s[0] + s[1] : s[h];
                     const float sumq = NS == 1 ? a.sa[(int64_t)r * 2 * a.nb + 2 * b] + a.sa[(int64_t)r * 2 * a.nb + 2 * b + 1]
                                                : a.sa[(int64_t)r * 2 * a.nb + 2 * b + h];
-                    out[r][c] += sd * dA * (float)si + (SGN ? 0.f : scale_at(F16, mv, at) * sumq);
+                    const float mn = SGN ? 0.f : OFS ? -(float)OFS * sd : scale_at(F16, mv, at);
+                    out[r][c] += sd * dA * (float)si + mn * sumq;
                 }
             }
         }
@@ -370,25 +376,27 @@ static inline __attribute__((always_inline)) void group(const int NIB, const int
 #endif
 
 /* One group of columns over rows r0 .. r0 + nr - 1 (nr <= RT) of one format. */
-#define GROUP_FN(name, NIB, HI, SGN, F16, NS) \
+#define GROUP_FN(name, NIB, HI, SGN, F16, NS, OFS) \
     static void name(int nr, Acts a, const uint8_t *w, const void *dv, const void *mv, float out[RT][8]) { \
         if (nr == 1) /* a decode: the row loop folds away */ \
-            group(NIB, HI, SGN, F16, NS, 1, a, w, dv, mv, out); \
+            group(NIB, HI, SGN, F16, NS, OFS, 1, a, w, dv, mv, out); \
         else \
-            group(NIB, HI, SGN, F16, NS, nr, a, w, dv, mv, out); \
+            group(NIB, HI, SGN, F16, NS, OFS, nr, a, w, dv, mv, out); \
     }
-GROUP_FN(g_q4_f16, 1, 0, 0, 1, 1)
-GROUP_FN(g_q4_f32, 1, 0, 0, 0, 1)
-GROUP_FN(g_s8_f16, 0, 0, 1, 1, 1)
-GROUP_FN(g_s8_f32_16, 0, 0, 1, 0, 2)
-GROUP_FN(g_u8_f16, 0, 0, 0, 1, 1)
-GROUP_FN(g_u8_f32, 0, 0, 0, 0, 1)
-GROUP_FN(g_u8_f32_16, 0, 0, 0, 0, 2)
-GROUP_FN(g_q5_f16, 1, 1, 0, 1, 1)
-GROUP_FN(g_q5_f32, 1, 1, 0, 0, 1)
+GROUP_FN(g_q4_f16, 1, 0, 0, 1, 1, 0)
+GROUP_FN(g_q4_f32, 1, 0, 0, 0, 1, 0)
+GROUP_FN(g_s8_f16, 0, 0, 1, 1, 1, 0)
+GROUP_FN(g_s8_f32_16, 0, 0, 1, 0, 2, 0)
+GROUP_FN(g_u8_f16, 0, 0, 0, 1, 1, 0)
+GROUP_FN(g_u8_f32, 0, 0, 0, 0, 1, 0)
+GROUP_FN(g_u8_f32_16, 0, 0, 0, 0, 2, 0)
+GROUP_FN(g_q5_f16, 1, 1, 0, 1, 1, 0)
+GROUP_FN(g_q5_f32, 1, 1, 0, 0, 1, 0)
+GROUP_FN(g_q4o_f16, 1, 0, 0, 1, 1, 8)
+GROUP_FN(g_q5o_f16, 1, 1, 0, 1, 1, 16)
 typedef void (*GroupFn)(int, Acts, const uint8_t *, const void *, const void *, float[RT][8]);
 static const GroupFn GROUPS[KVQ_NFMT] = {g_q4_f16, g_q4_f32, g_s8_f16, g_s8_f32_16, g_u8_f16, g_u8_f32, g_u8_f32_16,
-                                         g_q5_f16, g_q5_f32};
+                                         g_q5_f16, g_q5_f32, g_q4o_f16, g_q5o_f16};
 
 /* Columns 8g .. 8g + 7 of rows r0 .. r1 - 1: y (+)= products * rscale + bias. */
 KV_HIDDEN void mm_group(const QW *wt, int g, int r0, int r1, const int8_t *q, const float *da, const float *sa,
@@ -417,7 +425,7 @@ KV_HIDDEN void mm_group(const QW *wt, int g, int r0, int r1, const int8_t *q, co
 
 KV_HIDDEN int qw_valid(const QW *w) {
     return w->fmt >= 0 && w->fmt < KVQ_NFMT && w->K >= 32 && w->K % 32 == 0 && w->out >= 1 &&
-           (KVQ_SIGNED[w->fmt] || w->m != NULL);
+           (KVQ_SIGNED[w->fmt] || KVQ_OFFSET[w->fmt] || w->m != NULL);
 }
 
 int kv_q_matmul(int fmt, int n, int K, int out, const int8_t *q, const float *da, const float *sa,

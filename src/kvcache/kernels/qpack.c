@@ -3,8 +3,8 @@
  * kv_q_repack decodes rows of a GGUF tensor (its own block type) into integer values with a scale
  * and a minimum per sub-block, exactly: value = d * q + m, the same numbers the file stands for,
  * and stores them into the rows ``dst_rows`` of a repacked weight. A GGUF type may go into any
- * format that holds its values: Q4_0 into Q4_F16 or, beside a Q4_K part, Q4_F32; Q8_0 into S8_F16
- * or S8_F32_16; and so on. kv_q_dequant turns repacked rows back into fp32 (tied embeddings read
+ * format that holds its values: Q4_0 into Q4O_F16 (its minimum -8 d implied, not stored), or
+ * beside other 4-bit parts Q4_F16 or Q4_F32; Q8_0 into S8_F16 or S8_F32_16; and so on. kv_q_dequant turns repacked rows back into fp32 (tied embeddings read
  * the rows they need; the tests use it as the reference).
  *
  * GGUF types (ggml ids): Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q2_K 10, Q3_K 11, Q4_K 12,
@@ -165,6 +165,8 @@ static int holds(int gtype, int fmt) {
     if (KVQ_HIGH[fmt]) nib = nib || five; /* 5-bit formats hold 4- and 5-bit types */
     int ns16 = gtype == 10 || gtype == 11 || gtype == 14, f16 = gtype == 2 || gtype == 3 || gtype == 6 || gtype == 7 || gtype == 8;
     if (KVQ_SIGNED[fmt] != sgn) return 0;
+    if (KVQ_OFFSET[fmt] == 8 && gtype != 2) return 0;  /* only Q4_0 has the implied minimum -8 d */
+    if (KVQ_OFFSET[fmt] == 16 && gtype != 6) return 0; /* only Q5_0 has -16 d */
     if (KVQ_NIBBLES[fmt] && !nib) return 0;
     if (KVQ_F16[fmt] && !f16) return 0;
     if (ns16 && KVQ_NS[fmt] != 2) return 0;
@@ -218,7 +220,7 @@ int kv_q_repack(int gtype, int fmt, int rows, int K, const uint8_t *src, int64_t
                 const int64_t idx = ((g * nb + b) * ns + h) * 8 + c;
                 const int src_sub = e / sub;
                 put_scale(fmt, d, idx, dd[src_sub]);
-                if (!KVQ_SIGNED[fmt]) put_scale(fmt, m, idx, mm[src_sub]);
+                if (!KVQ_SIGNED[fmt] && !KVQ_OFFSET[fmt]) put_scale(fmt, m, idx, mm[src_sub]);
             }
         }
     }
@@ -245,7 +247,8 @@ int kv_q_dequant(int fmt, int K, int out, const uint8_t *qs, const void *d, cons
             if (KVQ_SIGNED[fmt]) {
                 v = sd * (float)(int8_t)byte;
             } else {
-                float sm = KVQ_F16[fmt] ? kvq_h2f(((const uint16_t *)m)[idx]) : ((const float *)m)[idx];
+                float sm = KVQ_OFFSET[fmt] ? -(float)KVQ_OFFSET[fmt] * sd
+                           : KVQ_F16[fmt] ? kvq_h2f(((const uint16_t *)m)[idx]) : ((const float *)m)[idx];
                 int qv = nib ? (high ? byte >> 4 : byte & 15) : byte;
                 if (KVQ_HIGH[fmt]) {
                     int bit, hp = kvq_high_pos(c, kk, &bit);

@@ -26,18 +26,20 @@ from kvcache import kernels
 from kvcache.errors import ModelLoadError
 
 # kernels/qformat.h
-Q4_F16, Q4_F32, S8_F16, S8_F32_16, U8_F16, U8_F32, U8_F32_16, Q5_F16, Q5_F32 = range(9)
-FORMAT_NAMES = ("q4_f16", "q4_f32", "s8_f16", "s8_f32_16", "u8_f16", "u8_f32", "u8_f32_16", "q5_f16", "q5_f32")
-_NIBBLES = (1, 1, 0, 0, 0, 0, 0, 1, 1)
-_HIGH = (0, 0, 0, 0, 0, 0, 0, 1, 1)  # a fifth bit beside the nibbles
-_SIGNED = (0, 0, 1, 1, 0, 0, 0, 0, 0)
-_F16 = (1, 0, 1, 0, 1, 0, 0, 1, 0)
-_NS = (1, 1, 1, 2, 1, 1, 2, 1, 1)
+Q4_F16, Q4_F32, S8_F16, S8_F32_16, U8_F16, U8_F32, U8_F32_16, Q5_F16, Q5_F32, Q4O_F16, Q5O_F16 = range(11)
+FORMAT_NAMES = ("q4_f16", "q4_f32", "s8_f16", "s8_f32_16", "u8_f16", "u8_f32", "u8_f32_16", "q5_f16", "q5_f32",
+                "q4o_f16", "q5o_f16")
+_NIBBLES = (1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1)
+_HIGH = (0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1)  # a fifth bit beside the nibbles
+_SIGNED = (0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0)
+_F16 = (1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 1)
+_NS = (1, 1, 1, 2, 1, 1, 2, 1, 1, 1, 1)
+_OFFSET = (0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 16)  # no stored minimum: it is -offset * d (Q4_0, Q5_0)
 
 # GGUF (ggml) type ids -> the format that holds them most compactly
 GGML = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
         "Q6_K": 14}
-FORMAT_OF = {2: Q4_F16, 3: Q4_F16, 6: Q5_F16, 7: Q5_F16, 8: S8_F16, 10: U8_F32_16, 11: S8_F32_16, 12: Q4_F32,
+FORMAT_OF = {2: Q4O_F16, 3: Q4_F16, 6: Q5O_F16, 7: Q5_F16, 8: S8_F16, 10: U8_F32_16, 11: S8_F32_16, 12: Q4_F32,
              13: Q5_F32, 14: S8_F32_16}
 
 
@@ -56,7 +58,7 @@ def common_format(types: Sequence[int]) -> int | None:
     if all(_NIBBLES[f] for f in fmts):  # 4- and 5-bit types
         if any(_HIGH[f] for f in fmts):
             return Q5_F16 if f16 else Q5_F32
-        return Q4_F32
+        return Q4_F16 if f16 else Q4_F32
     return U8_F32_16 if any(_NS[f] == 2 for f in fmts) else (U8_F16 if f16 else U8_F32)
 
 
@@ -73,7 +75,8 @@ class QWeight:
         self.qs = torch.from_numpy(np.zeros((g, nb, qb), np.uint8))  # [G, nb, QB]
         dt = np.float16 if _F16[fmt] else np.float32
         self.d = torch.from_numpy(np.zeros((g, nb, ns, 8), dt))  # [G, nb, NS, 8] scales
-        self.m = None if _SIGNED[fmt] else torch.from_numpy(np.zeros((g, nb, ns, 8), dt))  # minimums
+        self.m = (None if _SIGNED[fmt] or _OFFSET[fmt]  # minimums
+                  else torch.from_numpy(np.zeros((g, nb, ns, 8), dt)))
         self.in_scale = in_scale  # [K] fp32 or None
         self._fn, self._ptrs, self._scale_ptr = None, (), None  # set by seal()
 
