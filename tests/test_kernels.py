@@ -159,7 +159,7 @@ def test_packed_matmul_equals_reference(out_f, in_f, k, n):
     torch.testing.assert_close(got[:, :out_f], (x.double() @ w.double().T).float(), atol=1e-4, rtol=1e-4)
 
 
-def test_linear_uses_the_kernel_for_several_rows_and_matches_the_batched_product(monkeypatch):
+def test_linear_uses_the_kernel_for_every_row_count_and_matches_the_batched_product(monkeypatch):
     from kvcache.models import layers
 
     if kernels.pgemm() is None:
@@ -172,8 +172,9 @@ def test_linear_uses_the_kernel_for_several_rows_and_matches_the_batched_product
     x = torch.randn(9, 48)
     fast = layers.linear(x, pw)
     assert len(calls) == 1
-    layers.linear(x[:1], pw)
-    assert len(calls) == 1  # one row stays with the batched product
+    one = layers.linear(x[:1], pw)
+    assert len(calls) == 2  # one row too: the same bits as that row in a batch
+    assert torch.equal(one[0], fast[0]) and torch.equal(layers.linear(x[4:7], pw), fast[4:7])
     monkeypatch.setattr(layers, "_MULTI_ROW", False)
     torch.testing.assert_close(fast, layers.linear(x, pw), atol=1e-5, rtol=1e-5)
 

@@ -19,7 +19,12 @@ SUITES = tuple(SUITE_MODULES)
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="benchmarks beside transformers, in the same run")
     b.add_argument("suite", help=f"suite to run: {', '.join(SUITES)}, or all (every suite, one report)")
-    b.add_argument("--model", "-m", default=None, help="model (default: bundled SmolLM2-135M-Instruct)")
+    b.add_argument("--model", "-m", default=None,
+                   help="model (default: bundled SmolLM2-135M-Instruct); random:SHAPE:FTYPE makes (once, cached) a "
+                        "model of that shape with random weights and SmolLM2's tokenizer, quantized by llama.cpp's "
+                        "llama-quantize: random:1b:Q4_K_M, random:3b:Q8_0, random:135m:Q4_0, "
+                        "random:hidden=2048,layers=16,heads=32,kv_heads=8,ffn=8192:Q4_0 (speed does not depend on "
+                        "what the weights say)")
     b.add_argument("--new-tokens", type=int, default=None,
                    help="new tokens per run (default: decode 200, context 64)")
     b.add_argument("--repeats", type=int, default=None,
@@ -101,7 +106,25 @@ def _refuse_foreign(args: argparse.Namespace) -> None:
             raise InvalidParams(f"{flag} does not apply to the {args.suite} suite (only to {', '.join(users)})")
 
 
+def random_model(args: argparse.Namespace) -> None:
+    """``--model random:SHAPE:FTYPE`` -> the path of that benchmark model (bench/randmodel.py)."""
+    spec = args.model
+    if not (isinstance(spec, str) and spec.startswith("random:")):
+        return
+    shape, _, ftype = spec[len("random:"):].rpartition(":")
+    if not shape or not ftype:
+        raise InvalidParams(f"--model {spec!r}: give random:SHAPE:FTYPE, e.g. random:1b:Q4_K_M")
+    from kvcache.bench.randmodel import ShapeError, bin_dir, make
+
+    try:
+        (path,) = make(shape, [ftype], llama_bin=bin_dir(getattr(args, "llama_cpp_bin", None)))
+    except (ShapeError, RuntimeError) as e:
+        raise InvalidParams(f"--model {spec!r}: {e}") from None
+    args.model = str(path)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    random_model(args)
     if args.suite == "all":
         return cmd_all(args)
     if args.suite not in SUITES:

@@ -199,7 +199,10 @@ def run(args: argparse.Namespace) -> int:
     bar.close()
     results = [r.summary() for r in rows]
     kind = llamapeer.kind(bin_dir) if "llama.cpp" in peers else None
+    from kvcache.bench.measure import read_bandwidth
+
     meta = run_meta(model=name, new_tokens=new, repeats=repeats, prompt_tokens=len(ids), weights=weights,
+                    read_gb_s=round(read_bandwidth(threads), 1),
                     kv=strategies, prefill=prefill, depth=depth, depth_new_tokens=depth_new, depth_kv=DEPTH_KV,
                     llama_cpp=kind, llama_cpp_bin=str(bin_dir) if bin_dir else None, host=host_line())
     rat = print_tables(results, meta)
@@ -246,13 +249,19 @@ def print_tables(results: list[dict[str, object]], meta: dict[str, object]) -> l
     print(f"\ndecode: {meta['model']}, chat prompt of {meta['prompt_tokens']} tokens, {meta['new_tokens']} new "
           f"tokens, batch 1, {meta['threads']} threads, median of {rep} (min-max)")
     print(f"host: {meta['host']}")
-    _head("decode after the prompt", f"{'tok/s':>7} {'min-max':>13} {'TTFT ms':>8} {'GB/s':>6}")
+    if meta.get("read_gb_s"):
+        print(f"memory read bandwidth measured in this run: {meta['read_gb_s']} GB/s (a 1 GiB dot product, "
+              f"{meta['threads']} threads); %bw: decode's GB/s as a share of it")
+    bw = meta.get("read_gb_s")
+    _head("decode after the prompt", f"{'tok/s':>7} {'min-max':>13} {'TTFT ms':>8} {'GB/s':>6}" +
+          (f" {'%bw':>5}" if bw else ""))
     for r in (x for x in results if x["test"] == "decode"):
         if r["tok_s"] is None:
             _line(r, str(r["note"]))
             continue
         mm = f"{cell(r['tok_s_min'])}-{cell(r['tok_s_max'])}"
-        _line(r, f"{r['tok_s']:>7.1f} {mm:>13} {cell(r['ttft_ms'], '.0f'):>8} {cell(r['gb_s'], '.2f'):>6}")
+        share = f" {100 * r['gb_s'] / bw:>4.0f}%" if bw and r["gb_s"] else ""
+        _line(r, f"{r['tok_s']:>7.1f} {mm:>13} {cell(r['ttft_ms'], '.0f'):>8} {cell(r['gb_s'], '.2f'):>6}" + share)
     pre = [x for x in results if x["test"] == "prefill"]
     if pre:
         _head("prefill: prompt tokens/s into an empty cache", f"{'tokens':>6} {'tok/s':>8} {'min-max':>15} "

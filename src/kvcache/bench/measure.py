@@ -76,3 +76,27 @@ def pregrow(runner: ModelRunner, tokens: int) -> None:
             runner.cache.reserve(seq.kv, tokens)
     finally:
         runner.free(seq)
+
+
+def read_bandwidth(threads: int | None = None, gib: float = 1.0, repeats: int = 3) -> float:
+    """This machine's memory read bandwidth in GB/s, measured now: the best of ``repeats`` dot
+    products of a ``gib`` GiB float32 vector with itself (every byte read once, too large for any
+    cache), on ``threads`` torch threads (default: as set)."""
+    import time
+
+    import torch
+
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        x = torch.ones(int(gib * 2**30) // 4)
+        torch.dot(x, x)  # pages touched, not timed
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            torch.dot(x, x)
+            best = min(best, time.perf_counter() - t)
+        return x.numel() * 4 / best / 1e9
+    finally:
+        torch.set_num_threads(old)
