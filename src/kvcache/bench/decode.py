@@ -250,8 +250,8 @@ def print_tables(results: list[dict[str, object]], meta: dict[str, object]) -> l
           f"tokens, batch 1, {meta['threads']} threads, median of {rep} (min-max)")
     print(f"host: {meta['host']}")
     if meta.get("read_gb_s"):
-        print(f"memory read bandwidth measured in this run: {meta['read_gb_s']} GB/s (a 1 GiB dot product, "
-              f"{meta['threads']} threads); %bw: decode's GB/s as a share of it")
+        print(f"memory read bandwidth measured in this run: {meta['read_gb_s']} GB/s (a streaming read of "
+              f"1 GiB, {meta['threads']} threads); %bw: decode's GB/s as a share of it")
     bw = meta.get("read_gb_s")
     _head("decode after the prompt", f"{'tok/s':>7} {'min-max':>13} {'TTFT ms':>8} {'GB/s':>6}" +
           (f" {'%bw':>5}" if bw else ""))

@@ -189,6 +189,8 @@ def qgemm() -> ctypes.CDLL | None:
                                          _P, _P, _P, f, _P, _I]
         lib.kv_q_attn_block.argtypes = [_I, _I, _P, _I64, _P, f, _I, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P,
                                         _I, _I64, _P, _P, _I, _I, _P, _P, _P, f, _I, _P, _P, _P, _P, _P, f, _I]
+        lib.kv_stream_sum.argtypes = [_P, _I64, _I]
+        lib.kv_stream_sum.restype = ctypes.c_float
         lib.kv_paged_attend.argtypes = [_I, _I, _I, _I, _I, _I64, _P, _P, _P, _I, _P, _P, _P, _P, _I64, _I]
         for fn in (lib.kv_decode_attend, lib.kv_q_attn_block, lib.kv_paged_attend):
             fn.restype = ctypes.c_int
@@ -202,6 +204,15 @@ def qgemm() -> ctypes.CDLL | None:
         lib._kv_typed = True
     return lib
 
+
+
+def stream_sum(x: torch.Tensor) -> float | None:
+    """The sum of a contiguous fp32 CPU vector of a multiple of 4096 values, read at the memory's
+    speed (kernels/membw.c: the read-bandwidth probe of the benchmarks); None without the kernel."""
+    lib = qgemm()
+    if lib is None or not _cpu_f32(x) or x.dim() != 1 or x.numel() % 4096 or x.numel() == 0:
+        return None
+    return float(lib.kv_stream_sum(x.data_ptr(), x.numel(), torch.get_num_threads()))
 
 
 def dattn() -> ctypes.CDLL | None:
