@@ -265,3 +265,15 @@ def test_kernels_refuse_page_tables_that_point_outside_the_pool():
     assert kernels.quant_decode(qd, torch.tensor([pool.num_pages], dtype=torch.long), parts, 16, 8, 8, tail) is None
     empty = kernels.quant_decode(qd, torch.zeros(0, dtype=torch.long), parts, 16, 8, 8, tail)
     assert empty is not None and torch.equal(empty, torch.zeros_like(empty))
+
+
+def test_the_machine_probes_read_and_count():
+    """The benchmarks' read-bandwidth and int8-peak probes (kernels/membw.c) compute what they say:
+    the streaming read sums its vector (a wrong stride or a skipped block changes the sum), and
+    the peak reports a positive rate; inputs it cannot take are refused."""
+    if kernels.qgemm() is None:
+        pytest.skip("no C compiler here")
+    x = torch.arange(4096 * 6, dtype=torch.float32) % 7
+    assert kernels.stream_sum(x) == pytest.approx(float(x.sum()), rel=1e-6)
+    assert kernels.stream_sum(x[:1000]) is None and kernels.stream_sum(x.double()) is None
+    assert kernels.int8_peak(0.01) > 1e8

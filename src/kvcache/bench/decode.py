@@ -170,11 +170,12 @@ def run(args: argparse.Namespace) -> int:
     per_mode = len(strategies) * repeats + len(prefill) * repeats
     total = len(weights) * per_mode + (repeats if depth else 0) + (len(hf) + len(prefill) * bool(hf)) * repeats
     bar = tqdm(total=total + len(weights) * ("llama.cpp" in peers), desc="bench decode", file=sys.stderr)
-    rows, ids, prompts, depth_ids, name, kv_f32 = [], [], {}, [], "", 0
+    rows, ids, prompts, depth_ids, name, kv_f32, macs = [], [], {}, [], "", 0, 0
     for mode in weights:
         llm = LLM(args.model, threads=args.threads, weights=mode, prefix=False)
         if not ids:
             ids, name, kv_f32 = llm.encode(PROMPT, chat=True), llm.model_name, llm.config.kv_bytes_per_token()
+            macs = projection_macs(llm.config)
             prompts = {n: english_prompt(llm, n) for n in prefill}
             depth_ids = english_prompt(llm, depth) if depth else []
         rows += bench_decode(llm, ids, strategies, new, repeats, bar.update)
@@ -199,16 +200,27 @@ def run(args: argparse.Namespace) -> int:
     bar.close()
     results = [r.summary() for r in rows]
     kind = llamapeer.kind(bin_dir) if "llama.cpp" in peers else None
+    from kvcache import kernels
     from kvcache.bench.measure import read_bandwidth
 
+    peak = kernels.int8_peak()
     meta = run_meta(model=name, new_tokens=new, repeats=repeats, prompt_tokens=len(ids), weights=weights,
-                    read_gb_s=round(read_bandwidth(threads), 1),
+                    read_gb_s=round(read_bandwidth(threads), 1), int8_peak_gmacs=round(peak / 1e9) if peak else None,
+                    macs_per_token=macs,
                     kv=strategies, prefill=prefill, depth=depth, depth_new_tokens=depth_new, depth_kv=DEPTH_KV,
                     llama_cpp=kind, llama_cpp_bin=str(bin_dir) if bin_dir else None, host=host_line())
     rat = print_tables(results, meta)
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results, "ratios": rat}, indent=2))
     return 0
+
+
+def projection_macs(cfg: object) -> int:
+    """Multiply-adds of one token through every layer's projections (attention q, k, v, o and the
+    gated MLP; the output head is left out: a prefill computes it for the last token only)."""
+    h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim  # type: ignore[attr-defined]
+    hq, hkv = cfg.num_heads, cfg.num_kv_heads  # type: ignore[attr-defined]
+    return cfg.num_layers * (h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * f)  # type: ignore[attr-defined]
 
 
 REPORT_PEERS = ("llama.cpp", "transformers")  # the systems a kvcache row is compared with
@@ -252,6 +264,10 @@ def print_tables(results: list[dict[str, object]], meta: dict[str, object]) -> l
     if meta.get("read_gb_s"):
         print(f"memory read bandwidth measured in this run: {meta['read_gb_s']} GB/s (a streaming read of "
               f"1 GiB, {meta['threads']} threads); %bw: decode's GB/s as a share of it")
+    if meta.get("int8_peak_gmacs"):
+        print(f"int8 multiply-add peak measured in this run: {meta['int8_peak_gmacs']} G/s (the kernel variant's "
+              f"dot-product instruction on registers); %peak: a prefill's projection multiply-adds "
+              f"({meta['macs_per_token'] / 1e9:.2f} G a token) as a share of it")
     bw = meta.get("read_gb_s")
     _head("decode after the prompt", f"{'tok/s':>7} {'min-max':>13} {'TTFT ms':>8} {'GB/s':>6}" +
           (f" {'%bw':>5}" if bw else ""))
@@ -264,15 +280,17 @@ def print_tables(results: list[dict[str, object]], meta: dict[str, object]) -> l
         _line(r, f"{r['tok_s']:>7.1f} {mm:>13} {cell(r['ttft_ms'], '.0f'):>8} {cell(r['gb_s'], '.2f'):>6}" + share)
     pre = [x for x in results if x["test"] == "prefill"]
     if pre:
+        peak = meta.get("int8_peak_gmacs")
         _head("prefill: prompt tokens/s into an empty cache", f"{'tokens':>6} {'tok/s':>8} {'min-max':>15} "
-              f"{'seconds':>8}")
+              f"{'seconds':>8}" + (f" {'%peak':>6}" if peak else ""))
         for n in sorted({int(x["tokens"]) for x in pre}):  # type: ignore[call-overload]
             for r in (x for x in pre if x["tokens"] == n):
                 if r["tok_s"] is None:
                     _line(r, f"{n:>6} {r['note']}")
                     continue
                 mm = f"{cell(r['tok_s_min'], '.0f')}-{cell(r['tok_s_max'], '.0f')}"
-                _line(r, f"{n:>6} {r['tok_s']:>8.0f} {mm:>15} {cell(r['seconds'], '.2f'):>8}")
+                share = f" {100 * r['tok_s'] * meta['macs_per_token'] / (peak * 1e9):>5.0f}%" if peak else ""
+                _line(r, f"{n:>6} {r['tok_s']:>8.0f} {mm:>15} {cell(r['seconds'], '.2f'):>8}" + share)
     deep = [x for x in results if x["test"] == "depth"]
     if deep:
         _head(f"decode after {deep[0]['tokens']} tokens of context ({meta['depth_new_tokens']} new tokens; "

@@ -191,6 +191,8 @@ def qgemm() -> ctypes.CDLL | None:
                                         _I, _I64, _P, _P, _I, _I, _P, _P, _P, f, _I, _P, _P, _P, _P, _P, f, _I]
         lib.kv_stream_sum.argtypes = [_P, _I64, _I]
         lib.kv_stream_sum.restype = ctypes.c_float
+        lib.kv_int8_peak.argtypes = [_I64, _I, _P]
+        lib.kv_int8_peak.restype = ctypes.c_int64
         lib.kv_paged_attend.argtypes = [_I, _I, _I, _I, _I, _I64, _P, _P, _P, _I, _P, _P, _P, _P, _I64, _I]
         for fn in (lib.kv_decode_attend, lib.kv_q_attn_block, lib.kv_paged_attend):
             fn.restype = ctypes.c_int
@@ -213,6 +215,30 @@ def stream_sum(x: torch.Tensor) -> float | None:
     if lib is None or not _cpu_f32(x) or x.dim() != 1 or x.numel() % 4096 or x.numel() == 0:
         return None
     return float(lib.kv_stream_sum(x.data_ptr(), x.numel(), torch.get_num_threads()))
+
+
+def int8_peak(seconds: float = 0.3) -> float | None:
+    """Int8 multiply-adds per second this CPU's kernel variant can do on the torch threads
+    (kernels/membw.c: independent chains of its dot-product instruction on registers; the best of
+    three), or None without the kernel. The ceiling of a quantized prefill's products."""
+    import time
+
+    lib = qgemm()
+    if lib is None:
+        return None
+    sink, threads, iters, best = ctypes.c_int64(0), torch.get_num_threads(), 1 << 16, 0.0
+    while True:  # grow the work until one call takes a measurable time
+        t = time.perf_counter()
+        macs = lib.kv_int8_peak(iters, threads, ctypes.byref(sink))
+        dt = time.perf_counter() - t
+        if dt > seconds / 3 or iters > 1 << 34:
+            break
+        iters *= 4
+    for _ in range(3):
+        t = time.perf_counter()
+        macs = lib.kv_int8_peak(iters, threads, ctypes.byref(sink))
+        best = max(best, macs / (time.perf_counter() - t))
+    return best
 
 
 def dattn() -> ctypes.CDLL | None:
