@@ -18,6 +18,7 @@ from kvcache.errors import InvalidParams
 from kvcache.models.config import ModelConfig
 from kvcache.models.loading import model_fingerprint, model_weights, read_config, resolve_model
 from kvcache.models.registry import build_model
+from kvcache.models.repacked import repack_store
 from kvcache.models.tokenizer import Tokenizer
 from kvcache.models.weights import check_mode, effective_mode
 from kvcache.prefix.cache import PrefixStats
@@ -71,7 +72,9 @@ class LLM:
         resolved = resolve_model(model)
         self.config: ModelConfig = ModelConfig.from_hf(read_config(resolved.path))  # refuse early
         state_dict = model_weights(resolved, mode)
-        self.model = build_model(self.config, state_dict, mode)
+        # a GGUF's repacked weights are kept beside its converted folder and mapped by later loads
+        with repack_store(resolved.path if mode == "file" and resolved.gguf is not None else None):
+            self.model = build_model(self.config, state_dict, mode)
         del state_dict
         self.tokenizer = Tokenizer.from_dir(resolved.path)
         self.model.replay_prompt = replay_prompt(self.tokenizer)  # press=kvzip's replay request

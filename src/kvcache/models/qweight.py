@@ -65,11 +65,26 @@ def common_format(types: Sequence[int]) -> int | None:
 class QWeight:
     """A repacked quantized weight [out, K] (see the module docstring)."""
 
-    def __init__(self, fmt: int, out: int, k: int, in_scale: torch.Tensor | None = None) -> None:
+    def __init__(self, fmt: int, out: int, k: int, in_scale: torch.Tensor | None = None,
+                 arrays: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None) -> None:
+        """Zeroed arrays to fill with ``put_gguf``; or ``arrays`` (qs, d, m) already filled, such
+        as views of a mapped file (models/repacked.py), checked for the format's shapes."""
         if k % 32:
             raise ModelLoadError(f"a quantized weight needs a multiple of 32 inputs, got {k}")
         self.fmt, self.out, self.k = fmt, out, k
         g, nb, ns = -(-out // 8), k // 32, _NS[fmt]
+        if arrays is not None:
+            qb = (160 if _HIGH[fmt] else 128) if _NIBBLES[fmt] else 256
+            dt = torch.float16 if _F16[fmt] else torch.float32
+            qs, d, m = arrays
+            if (qs.shape != (g, nb, qb) or qs.dtype != torch.uint8 or d.shape != (g, nb, ns, 8) or d.dtype != dt
+                    or (m is None) != bool(_SIGNED[fmt] or _OFFSET[fmt])
+                    or (m is not None and (m.shape != d.shape or m.dtype != dt))):
+                raise ModelLoadError(f"stored arrays do not fit a {FORMAT_NAMES[fmt]} weight [{out}, {k}]")
+            self.qs, self.d, self.m = qs, d, m
+            self.in_scale = in_scale
+            self._fn, self._ptrs, self._scale_ptr = None, (), None
+            return
         # zeroed by the allocator (calloc), not by a parallel fill: loading stays quick on a busy machine
         qb = (160 if _HIGH[fmt] else 128) if _NIBBLES[fmt] else 256
         self.qs = torch.from_numpy(np.zeros((g, nb, qb), np.uint8))  # [G, nb, QB]

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from kvcache.errors import InvalidParams
+from kvcache.models import repacked
 from kvcache.models.gguf_tensor import GGUFTensor, qtype
 from kvcache.models.qweight import GGML, Q4_F16, S8_F16, QStack, QWeight, common_format, kernels_available
 
@@ -89,7 +90,13 @@ def _from_file(parts: list[GGUFTensor], scale: torch.Tensor | None) -> QWeight |
             else:
                 runs.append([p])
         return QStack([_from_file(run, scale) for run in runs])  # type: ignore[misc]
-    qw = QWeight(fmt, sum(p.out for p in parts), parts[0].k, scale)
+    out, k = sum(p.out for p in parts), parts[0].k
+    store = repacked.current()
+    key = "|".join(f"{p.offset}:{p.ggml_type}:{p.out}:{p.k}:{p.permute_heads}" for p in parts)
+    found = store.get(key, fmt, out, k) if store is not None else None
+    if found is not None:
+        return QWeight(fmt, out, k, scale, arrays=tuple(found)).seal()  # type: ignore[arg-type]
+    qw = QWeight(fmt, out, k, scale)
     base = 0
     for p in parts:
         step = max(8, CHUNK_BYTES // max(1, p.row_bytes))
@@ -97,6 +104,8 @@ def _from_file(parts: list[GGUFTensor], scale: torch.Tensor | None) -> QWeight |
             r1 = min(p.out, r0 + step)
             qw.put_gguf(p.ggml_type, p.read(r0, r1), p.rows_to(r0, r1, base))
         base += p.out
+    if store is not None:
+        store.put(key, fmt, out, k, list(qw.parts()))
     return qw.seal()
 
 
