@@ -92,10 +92,15 @@ class RepackStore:
         self.made[key] = (fmt, out, k, arrays)
 
     def save(self) -> None:
-        """Write every entry made by this load to a new file, atomically; a failure leaves no file
-        and costs only the next load's repacking."""
+        """When this load made entries, write them and those it found to a new file, atomically; a
+        failure leaves no file and costs only the next load's repacking."""
         if not self.made:
             return
+        for key, e in self.found.items():  # a file that held only part of the model keeps that part
+            if key not in self.made:
+                arrays = self.get(key, e["fmt"], e["out"], e["k"])
+                if arrays is not None:
+                    self.made[key] = (e["fmt"], e["out"], e["k"], arrays)
         layout, blobs, at = {}, [], 0  # data offsets relative to the data section
         for key, (fmt, out, k, arrays) in self.made.items():
             desc = []
