@@ -73,7 +73,8 @@ class LLM:
         self.config: ModelConfig = ModelConfig.from_hf(read_config(resolved.path))  # refuse early
         state_dict = model_weights(resolved, mode)
         # a GGUF's repacked weights are kept beside its converted folder and mapped by later loads
-        with repack_store(resolved.path if mode == "file" and resolved.gguf is not None else None):
+        gguf = resolved.gguf if mode == "file" else None
+        with repack_store(resolved.path if gguf is not None else None, gguf.stat().st_size if gguf else 0):
             self.model = build_model(self.config, state_dict, mode)
         del state_dict
         self.tokenizer = Tokenizer.from_dir(resolved.path)

@@ -33,6 +33,7 @@ import torch
 MAGIC = b"KVQPACK\0"
 VERSION = 1  # bump when kernels/qformat.h's layouts change
 ALIGN = 4096
+PROGRESS_BYTES = 256 << 20  # files at least this large show a progress bar while repacked
 _DTYPES = {"uint8": np.uint8, "float16": np.float16, "float32": np.float32}
 
 
@@ -40,12 +41,23 @@ class RepackStore:
     """Entries found in the mapped file (``get``) and entries made by this load (``put``, written
     by ``save``)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, source_bytes: int = 0) -> None:
         self.path = Path(folder) / f"repacked-v{VERSION}.kvq"
         self.found: dict[str, dict[str, Any]] = {}
         self.made: dict[str, tuple[int, int, int, list[torch.Tensor | None]]] = {}
         self._map: np.ndarray | None = None
         self._open()
+        self.bar = None  # a progress bar over the GGUF's bytes while a large file is repacked
+        if not self.found and source_bytes >= PROGRESS_BYTES:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=source_bytes, unit="B", unit_scale=True, desc="repacking the weights (once)",
+                            leave=False)
+
+    def repacked(self, nbytes: int) -> None:
+        """``nbytes`` of the GGUF's quantized data were repacked (the progress bar moves)."""
+        if self.bar is not None:
+            self.bar.update(nbytes)
 
     def _open(self) -> None:
         try:
@@ -156,13 +168,16 @@ def current() -> RepackStore | None:
 
 
 @contextmanager
-def repack_store(folder: Path | None) -> Iterator[RepackStore | None]:
-    """Models built inside read their repacked weights from ``folder``'s store and add to it."""
-    store = RepackStore(folder) if folder is not None else None
+def repack_store(folder: Path | None, source_bytes: int = 0) -> Iterator[RepackStore | None]:
+    """Models built inside read their repacked weights from ``folder``'s store and add to it;
+    ``source_bytes``: the GGUF's size, for the progress bar of a first, long repack."""
+    store = RepackStore(folder, source_bytes) if folder is not None else None
     token = _STORE.set(store)
     try:
         yield store
     finally:
         _STORE.reset(token)
+        if store is not None and store.bar is not None:
+            store.bar.close()
     if store is not None:
         store.save()

@@ -103,6 +103,8 @@ def _from_file(parts: list[GGUFTensor], scale: torch.Tensor | None) -> QWeight |
         for r0 in range(0, p.out, step):
             r1 = min(p.out, r0 + step)
             qw.put_gguf(p.ggml_type, p.read(r0, r1), p.rows_to(r0, r1, base))
+            if store is not None:
+                store.repacked((r1 - r0) * p.row_bytes)
         base += p.out
     if store is not None:
         store.put(key, fmt, out, k, list(qw.parts()))
