@@ -6,7 +6,6 @@ pools or kernels (attention/backends.py dispatches, cache/plan.py plans).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Literal, Union
 
 import torch

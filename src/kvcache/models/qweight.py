@@ -17,7 +17,6 @@ that holds them all (``common_format``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
