@@ -57,7 +57,7 @@ BYTES_PER_WEIGHT = {T.Q4_0: 0.5625, T.Q4_1: 0.625, T.Q5_0: 0.6875, T.Q5_1: 0.75,
 def test_repacked_weights_hold_exactly_the_files_values(t):
     w, ref = repacked(t, 37, 512)  # a last group of 5 rows
     torch.testing.assert_close(w.dequantize(), torch.from_numpy(ref), rtol=1e-6, atol=0)
-    assert w.nbytes == BYTES_PER_WEIGHT[t] * 40 * 512  # rows padded to whole groups of 8
+    assert w.nbytes == BYTES_PER_WEIGHT[t] * 48 * 512  # rows padded to whole groups of 16
     rows = torch.tensor([36, 0, 8, 7])
     torch.testing.assert_close(w.rows(rows), torch.from_numpy(ref[[36, 0, 8, 7]]), rtol=1e-6, atol=0)
 

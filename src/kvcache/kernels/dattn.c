@@ -139,11 +139,11 @@ int kv_q_attn_block(int N, int H, float *x, int64_t ldx, const float *g_in, floa
 #pragma omp parallel num_threads(n_threads)
     {
 #pragma omp for schedule(static)
-        for (int r = 0; r < N; r++) act_row(r, H, x, ldx, g_in, eps, sx.q, sx.da, sx.sa, sx.inv);
+        for (int r = 0; r < N; r++) act_row(&sx, r, H, x, ldx, g_in, eps);
         mm_rows(&wqkv, N, &sx, qkv_b, eps >= 0.f ? sx.inv : NULL, qkv, QKV, 0);
         attend_in_region(&p, c, &bad);
 #pragma omp for schedule(static)
-        for (int r = 0; r < N; r++) act_row(r, HD, att, HD, NULL, -1.f, so.q, so.da, so.sa, so.inv);
+        for (int r = 0; r < N; r++) act_row(&so, r, HD, att, HD, NULL, -1.f);
         mm_residual(&wo, N, &so, o_b, x, ldx, y, post_w, post_eps);
     }
     cattn_free(c);

@@ -2,23 +2,24 @@
  * dequantize) and qgemm.c (products).
  *
  * A weight [out, K] (an nn.Linear's orientation: out rows of K inputs, K a multiple of 32) is cut
- * into groups of 8 output rows ("columns" of the product) and blocks of 32 inputs. For group g and
- * block b the arrays hold:
- *   qs  the 8 x 32 integer values, interleaved for the SIMD kernels:
- *       bytes formats: 256 bytes, byte (s * 64 + c * 8 + t) = value (c, 8 s + t)   (s 0..3: 8-input step,
- *       c 0..7: row of the group, t 0..7);
- *       nibble formats: 128 bytes, byte (h * 64 + c * 8 + t) = value (c, 16 h + t) | value (c, 16 h + 8 + t) << 4
- *       (the low 4 bits of each value); 5-bit formats add 32 bytes, the fifth bits: bit (c * 8 + t)
- *       of the little-endian 64-bit word s (bytes 128 + 8 s ..) = bit 4 of value (c, 8 s + t)
- *   d   NS x 8 scales (NS = 2 for 16-input sub-blocks, else 1), fp16 or fp32 by format
- *   m   NS x 8 minimums of unsigned formats (same dtype), absent for signed and offset ones
+ * into groups of 16 output rows ("columns" of the product) and blocks of 32 inputs. For group g and
+ * block b the arrays hold the integer values in the layout of the int8 dot-product instructions
+ * (one 32-bit lane per column, four consecutive inputs in it; step s covers inputs 4 s .. 4 s + 3):
+ *   qs  bytes formats: 512 bytes, byte (s * 64 + c * 4 + t) = value (c, 4 s + t)   (s 0..7: step,
+ *       c 0..15: row of the group, t 0..3);
+ *       nibble formats: 256 bytes, byte (h * 64 + c * 4 + t) = value (c, 4 h + t) | value (c, 16 + 4 h + t) << 4
+ *       (h 0..3; the low 4 bits of each value: the low nibbles are step h, the high ones step h + 4);
+ *       5-bit formats add 64 bytes, the fifth bits: bit (c * 4 + t) of the little-endian 64-bit word s
+ *       (bytes 256 + 8 s ..) = bit 4 of value (c, 4 s + t)
+ *   d   NS x 16 scales (NS = 2 for 16-input sub-blocks, else 1), fp16 or fp32 by format
+ *   m   NS x 16 minimums of unsigned formats (same dtype), absent for signed and offset ones
  * so that weight (c, k) = d * q + m (unsigned), d * q (signed) or d * (q - OFFSET) (offset formats:
  * GGUF's Q4_0 and Q5_0, whose minimum is -8 d or -16 d, kept without storing it), with the scale
  * of k's sub-block.
- * Arrays: qs [G, nb, QB] uint8, d and m [G, nb, NS, 8], G = ceil(out / 8), nb = K / 32; rows of the
+ * Arrays: qs [G, nb, QB] uint8, d and m [G, nb, NS, 16], G = ceil(out / 16), nb = K / 32; rows of the
  * last group past ``out`` hold zeros.
  *
- * Value ranges the products rely on (AVX2 sums four u8 x s8 pair products in int16): unsigned
+ * Value ranges the products rely on (AVX2 sums two u8 x s8 pair products in int16): unsigned
  * formats hold q < 32, signed ones -128 <= q <= 127.
  */
 #ifndef KV_QFORMAT_H
@@ -26,6 +27,8 @@
 
 #include <stdint.h>
 #include <string.h>
+
+#define KVQ_NC 16 /* output rows in a group */
 
 enum {
     KVQ_Q4_F16 = 0,  /* nibbles 0..15, fp16 d and m per 32 (GGUF Q4_0, Q4_1; kvcache q4) */
@@ -50,13 +53,13 @@ static const int KVQ_NS[KVQ_NFMT] = {1, 1, 1, 2, 1, 1, 2, 1, 1, 1, 1};
 /* offset formats store no minimums: weight = d * (q - OFFSET), that is m = -OFFSET * d */
 static const int KVQ_OFFSET[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 16};
 
-static inline int kvq_qbytes(int fmt) { return KVQ_NIBBLES[fmt] ? (KVQ_HIGH[fmt] ? 160 : 128) : 256; }
+static inline int kvq_qbytes(int fmt) { return KVQ_NIBBLES[fmt] ? (KVQ_HIGH[fmt] ? 320 : 256) : 512; }
 
 /* Bit 4 of value (c, k) in a 5-bit group-block: the byte and the bit within it. */
 static inline int kvq_high_pos(int c, int k, int *bit) {
-    const int lane = c * 8 + (k & 7);
+    const int lane = c * 4 + (k & 3);
     *bit = lane & 7;
-    return 128 + (k >> 3) * 8 + (lane >> 3);
+    return 256 + (k >> 2) * 8 + (lane >> 3);
 }
 
 /* IEEE half <-> float without hardware support (repack and dequantize are not hot). */
@@ -87,10 +90,10 @@ static inline float kvq_h2f(uint16_t h) {
 static inline int kvq_pos(int nib, int c, int k, int *high) {
     if (!nib) {
         *high = 0;
-        return (k >> 3) * 64 + c * 8 + (k & 7);
+        return (k >> 2) * 64 + c * 4 + (k & 3);
     }
-    *high = (k >> 3) & 1;
-    return (k >> 4) * 64 + c * 8 + (k & 7);
+    *high = k >> 4;
+    return ((k & 15) >> 2) * 64 + c * 4 + (k & 3);
 }
 
 #endif

@@ -16,20 +16,23 @@ typedef struct { /* a repacked weight [out, K] (qformat.h) */
     const void *d, *m;
 } QW;
 
-typedef struct { /* int8 activations of n rows of K inputs: q [n, K], da [n, K/32], sa [n, K/16], inv [n] */
+typedef struct { /* int8 activations of n rows of K inputs, nb = K / 32 blocks a row: q [n, K] values,
+                  da [n, nb] steps, sa [n, nb, 3] step * (sum of a block's values, of its first 16, of its
+                  last 16), is [n, nb, 2] the integer sums of the two halves, inv [n] row scales */
     int8_t *q;
-    float *da, *sa, *inv;
+    float *da, *sa;
+    int32_t *is;
+    float *inv;
 } Scratch;
 
 KV_HIDDEN int qw_valid(const QW *w);
 KV_HIDDEN size_t scratch_bytes(int n, int K);
 KV_HIDDEN Scratch scratch_at(char *p, int n, int K);
-/* row r of x [., K] (times g; 1 / rms into inv[r] when eps >= 0) -> int8 activations */
-KV_HIDDEN void act_row(int r, int K, const float *x, int64_t ldx, const float *g, float eps, int8_t *q, float *da,
-                       float *sa, float *inv);
-/* columns 8g .. 8g + 7, rows r0 .. r1 - 1: y (+)= products * rscale + bias */
-KV_HIDDEN void mm_group(const QW *wt, int g, int r0, int r1, const int8_t *q, const float *da, const float *sa,
-                        const float *bias, const float *rscale, float *y, int64_t ldy, int accumulate);
+/* row r of x [., K] (times g; 1 / rms into s->inv[r] when eps >= 0) -> row r of s's activations */
+KV_HIDDEN void act_row(const Scratch *s, int r, int K, const float *x, int64_t ldx, const float *g, float eps);
+/* columns 16 g .. 16 g + 15, rows r0 .. r1 - 1: y (+)= products * rscale + bias */
+KV_HIDDEN void mm_group(const QW *wt, int g, int r0, int r1, const Scratch *s, const float *bias,
+                        const float *rscale, float *y, int64_t ldy, int accumulate);
 /* x += rms_norm(y) * w, one row of H */
 KV_HIDDEN void add_normed(int H, const float *y, const float *w, float eps, float *x);
 /* Called inside a parallel region (the loops are shared with `omp for`):

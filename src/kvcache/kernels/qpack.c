@@ -193,8 +193,8 @@ int kv_q_repack(int gtype, int fmt, int rows, int K, const uint8_t *src, int64_t
     for (int r = 0; r < rows; r++) {
         const int64_t row = dst_rows[r];
         if (row < 0 || row >= out) return 1;
-        const int64_t g = row >> 3;
-        const int c = (int)(row & 7);
+        const int64_t g = row / KVQ_NC;
+        const int c = (int)(row % KVQ_NC);
         for (int blk = 0; blk < K / bs; blk++) {
             int sub = 32;
             decode_block(gtype, src + r * src_stride + (int64_t)blk * bbytes, q, dd, mm, &sub);
@@ -217,7 +217,7 @@ int kv_q_repack(int gtype, int fmt, int rows, int K, const uint8_t *src, int64_t
             const int per = 32 / ns;
             for (int e = 0; e < bs; e += per) {
                 const int k = blk * bs + e, b = k >> 5, h = (k & 31) / per;
-                const int64_t idx = ((g * nb + b) * ns + h) * 8 + c;
+                const int64_t idx = ((g * nb + b) * ns + h) * KVQ_NC + c;
                 const int src_sub = e / sub;
                 put_scale(fmt, d, idx, dd[src_sub]);
                 if (!KVQ_SIGNED[fmt] && !KVQ_OFFSET[fmt]) put_scale(fmt, m, idx, mm[src_sub]);
@@ -235,13 +235,13 @@ int kv_q_dequant(int fmt, int K, int out, const uint8_t *qs, const void *d, cons
     for (int i = 0; i < n; i++) {
         const int64_t row = rows[i];
         if (row < 0 || row >= out) return 1;
-        const int64_t g = row >> 3;
-        const int c = (int)(row & 7);
+        const int64_t g = row / KVQ_NC;
+        const int c = (int)(row % KVQ_NC);
         for (int k = 0; k < K; k++) {
             const int b = k >> 5, kk = k & 31, h = kk / (32 / ns);
             int high, pos = kvq_pos(nib, c, kk, &high);
             uint8_t byte = qs[(g * nb + b) * qb + pos];
-            const int64_t idx = ((g * nb + b) * ns + h) * 8 + c;
+            const int64_t idx = ((g * nb + b) * ns + h) * KVQ_NC + c;
             float sd = KVQ_F16[fmt] ? kvq_h2f(((const uint16_t *)d)[idx]) : ((const float *)d)[idx];
             float v;
             if (KVQ_SIGNED[fmt]) {

@@ -1,7 +1,7 @@
 """Quantized projection weights in memory: GGUF blocks repacked for the int8 kernels (kernels/qgemm.c).
 
 A ``QWeight`` is an nn.Linear-oriented weight [out, K] in one of the repacked formats of
-kernels/qformat.h: integer values, interleaved 8 output rows at a time, with a scale (and for
+kernels/qformat.h: integer values, interleaved 16 output rows at a time, with a scale (and for
 unsigned formats a minimum) per block of 32 inputs (16 for Q6_K-like types). It stands for exactly
 the numbers the file holds; only the activations are rounded (to int8 per block of 32) when it
 multiplies them. ``in_scale`` is a norm weight folded in: it multiplies the input, because it
@@ -34,6 +34,7 @@ _SIGNED = (0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0)
 _F16 = (1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 1)
 _NS = (1, 1, 1, 2, 1, 1, 2, 1, 1, 1, 1)
 _OFFSET = (0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 16)  # no stored minimum: it is -offset * d (Q4_0, Q5_0)
+GROUP = 16  # output rows interleaved together (KVQ_NC)
 
 # GGUF (ggml) type ids -> the format that holds them most compactly
 GGML = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
@@ -71,12 +72,12 @@ class QWeight:
         if k % 32:
             raise ModelLoadError(f"a quantized weight needs a multiple of 32 inputs, got {k}")
         self.fmt, self.out, self.k = fmt, out, k
-        g, nb, ns = -(-out // 8), k // 32, _NS[fmt]
+        g, nb, ns = -(-out // GROUP), k // 32, _NS[fmt]
         if arrays is not None:
-            qb = (160 if _HIGH[fmt] else 128) if _NIBBLES[fmt] else 256
+            qb = (320 if _HIGH[fmt] else 256) if _NIBBLES[fmt] else 512
             dt = torch.float16 if _F16[fmt] else torch.float32
             qs, d, m = arrays
-            if (qs.shape != (g, nb, qb) or qs.dtype != torch.uint8 or d.shape != (g, nb, ns, 8) or d.dtype != dt
+            if (qs.shape != (g, nb, qb) or qs.dtype != torch.uint8 or d.shape != (g, nb, ns, GROUP) or d.dtype != dt
                     or (m is None) != bool(_SIGNED[fmt] or _OFFSET[fmt])
                     or (m is not None and (m.shape != d.shape or m.dtype != dt))):
                 raise ModelLoadError(f"stored arrays do not fit a {FORMAT_NAMES[fmt]} weight [{out}, {k}]")
@@ -85,12 +86,12 @@ class QWeight:
             self._fn, self._ptrs, self._scale_ptr = None, (), None
             return
         # zeroed by the allocator (calloc), not by a parallel fill: loading stays quick on a busy machine
-        qb = (160 if _HIGH[fmt] else 128) if _NIBBLES[fmt] else 256
+        qb = (320 if _HIGH[fmt] else 256) if _NIBBLES[fmt] else 512
         self.qs = torch.from_numpy(np.zeros((g, nb, qb), np.uint8))  # [G, nb, QB]
         dt = np.float16 if _F16[fmt] else np.float32
-        self.d = torch.from_numpy(np.zeros((g, nb, ns, 8), dt))  # [G, nb, NS, 8] scales
+        self.d = torch.from_numpy(np.zeros((g, nb, ns, GROUP), dt))  # [G, nb, NS, 16] scales
         self.m = (None if _SIGNED[fmt] or _OFFSET[fmt]  # minimums
-                  else torch.from_numpy(np.zeros((g, nb, ns, 8), dt)))
+                  else torch.from_numpy(np.zeros((g, nb, ns, GROUP), dt)))
         self.in_scale = in_scale  # [K] fp32 or None
         self._fn, self._ptrs, self._scale_ptr = None, (), None  # set by seal()
 
