@@ -41,7 +41,10 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define ISA 3
-#define RT 8
+#ifndef RT
+#define RT 4
+#endif
+#define NGMAX 2 /* column groups in a tile */
 #elif defined(__AVXVNNI__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define ISA 2
 #define RT 4
@@ -51,6 +54,9 @@
 #else
 #define ISA 0
 #define RT 4
+#endif
+#ifndef NGMAX
+#define NGMAX 1
 #endif
 /* software prefetch distance in bytes of weights: the hardware's own prefetchers alone left the
  * products well short of the memory's bandwidth (measured: 29 -> 38 GB/s for Q4_1, 38 -> 41+ for
@@ -134,62 +140,77 @@ static inline int32_t word(const int8_t *p) { /* four activations as one 32-bit 
 }
 
 #if ISA == 3
-static inline __attribute__((always_inline)) void group(const int NIB, const int HI, const int SGN, const int F16,
-                                                        const int NS, const int OFS, int nr, Acts a, const uint8_t *w,
-                                                        const void *dv, const void *mv, float out[RT][KVQ_NC]) {
-    __m512 acc[RT];
-    for (int r = 0; r < RT; r++) acc[r] = _mm512_setzero_ps();
-    const __m512i lo4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80), b4 = _mm512_set1_epi8(0x10);
-    const int qb = NIB ? (HI ? 320 : 256) : 512, ofs = SGN ? 128 : OFS;
+/* The weights of step s (inputs 4 s .. 4 s + 3 of every column) of group-block wb as u8 lanes. */
+static inline __attribute__((always_inline)) __m512i step_w(const int NIB, const int HI, const int SGN,
+                                                            const uint8_t *wb, int s) {
+    __m512i v;
+    if (NIB) {
+        v = _mm512_loadu_si512(wb + 64 * (s & 3));
+        if (s >= 4) v = _mm512_srli_epi16(v, 4);
+        v = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+        if (HI) { /* the fifth bits: one mask bit per byte lane, 0x10 where set */
+            uint64_t hm;
+            memcpy(&hm, wb + 256 + 8 * s, 8);
+            v = _mm512_or_si512(v, _mm512_maskz_mov_epi8(hm, _mm512_set1_epi8(0x10)));
+        }
+    } else {
+        v = _mm512_loadu_si512(wb + 64 * s);
+        if (SGN) v = _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
+    }
+    return v;
+}
+
+/* NG groups (16 NG columns) x up to RT rows: w, dv, mv at the first group; the next group's arrays
+ * follow at gq bytes (qs) and gs elements (d, m). Rows step together through each block's 8
+ * steps (independent chains), each step's activations broadcast once for every group. */
+static inline __attribute__((always_inline)) void tile(const int NIB, const int HI, const int SGN, const int F16,
+                                                       const int NS, const int OFS, const int NG, int nr, Acts a,
+                                                       const uint8_t *w, int64_t gq, const void *dv, const void *mv,
+                                                       int64_t gs, float out[RT][NGMAX * KVQ_NC]) {
+    __m512 acc0[RT], acc1[RT]; /* the two groups' sums, as separate arrays so they stay in registers */
+    for (int r = 0; r < RT; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    const int qb = NIB ? (HI ? 320 : 256) : 512, ofs = SGN ? 128 : OFS, steps = 8 / NS;
+    const uint8_t *w1 = w + gq;
     for (int b = 0; b < a.nb; b++) {
-        const uint8_t *wb = w + (int64_t)b * qb;
-        for (int l = 0; l < qb; l += 64) _mm_prefetch((const char *)(wb + PF + l), _MM_HINT_T0);
-        __m512i W[8];
-        if (NIB) {
-            for (int h = 0; h < 4; h++) {
-                const __m512i v = _mm512_loadu_si512(wb + 64 * h);
-                W[h] = _mm512_and_si512(v, lo4);
-                W[h + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
-            }
-            if (HI) { /* the fifth bits: one mask bit per byte lane, 0x10 where set */
-                uint64_t hm[8];
-                memcpy(hm, wb + 256, 64);
-                for (int s = 0; s < 8; s++) W[s] = _mm512_or_si512(W[s], _mm512_maskz_mov_epi8(hm[s], b4));
-            }
-        } else {
-            for (int s = 0; s < 8; s++) {
-                W[s] = _mm512_loadu_si512(wb + 64 * s);
-                if (SGN) W[s] = _mm512_xor_si512(W[s], flip);
-            }
+        const uint8_t *wb0 = w + (int64_t)b * qb, *wb1 = w1 + (int64_t)b * qb;
+        for (int l = 0; l < qb; l += 64) {
+            _mm_prefetch((const char *)(wb0 + PF + l), _MM_HINT_T0);
+            if (NG == 2) _mm_prefetch((const char *)(wb1 + PF + l), _MM_HINT_T0);
         }
-        __m512 dw[2], mw[2];
         for (int h = 0; h < NS; h++) {
-            const int64_t at = ((int64_t)b * NS + h) * KVQ_NC;
-            dw[h] = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)dv + at)))
-                        : _mm512_loadu_ps((const float *)dv + at);
-            if (!ofs)
-                mw[h] = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)mv + at)))
-                            : _mm512_loadu_ps((const float *)mv + at);
-        }
-        /* each sub-block: the integer sums of every row, a step at a time across the rows (independent
-         * chains), then acc += float(sum) * row step * weight scale (+ minimum * scaled activation sum) */
-        for (int h = 0; h < NS; h++) {
-            const int steps = 8 / NS;
-            __m512i sum[RT];
+            const int64_t at0 = ((int64_t)b * NS + h) * KVQ_NC, at1 = at0 + gs;
+            __m512 dw0, dw1 = _mm512_setzero_ps(), mw0 = _mm512_setzero_ps(), mw1 = _mm512_setzero_ps();
+            dw0 = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)dv + at0)))
+                      : _mm512_loadu_ps((const float *)dv + at0);
+            if (NG == 2)
+                dw1 = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)dv + at1)))
+                          : _mm512_loadu_ps((const float *)dv + at1);
+            if (!ofs) {
+                mw0 = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)mv + at0)))
+                          : _mm512_loadu_ps((const float *)mv + at0);
+                if (NG == 2)
+                    mw1 = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)mv + at1)))
+                              : _mm512_loadu_ps((const float *)mv + at1);
+            }
+            __m512i s0[RT], s1[RT];
 #pragma GCC unroll 16
             for (int r = 0; r < RT; r++) {
                 if (r < nr) {
                     const int32_t *is = a.is + 2 * ((int64_t)r * a.nb + b);
-                    sum[r] = _mm512_set1_epi32(-ofs * (NS == 1 ? is[0] + is[1] : is[h]));
+                    s0[r] = s1[r] = _mm512_set1_epi32(-ofs * (NS == 1 ? is[0] + is[1] : is[h]));
                 }
             }
 #pragma GCC unroll 8
             for (int st = 0; st < steps; st++) {
+                const int s = steps * h + st;
+                const __m512i W0 = step_w(NIB, HI, SGN, wb0, s);
+                const __m512i W1 = NG == 2 ? step_w(NIB, HI, SGN, wb1, s) : W0;
 #pragma GCC unroll 16
                 for (int r = 0; r < RT; r++) {
                     if (r < nr) {
-                        const int8_t *ar = a.q + (int64_t)r * a.K + 32 * b + 4 * (steps * h + st);
-                        sum[r] = _mm512_dpbusd_epi32(sum[r], W[steps * h + st], _mm512_set1_epi32(word(ar)));
+                        const __m512i x = _mm512_set1_epi32(word(a.q + (int64_t)r * a.K + 32 * b + 4 * s));
+                        s0[r] = _mm512_dpbusd_epi32(s0[r], W0, x);
+                        if (NG == 2) s1[r] = _mm512_dpbusd_epi32(s1[r], W1, x);
                     }
                 }
             }
@@ -197,14 +218,22 @@ static inline __attribute__((always_inline)) void group(const int NIB, const int
             for (int r = 0; r < RT; r++) {
                 if (r < nr) {
                     const int64_t at = (int64_t)r * a.nb + b;
-                    const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_set1_ps(a.da[at]));
-                    acc[r] = _mm512_fmadd_ps(p, dw[h], acc[r]);
-                    if (!ofs) acc[r] = _mm512_fmadd_ps(mw[h], _mm512_set1_ps(a.sa[3 * at + (NS == 1 ? 0 : 1 + h)]), acc[r]);
+                    const __m512 da = _mm512_set1_ps(a.da[at]);
+                    acc0[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s0[r]), da), dw0, acc0[r]);
+                    if (NG == 2) acc1[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s1[r]), da), dw1, acc1[r]);
+                    if (!ofs) {
+                        const __m512 sa = _mm512_set1_ps(a.sa[3 * at + (NS == 1 ? 0 : 1 + h)]);
+                        acc0[r] = _mm512_fmadd_ps(mw0, sa, acc0[r]);
+                        if (NG == 2) acc1[r] = _mm512_fmadd_ps(mw1, sa, acc1[r]);
+                    }
                 }
             }
         }
     }
-    for (int r = 0; r < nr; r++) _mm512_storeu_ps(out[r], acc[r]);
+    for (int r = 0; r < nr; r++) {
+        _mm512_storeu_ps(out[r], acc0[r]);
+        if (NG == 2) _mm512_storeu_ps(out[r] + KVQ_NC, acc1[r]);
+    }
 }
 
 #elif ISA == 1 || ISA == 2
@@ -235,7 +264,7 @@ static inline __m256i fifth_bits(uint32_t m) {
 static inline __attribute__((always_inline)) void half(const int NIB, const int HI, const int SGN, const int F16,
                                                        const int NS, const int OFS, int hf, int nr, Acts a,
                                                        const uint8_t *w, const void *dv, const void *mv,
-                                                       float out[RT][KVQ_NC]) {
+                                                       float out[RT][NGMAX * KVQ_NC]) {
     __m256 acc[RT];
     for (int r = 0; r < RT; r++) acc[r] = _mm256_setzero_ps();
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
@@ -308,7 +337,7 @@ static inline __attribute__((always_inline)) void half(const int NIB, const int 
 
 static inline __attribute__((always_inline)) void group(const int NIB, const int HI, const int SGN, const int F16,
                                                         const int NS, const int OFS, int nr, Acts a, const uint8_t *w,
-                                                        const void *dv, const void *mv, float out[RT][KVQ_NC]) {
+                                                        const void *dv, const void *mv, float out[RT][NGMAX * KVQ_NC]) {
     half(NIB, HI, SGN, F16, NS, OFS, 0, nr, a, w, dv, mv, out);
     half(NIB, HI, SGN, F16, NS, OFS, 1, nr, a, w, dv, mv, out);
 }
@@ -316,7 +345,7 @@ static inline __attribute__((always_inline)) void group(const int NIB, const int
 #else
 static inline __attribute__((always_inline)) void group(const int NIB, const int HI, const int SGN, const int F16,
                                                         const int NS, const int OFS, int nr, Acts a, const uint8_t *w,
-                                                        const void *dv, const void *mv, float out[RT][KVQ_NC]) {
+                                                        const void *dv, const void *mv, float out[RT][NGMAX * KVQ_NC]) {
     const int qb = NIB ? (HI ? 320 : 256) : 512;
     for (int r = 0; r < nr; r++)
         for (int c = 0; c < KVQ_NC; c++) out[r][c] = 0.f;
@@ -359,16 +388,33 @@ static inline __attribute__((always_inline)) void group(const int NIB, const int
 }
 #endif
 
-/* One group of columns over rows r0 .. r0 + nr - 1 (nr <= RT) of one format. */
+/* ng groups of columns (ng <= NGMAX) over rows r0 .. r0 + nr - 1 (nr <= RT) of one format. */
+#if ISA == 3
 #define GROUP_FN(name, NIB, HI, SGN, F16, NS, OFS) \
-    static void name(int nr, Acts a, const uint8_t *w, const void *dv, const void *mv, float out[RT][KVQ_NC]) { \
+    static void name(int ng, int nr, Acts a, const uint8_t *w, int64_t gq, const void *dv, const void *mv, \
+                     int64_t gs, float out[RT][NGMAX * KVQ_NC]) { \
+        if (ng == 2 && nr == RT) /* a whole tile: every row's sums in registers */ \
+            tile(NIB, HI, SGN, F16, NS, OFS, 2, RT, a, w, gq, dv, mv, gs, out); \
+        else if (ng == 2 && nr == 1) /* a decode: the row loop folds away */ \
+            tile(NIB, HI, SGN, F16, NS, OFS, 2, 1, a, w, gq, dv, mv, gs, out); \
+        else if (ng == 2) \
+            tile(NIB, HI, SGN, F16, NS, OFS, 2, nr, a, w, gq, dv, mv, gs, out); \
+        else \
+            tile(NIB, HI, SGN, F16, NS, OFS, 1, nr, a, w, gq, dv, mv, gs, out); \
+    }
+#else
+#define GROUP_FN(name, NIB, HI, SGN, F16, NS, OFS) \
+    static void name(int ng, int nr, Acts a, const uint8_t *w, int64_t gq, const void *dv, const void *mv, \
+                     int64_t gs, float out[RT][NGMAX * KVQ_NC]) { \
+        (void)ng, (void)gq, (void)gs; /* one group a tile */ \
         if (nr == 1) /* a decode: the row loop folds away */ \
             group(NIB, HI, SGN, F16, NS, OFS, 1, a, w, dv, mv, out); \
-        else if (nr == RT) /* a whole tile: every row's sums in registers */ \
+        else if (nr == RT) /* a whole tile */ \
             group(NIB, HI, SGN, F16, NS, OFS, RT, a, w, dv, mv, out); \
         else \
             group(NIB, HI, SGN, F16, NS, OFS, nr, a, w, dv, mv, out); \
     }
+#endif
 GROUP_FN(g_q4_f16, 1, 0, 0, 1, 1, 0)
 GROUP_FN(g_q4_f32, 1, 0, 0, 0, 1, 0)
 GROUP_FN(g_s8_f16, 0, 0, 1, 1, 1, 0)
@@ -380,24 +426,27 @@ GROUP_FN(g_q5_f16, 1, 1, 0, 1, 1, 0)
 GROUP_FN(g_q5_f32, 1, 1, 0, 0, 1, 0)
 GROUP_FN(g_q4o_f16, 1, 0, 0, 1, 1, 8)
 GROUP_FN(g_q5o_f16, 1, 1, 0, 1, 1, 16)
-typedef void (*GroupFn)(int, Acts, const uint8_t *, const void *, const void *, float[RT][KVQ_NC]);
+typedef void (*GroupFn)(int, int, Acts, const uint8_t *, int64_t, const void *, const void *, int64_t,
+                        float[RT][NGMAX * KVQ_NC]);
 static const GroupFn GROUPS[KVQ_NFMT] = {g_q4_f16, g_q4_f32, g_s8_f16, g_s8_f32_16, g_u8_f16, g_u8_f32, g_u8_f32_16,
                                          g_q5_f16, g_q5_f32, g_q4o_f16, g_q5o_f16};
 
-/* Columns 16 g .. 16 g + 15 of rows r0 .. r1 - 1: y (+)= products * rscale + bias. */
-KV_HIDDEN void mm_group(const QW *wt, int g, int r0, int r1, const Scratch *s, const float *bias,
+/* Column groups NGMAX t .. (the tile column t) of rows r0 .. r1 - 1: y (+)= products * rscale + bias. */
+KV_HIDDEN void mm_group(const QW *wt, int t, int r0, int r1, const Scratch *s, const float *bias,
                         const float *rscale, float *y, int64_t ldy, int accumulate) {
-    const int K = wt->K, nb = K / 32, qb = kvq_qbytes(wt->fmt), ns = KVQ_NS[wt->fmt];
-    const size_t es = KVQ_F16[wt->fmt] ? 2 : 4, sc = (size_t)g * nb * ns * KVQ_NC * es;
-    const uint8_t *w = wt->qs + (int64_t)g * nb * qb;
+    const int K = wt->K, nb = K / 32, qb = kvq_qbytes(wt->fmt), ns = KVQ_NS[wt->fmt], g = NGMAX * t;
+    const int G = (wt->out + KVQ_NC - 1) / KVQ_NC, ng = G - g < NGMAX ? G - g : NGMAX;
+    const int64_t gq = (int64_t)nb * qb, gs = (int64_t)nb * ns * KVQ_NC;
+    const size_t es = KVQ_F16[wt->fmt] ? 2 : 4, sc = (size_t)g * gs * es;
+    const uint8_t *w = wt->qs + g * gq;
     const void *dv = (const char *)wt->d + sc, *mv = wt->m ? (const char *)wt->m + sc : NULL;
-    const int c0 = KVQ_NC * g, cols = wt->out - c0 < KVQ_NC ? wt->out - c0 : KVQ_NC;
+    const int c0 = KVQ_NC * g, cols = wt->out - c0 < KVQ_NC * ng ? wt->out - c0 : KVQ_NC * ng;
     for (int r = r0; r < r1; r += RT) {
         const int nr = r1 - r < RT ? r1 - r : RT;
-        float res[RT][KVQ_NC];
+        float res[RT][NGMAX * KVQ_NC];
         const Acts a = {s->q + (int64_t)r * K, s->da + (int64_t)r * nb, s->sa + (int64_t)r * 3 * nb,
                         s->is + (int64_t)r * 2 * nb, K, nb};
-        GROUPS[wt->fmt](nr, a, w, dv, mv, res);
+        GROUPS[wt->fmt](ng, nr, a, w, gq, dv, mv, gs, res);
         for (int i = 0; i < nr; i++) {
             float *yr = y + (int64_t)(r + i) * ldy + c0;
             const float rs = rscale ? rscale[r + i] : 1.f;
@@ -461,11 +510,11 @@ KV_HIDDEN void add_normed(int H, const float *y, const float *w, float eps, floa
 
 KV_HIDDEN void mm_rows(const QW *wt, int n, const Scratch *s, const float *bias, const float *rscale, float *y,
                        int64_t ldy, int accumulate) {
-    const int G = (wt->out + KVQ_NC - 1) / KVQ_NC;
+    const int T = (wt->out + NGMAX * KVQ_NC - 1) / (NGMAX * KVQ_NC); /* tile columns */
     for (int r0 = 0; r0 < n; r0 += RCHUNK) {
         const int r1 = n - r0 < RCHUNK ? n : r0 + RCHUNK;
 #pragma omp for schedule(static)
-        for (int g = 0; g < G; g++) mm_group(wt, g, r0, r1, s, bias, rscale, y, ldy, accumulate);
+        for (int t = 0; t < T; t++) mm_group(wt, t, r0, r1, s, bias, rscale, y, ldy, accumulate);
     }
 }
 

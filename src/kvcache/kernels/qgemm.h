@@ -30,8 +30,9 @@ KV_HIDDEN size_t scratch_bytes(int n, int K);
 KV_HIDDEN Scratch scratch_at(char *p, int n, int K);
 /* row r of x [., K] (times g; 1 / rms into s->inv[r] when eps >= 0) -> row r of s's activations */
 KV_HIDDEN void act_row(const Scratch *s, int r, int K, const float *x, int64_t ldx, const float *g, float eps);
-/* columns 16 g .. 16 g + 15, rows r0 .. r1 - 1: y (+)= products * rscale + bias */
-KV_HIDDEN void mm_group(const QW *wt, int g, int r0, int r1, const Scratch *s, const float *bias,
+/* tile column t (the column groups a tile covers: one, or two with AVX-512), rows r0 .. r1 - 1:
+ * y (+)= products * rscale + bias */
+KV_HIDDEN void mm_group(const QW *wt, int t, int r0, int r1, const Scratch *s, const float *bias,
                         const float *rscale, float *y, int64_t ldy, int accumulate);
 /* x += rms_norm(y) * w, one row of H */
 KV_HIDDEN void add_normed(int H, const float *y, const float *w, float eps, float *x);
