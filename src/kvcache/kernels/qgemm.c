@@ -298,6 +298,21 @@ static inline __attribute__((always_inline)) __m256i dot(const int SGN, __m256i 
 #endif
 }
 
+/* s + the products of 4 steps (weights W[0..3], activations at p): with AVX2 and unsigned weights
+ * (q < 32: a pair product stays under 7874) the four steps' int16 pairs are added before widening,
+ * one vpmaddwd instead of four; the integer sum is the same. */
+static inline __attribute__((always_inline)) __m256i dot4(const int SGN, __m256i s, const __m256i *W, const int8_t *p) {
+#if ISA == 1
+    if (!SGN) {
+        __m256i t = _mm256_maddubs_epi16(W[0], _mm256_set1_epi32(word(p)));
+        for (int st = 1; st < 4; st++) t = _mm256_add_epi16(t, _mm256_maddubs_epi16(W[st], _mm256_set1_epi32(word(p + 4 * st))));
+        return _mm256_add_epi32(s, _mm256_madd_epi16(t, _mm256_set1_epi16(1)));
+    }
+#endif
+    for (int st = 0; st < 4; st++) s = dot(SGN, s, W[st], _mm256_set1_epi32(word(p + 4 * st)));
+    return s;
+}
+
 /* 32 mask bits -> 32 bytes, 0x10 where the bit is set (bit j of the mask -> byte j) */
 static inline __m256i fifth_bits(uint32_t m) {
     const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3,
@@ -358,16 +373,14 @@ static inline __attribute__((always_inline)) void half(const int NIB, const int 
                 const float *sa = a.sa + 3 * at;
                 if (NS == 1) {
                     __m256i s = _mm256_set1_epi32(-ofs * (is[0] + is[1]));
-                    for (int st = 0; st < 8; st++) s = dot(SGN && !OFF, s, W[st], _mm256_set1_epi32(word(ar + 4 * st)));
+                    s = dot4(SGN && !OFF, dot4(SGN && !OFF, s, W, ar), W + 4, ar + 16);
                     const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a.da[at]));
                     acc[r] = _mm256_fmadd_ps(p, dw[0], acc[r]);
                     if (MIN) acc[r] = _mm256_fmadd_ps(mw[0], _mm256_set1_ps(sa[0]), acc[r]);
                 } else {
                     __m256i s0 = _mm256_set1_epi32(-ofs * is[0]), s1 = _mm256_set1_epi32(-ofs * is[1]);
-                    for (int st = 0; st < 4; st++) {
-                        s0 = dot(SGN && !OFF, s0, W[st], _mm256_set1_epi32(word(ar + 4 * st)));
-                        s1 = dot(SGN && !OFF, s1, W[st + 4], _mm256_set1_epi32(word(ar + 16 + 4 * st)));
-                    }
+                    s0 = dot4(SGN && !OFF, s0, W, ar);
+                    s1 = dot4(SGN && !OFF, s1, W + 4, ar + 16);
                     const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), dw[1],
                                                      _mm256_mul_ps(_mm256_cvtepi32_ps(s0), dw[0]));
                     acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(a.da[at]), acc[r]);
