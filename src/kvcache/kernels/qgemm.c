@@ -160,51 +160,69 @@ static inline __attribute__((always_inline)) __m512i step_w(const int NIB, const
     return v;
 }
 
-/* One row (a decode) times one group, the whole block's weights unpacked at once: what the tile
+/* One block of a group's weights, all 8 steps unpacked (W[s]: step s as u8 lanes). */
+static inline __attribute__((always_inline)) void block_w(const int NIB, const int HI, const int SGN,
+                                                          const uint8_t *wb, __m512i W[8]) {
+    if (NIB) {
+        for (int h = 0; h < 4; h++) {
+            const __m512i v = _mm512_loadu_si512(wb + 64 * h);
+            W[h] = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+            W[h + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+        }
+        if (HI) {
+            uint64_t hm[8];
+            memcpy(hm, wb + 256, 64);
+            for (int s = 0; s < 8; s++) W[s] = _mm512_or_si512(W[s], _mm512_maskz_mov_epi8(hm[s], _mm512_set1_epi8(0x10)));
+        }
+    } else {
+        for (int s = 0; s < 8; s++) W[s] = step_w(0, 0, SGN, wb, s);
+    }
+}
+
+/* One row (a decode) times NG groups, each block's weights unpacked at once and the integer sums
+ * split in two chains (latency: the weights stream in faster than one chain runs): what the tile
  * below computes for a row, in the same order (integer sums are exact; the float steps are the
- * same instructions), with fewer loads for a row alone. */
+ * same instructions). */
 static inline __attribute__((always_inline)) void row1(const int NIB, const int HI, const int SGN, const int F16,
-                                                       const int NS, const int OFS, Acts a, const uint8_t *w,
-                                                       const void *dv, const void *mv, float *out) {
-    __m512 acc = _mm512_setzero_ps();
+                                                       const int NS, const int OFS, const int NG, Acts a,
+                                                       const uint8_t *w, int64_t gq, const void *dv,
+                                                       const void *mv, int64_t gs, float *out) {
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     const int qb = NIB ? (HI ? 320 : 256) : 512, ofs = SGN ? 128 : OFS, steps = 8 / NS;
     for (int b = 0; b < a.nb; b++) {
-        const uint8_t *wb = w + (int64_t)b * qb;
-        for (int l = 0; l < qb; l += 64) _mm_prefetch((const char *)(wb + PF + l), _MM_HINT_T0);
-        __m512i W[8];
-        if (NIB) {
-            for (int h = 0; h < 4; h++) {
-                const __m512i v = _mm512_loadu_si512(wb + 64 * h);
-                W[h] = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
-                W[h + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
-            }
-            if (HI) {
-                uint64_t hm[8];
-                memcpy(hm, wb + 256, 64);
-                for (int s = 0; s < 8; s++) W[s] = _mm512_or_si512(W[s], _mm512_maskz_mov_epi8(hm[s], _mm512_set1_epi8(0x10)));
-            }
-        } else {
-            for (int s = 0; s < 8; s++) W[s] = step_w(0, 0, SGN, wb, s);
+        __m512i W[2][8];
+#pragma GCC unroll 2
+        for (int g = 0; g < NG; g++) {
+            const uint8_t *wb = w + g * gq + (int64_t)b * qb;
+            for (int l = 0; l < qb; l += 64) _mm_prefetch((const char *)(wb + PF + l), _MM_HINT_T0);
+            block_w(NIB, HI, SGN, wb, W[g]);
         }
         const int32_t *is = a.is + 2 * b;
         for (int h = 0; h < NS; h++) {
-            const int64_t at = ((int64_t)b * NS + h) * KVQ_NC;
-            const __m512 dw = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)dv + at)))
-                                  : _mm512_loadu_ps((const float *)dv + at);
-            __m512i sum = _mm512_set1_epi32(-ofs * (NS == 1 ? is[0] + is[1] : is[h]));
-            for (int st = 0; st < steps; st++) {
-                const int s = steps * h + st;
-                sum = _mm512_dpbusd_epi32(sum, W[s], _mm512_set1_epi32(word(a.q + 32 * b + 4 * s)));
-            }
-            acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(a.da[b])), dw, acc);
-            if (!ofs) {
-                const __m512 mw = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)mv + at)))
-                                      : _mm512_loadu_ps((const float *)mv + at);
-                acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.sa[3 * b + (NS == 1 ? 0 : 1 + h)]), acc);
+            const __m512i init = _mm512_set1_epi32(-ofs * (NS == 1 ? is[0] + is[1] : is[h]));
+            const __m512 da = _mm512_set1_ps(a.da[b]);
+#pragma GCC unroll 2
+            for (int g = 0; g < NG; g++) {
+                const int64_t at = g * gs + ((int64_t)b * NS + h) * KVQ_NC;
+                __m512i s0 = init, s1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int st = 0; st < steps; st += 2) {
+                    const int s = steps * h + st;
+                    s0 = _mm512_dpbusd_epi32(s0, W[g][s], _mm512_set1_epi32(word(a.q + 32 * b + 4 * s)));
+                    s1 = _mm512_dpbusd_epi32(s1, W[g][s + 1], _mm512_set1_epi32(word(a.q + 32 * b + 4 * s + 4)));
+                }
+                const __m512 dw = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)dv + at)))
+                                      : _mm512_loadu_ps((const float *)dv + at);
+                acc[g] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), da), dw, acc[g]);
+                if (!ofs) {
+                    const __m512 mw = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)mv + at)))
+                                          : _mm512_loadu_ps((const float *)mv + at);
+                    acc[g] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.sa[3 * b + (NS == 1 ? 0 : 1 + h)]), acc[g]);
+                }
             }
         }
     }
-    _mm512_storeu_ps(out, acc);
+    for (int g = 0; g < NG; g++) _mm512_storeu_ps(out + KVQ_NC * g, acc[g]);
 }
 
 /* NG groups (16 NG columns) x up to RT rows: w, dv, mv at the first group; the next group's arrays
@@ -455,10 +473,10 @@ static inline __attribute__((always_inline)) void group(const int NIB, const int
                      int64_t gs, float out[RT][NGMAX * KVQ_NC]) { \
         if (ng == 2 && nr == RT) /* a whole tile: every row's sums in registers */ \
             tile(NIB, HI, SGN, F16, NS, OFS, 2, RT, a, w, gq, dv, mv, gs, out); \
-        else if (nr == 1) /* a decode */ \
+        else if (nr == 1) /* a decode: one group after the other (one stream of weights) */ \
             for (int g = 0; g < ng; g++) \
-                row1(NIB, HI, SGN, F16, NS, OFS, a, w + g * gq, (const char *)dv + g * gs * (F16 ? 2 : 4), \
-                     mv ? (const char *)mv + g * gs * (F16 ? 2 : 4) : NULL, out[0] + KVQ_NC * g); \
+                row1(NIB, HI, SGN, F16, NS, OFS, 1, a, w + g * gq, gq, (const char *)dv + g * gs * (F16 ? 2 : 4), \
+                     mv ? (const char *)mv + g * gs * (F16 ? 2 : 4) : NULL, gs, out[0] + KVQ_NC * g); \
         else if (ng == 2) \
             tile(NIB, HI, SGN, F16, NS, OFS, 2, nr, a, w, gq, dv, mv, gs, out); \
         else \
