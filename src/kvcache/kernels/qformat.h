@@ -13,11 +13,16 @@
  *       (bytes 256 + 8 s ..) = bit 4 of value (c, 4 s + t)
  *   d   NS x 16 scales (NS = 2 for 16-input sub-blocks, else 1), fp16 or fp32 by format
  *   m   NS x 16 minimums of unsigned formats (same dtype), absent for signed and offset ones
+ * K-quant formats (Q4_KS, Q5_KS: GGUF's Q4_K and Q5_K at the file's density) keep the file's scales
+ * instead: per super-block of 256 inputs (8 blocks) 320 bytes, for block j (0..7) 16 six-bit scales
+ * (bytes 32 j ..) and 16 six-bit minimums (bytes 32 j + 16 ..) as bytes, then 16 fp16 super-block
+ * scales d (bytes 256 ..) and 16 fp16 dmin (bytes 288 ..), a column each; the weight is
+ * d * sc * q - dmin * mn, both products exact in fp32. m is absent.
  * so that weight (c, k) = d * q + m (unsigned), d * q (signed) or d * (q - OFFSET) (offset formats:
  * GGUF's Q4_0 and Q5_0, whose minimum is -8 d or -16 d, kept without storing it), with the scale
  * of k's sub-block.
- * Arrays: qs [G, nb, QB] uint8, d and m [G, nb, NS, 16], G = ceil(out / 16), nb = K / 32; rows of the
- * last group past ``out`` hold zeros.
+ * Arrays: qs [G, nb, QB] uint8, d and m [G, nb, NS, 16] (K-quant formats: d [G, nb / 8, 320] uint8),
+ * G = ceil(out / 16), nb = K / 32; rows of the last group past ``out`` hold zeros.
  *
  * Value ranges the products rely on (AVX2 sums two u8 x s8 pair products in int16): unsigned
  * formats hold q < 32, signed ones -128 <= q <= 127.
@@ -42,16 +47,26 @@ enum {
     KVQ_Q5_F32 = 8,  /* nibbles + fifth bits, fp32 d and m per 32 (Q5_K) */
     KVQ_Q4O_F16 = 9, /* nibbles 0..15 offset by 8: fp16 d per 32, the minimum -8 d implied (Q4_0) */
     KVQ_Q5O_F16 = 10, /* nibbles + fifth bits offset by 16: fp16 d per 32, minimum -16 d implied (Q5_0) */
-    KVQ_NFMT = 11
+    KVQ_Q4_KS = 11,  /* nibbles, the file's six-bit scales and minimums with fp16 d, dmin per 256 (Q4_K) */
+    KVQ_Q5_KS = 12,  /* nibbles + fifth bits, the same scales (Q5_K, or Q4_K beside it) */
+    KVQ_NFMT = 13
 };
 
-static const int KVQ_NIBBLES[KVQ_NFMT] = {1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1};
-static const int KVQ_HIGH[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1};
-static const int KVQ_SIGNED[KVQ_NFMT] = {0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0};
-static const int KVQ_F16[KVQ_NFMT] = {1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 1};
-static const int KVQ_NS[KVQ_NFMT] = {1, 1, 1, 2, 1, 1, 2, 1, 1, 1, 1};
+static const int KVQ_NIBBLES[KVQ_NFMT] = {1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1};
+static const int KVQ_HIGH[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1, 0, 1};
+static const int KVQ_SIGNED[KVQ_NFMT] = {0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+static const int KVQ_F16[KVQ_NFMT] = {1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 1, 0, 0};
+static const int KVQ_NS[KVQ_NFMT] = {1, 1, 1, 2, 1, 1, 2, 1, 1, 1, 1, 1, 1};
 /* offset formats store no minimums: weight = d * (q - OFFSET), that is m = -OFFSET * d */
-static const int KVQ_OFFSET[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 16};
+static const int KVQ_OFFSET[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 16, 0, 0};
+/* K-quant formats: scales and minimums as the file's integers (see above) */
+static const int KVQ_KS[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1};
+#define KVQ_KSB 320 /* bytes of scales per super-block of a group in K-quant formats */
+
+/* Bytes of the scale array (d) a group takes for nb blocks, and of one element of it. */
+static inline int64_t kvq_group_scale_bytes(int fmt, int64_t nb) {
+    return KVQ_KS[fmt] ? nb / 8 * KVQ_KSB : nb * KVQ_NS[fmt] * KVQ_NC * (KVQ_F16[fmt] ? 2 : 4);
+}
 
 static inline int kvq_qbytes(int fmt) { return KVQ_NIBBLES[fmt] ? (KVQ_HIGH[fmt] ? 320 : 256) : 512; }
 

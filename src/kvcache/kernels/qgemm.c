@@ -129,8 +129,23 @@ typedef struct { /* the activations of a tile's first row (Scratch's arrays from
     int K, nb;
 } Acts;
 
-static inline float scale_at(const int F16, const void *p, int64_t i) {
-    return F16 ? kvq_h2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+/* Scale kinds (the F16 parameter below): 0 fp32, 1 fp16, 2 the file's K-quant integers (KVQ_KS).
+ * Column c's scale and minimum of sub-block h of block b; dv, mv at the group's arrays. */
+static inline void scale_at(const int F16, const void *dv, const void *mv, int b, int NS, int h, int c, float *d,
+                            float *m) {
+    if (F16 == 2) {
+        const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB, *sj = sb + (b & 7) * 32;
+        uint16_t hd, hm;
+        memcpy(&hd, sb + 256 + 2 * c, 2);
+        memcpy(&hm, sb + 288 + 2 * c, 2);
+        *d = (float)sj[c] * kvq_h2f(hd);
+        *m = -((float)sj[16 + c] * kvq_h2f(hm));
+        __asm__("" : "+m"(*d), "+m"(*m)); /* the scales as values: not reassociated into the products */
+        return;
+    }
+    const int64_t i = ((int64_t)b * NS + h) * KVQ_NC + c;
+    *d = F16 ? kvq_h2f(((const uint16_t *)dv)[i]) : ((const float *)dv)[i];
+    if (mv) *m = F16 ? kvq_h2f(((const uint16_t *)mv)[i]) : ((const float *)mv)[i];
 }
 
 static inline int32_t word(const int8_t *p) { /* four activations as one 32-bit lane */
@@ -158,6 +173,28 @@ static inline __attribute__((always_inline)) __m512i step_w(const int NIB, const
         if (SGN) v = _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
     }
     return v;
+}
+
+/* The 16 columns' scales (and minimums when MIN) of sub-block h of block b; dv, mv at the group's
+ * arrays; K-quant scales (F16 2) are the file's integers times its fp16 d and dmin, exact. */
+static inline __attribute__((always_inline)) void scales16(const int F16, const int MIN, const void *dv,
+                                                           const void *mv, int b, int NS, int h, __m512 *dw,
+                                                           __m512 *mw) {
+    if (F16 == 2) {
+        const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB, *sj = sb + (b & 7) * 32;
+        *dw = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sj))),
+                            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 256))));
+        *mw = _mm512_sub_ps(_mm512_setzero_ps(),
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sj + 16)))),
+                                          _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 288)))));
+        return;
+    }
+    const int64_t at = ((int64_t)b * NS + h) * KVQ_NC;
+    *dw = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)dv + at)))
+              : _mm512_loadu_ps((const float *)dv + at);
+    if (MIN)
+        *mw = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)mv + at)))
+                  : _mm512_loadu_ps((const float *)mv + at);
 }
 
 /* One block of a group's weights, all 8 steps unpacked (W[s]: step s as u8 lanes). */
@@ -203,7 +240,6 @@ static inline __attribute__((always_inline)) void row1(const int NIB, const int 
             const __m512 da = _mm512_set1_ps(a.da[b]);
 #pragma GCC unroll 2
             for (int g = 0; g < NG; g++) {
-                const int64_t at = g * gs + ((int64_t)b * NS + h) * KVQ_NC;
                 __m512i s0 = init, s1 = _mm512_setzero_si512();
 #pragma GCC unroll 8
                 for (int st = 0; st < steps; st += 2) {
@@ -211,14 +247,10 @@ static inline __attribute__((always_inline)) void row1(const int NIB, const int 
                     s0 = _mm512_dpbusd_epi32(s0, W[g][s], _mm512_set1_epi32(word(a.q + 32 * b + 4 * s)));
                     s1 = _mm512_dpbusd_epi32(s1, W[g][s + 1], _mm512_set1_epi32(word(a.q + 32 * b + 4 * s + 4)));
                 }
-                const __m512 dw = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)dv + at)))
-                                      : _mm512_loadu_ps((const float *)dv + at);
+                __m512 dw, mw = _mm512_setzero_ps();
+                scales16(F16, !ofs, (const char *)dv + g * gs, mv ? (const char *)mv + g * gs : NULL, b, NS, h, &dw, &mw);
                 acc[g] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), da), dw, acc[g]);
-                if (!ofs) {
-                    const __m512 mw = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)mv + at)))
-                                          : _mm512_loadu_ps((const float *)mv + at);
-                    acc[g] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.sa[3 * b + (NS == 1 ? 0 : 1 + h)]), acc[g]);
-                }
+                if (!ofs) acc[g] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.sa[3 * b + (NS == 1 ? 0 : 1 + h)]), acc[g]);
             }
         }
     }
@@ -226,7 +258,7 @@ static inline __attribute__((always_inline)) void row1(const int NIB, const int 
 }
 
 /* NG groups (16 NG columns) x up to RT rows: w, dv, mv at the first group; the next group's arrays
- * follow at gq bytes (qs) and gs elements (d, m). Rows step together through each block's 8
+ * follow at gq bytes (qs) and gs bytes (d, m). Rows step together through each block's 8
  * steps (independent chains), each step's activations broadcast once for every group. */
 static inline __attribute__((always_inline)) void tile(const int NIB, const int HI, const int SGN, const int F16,
                                                        const int NS, const int OFS, const int NG, int nr, Acts a,
@@ -243,20 +275,10 @@ static inline __attribute__((always_inline)) void tile(const int NIB, const int 
             if (NG == 2) _mm_prefetch((const char *)(wb1 + PF + l), _MM_HINT_T0);
         }
         for (int h = 0; h < NS; h++) {
-            const int64_t at0 = ((int64_t)b * NS + h) * KVQ_NC, at1 = at0 + gs;
             __m512 dw0, dw1 = _mm512_setzero_ps(), mw0 = _mm512_setzero_ps(), mw1 = _mm512_setzero_ps();
-            dw0 = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)dv + at0)))
-                      : _mm512_loadu_ps((const float *)dv + at0);
+            scales16(F16, !ofs, dv, mv, b, NS, h, &dw0, &mw0);
             if (NG == 2)
-                dw1 = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)dv + at1)))
-                          : _mm512_loadu_ps((const float *)dv + at1);
-            if (!ofs) {
-                mw0 = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)mv + at0)))
-                          : _mm512_loadu_ps((const float *)mv + at0);
-                if (NG == 2)
-                    mw1 = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)mv + at1)))
-                              : _mm512_loadu_ps((const float *)mv + at1);
-            }
+                scales16(F16, !ofs, (const char *)dv + gs, mv ? (const char *)mv + gs : NULL, b, NS, h, &dw1, &mw1);
             __m512i s0[RT], s1[RT];
 #pragma GCC unroll 16
             for (int r = 0; r < RT; r++) {
@@ -375,6 +397,15 @@ static inline __attribute__((always_inline)) void half(const int NIB, const int 
         }
         __m256 dw[2], mw[2];
         for (int h = 0; h < NS; h++) {
+            if (F16 == 2) { /* the file's K-quant integers times its fp16 d and dmin (exact) */
+                const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB, *sj = sb + (b & 7) * 32 + 8 * hf;
+                dw[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sj))),
+                                      _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 256 + 16 * hf))));
+                mw[h] = _mm256_sub_ps(_mm256_setzero_ps(),
+                                      _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sj + 16)))),
+                                                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 288 + 16 * hf)))));
+                continue;
+            }
             const int64_t at = ((int64_t)b * NS + h) * KVQ_NC + 8 * hf;
             dw[h] = F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)dv + at)))
                         : _mm256_loadu_ps((const float *)dv + at);
@@ -421,6 +452,13 @@ static inline __attribute__((always_inline)) void group(const int NIB, const int
 }
 
 #else
+/* A value the compiler may not reassociate with its neighbours (the build allows reassociation for
+ * the vector loops): the plain C path keeps one order of rounding for every row count. */
+static inline float exact_order(float x) {
+    __asm__("" : "+m"(x));
+    return x;
+}
+
 static inline __attribute__((always_inline)) void group(const int NIB, const int HI, const int SGN, const int F16,
                                                         const int NS, const int OFS, int nr, Acts a, const uint8_t *w,
                                                         const void *dv, const void *mv, float out[RT][NGMAX * KVQ_NC]) {
@@ -440,24 +478,24 @@ static inline __attribute__((always_inline)) void group(const int NIB, const int
                 }
             }
             float dw[2], mw[2] = {0.f, 0.f};
-            for (int h = 0; h < NS; h++) {
-                const int64_t at = ((int64_t)b * NS + h) * KVQ_NC + c;
-                dw[h] = scale_at(F16, dv, at);
-                if (!SGN && !OFS) mw[h] = scale_at(F16, mv, at);
-            }
+            for (int h = 0; h < NS; h++) scale_at(F16, dv, mv, b, NS, h, c, &dw[h], &mw[h]);
             for (int r = 0; r < nr; r++) {
                 const int64_t at = (int64_t)r * a.nb + b;
                 const int8_t *ar = a.q + (int64_t)r * a.K + 32 * b;
                 int s[2] = {-OFS * a.is[2 * at], -OFS * a.is[2 * at + 1]};
                 for (int k = 0; k < 32; k++) s[k >> 4] += wq[k] * ar[k];
                 const float *sa = a.sa + 3 * at;
-                float v = out[r][c];
+                float v = out[r][c]; /* each step rounded in this order, whatever the row count */
                 if (NS == 1) {
-                    v += (float)(s[0] + s[1]) * a.da[at] * dw[0];
-                    if (!SGN && !OFS) v += mw[0] * sa[0];
+                    v = exact_order(exact_order(exact_order((float)(s[0] + s[1]) * a.da[at]) * dw[0]) + v);
+                    if (!SGN && !OFS) v = exact_order(exact_order(mw[0] * sa[0]) + v);
                 } else {
-                    v += ((float)s[1] * dw[1] + (float)s[0] * dw[0]) * a.da[at];
-                    if (!SGN && !OFS) v += mw[0] * sa[1] + mw[1] * sa[2];
+                    const float t = exact_order(exact_order((float)s[1] * dw[1]) + exact_order((float)s[0] * dw[0]));
+                    v = exact_order(exact_order(t * a.da[at]) + v);
+                    if (!SGN && !OFS) {
+                        v = exact_order(exact_order(mw[0] * sa[1]) + v);
+                        v = exact_order(exact_order(mw[1] * sa[2]) + v);
+                    }
                 }
                 out[r][c] = v;
             }
@@ -475,8 +513,8 @@ static inline __attribute__((always_inline)) void group(const int NIB, const int
             tile(NIB, HI, SGN, F16, NS, OFS, 2, RT, a, w, gq, dv, mv, gs, out); \
         else if (nr == 1) /* a decode: one group after the other (one stream of weights) */ \
             for (int g = 0; g < ng; g++) \
-                row1(NIB, HI, SGN, F16, NS, OFS, 1, a, w + g * gq, gq, (const char *)dv + g * gs * (F16 ? 2 : 4), \
-                     mv ? (const char *)mv + g * gs * (F16 ? 2 : 4) : NULL, gs, out[0] + KVQ_NC * g); \
+                row1(NIB, HI, SGN, F16, NS, OFS, 1, a, w + g * gq, gq, (const char *)dv + g * gs, \
+                     mv ? (const char *)mv + g * gs : NULL, gs, out[0] + KVQ_NC * g); \
         else if (ng == 2) \
             tile(NIB, HI, SGN, F16, NS, OFS, 2, nr, a, w, gq, dv, mv, gs, out); \
         else \
@@ -506,18 +544,20 @@ GROUP_FN(g_q5_f16, 1, 1, 0, 1, 1, 0)
 GROUP_FN(g_q5_f32, 1, 1, 0, 0, 1, 0)
 GROUP_FN(g_q4o_f16, 1, 0, 0, 1, 1, 8)
 GROUP_FN(g_q5o_f16, 1, 1, 0, 1, 1, 16)
+GROUP_FN(g_q4_ks, 1, 0, 0, 2, 1, 0)
+GROUP_FN(g_q5_ks, 1, 1, 0, 2, 1, 0)
 typedef void (*GroupFn)(int, int, Acts, const uint8_t *, int64_t, const void *, const void *, int64_t,
                         float[RT][NGMAX * KVQ_NC]);
 static const GroupFn GROUPS[KVQ_NFMT] = {g_q4_f16, g_q4_f32, g_s8_f16, g_s8_f32_16, g_u8_f16, g_u8_f32, g_u8_f32_16,
-                                         g_q5_f16, g_q5_f32, g_q4o_f16, g_q5o_f16};
+                                         g_q5_f16, g_q5_f32, g_q4o_f16, g_q5o_f16, g_q4_ks, g_q5_ks};
 
 /* Column groups NGMAX t .. (the tile column t) of rows r0 .. r1 - 1: y (+)= products * rscale + bias. */
 KV_HIDDEN void mm_group(const QW *wt, int t, int r0, int r1, const Scratch *s, const float *bias,
                         const float *rscale, float *y, int64_t ldy, int accumulate) {
     const int K = wt->K, nb = K / 32, qb = kvq_qbytes(wt->fmt), ns = KVQ_NS[wt->fmt], g = NGMAX * t;
     const int G = (wt->out + KVQ_NC - 1) / KVQ_NC, ng = G - g < NGMAX ? G - g : NGMAX;
-    const int64_t gq = (int64_t)nb * qb, gs = (int64_t)nb * ns * KVQ_NC;
-    const size_t es = KVQ_F16[wt->fmt] ? 2 : 4, sc = (size_t)g * gs * es;
+    const int64_t gq = (int64_t)nb * qb, gs = kvq_group_scale_bytes(wt->fmt, nb), sc = g * gs;
+    (void)ns;
     const uint8_t *w = wt->qs + g * gq;
     const void *dv = (const char *)wt->d + sc, *mv = wt->m ? (const char *)wt->m + sc : NULL;
     const int c0 = KVQ_NC * g, cols = wt->out - c0 < KVQ_NC * ng ? wt->out - c0 : KVQ_NC * ng;
@@ -540,7 +580,8 @@ KV_HIDDEN void mm_group(const QW *wt, int t, int r0, int r1, const Scratch *s, c
 
 KV_HIDDEN int qw_valid(const QW *w) {
     return w->fmt >= 0 && w->fmt < KVQ_NFMT && w->K >= 32 && w->K % 32 == 0 && w->out >= 1 &&
-           (KVQ_SIGNED[w->fmt] || KVQ_OFFSET[w->fmt] || w->m != NULL);
+           (KVQ_SIGNED[w->fmt] || KVQ_OFFSET[w->fmt] || KVQ_KS[w->fmt] || w->m != NULL) &&
+           (!KVQ_KS[w->fmt] || w->K % 256 == 0);
 }
 
 KV_HIDDEN size_t scratch_bytes(int n, int K) {

@@ -160,6 +160,7 @@ static void decode_block(int gtype, const uint8_t *b, int *q, float *d, float *m
 }
 
 static int holds(int gtype, int fmt) {
+    if (KVQ_KS[fmt]) return gtype == 12 || (KVQ_HIGH[fmt] && gtype == 13); /* the file's own scales */
     int nib = gtype == 2 || gtype == 3 || gtype == 12, sgn = gtype == 8 || gtype == 11 || gtype == 14;
     int five = gtype == 6 || gtype == 7 || gtype == 13;
     if (KVQ_HIGH[fmt]) nib = nib || five; /* 5-bit formats hold 4- and 5-bit types */
@@ -213,6 +214,19 @@ int kv_q_repack(int gtype, int fmt, int rows, int K, const uint8_t *src, int64_t
                 if (nib) *dst = (uint8_t)(high ? (*dst & 0x0F) | (v << 4) : (*dst & 0xF0) | v);
                 else *dst = (uint8_t)(v & 0xFF);
             }
+            if (KVQ_KS[fmt]) { /* the super-block's scales as the file holds them (qformat.h) */
+                const uint8_t *sb = src + r * src_stride + (int64_t)blk * bbytes;
+                uint8_t *dst_s = (uint8_t *)d + (g * (nb / 8) + blk) * KVQ_KSB;
+                for (int j = 0; j < 8; j++) {
+                    int sc, mn;
+                    k_scale_min(sb + 4, j, &sc, &mn);
+                    dst_s[32 * j + c] = (uint8_t)sc;
+                    dst_s[32 * j + 16 + c] = (uint8_t)mn;
+                }
+                memcpy(dst_s + 256 + 2 * c, sb, 2);
+                memcpy(dst_s + 288 + 2 * c, sb + 2, 2);
+                continue;
+            }
             /* scales: per sub-block of the format (32 or 16 values) */
             const int per = 32 / ns;
             for (int e = 0; e < bs; e += per) {
@@ -242,8 +256,19 @@ int kv_q_dequant(int fmt, int K, int out, const uint8_t *qs, const void *d, cons
             int high, pos = kvq_pos(nib, c, kk, &high);
             uint8_t byte = qs[(g * nb + b) * qb + pos];
             const int64_t idx = ((g * nb + b) * ns + h) * KVQ_NC + c;
-            float sd = KVQ_F16[fmt] ? kvq_h2f(((const uint16_t *)d)[idx]) : ((const float *)d)[idx];
-            float v;
+            float sd, v;
+            if (KVQ_KS[fmt]) {
+                const uint8_t *sb = (const uint8_t *)d + (g * (nb / 8) + (b >> 3)) * KVQ_KSB, *sj = sb + (b & 7) * 32;
+                int qv = nib ? (high ? byte >> 4 : byte & 15) : byte;
+                if (KVQ_HIGH[fmt]) {
+                    int bit, hp = kvq_high_pos(c, kk, &bit);
+                    qv |= ((qs[(g * nb + b) * qb + hp] >> bit) & 1) << 4;
+                }
+                sd = kvq_h2f(rd16(sb + 256 + 2 * c)) * (float)sj[c];
+                y[i * ldy + k] = sd * (float)qv + -(kvq_h2f(rd16(sb + 288 + 2 * c)) * (float)sj[16 + c]);
+                continue;
+            }
+            sd = KVQ_F16[fmt] ? kvq_h2f(((const uint16_t *)d)[idx]) : ((const float *)d)[idx];
             if (KVQ_SIGNED[fmt]) {
                 v = sd * (float)(int8_t)byte;
             } else {

@@ -25,28 +25,38 @@ from kvcache import kernels
 from kvcache.errors import ModelLoadError
 
 # kernels/qformat.h
-Q4_F16, Q4_F32, S8_F16, S8_F32_16, U8_F16, U8_F32, U8_F32_16, Q5_F16, Q5_F32, Q4O_F16, Q5O_F16 = range(11)
+(Q4_F16, Q4_F32, S8_F16, S8_F32_16, U8_F16, U8_F32, U8_F32_16, Q5_F16, Q5_F32, Q4O_F16, Q5O_F16, Q4_KS,
+ Q5_KS) = range(13)
 FORMAT_NAMES = ("q4_f16", "q4_f32", "s8_f16", "s8_f32_16", "u8_f16", "u8_f32", "u8_f32_16", "q5_f16", "q5_f32",
-                "q4o_f16", "q5o_f16")
-_NIBBLES = (1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1)
-_HIGH = (0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1)  # a fifth bit beside the nibbles
-_SIGNED = (0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0)
-_F16 = (1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 1)
-_NS = (1, 1, 1, 2, 1, 1, 2, 1, 1, 1, 1)
-_OFFSET = (0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 16)  # no stored minimum: it is -offset * d (Q4_0, Q5_0)
+                "q4o_f16", "q5o_f16", "q4_ks", "q5_ks")
+_NIBBLES = (1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1)
+_HIGH = (0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1, 0, 1)  # a fifth bit beside the nibbles
+_SIGNED = (0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+_F16 = (1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 1, 0, 0)
+_NS = (1, 1, 1, 2, 1, 1, 2, 1, 1, 1, 1, 1, 1)
+_OFFSET = (0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 16, 0, 0)  # no stored minimum: it is -offset * d (Q4_0, Q5_0)
+# the file's K-quant scales as integers: d is [G, nb / 8, 320] bytes per super-block (qformat.h), no m
+_KS = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1)
+_KS_BYTES = 320
 GROUP = 16  # output rows interleaved together (KVQ_NC)
 
 # GGUF (ggml) type ids -> the format that holds them most compactly
 GGML = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
         "Q6_K": 14}
-FORMAT_OF = {2: Q4O_F16, 3: Q4_F16, 6: Q5O_F16, 7: Q5_F16, 8: S8_F16, 10: U8_F32_16, 11: S8_F32_16, 12: Q4_F32,
-             13: Q5_F32, 14: S8_F32_16}
+FORMAT_OF = {2: Q4O_F16, 3: Q4_F16, 6: Q5O_F16, 7: Q5_F16, 8: S8_F16, 10: U8_F32_16, 11: S8_F32_16, 12: Q4_KS,
+             13: Q5_KS, 14: S8_F32_16}
+_KS_FALLBACK = {Q4_KS: Q4_F32, Q5_KS: Q5_F32}  # the same values with fp32 scales, beside other types
 
 
 def common_format(types: Sequence[int]) -> int | None:
     """The narrowest format holding every GGUF type in ``types``; None when signed and unsigned
     types mix (they go to separate parts of a QStack)."""
     fmts = {FORMAT_OF[t] for t in types}
+    if len(fmts) == 1:
+        return fmts.pop()
+    if fmts <= {Q4_KS, Q5_KS}:  # Q4_K beside Q5_K: the 5-bit K-quant format holds both
+        return Q5_KS
+    fmts = {_KS_FALLBACK.get(f, f) for f in fmts}
     if len(fmts) == 1:
         return fmts.pop()
     signed = {_SIGNED[f] for f in fmts}
@@ -72,13 +82,16 @@ class QWeight:
         if k % 32:
             raise ModelLoadError(f"a quantized weight needs a multiple of 32 inputs, got {k}")
         self.fmt, self.out, self.k = fmt, out, k
+        if _KS[fmt] and k % 256:
+            raise ModelLoadError(f"a K-quant weight needs a multiple of 256 inputs, got {k}")
         g, nb, ns = -(-out // GROUP), k // 32, _NS[fmt]
+        dshape = (g, nb // 8, _KS_BYTES) if _KS[fmt] else (g, nb, ns, GROUP)
         if arrays is not None:
             qb = (320 if _HIGH[fmt] else 256) if _NIBBLES[fmt] else 512
-            dt = torch.float16 if _F16[fmt] else torch.float32
+            dt = torch.uint8 if _KS[fmt] else torch.float16 if _F16[fmt] else torch.float32
             qs, d, m = arrays
-            if (qs.shape != (g, nb, qb) or qs.dtype != torch.uint8 or d.shape != (g, nb, ns, GROUP) or d.dtype != dt
-                    or (m is None) != bool(_SIGNED[fmt] or _OFFSET[fmt])
+            if (qs.shape != (g, nb, qb) or qs.dtype != torch.uint8 or d.shape != dshape or d.dtype != dt
+                    or (m is None) != bool(_SIGNED[fmt] or _OFFSET[fmt] or _KS[fmt])
                     or (m is not None and (m.shape != d.shape or m.dtype != dt))):
                 raise ModelLoadError(f"stored arrays do not fit a {FORMAT_NAMES[fmt]} weight [{out}, {k}]")
             self.qs, self.d, self.m = qs, d, m
@@ -88,9 +101,9 @@ class QWeight:
         # zeroed by the allocator (calloc), not by a parallel fill: loading stays quick on a busy machine
         qb = (320 if _HIGH[fmt] else 256) if _NIBBLES[fmt] else 512
         self.qs = torch.from_numpy(np.zeros((g, nb, qb), np.uint8))  # [G, nb, QB]
-        dt = np.float16 if _F16[fmt] else np.float32
-        self.d = torch.from_numpy(np.zeros((g, nb, ns, GROUP), dt))  # [G, nb, NS, 16] scales
-        self.m = (None if _SIGNED[fmt] or _OFFSET[fmt]  # minimums
+        dt = np.uint8 if _KS[fmt] else np.float16 if _F16[fmt] else np.float32
+        self.d = torch.from_numpy(np.zeros(dshape, dt))  # [G, nb, NS, 16] scales ([G, nb / 8, 320] K-quant)
+        self.m = (None if _SIGNED[fmt] or _OFFSET[fmt] or _KS[fmt]  # minimums
                   else torch.from_numpy(np.zeros((g, nb, ns, GROUP), dt)))
         self.in_scale = in_scale  # [K] fp32 or None
         self._fn, self._ptrs, self._scale_ptr = None, (), None  # set by seal()

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 MAGIC = b"KVQPACK\0"
-VERSION = 2  # bump when kernels/qformat.h's layouts change
+VERSION = 3  # bump when kernels/qformat.h's layouts change
 ALIGN = 4096
 PROGRESS_BYTES = 256 << 20  # files at least this large show a progress bar while repacked
 _DTYPES = {"uint8": np.uint8, "float16": np.float16, "float32": np.float32}
