@@ -88,7 +88,7 @@ def test_gemma_file_mixes_types_in_one_projection():
     q = LLM("gemma3-270m", prefix=False)
     qkv = q.model.layers[0].qkv
     assert isinstance(qkv, QStack) and qkv.format_name == "q5o_f16+s8_f16"  # Q5_0 without stored minimums
-    assert {"q4_ks", "s8_f32_16", "s8_f16", "q5o_f16"} <= set(q.model.weight_kinds())  # Q4_K at its density
+    assert {"q4_ks", "q6_ks", "s8_f16", "q5o_f16"} <= set(q.model.weight_kinds())  # K-quants at their density
     assert q.model.weight_bytes() <= os.path.getsize(q.model_path) * 1.1  # about the file's size
     ref = LLM("gemma3-270m", prefix=False, weights="fp32")
     r = compare_weights(q, ref, chunks(ref.encode(builtin_text()), 512, 1, ref.tokenizer.bos_token_id))

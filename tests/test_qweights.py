@@ -48,10 +48,10 @@ def repacked(t: T, out: int, k: int, fmt: int | None = None, seed: int = 0) -> t
 
 ALL = [*LEGACY, *KQUANTS]
 # memory per weight in its repacked format: values (nibbles or bytes) plus scales (and minimums)
-# (Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 at the file's own density; Q4_K and Q5_K within 3%: the file's
-# six-bit scales as bytes; the other K-quants above it: fp32 scales)
+# (Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 at the file's own density; Q4_K, Q5_K and Q6_K within 3%: the
+# file's integer scales as bytes; Q2_K and Q3_K above it: fp32 scales)
 BYTES_PER_WEIGHT = {T.Q4_0: 0.5625, T.Q4_1: 0.625, T.Q5_0: 0.6875, T.Q5_1: 0.75, T.Q8_0: 1.0625, T.Q2_K: 1.5,
-                    T.Q3_K: 1.25, T.Q4_K: 0.578125, T.Q5_K: 0.703125, T.Q6_K: 1.25}
+                    T.Q3_K: 1.25, T.Q4_K: 0.578125, T.Q5_K: 0.703125, T.Q6_K: 0.828125}
 
 
 @pytest.mark.parametrize("t", ALL, ids=lambda t: t.name)
@@ -74,16 +74,16 @@ def test_parts_of_different_types_share_a_format(types):
 
 
 @pytest.mark.parametrize("v", [v for v in build.variants() if build.runnable(v)], ids=lambda v: v.name)
-@pytest.mark.parametrize("t", [T.Q4_K, T.Q5_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
 def test_k_quants_at_the_files_density_multiply_as_with_fp32_scales(v, t):
-    """Q4_K and Q5_K keep the file's six-bit scales as bytes (0.58 and 0.70 bytes a weight, where
-    fp32 scales took 0.75 and 0.875); the kernels rebuild each scale exactly, so the products are
-    bitwise those of the fp32-scale format, on every variant and row count."""
-    from kvcache.models.qweight import Q4_F32, Q5_F32
+    """Q4_K, Q5_K and Q6_K keep the file's integer scales as bytes (0.58, 0.70 and 0.83 bytes a
+    weight, where fp32 scales took 0.75, 0.875 and 1.25); the kernels rebuild each scale exactly,
+    so the products are bitwise those of the fp32-scale format, on every variant and row count."""
+    from kvcache.models.qweight import Q4_F32, Q5_F32, S8_F32_16
     lib = variant_lib(v)
     packed, _ = repacked(t, 40, 512, seed=5)
-    wide, _ = repacked(t, 40, 512, fmt=Q4_F32 if t == T.Q4_K else Q5_F32, seed=5)
-    assert packed.format_name in ("q4_ks", "q5_ks") and packed.nbytes <= 0.81 * wide.nbytes
+    wide, _ = repacked(t, 40, 512, fmt={T.Q4_K: Q4_F32, T.Q5_K: Q5_F32, T.Q6_K: S8_F32_16}[t], seed=5)
+    assert packed.format_name in ("q4_ks", "q5_ks", "q6_ks") and packed.nbytes <= 0.81 * wide.nbytes
     rng = np.random.default_rng(6)
     for n in (1, 5, 67):
         x = rng.standard_normal((n, 512)).astype(np.float32)

@@ -10,14 +10,19 @@
  *       nibble formats: 256 bytes, byte (h * 64 + c * 4 + t) = value (c, 4 h + t) | value (c, 16 + 4 h + t) << 4
  *       (h 0..3; the low 4 bits of each value: the low nibbles are step h, the high ones step h + 4);
  *       5-bit formats add 64 bytes, the fifth bits: bit (c * 4 + t) of the little-endian 64-bit word s
- *       (bytes 256 + 8 s ..) = bit 4 of value (c, 4 s + t)
+ *       (bytes 256 + 8 s ..) = bit 4 of value (c, 4 s + t);
+ *       6-bit formats add 128 bytes, bits 4 and 5: byte (256 + 64 q + c * 4 + t) holds them for steps
+ *       4 q .. 4 q + 3 (q 0..1), step 4 q + k at bits 2 k and 2 k + 1
  *   d   NS x 16 scales (NS = 2 for 16-input sub-blocks, else 1), fp16 or fp32 by format
  *   m   NS x 16 minimums of unsigned formats (same dtype), absent for signed and offset ones
  * K-quant formats (Q4_KS, Q5_KS: GGUF's Q4_K and Q5_K at the file's density) keep the file's scales
  * instead: per super-block of 256 inputs (8 blocks) 320 bytes, for block j (0..7) 16 six-bit scales
  * (bytes 32 j ..) and 16 six-bit minimums (bytes 32 j + 16 ..) as bytes, then 16 fp16 super-block
  * scales d (bytes 256 ..) and 16 fp16 dmin (bytes 288 ..), a column each; the weight is
- * d * sc * q - dmin * mn, both products exact in fp32. m is absent.
+ * d * sc * q - dmin * mn, both products exact in fp32. Q6_KS (GGUF's Q6_K) holds six-bit values
+ * offset by 32 and, per block j, 32 signed eight-bit scales (bytes 32 j + 16 h + c: sub-block h of 16
+ * inputs) with one fp16 d per column (bytes 256 ..; bytes 288 .. 319 unused): d * sc * (q - 32).
+ * m is absent.
  * so that weight (c, k) = d * q + m (unsigned), d * q (signed) or d * (q - OFFSET) (offset formats:
  * GGUF's Q4_0 and Q5_0, whose minimum is -8 d or -16 d, kept without storing it), with the scale
  * of k's sub-block.
@@ -49,18 +54,20 @@ enum {
     KVQ_Q5O_F16 = 10, /* nibbles + fifth bits offset by 16: fp16 d per 32, minimum -16 d implied (Q5_0) */
     KVQ_Q4_KS = 11,  /* nibbles, the file's six-bit scales and minimums with fp16 d, dmin per 256 (Q4_K) */
     KVQ_Q5_KS = 12,  /* nibbles + fifth bits, the same scales (Q5_K, or Q4_K beside it) */
-    KVQ_NFMT = 13
+    KVQ_Q6_KS = 13,  /* nibbles + bits 4 and 5 offset by 32, the file's eight-bit scales per 16, fp16 d (Q6_K) */
+    KVQ_NFMT = 14
 };
 
-static const int KVQ_NIBBLES[KVQ_NFMT] = {1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1};
-static const int KVQ_HIGH[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1, 0, 1};
-static const int KVQ_SIGNED[KVQ_NFMT] = {0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0};
-static const int KVQ_F16[KVQ_NFMT] = {1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 1, 0, 0};
-static const int KVQ_NS[KVQ_NFMT] = {1, 1, 1, 2, 1, 1, 2, 1, 1, 1, 1, 1, 1};
+static const int KVQ_NIBBLES[KVQ_NFMT] = {1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1};
+/* bits above the nibble: 1 (a fifth bit) or 2 (bits 4 and 5) */
+static const int KVQ_HIGH[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1, 0, 1, 2};
+static const int KVQ_SIGNED[KVQ_NFMT] = {0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+static const int KVQ_F16[KVQ_NFMT] = {1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 1, 0, 0, 0};
+static const int KVQ_NS[KVQ_NFMT] = {1, 1, 1, 2, 1, 1, 2, 1, 1, 1, 1, 1, 1, 2};
 /* offset formats store no minimums: weight = d * (q - OFFSET), that is m = -OFFSET * d */
-static const int KVQ_OFFSET[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 16, 0, 0};
-/* K-quant formats: scales and minimums as the file's integers (see above) */
-static const int KVQ_KS[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1};
+static const int KVQ_OFFSET[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 16, 0, 0, 32};
+/* K-quant formats: the file's integer scales (see above): 1 with minimums (Q4_K, Q5_K), 2 signed per 16 (Q6_K) */
+static const int KVQ_KS[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 2};
 #define KVQ_KSB 320 /* bytes of scales per super-block of a group in K-quant formats */
 
 /* Bytes of the scale array (d) a group takes for nb blocks, and of one element of it. */
@@ -68,7 +75,13 @@ static inline int64_t kvq_group_scale_bytes(int fmt, int64_t nb) {
     return KVQ_KS[fmt] ? nb / 8 * KVQ_KSB : nb * KVQ_NS[fmt] * KVQ_NC * (KVQ_F16[fmt] ? 2 : 4);
 }
 
-static inline int kvq_qbytes(int fmt) { return KVQ_NIBBLES[fmt] ? (KVQ_HIGH[fmt] ? 320 : 256) : 512; }
+static inline int kvq_qbytes(int fmt) { return KVQ_NIBBLES[fmt] ? 256 + 64 * KVQ_HIGH[fmt] : 512; }
+
+/* Bits 4 and 5 of value (c, k) in a 6-bit group-block: the byte, and the shift of the pair in it. */
+static inline int kvq_six_pos(int c, int k, int *shift) {
+    *shift = 2 * ((k >> 2) & 3);
+    return 256 + 64 * (k >> 4) + c * 4 + (k & 3);
+}
 
 /* Bit 4 of value (c, k) in a 5-bit group-block: the byte and the bit within it. */
 static inline int kvq_high_pos(int c, int k, int *bit) {

@@ -129,10 +129,19 @@ typedef struct { /* the activations of a tile's first row (Scratch's arrays from
     int K, nb;
 } Acts;
 
-/* Scale kinds (the F16 parameter below): 0 fp32, 1 fp16, 2 the file's K-quant integers (KVQ_KS).
+/* Scale kinds (the F16 parameter below): 0 fp32, 1 fp16, 2 the file's K-quant integers with
+ * minimums (Q4_K, Q5_K), 3 its signed scales per 16 (Q6_K) (qformat.h).
  * Column c's scale and minimum of sub-block h of block b; dv, mv at the group's arrays. */
 static inline void scale_at(const int F16, const void *dv, const void *mv, int b, int NS, int h, int c, float *d,
                             float *m) {
+    if (F16 == 3) {
+        const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB;
+        uint16_t hd;
+        memcpy(&hd, sb + 256 + 2 * c, 2);
+        *d = (float)(int8_t)sb[(b & 7) * 32 + 16 * h + c] * kvq_h2f(hd);
+        __asm__("" : "+m"(*d)); /* the scale as a value: not reassociated into the products */
+        return;
+    }
     if (F16 == 2) {
         const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB, *sj = sb + (b & 7) * 32;
         uint16_t hd, hm;
@@ -156,6 +165,14 @@ static inline int32_t word(const int8_t *p) { /* four activations as one 32-bit 
 
 #if ISA == 3
 /* The weights of step s (inputs 4 s .. 4 s + 3 of every column) of group-block wb as u8 lanes. */
+/* Bits 4 and 5 of step s's values in a 6-bit group-block, in place (the pair at bits 2 (s & 3)). */
+static inline __attribute__((always_inline)) __m512i six_bits(const uint8_t *wb, int s) {
+    const __m512i v = _mm512_loadu_si512(wb + 256 + 64 * (s >> 2));
+    const int k = s & 3;
+    const __m512i t = k == 2 ? v : k < 2 ? _mm512_slli_epi16(v, 4 - 2 * k) : _mm512_srli_epi16(v, 2 * k - 4);
+    return _mm512_and_si512(t, _mm512_set1_epi8(0x30));
+}
+
 static inline __attribute__((always_inline)) __m512i step_w(const int NIB, const int HI, const int SGN,
                                                             const uint8_t *wb, int s) {
     __m512i v;
@@ -163,7 +180,8 @@ static inline __attribute__((always_inline)) __m512i step_w(const int NIB, const
         v = _mm512_loadu_si512(wb + 64 * (s & 3));
         if (s >= 4) v = _mm512_srli_epi16(v, 4);
         v = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
-        if (HI) { /* the fifth bits: one mask bit per byte lane, 0x10 where set */
+        if (HI == 2) v = _mm512_or_si512(v, six_bits(wb, s));
+        else if (HI) { /* the fifth bits: one mask bit per byte lane, 0x10 where set */
             uint64_t hm;
             memcpy(&hm, wb + 256 + 8 * s, 8);
             v = _mm512_or_si512(v, _mm512_maskz_mov_epi8(hm, _mm512_set1_epi8(0x10)));
@@ -180,6 +198,12 @@ static inline __attribute__((always_inline)) __m512i step_w(const int NIB, const
 static inline __attribute__((always_inline)) void scales16(const int F16, const int MIN, const void *dv,
                                                            const void *mv, int b, int NS, int h, __m512 *dw,
                                                            __m512 *mw) {
+    if (F16 == 3) { /* signed scales per 16 times the fp16 d (exact) */
+        const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB;
+        *dw = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sb + (b & 7) * 32 + 16 * h)))),
+                            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 256))));
+        return;
+    }
     if (F16 == 2) {
         const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB, *sj = sb + (b & 7) * 32;
         *dw = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sj))),
@@ -206,7 +230,9 @@ static inline __attribute__((always_inline)) void block_w(const int NIB, const i
             W[h] = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
             W[h + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
         }
-        if (HI) {
+        if (HI == 2) {
+            for (int s = 0; s < 8; s++) W[s] = _mm512_or_si512(W[s], six_bits(wb, s));
+        } else if (HI) {
             uint64_t hm[8];
             memcpy(hm, wb + 256, 64);
             for (int s = 0; s < 8; s++) W[s] = _mm512_or_si512(W[s], _mm512_maskz_mov_epi8(hm[s], _mm512_set1_epi8(0x10)));
@@ -225,7 +251,7 @@ static inline __attribute__((always_inline)) void row1(const int NIB, const int 
                                                        const uint8_t *w, int64_t gq, const void *dv,
                                                        const void *mv, int64_t gs, float *out) {
     __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    const int qb = NIB ? (HI ? 320 : 256) : 512, ofs = SGN ? 128 : OFS, steps = 8 / NS;
+    const int qb = NIB ? 256 + 64 * HI : 512, ofs = SGN ? 128 : OFS, steps = 8 / NS;
     for (int b = 0; b < a.nb; b++) {
         __m512i W[2][8];
 #pragma GCC unroll 2
@@ -266,7 +292,7 @@ static inline __attribute__((always_inline)) void tile(const int NIB, const int 
                                                        int64_t gs, float out[RT][NGMAX * KVQ_NC]) {
     __m512 acc0[RT], acc1[RT]; /* the two groups' sums, as separate arrays so they stay in registers */
     for (int r = 0; r < RT; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
-    const int qb = NIB ? (HI ? 320 : 256) : 512, ofs = SGN ? 128 : OFS, steps = 8 / NS;
+    const int qb = NIB ? 256 + 64 * HI : 512, ofs = SGN ? 128 : OFS, steps = 8 / NS;
     const uint8_t *w1 = w + gq;
     for (int b = 0; b < a.nb; b++) {
         const uint8_t *wb0 = w + (int64_t)b * qb, *wb1 = w1 + (int64_t)b * qb;
@@ -370,7 +396,7 @@ static inline __attribute__((always_inline)) void half(const int NIB, const int 
     __m256 acc[RT];
     for (int r = 0; r < RT; r++) acc[r] = _mm256_setzero_ps();
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
-    const int qb = NIB ? (HI ? 320 : 256) : 512;
+    const int qb = NIB ? 256 + 64 * HI : 512;
     /* AVX-VNNI takes signed weights offset by 128 (u8), AVX2 through the sign trick */
     const int OFF = SGN && ISA == 2, ofs = OFF ? 128 : OFS, MIN = !SGN && !OFS;
     for (int b = 0; b < a.nb; b++) {
@@ -384,7 +410,14 @@ static inline __attribute__((always_inline)) void half(const int NIB, const int 
                 W[h] = _mm256_and_si256(v, lo4);
                 W[h + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
             }
-            if (HI) {
+            if (HI == 2) { /* bits 4 and 5: the pair of step s at bits 2 (s & 3) of its byte */
+                for (int s = 0; s < 8; s++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 256 + 64 * (s >> 2) + 32 * hf));
+                    const int k = s & 3;
+                    const __m256i t = k == 2 ? v : k < 2 ? _mm256_slli_epi16(v, 4 - 2 * k) : _mm256_srli_epi16(v, 2 * k - 4);
+                    W[s] = _mm256_or_si256(W[s], _mm256_and_si256(t, _mm256_set1_epi8(0x30)));
+                }
+            } else if (HI) {
                 uint64_t hm[8];
                 memcpy(hm, wb + 256, 64);
                 for (int s = 0; s < 8; s++) W[s] = _mm256_or_si256(W[s], fifth_bits((uint32_t)(hm[s] >> (32 * hf))));
@@ -397,6 +430,12 @@ static inline __attribute__((always_inline)) void half(const int NIB, const int 
         }
         __m256 dw[2], mw[2];
         for (int h = 0; h < NS; h++) {
+            if (F16 == 3) { /* the file's signed scales per 16 times its fp16 d (exact) */
+                const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB;
+                dw[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sb + (b & 7) * 32 + 16 * h + 8 * hf)))),
+                                      _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 256 + 16 * hf))));
+                continue;
+            }
             if (F16 == 2) { /* the file's K-quant integers times its fp16 d and dmin (exact) */
                 const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB, *sj = sb + (b & 7) * 32 + 8 * hf;
                 dw[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sj))),
@@ -462,7 +501,7 @@ static inline float exact_order(float x) {
 static inline __attribute__((always_inline)) void group(const int NIB, const int HI, const int SGN, const int F16,
                                                         const int NS, const int OFS, int nr, Acts a, const uint8_t *w,
                                                         const void *dv, const void *mv, float out[RT][NGMAX * KVQ_NC]) {
-    const int qb = NIB ? (HI ? 320 : 256) : 512;
+    const int qb = NIB ? 256 + 64 * HI : 512;
     for (int r = 0; r < nr; r++)
         for (int c = 0; c < KVQ_NC; c++) out[r][c] = 0.f;
     for (int b = 0; b < a.nb; b++) {
@@ -472,7 +511,10 @@ static inline __attribute__((always_inline)) void group(const int NIB, const int
                 int high, pos = kvq_pos(NIB, c, k, &high);
                 const uint8_t byte = w[(int64_t)b * qb + pos];
                 wq[k] = NIB ? (high ? byte >> 4 : byte & 15) : SGN ? (int8_t)byte : byte;
-                if (HI) {
+                if (HI == 2) {
+                    int sh, hp = kvq_six_pos(c, k, &sh);
+                    wq[k] |= ((w[(int64_t)b * qb + hp] >> sh) & 3) << 4;
+                } else if (HI) {
                     int bit, hp = kvq_high_pos(c, k, &bit);
                     wq[k] |= ((w[(int64_t)b * qb + hp] >> bit) & 1) << 4;
                 }
@@ -546,10 +588,12 @@ GROUP_FN(g_q4o_f16, 1, 0, 0, 1, 1, 8)
 GROUP_FN(g_q5o_f16, 1, 1, 0, 1, 1, 16)
 GROUP_FN(g_q4_ks, 1, 0, 0, 2, 1, 0)
 GROUP_FN(g_q5_ks, 1, 1, 0, 2, 1, 0)
+GROUP_FN(g_q6_ks, 1, 2, 0, 3, 2, 32)
 typedef void (*GroupFn)(int, int, Acts, const uint8_t *, int64_t, const void *, const void *, int64_t,
                         float[RT][NGMAX * KVQ_NC]);
 static const GroupFn GROUPS[KVQ_NFMT] = {g_q4_f16, g_q4_f32, g_s8_f16, g_s8_f32_16, g_u8_f16, g_u8_f32, g_u8_f32_16,
-                                         g_q5_f16, g_q5_f32, g_q4o_f16, g_q5o_f16, g_q4_ks, g_q5_ks};
+                                         g_q5_f16, g_q5_f32, g_q4o_f16, g_q5o_f16, g_q4_ks, g_q5_ks,
+                                         g_q6_ks};
 
 /* Column groups NGMAX t .. (the tile column t) of rows r0 .. r1 - 1: y (+)= products * rscale + bias. */
 KV_HIDDEN void mm_group(const QW *wt, int t, int r0, int r1, const Scratch *s, const float *bias,

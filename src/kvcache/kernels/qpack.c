@@ -160,7 +160,8 @@ static void decode_block(int gtype, const uint8_t *b, int *q, float *d, float *m
 }
 
 static int holds(int gtype, int fmt) {
-    if (KVQ_KS[fmt]) return gtype == 12 || (KVQ_HIGH[fmt] && gtype == 13); /* the file's own scales */
+    if (KVQ_KS[fmt] == 2) return gtype == 14; /* the file's own scales */
+    if (KVQ_KS[fmt]) return gtype == 12 || (KVQ_HIGH[fmt] && gtype == 13);
     int nib = gtype == 2 || gtype == 3 || gtype == 12, sgn = gtype == 8 || gtype == 11 || gtype == 14;
     int five = gtype == 6 || gtype == 7 || gtype == 13;
     if (KVQ_HIGH[fmt]) nib = nib || five; /* 5-bit formats hold 4- and 5-bit types */
@@ -201,12 +202,16 @@ int kv_q_repack(int gtype, int fmt, int rows, int K, const uint8_t *src, int64_t
             decode_block(gtype, src + r * src_stride + (int64_t)blk * bbytes, q, dd, mm, &sub);
             for (int e = 0; e < bs; e++) {
                 const int k = blk * bs + e, b = k >> 5, kk = k & 31;
-                int v = q[e];
-                const int vmax = nib ? (KVQ_HIGH[fmt] ? 31 : 15) : 31;
+                int v = q[e] + (KVQ_KS[fmt] == 2 ? KVQ_OFFSET[fmt] : 0); /* Q6_K decodes to q - 32 */
+                const int vmax = nib ? (16 << KVQ_HIGH[fmt]) - 1 : 31;
                 if (KVQ_SIGNED[fmt] ? (v < -128 || v > 127) : (v < 0 || v > vmax)) return 3;
                 int high, pos = kvq_pos(nib, c, kk, &high);
                 uint8_t *blk_q = qs + (g * nb + b) * qb, *dst = blk_q + pos;
-                if (KVQ_HIGH[fmt]) {
+                if (KVQ_HIGH[fmt] == 2) {
+                    int sh, hp = kvq_six_pos(c, kk, &sh);
+                    blk_q[hp] = (uint8_t)((blk_q[hp] & ~(3 << sh)) | ((v >> 4) & 3) << sh);
+                    v &= 15;
+                } else if (KVQ_HIGH[fmt]) {
                     int bit, hp = kvq_high_pos(c, kk, &bit);
                     blk_q[hp] = (uint8_t)((blk_q[hp] & ~(1 << bit)) | ((v >> 4) & 1) << bit);
                     v &= 15;
@@ -217,6 +222,11 @@ int kv_q_repack(int gtype, int fmt, int rows, int K, const uint8_t *src, int64_t
             if (KVQ_KS[fmt]) { /* the super-block's scales as the file holds them (qformat.h) */
                 const uint8_t *sb = src + r * src_stride + (int64_t)blk * bbytes;
                 uint8_t *dst_s = (uint8_t *)d + (g * (nb / 8) + blk) * KVQ_KSB;
+                if (KVQ_KS[fmt] == 2) { /* Q6_K: scales[16] int8 at 192, d at 208 */
+                    for (int j = 0; j < 16; j++) dst_s[32 * (j >> 1) + 16 * (j & 1) + c] = sb[192 + j];
+                    memcpy(dst_s + 256 + 2 * c, sb + 208, 2);
+                    continue;
+                }
                 for (int j = 0; j < 8; j++) {
                     int sc, mn;
                     k_scale_min(sb + 4, j, &sc, &mn);
@@ -260,6 +270,13 @@ int kv_q_dequant(int fmt, int K, int out, const uint8_t *qs, const void *d, cons
             if (KVQ_KS[fmt]) {
                 const uint8_t *sb = (const uint8_t *)d + (g * (nb / 8) + (b >> 3)) * KVQ_KSB, *sj = sb + (b & 7) * 32;
                 int qv = nib ? (high ? byte >> 4 : byte & 15) : byte;
+                if (KVQ_KS[fmt] == 2) {
+                    int sh, hp = kvq_six_pos(c, kk, &sh);
+                    qv |= ((qs[(g * nb + b) * qb + hp] >> sh) & 3) << 4;
+                    sd = kvq_h2f(rd16(sb + 256 + 2 * c)) * (float)(int8_t)sj[16 * h + c];
+                    y[i * ldy + k] = sd * (float)(qv - KVQ_OFFSET[fmt]);
+                    continue;
+                }
                 if (KVQ_HIGH[fmt]) {
                     int bit, hp = kvq_high_pos(c, kk, &bit);
                     qv |= ((qs[(g * nb + b) * qb + hp] >> bit) & 1) << 4;

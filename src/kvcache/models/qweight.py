@@ -26,17 +26,18 @@ from kvcache.errors import ModelLoadError
 
 # kernels/qformat.h
 (Q4_F16, Q4_F32, S8_F16, S8_F32_16, U8_F16, U8_F32, U8_F32_16, Q5_F16, Q5_F32, Q4O_F16, Q5O_F16, Q4_KS,
- Q5_KS) = range(13)
+ Q5_KS, Q6_KS) = range(14)
 FORMAT_NAMES = ("q4_f16", "q4_f32", "s8_f16", "s8_f32_16", "u8_f16", "u8_f32", "u8_f32_16", "q5_f16", "q5_f32",
-                "q4o_f16", "q5o_f16", "q4_ks", "q5_ks")
-_NIBBLES = (1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1)
-_HIGH = (0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1, 0, 1)  # a fifth bit beside the nibbles
-_SIGNED = (0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-_F16 = (1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 1, 0, 0)
-_NS = (1, 1, 1, 2, 1, 1, 2, 1, 1, 1, 1, 1, 1)
-_OFFSET = (0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 16, 0, 0)  # no stored minimum: it is -offset * d (Q4_0, Q5_0)
+                "q4o_f16", "q5o_f16", "q4_ks", "q5_ks", "q6_ks")
+_NIBBLES = (1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1)
+_HIGH = (0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1, 0, 1, 2)  # bits beside the nibbles: a fifth, or bits 4 and 5
+_SIGNED = (0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+_F16 = (1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 1, 0, 0, 0)
+_NS = (1, 1, 1, 2, 1, 1, 2, 1, 1, 1, 1, 1, 1, 2)
+# no stored minimum: it is -offset * d (Q4_0, Q5_0; Q6_K's values are offset by 32)
+_OFFSET = (0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 16, 0, 0, 32)
 # the file's K-quant scales as integers: d is [G, nb / 8, 320] bytes per super-block (qformat.h), no m
-_KS = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1)
+_KS = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 2)
 _KS_BYTES = 320
 GROUP = 16  # output rows interleaved together (KVQ_NC)
 
@@ -44,8 +45,9 @@ GROUP = 16  # output rows interleaved together (KVQ_NC)
 GGML = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
         "Q6_K": 14}
 FORMAT_OF = {2: Q4O_F16, 3: Q4_F16, 6: Q5O_F16, 7: Q5_F16, 8: S8_F16, 10: U8_F32_16, 11: S8_F32_16, 12: Q4_KS,
-             13: Q5_KS, 14: S8_F32_16}
-_KS_FALLBACK = {Q4_KS: Q4_F32, Q5_KS: Q5_F32}  # the same values with fp32 scales, beside other types
+             13: Q5_KS, 14: Q6_KS}
+# the same values with fp32 scales, beside other types
+_KS_FALLBACK = {Q4_KS: Q4_F32, Q5_KS: Q5_F32, Q6_KS: S8_F32_16}
 
 
 def common_format(types: Sequence[int]) -> int | None:
@@ -87,7 +89,7 @@ class QWeight:
         g, nb, ns = -(-out // GROUP), k // 32, _NS[fmt]
         dshape = (g, nb // 8, _KS_BYTES) if _KS[fmt] else (g, nb, ns, GROUP)
         if arrays is not None:
-            qb = (320 if _HIGH[fmt] else 256) if _NIBBLES[fmt] else 512
+            qb = 256 + 64 * _HIGH[fmt] if _NIBBLES[fmt] else 512
             dt = torch.uint8 if _KS[fmt] else torch.float16 if _F16[fmt] else torch.float32
             qs, d, m = arrays
             if (qs.shape != (g, nb, qb) or qs.dtype != torch.uint8 or d.shape != dshape or d.dtype != dt
@@ -99,7 +101,7 @@ class QWeight:
             self._fn, self._ptrs, self._scale_ptr = None, (), None
             return
         # zeroed by the allocator (calloc), not by a parallel fill: loading stays quick on a busy machine
-        qb = (320 if _HIGH[fmt] else 256) if _NIBBLES[fmt] else 512
+        qb = 256 + 64 * _HIGH[fmt] if _NIBBLES[fmt] else 512
         self.qs = torch.from_numpy(np.zeros((g, nb, qb), np.uint8))  # [G, nb, QB]
         dt = np.uint8 if _KS[fmt] else np.float16 if _F16[fmt] else np.float32
         self.d = torch.from_numpy(np.zeros(dshape, dt))  # [G, nb, NS, 16] scales ([G, nb / 8, 320] K-quant)
