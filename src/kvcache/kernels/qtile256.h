@@ -1,0 +1,141 @@
+/* The AVX-VNNI and AVX2 products of a tile (included by qgemm.c, which defines ISA, RT, PF and the
+ * Acts and word helpers): 8 columns a register, two halves per group of 16. */
+/* s + the products of 32 weight bytes (8 columns x 4 inputs, u8 or, on AVX2 with SGN, s8) and 4
+ * activation bytes repeated: one int32 lane per column. */
+static inline __attribute__((always_inline)) __m256i dot(const int SGN, __m256i s, __m256i w, __m256i x) {
+#if ISA == 2
+    (void)SGN; /* signed weights arrive offset by 128 */
+    return _mm256_dpbusd_avx_epi32(s, w, x);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (SGN) return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w),
+                                                                                _mm256_sign_epi8(x, w)), ones));
+    return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+#endif
+}
+
+/* s + the products of 4 steps (weights W[0..3], activations at p): with AVX2 and unsigned weights
+ * (q < 32: a pair product stays under 7874) the four steps' int16 pairs are added before widening,
+ * one vpmaddwd instead of four; the integer sum is the same. */
+static inline __attribute__((always_inline)) __m256i dot4(const int SGN, __m256i s, const __m256i *W, const int8_t *p) {
+#if ISA == 1
+    if (!SGN) {
+        __m256i t = _mm256_maddubs_epi16(W[0], _mm256_set1_epi32(word(p)));
+        for (int st = 1; st < 4; st++) t = _mm256_add_epi16(t, _mm256_maddubs_epi16(W[st], _mm256_set1_epi32(word(p + 4 * st))));
+        return _mm256_add_epi32(s, _mm256_madd_epi16(t, _mm256_set1_epi16(1)));
+    }
+#endif
+    for (int st = 0; st < 4; st++) s = dot(SGN, s, W[st], _mm256_set1_epi32(word(p + 4 * st)));
+    return s;
+}
+
+/* 32 mask bits -> 32 bytes, 0x10 where the bit is set (bit j of the mask -> byte j) */
+static inline __m256i fifth_bits(uint32_t m) {
+    const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3,
+                                          3, 3, 3, 3, 3);
+    const __m256i sel = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i x = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m), shuf);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(x, sel), sel), _mm256_set1_epi8(0x10));
+}
+
+/* Columns 8 hf .. 8 hf + 7 of the group. */
+static inline __attribute__((always_inline)) void half(const int NIB, const int HI, const int SGN, const int F16,
+                                                       const int NS, const int OFS, int hf, int nr, Acts a,
+                                                       const uint8_t *w, const void *dv, const void *mv,
+                                                       float out[RT][NGMAX * KVQ_NC]) {
+    __m256 acc[RT];
+    for (int r = 0; r < RT; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    const int qb = NIB ? 256 + 64 * HI : 512;
+    /* AVX-VNNI takes signed weights offset by 128 (u8), AVX2 through the sign trick */
+    const int OFF = SGN && ISA == 2, ofs = OFF ? 128 : OFS, MIN = !SGN && !OFS;
+    for (int b = 0; b < a.nb; b++) {
+        const uint8_t *wb = w + (int64_t)b * qb;
+        if (hf == 0) /* the second half reads what the first brought into cache */
+            for (int l = 0; l < qb; l += 64) _mm_prefetch((const char *)(wb + PF + l), _MM_HINT_T0);
+        __m256i W[8];
+        if (NIB) {
+            for (int h = 0; h < 4; h++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * h + 32 * hf));
+                W[h] = _mm256_and_si256(v, lo4);
+                W[h + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+            }
+            if (HI == 2) { /* bits 4 and 5: the pair of step s at bits 2 (s & 3) of its byte */
+                for (int s = 0; s < 8; s++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 256 + 64 * (s >> 2) + 32 * hf));
+                    const int k = s & 3;
+                    const __m256i t = k == 2 ? v : k < 2 ? _mm256_slli_epi16(v, 4 - 2 * k) : _mm256_srli_epi16(v, 2 * k - 4);
+                    W[s] = _mm256_or_si256(W[s], _mm256_and_si256(t, _mm256_set1_epi8(0x30)));
+                }
+            } else if (HI) {
+                uint64_t hm[8];
+                memcpy(hm, wb + 256, 64);
+                for (int s = 0; s < 8; s++) W[s] = _mm256_or_si256(W[s], fifth_bits((uint32_t)(hm[s] >> (32 * hf))));
+            }
+        } else {
+            for (int s = 0; s < 8; s++) {
+                W[s] = _mm256_loadu_si256((const __m256i *)(wb + 64 * s + 32 * hf));
+                if (OFF) W[s] = _mm256_xor_si256(W[s], _mm256_set1_epi8((char)0x80));
+            }
+        }
+        __m256 dw[2], mw[2];
+        for (int h = 0; h < NS; h++) {
+            if (F16 == 3) { /* the file's signed scales per 16 times its fp16 d (exact) */
+                const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB;
+                dw[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sb + (b & 7) * 32 + 16 * h + 8 * hf)))),
+                                      _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 256 + 16 * hf))));
+                continue;
+            }
+            if (F16 == 2) { /* the file's K-quant integers times its fp16 d and dmin (exact) */
+                const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB, *sj = sb + (b & 7) * 32 + 8 * hf;
+                dw[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sj))),
+                                      _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 256 + 16 * hf))));
+                mw[h] = _mm256_sub_ps(_mm256_setzero_ps(),
+                                      _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sj + 16)))),
+                                                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 288 + 16 * hf)))));
+                continue;
+            }
+            const int64_t at = ((int64_t)b * NS + h) * KVQ_NC + 8 * hf;
+            dw[h] = F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)dv + at)))
+                        : _mm256_loadu_ps((const float *)dv + at);
+            if (MIN)
+                mw[h] = F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)mv + at)))
+                            : _mm256_loadu_ps((const float *)mv + at);
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < RT; r++) {
+            if (r < nr) {
+                const int64_t at = (int64_t)r * a.nb + b;
+                const int8_t *ar = a.q + (int64_t)r * a.K + 32 * b;
+                const int32_t *is = a.is + 2 * at;
+                const float *sa = a.sa + 3 * at;
+                if (NS == 1) {
+                    __m256i s = _mm256_set1_epi32(-ofs * (is[0] + is[1]));
+                    s = dot4(SGN && !OFF, dot4(SGN && !OFF, s, W, ar), W + 4, ar + 16);
+                    const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a.da[at]));
+                    acc[r] = _mm256_fmadd_ps(p, dw[0], acc[r]);
+                    if (MIN) acc[r] = _mm256_fmadd_ps(mw[0], _mm256_set1_ps(sa[0]), acc[r]);
+                } else {
+                    __m256i s0 = _mm256_set1_epi32(-ofs * is[0]), s1 = _mm256_set1_epi32(-ofs * is[1]);
+                    s0 = dot4(SGN && !OFF, s0, W, ar);
+                    s1 = dot4(SGN && !OFF, s1, W + 4, ar + 16);
+                    const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), dw[1],
+                                                     _mm256_mul_ps(_mm256_cvtepi32_ps(s0), dw[0]));
+                    acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(a.da[at]), acc[r]);
+                    if (MIN) {
+                        acc[r] = _mm256_fmadd_ps(mw[0], _mm256_set1_ps(sa[1]), acc[r]);
+                        acc[r] = _mm256_fmadd_ps(mw[1], _mm256_set1_ps(sa[2]), acc[r]);
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++) _mm256_storeu_ps(out[r] + 8 * hf, acc[r]);
+}
+
+static inline __attribute__((always_inline)) void group(const int NIB, const int HI, const int SGN, const int F16,
+                                                        const int NS, const int OFS, int nr, Acts a, const uint8_t *w,
+                                                        const void *dv, const void *mv, float out[RT][NGMAX * KVQ_NC]) {
+    half(NIB, HI, SGN, F16, NS, OFS, 0, nr, a, w, dv, mv, out);
+    half(NIB, HI, SGN, F16, NS, OFS, 1, nr, a, w, dv, mv, out);
+}

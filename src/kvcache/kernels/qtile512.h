@@ -1,0 +1,186 @@
+/* The AVX512-VNNI products of a tile (included by qgemm.c, which defines RT, NGMAX, PF and the
+ * Acts and word helpers): 16 columns a register, one 32-bit lane per column holding 4 inputs. */
+/* The weights of step s (inputs 4 s .. 4 s + 3 of every column) of group-block wb as u8 lanes. */
+/* Bits 4 and 5 of step s's values in a 6-bit group-block, in place (the pair at bits 2 (s & 3)). */
+static inline __attribute__((always_inline)) __m512i six_bits(const uint8_t *wb, int s) {
+    const __m512i v = _mm512_loadu_si512(wb + 256 + 64 * (s >> 2));
+    const int k = s & 3;
+    const __m512i t = k == 2 ? v : k < 2 ? _mm512_slli_epi16(v, 4 - 2 * k) : _mm512_srli_epi16(v, 2 * k - 4);
+    return _mm512_and_si512(t, _mm512_set1_epi8(0x30));
+}
+
+static inline __attribute__((always_inline)) __m512i step_w(const int NIB, const int HI, const int SGN,
+                                                            const uint8_t *wb, int s) {
+    __m512i v;
+    if (NIB) {
+        v = _mm512_loadu_si512(wb + 64 * (s & 3));
+        if (s >= 4) v = _mm512_srli_epi16(v, 4);
+        v = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+        if (HI == 2) v = _mm512_or_si512(v, six_bits(wb, s));
+        else if (HI) { /* the fifth bits: one mask bit per byte lane, 0x10 where set */
+            uint64_t hm;
+            memcpy(&hm, wb + 256 + 8 * s, 8);
+            v = _mm512_or_si512(v, _mm512_maskz_mov_epi8(hm, _mm512_set1_epi8(0x10)));
+        }
+    } else {
+        v = _mm512_loadu_si512(wb + 64 * s);
+        if (SGN) v = _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
+    }
+    return v;
+}
+
+/* The 16 columns' scales (and minimums when MIN) of sub-block h of block b; dv, mv at the group's
+ * arrays; K-quant scales (F16 2) are the file's integers times its fp16 d and dmin, exact. */
+static inline __attribute__((always_inline)) void scales16(const int F16, const int MIN, const void *dv,
+                                                           const void *mv, int b, int NS, int h, __m512 *dw,
+                                                           __m512 *mw) {
+    if (F16 == 3) { /* signed scales per 16 times the fp16 d (exact) */
+        const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB;
+        *dw = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sb + (b & 7) * 32 + 16 * h)))),
+                            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 256))));
+        return;
+    }
+    if (F16 == 2) {
+        const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB, *sj = sb + (b & 7) * 32;
+        *dw = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sj))),
+                            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 256))));
+        *mw = _mm512_sub_ps(_mm512_setzero_ps(),
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sj + 16)))),
+                                          _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 288)))));
+        return;
+    }
+    const int64_t at = ((int64_t)b * NS + h) * KVQ_NC;
+    *dw = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)dv + at)))
+              : _mm512_loadu_ps((const float *)dv + at);
+    if (MIN)
+        *mw = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)mv + at)))
+                  : _mm512_loadu_ps((const float *)mv + at);
+}
+
+/* One block of a group's weights, all 8 steps unpacked (W[s]: step s as u8 lanes). */
+static inline __attribute__((always_inline)) void block_w(const int NIB, const int HI, const int SGN,
+                                                          const uint8_t *wb, __m512i W[8]) {
+    if (NIB) {
+        for (int h = 0; h < 4; h++) {
+            const __m512i v = _mm512_loadu_si512(wb + 64 * h);
+            W[h] = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+            W[h + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+        }
+        if (HI == 2) {
+            for (int s = 0; s < 8; s++) W[s] = _mm512_or_si512(W[s], six_bits(wb, s));
+        } else if (HI) {
+            uint64_t hm[8];
+            memcpy(hm, wb + 256, 64);
+            for (int s = 0; s < 8; s++) W[s] = _mm512_or_si512(W[s], _mm512_maskz_mov_epi8(hm[s], _mm512_set1_epi8(0x10)));
+        }
+    } else {
+        for (int s = 0; s < 8; s++) W[s] = step_w(0, 0, SGN, wb, s);
+    }
+}
+
+/* One row (a decode) times NG groups, each block's weights unpacked at once and the integer sums
+ * split in two chains (latency: the weights stream in faster than one chain runs): what the tile
+ * below computes for a row, in the same order (integer sums are exact; the float steps are the
+ * same instructions). */
+static inline __attribute__((always_inline)) void row1(const int NIB, const int HI, const int SGN, const int F16,
+                                                       const int NS, const int OFS, const int NG, Acts a,
+                                                       const uint8_t *w, int64_t gq, const void *dv,
+                                                       const void *mv, int64_t gs, float *out) {
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    const int qb = NIB ? 256 + 64 * HI : 512, ofs = SGN ? 128 : OFS, steps = 8 / NS;
+    for (int b = 0; b < a.nb; b++) {
+        __m512i W[2][8];
+#pragma GCC unroll 2
+        for (int g = 0; g < NG; g++) {
+            const uint8_t *wb = w + g * gq + (int64_t)b * qb;
+            for (int l = 0; l < qb; l += 64) _mm_prefetch((const char *)(wb + PF + l), _MM_HINT_T0);
+            block_w(NIB, HI, SGN, wb, W[g]);
+        }
+        const int32_t *is = a.is + 2 * b;
+        for (int h = 0; h < NS; h++) {
+            const __m512i init = _mm512_set1_epi32(-ofs * (NS == 1 ? is[0] + is[1] : is[h]));
+            const __m512 da = _mm512_set1_ps(a.da[b]);
+#pragma GCC unroll 2
+            for (int g = 0; g < NG; g++) {
+                __m512i s0 = init, s1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int st = 0; st < steps; st += 2) {
+                    const int s = steps * h + st;
+                    s0 = _mm512_dpbusd_epi32(s0, W[g][s], _mm512_set1_epi32(word(a.q + 32 * b + 4 * s)));
+                    s1 = _mm512_dpbusd_epi32(s1, W[g][s + 1], _mm512_set1_epi32(word(a.q + 32 * b + 4 * s + 4)));
+                }
+                __m512 dw, mw = _mm512_setzero_ps();
+                scales16(F16, !ofs, (const char *)dv + g * gs, mv ? (const char *)mv + g * gs : NULL, b, NS, h, &dw, &mw);
+                acc[g] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), da), dw, acc[g]);
+                if (!ofs) acc[g] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.sa[3 * b + (NS == 1 ? 0 : 1 + h)]), acc[g]);
+            }
+        }
+    }
+    for (int g = 0; g < NG; g++) _mm512_storeu_ps(out + KVQ_NC * g, acc[g]);
+}
+
+/* NG groups (16 NG columns) x up to RT rows: w, dv, mv at the first group; the next group's arrays
+ * follow at gq bytes (qs) and gs bytes (d, m). Rows step together through each block's 8
+ * steps (independent chains), each step's activations broadcast once for every group. */
+static inline __attribute__((always_inline)) void tile(const int NIB, const int HI, const int SGN, const int F16,
+                                                       const int NS, const int OFS, const int NG, int nr, Acts a,
+                                                       const uint8_t *w, int64_t gq, const void *dv, const void *mv,
+                                                       int64_t gs, float out[RT][NGMAX * KVQ_NC]) {
+    __m512 acc0[RT], acc1[RT]; /* the two groups' sums, as separate arrays so they stay in registers */
+    for (int r = 0; r < RT; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    const int qb = NIB ? 256 + 64 * HI : 512, ofs = SGN ? 128 : OFS, steps = 8 / NS;
+    const uint8_t *w1 = w + gq;
+    for (int b = 0; b < a.nb; b++) {
+        const uint8_t *wb0 = w + (int64_t)b * qb, *wb1 = w1 + (int64_t)b * qb;
+        for (int l = 0; l < qb; l += 64) {
+            _mm_prefetch((const char *)(wb0 + PF + l), _MM_HINT_T0);
+            if (NG == 2) _mm_prefetch((const char *)(wb1 + PF + l), _MM_HINT_T0);
+        }
+        for (int h = 0; h < NS; h++) {
+            __m512 dw0, dw1 = _mm512_setzero_ps(), mw0 = _mm512_setzero_ps(), mw1 = _mm512_setzero_ps();
+            scales16(F16, !ofs, dv, mv, b, NS, h, &dw0, &mw0);
+            if (NG == 2)
+                scales16(F16, !ofs, (const char *)dv + gs, mv ? (const char *)mv + gs : NULL, b, NS, h, &dw1, &mw1);
+            __m512i s0[RT], s1[RT];
+#pragma GCC unroll 16
+            for (int r = 0; r < RT; r++) {
+                if (r < nr) {
+                    const int32_t *is = a.is + 2 * ((int64_t)r * a.nb + b);
+                    s0[r] = s1[r] = _mm512_set1_epi32(-ofs * (NS == 1 ? is[0] + is[1] : is[h]));
+                }
+            }
+#pragma GCC unroll 8
+            for (int st = 0; st < steps; st++) {
+                const int s = steps * h + st;
+                const __m512i W0 = step_w(NIB, HI, SGN, wb0, s);
+                const __m512i W1 = NG == 2 ? step_w(NIB, HI, SGN, wb1, s) : W0;
+#pragma GCC unroll 16
+                for (int r = 0; r < RT; r++) {
+                    if (r < nr) {
+                        const __m512i x = _mm512_set1_epi32(word(a.q + (int64_t)r * a.K + 32 * b + 4 * s));
+                        s0[r] = _mm512_dpbusd_epi32(s0[r], W0, x);
+                        if (NG == 2) s1[r] = _mm512_dpbusd_epi32(s1[r], W1, x);
+                    }
+                }
+            }
+#pragma GCC unroll 16
+            for (int r = 0; r < RT; r++) {
+                if (r < nr) {
+                    const int64_t at = (int64_t)r * a.nb + b;
+                    const __m512 da = _mm512_set1_ps(a.da[at]);
+                    acc0[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s0[r]), da), dw0, acc0[r]);
+                    if (NG == 2) acc1[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s1[r]), da), dw1, acc1[r]);
+                    if (!ofs) {
+                        const __m512 sa = _mm512_set1_ps(a.sa[3 * at + (NS == 1 ? 0 : 1 + h)]);
+                        acc0[r] = _mm512_fmadd_ps(mw0, sa, acc0[r]);
+                        if (NG == 2) acc1[r] = _mm512_fmadd_ps(mw1, sa, acc1[r]);
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        _mm512_storeu_ps(out[r], acc0[r]);
+        if (NG == 2) _mm512_storeu_ps(out[r] + KVQ_NC, acc1[r]);
+    }
+}
