@@ -1,6 +1,5 @@
 /* The AVX512-VNNI products of a tile (included by qgemm.c, which defines RT, NGMAX, PF and the
  * Acts and word helpers): 16 columns a register, one 32-bit lane per column holding 4 inputs. */
-/* The weights of step s (inputs 4 s .. 4 s + 3 of every column) of group-block wb as u8 lanes. */
 /* Bits 4 and 5 of step s's values in a 6-bit group-block, in place (the pair at bits 2 (s & 3)). */
 static inline __attribute__((always_inline)) __m512i six_bits(const uint8_t *wb, int s) {
     const __m512i v = _mm512_loadu_si512(wb + 256 + 64 * (s >> 2));
@@ -9,6 +8,7 @@ static inline __attribute__((always_inline)) __m512i six_bits(const uint8_t *wb,
     return _mm512_and_si512(t, _mm512_set1_epi8(0x30));
 }
 
+/* The weights of step s (inputs 4 s .. 4 s + 3 of every column) of group-block wb as u8 lanes. */
 static inline __attribute__((always_inline)) __m512i step_w(const int NIB, const int HI, const int SGN,
                                                             const uint8_t *wb, int s) {
     __m512i v;
