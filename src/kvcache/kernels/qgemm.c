@@ -41,9 +41,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define ISA 3
-#ifndef RT
 #define RT 4
-#endif
 #define NGMAX 2 /* column groups in a tile */
 #elif defined(__AVXVNNI__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define ISA 2
@@ -275,10 +273,9 @@ static const GroupFn GROUPS[KVQ_NFMT] = {g_q4_f16, g_q4_f32, g_s8_f16, g_s8_f32_
 /* Column groups NGMAX t .. (the tile column t) of rows r0 .. r1 - 1: y (+)= products * rscale + bias. */
 KV_HIDDEN void mm_group(const QW *wt, int t, int r0, int r1, const Scratch *s, const float *bias,
                         const float *rscale, float *y, int64_t ldy, int accumulate) {
-    const int K = wt->K, nb = K / 32, qb = kvq_qbytes(wt->fmt), ns = KVQ_NS[wt->fmt], g = NGMAX * t;
+    const int K = wt->K, nb = K / 32, qb = kvq_qbytes(wt->fmt), g = NGMAX * t;
     const int G = (wt->out + KVQ_NC - 1) / KVQ_NC, ng = G - g < NGMAX ? G - g : NGMAX;
     const int64_t gq = (int64_t)nb * qb, gs = kvq_group_scale_bytes(wt->fmt, nb), sc = g * gs;
-    (void)ns;
     const uint8_t *w = wt->qs + g * gq;
     const void *dv = (const char *)wt->d + sc, *mv = wt->m ? (const char *)wt->m + sc : NULL;
     const int c0 = KVQ_NC * g, cols = wt->out - c0 < KVQ_NC * ng ? wt->out - c0 : KVQ_NC * ng;
