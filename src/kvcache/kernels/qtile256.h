@@ -1,5 +1,6 @@
 /* The AVX-VNNI and AVX2 products of a tile (included by qgemm.c, which defines ISA, RT, PF and the
  * Acts and word helpers): 8 columns a register, two halves per group of 16. */
+
 /* s + the products of 32 weight bytes (8 columns x 4 inputs, u8 or, on AVX2 with SGN, s8) and 4
  * activation bytes repeated: one int32 lane per column. */
 static inline __attribute__((always_inline)) __m256i dot(const int SGN, __m256i s, __m256i w, __m256i x) {

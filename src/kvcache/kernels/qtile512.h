@@ -1,5 +1,6 @@
 /* The AVX512-VNNI products of a tile (included by qgemm.c, which defines RT, NGMAX, PF and the
  * Acts and word helpers): 16 columns a register, one 32-bit lane per column holding 4 inputs. */
+
 /* Bits 4 and 5 of step s's values in a 6-bit group-block, in place (the pair at bits 2 (s & 3)). */
 static inline __attribute__((always_inline)) __m512i six_bits(const uint8_t *wb, int s) {
     const __m512i v = _mm512_loadu_si512(wb + 256 + 64 * (s >> 2));
@@ -30,7 +31,8 @@ static inline __attribute__((always_inline)) __m512i step_w(const int NIB, const
 }
 
 /* The 16 columns' scales (and minimums when MIN) of sub-block h of block b; dv, mv at the group's
- * arrays; K-quant scales (F16 2) are the file's integers times its fp16 d and dmin, exact. */
+ * arrays. Scale kinds (F16): 0 fp32, 1 fp16, 2 and 3 the file's K-quant integers times its fp16 d
+ * (and dmin), exact (qgemm.c's scale_at). */
 static inline __attribute__((always_inline)) void scales16(const int F16, const int MIN, const void *dv,
                                                            const void *mv, int b, int NS, int h, __m512 *dw,
                                                            __m512 *mw) {
