@@ -263,42 +263,33 @@ int kv_q_dequant(int fmt, int K, int out, const uint8_t *qs, const void *d, cons
         const int c = (int)(row % KVQ_NC);
         for (int k = 0; k < K; k++) {
             const int b = k >> 5, kk = k & 31, h = kk / (32 / ns);
+            const uint8_t *blk_q = qs + (g * nb + b) * qb;
             int high, pos = kvq_pos(nib, c, kk, &high);
-            uint8_t byte = qs[(g * nb + b) * qb + pos];
-            const int64_t idx = ((g * nb + b) * ns + h) * KVQ_NC + c;
-            float sd, v;
+            const uint8_t byte = blk_q[pos];
+            int qv = nib ? (high ? byte >> 4 : byte & 15) : KVQ_SIGNED[fmt] ? (int8_t)byte : byte;
+            if (KVQ_HIGH[fmt] == 2) {
+                int sh, hp = kvq_six_pos(c, kk, &sh);
+                qv |= ((blk_q[hp] >> sh) & 3) << 4;
+            } else if (KVQ_HIGH[fmt]) {
+                int bit, hp = kvq_high_pos(c, kk, &bit);
+                qv |= ((blk_q[hp] >> bit) & 1) << 4;
+            }
+            /* the scale and minimum of (c, k): weight = sd * (q - OFFSET) + sm */
+            float sd, sm = 0.f;
             if (KVQ_KS[fmt]) {
                 const uint8_t *sb = (const uint8_t *)d + (g * (nb / 8) + (b >> 3)) * KVQ_KSB, *sj = sb + (b & 7) * 32;
-                int qv = nib ? (high ? byte >> 4 : byte & 15) : byte;
                 if (KVQ_KS[fmt] == 2) {
-                    int sh, hp = kvq_six_pos(c, kk, &sh);
-                    qv |= ((qs[(g * nb + b) * qb + hp] >> sh) & 3) << 4;
                     sd = kvq_h2f(rd16(sb + 256 + 2 * c)) * (float)(int8_t)sj[16 * h + c];
-                    y[i * ldy + k] = sd * (float)(qv - KVQ_OFFSET[fmt]);
-                    continue;
+                } else {
+                    sd = kvq_h2f(rd16(sb + 256 + 2 * c)) * (float)sj[c];
+                    sm = -(kvq_h2f(rd16(sb + 288 + 2 * c)) * (float)sj[16 + c]);
                 }
-                if (KVQ_HIGH[fmt]) {
-                    int bit, hp = kvq_high_pos(c, kk, &bit);
-                    qv |= ((qs[(g * nb + b) * qb + hp] >> bit) & 1) << 4;
-                }
-                sd = kvq_h2f(rd16(sb + 256 + 2 * c)) * (float)sj[c];
-                y[i * ldy + k] = sd * (float)qv + -(kvq_h2f(rd16(sb + 288 + 2 * c)) * (float)sj[16 + c]);
-                continue;
-            }
-            sd = KVQ_F16[fmt] ? kvq_h2f(((const uint16_t *)d)[idx]) : ((const float *)d)[idx];
-            if (KVQ_SIGNED[fmt]) {
-                v = sd * (float)(int8_t)byte;
             } else {
-                float sm = KVQ_OFFSET[fmt] ? -(float)KVQ_OFFSET[fmt] * sd
-                           : KVQ_F16[fmt] ? kvq_h2f(((const uint16_t *)m)[idx]) : ((const float *)m)[idx];
-                int qv = nib ? (high ? byte >> 4 : byte & 15) : byte;
-                if (KVQ_HIGH[fmt]) {
-                    int bit, hp = kvq_high_pos(c, kk, &bit);
-                    qv |= ((qs[(g * nb + b) * qb + hp] >> bit) & 1) << 4;
-                }
-                v = sd * (float)qv + sm;
+                const int64_t idx = ((g * nb + b) * ns + h) * KVQ_NC + c;
+                sd = KVQ_F16[fmt] ? kvq_h2f(((const uint16_t *)d)[idx]) : ((const float *)d)[idx];
+                if (m) sm = KVQ_F16[fmt] ? kvq_h2f(((const uint16_t *)m)[idx]) : ((const float *)m)[idx];
             }
-            y[i * ldy + k] = v;
+            y[i * ldy + k] = sd * (float)(qv - KVQ_OFFSET[fmt]) + sm;
         }
     }
     return 0;
