@@ -2,7 +2,8 @@
 
 A ``QWeight`` is an nn.Linear-oriented weight [out, K] in one of the repacked formats of
 kernels/qformat.h: integer values, interleaved 16 output rows at a time, with a scale (and for
-unsigned formats a minimum) per block of 32 inputs (16 for Q6_K-like types). It stands for exactly
+unsigned formats a minimum) per block of 32 inputs (16 for Q6_K-like types); Q4_K, Q5_K and Q6_K
+keep the file's integer scales beside its fp16 super-block scales instead. It stands for exactly
 the numbers the file holds; only the activations are rounded (to int8 per block of 32) when it
 multiplies them. ``in_scale`` is a norm weight folded in: it multiplies the input, because it
 cannot be folded into the quantized values the way fp32 weights take it.
@@ -87,10 +88,11 @@ class QWeight:
         if _KS[fmt] and k % 256:
             raise ModelLoadError(f"a K-quant weight needs a multiple of 256 inputs, got {k}")
         g, nb, ns = -(-out // GROUP), k // 32, _NS[fmt]
+        qb = 256 + 64 * _HIGH[fmt] if _NIBBLES[fmt] else 512  # bytes of values per group-block
         dshape = (g, nb // 8, _KS_BYTES) if _KS[fmt] else (g, nb, ns, GROUP)
+        ndt = np.uint8 if _KS[fmt] else np.float16 if _F16[fmt] else np.float32  # the scales' dtype
         if arrays is not None:
-            qb = 256 + 64 * _HIGH[fmt] if _NIBBLES[fmt] else 512
-            dt = torch.uint8 if _KS[fmt] else torch.float16 if _F16[fmt] else torch.float32
+            dt = torch.from_numpy(np.empty(0, ndt)).dtype
             qs, d, m = arrays
             if (qs.shape != (g, nb, qb) or qs.dtype != torch.uint8 or d.shape != dshape or d.dtype != dt
                     or (m is None) != bool(_SIGNED[fmt] or _OFFSET[fmt] or _KS[fmt])
@@ -101,12 +103,10 @@ class QWeight:
             self._fn, self._ptrs, self._scale_ptr = None, (), None
             return
         # zeroed by the allocator (calloc), not by a parallel fill: loading stays quick on a busy machine
-        qb = 256 + 64 * _HIGH[fmt] if _NIBBLES[fmt] else 512
         self.qs = torch.from_numpy(np.zeros((g, nb, qb), np.uint8))  # [G, nb, QB]
-        dt = np.uint8 if _KS[fmt] else np.float16 if _F16[fmt] else np.float32
-        self.d = torch.from_numpy(np.zeros(dshape, dt))  # [G, nb, NS, 16] scales ([G, nb / 8, 320] K-quant)
+        self.d = torch.from_numpy(np.zeros(dshape, ndt))  # [G, nb, NS, 16] scales ([G, nb / 8, 320] K-quant)
         self.m = (None if _SIGNED[fmt] or _OFFSET[fmt] or _KS[fmt]  # minimums
-                  else torch.from_numpy(np.zeros((g, nb, ns, GROUP), dt)))
+                  else torch.from_numpy(np.zeros((g, nb, ns, GROUP), ndt)))
         self.in_scale = in_scale  # [K] fp32 or None
         self._fn, self._ptrs, self._scale_ptr = None, (), None  # set by seal()
 
