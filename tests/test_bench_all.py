@@ -9,7 +9,7 @@ import pytest
 
 from conftest import run_kvcache
 
-SUITES = ("decode", "cache-vs-none", "context", "memory", "growth", "prefix", "throughput", "hf")
+SUITES = ("decode", "cache-vs-none", "context", "memory", "growth", "prefix", "throughput", "serve", "hf")
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +72,12 @@ def test_suites_measure_what_they_say(out):
         assert tp[f"kvcache continuous batching, {weights} weights"]["new_tokens"] == 4 * 8
     assert {r["weights"] for r in _rows(out, "throughput")["ratios"]} == {"file", "fp32"}
     assert tp["transformers generate, padded batch"]["new_tokens"] == 4 * 8
+    serve = {(r["system"], r["streams"]): r for r in _rows(out, "serve")["results"]}
+    ours = serve[("kvcache", 4)]  # 4 streams, one request each, 8 tokens out, through a real `kvcache serve`
+    assert ours["requests"] == 4 and ours["new_tokens"] == 4 * 8 and ours["errors"] == 0 and ours["tok_s"] > 0
+    assert ours["prompt_tokens"] >= 4 * 64 and ours["ttft_p99_s"] >= ours["ttft_p50_s"] > 0
+    peer = serve[("llama-server", 4)]  # measured the same way, or skipped with the reason
+    assert (peer["new_tokens"] == 4 * 8 and peer["errors"] == 0) or "skipped" in peer["note"]
     hf = {(r["system"], r["cache"]): r for r in _rows(out, "hf")["results"]}
     ours, theirs = hf[("kvcache.hf", "dynamic")], hf[("transformers", "DynamicCache")]
     assert ours["tok_s"] > 0 and theirs["tok_s"] > 0

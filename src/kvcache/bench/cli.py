@@ -1,6 +1,6 @@
 """``kvcache bench SUITE``: the parser and the dispatch to the suites; each suite is one module
 (bench/decode.py, nocache.py, context_lengths.py, memory.py, growth.py, prefix.py, throughput.py,
-hfbridge.py) whose ``run(args)`` measures, prints its table and writes its JSON."""
+hfbridge.py, serving.py) whose ``run(args)`` measures, prints its table and writes its JSON."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from kvcache.errors import InvalidParams
 
 # suite -> its module under kvcache.bench, in the order `bench all` runs them
 SUITE_MODULES = {"decode": "decode", "cache-vs-none": "nocache", "context": "context_lengths", "memory": "memory",
-                 "growth": "growth", "prefix": "prefix", "throughput": "throughput", "hf": "hfbridge"}
+                 "growth": "growth", "prefix": "prefix", "throughput": "throughput", "serve": "serving",
+                 "hf": "hfbridge"}
 SUITES = tuple(SUITE_MODULES)
 
 
@@ -42,7 +43,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         "file,q8,fp32), throughput and memory (default file,fp32) run each; context, prefix and "
                         "cache-vs-none take one (default fp32, the weights transformers runs)")
     b.add_argument("--prefill", default=None, metavar="N,N",
-                   help="decode: prompt lengths of the prefill rows (default 512,2000,8000, --quick 512; '' skips)")
+                   help="decode: prompt lengths of the prefill rows (default 512,2000,8000, --quick 512; '' skips); "
+                        "serve: prompt tokens of each request (default 256)")
     b.add_argument("--depth", type=int, default=None, metavar="N",
                    help="decode: context of the long-context row, kvcache int8 KV against llama.cpp q8_0 "
                         "(default 8000, --quick 512; 0 skips)")
@@ -65,12 +67,15 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="cache-vs-none: stop a run without a cache after this long (default 120, --quick 10)")
     b.add_argument("--requests", type=int, default=None,
-                   help="throughput: requests arriving at once (default 32, --quick 8)")
+                   help="throughput: requests arriving at once (default 32, --quick 8); serve: requests each stream "
+                        "sends in turn (default 3)")
     b.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="throughput: multi-turn chat through N engine replicas on Ray Serve instead: prefix-aware "
                         "routing against round-robin against one replica (hit rate, TTFT)")
     b.add_argument("--prefill-replicas", type=int, default=None, metavar="M",
                    help="throughput with --replicas: also long documents with and without M prefill replicas")
+    b.add_argument("--streams", default=None, metavar="N,N",
+                   help="serve: concurrent streams, one level each (default 8,32; --quick 4)")
     b.add_argument("--threads", type=int, default=None, help="torch threads for every system")
     b.add_argument("--quick", action="store_true",
                    help="a short run: decode 16 tokens, 1 repeat, prefill 512, depth 512; context 256,1024 with 16 tokens, 1 repeat, "
@@ -91,11 +96,12 @@ OPTIONS = {
     "throughput": ("requests", "new_tokens", "peers", "kv", "weights", "replicas", "prefill_replicas", "redis"),
     "cache-vs-none": ("new_tokens", "time_budget", "peers", "weights"),
     "memory": ("context", "new_tokens", "kv", "peers", "budget", "weights"),
+    "serve": ("new_tokens", "requests", "peers", "kv", "weights", "prefill", "streams", "llama_cpp_bin"),
     "hf": ("new_tokens", "repeats", "kv", "peers", "contexts"),
 }
 _FLAGS = ("new_tokens", "repeats", "kv", "peers", "contexts", "max_context", "system_tokens", "redis", "requests",
           "time_budget", "context", "budget", "weights", "prefill", "depth", "llama_cpp_bin", "replicas",
-          "prefill_replicas")
+          "prefill_replicas", "streams")
 
 
 def _refuse_foreign(args: argparse.Namespace) -> None:
@@ -151,6 +157,7 @@ ALL_QUICK: dict[str, dict[str, object]] = {
     "growth": {"max_context": 512},
     "prefix": {"system_tokens": 128, "repeats": 1, "new_tokens": 4},
     "throughput": {"requests": 4, "new_tokens": 8, "peers": "padded"},
+    "serve": {"streams": "4", "requests": 1, "new_tokens": 8, "prefill": "64"},
     "hf": {"contexts": "256", "new_tokens": 4, "kv": "dynamic", "peers": "dynamic"},
 }
 

@@ -15,7 +15,8 @@ def plot_suite(suite: str, data_path: Path, out: Path) -> Path | None:
         return None
     data = json.loads(data_path.read_text())
     draw = {"context": _context, "prefix": _prefix, "throughput": _throughput, "cache-vs-none": _nocache,
-            "memory": _memory, "decode": _decode, "growth": _growth, "hf": _hf}.get(suite)
+            "memory": _memory, "decode": _decode, "growth": _growth, "hf": _hf,
+            "serve": _serve}.get(suite)
     if draw is None:
         return None
     plt = pyplot()
@@ -176,3 +177,13 @@ def _growth(plt, data: dict[str, Any]):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return fig
+
+
+def _serve(plt, data: dict[str, Any]):
+    rows = [r for r in data["results"] if r.get("tok_s")]
+    if not rows:
+        return None
+    meta = data["meta"]
+    return _bars(plt, [f"{r['system']}, {r['streams']} streams" for r in rows], [r["tok_s"] for r in rows],
+                 f"serving, {meta.get('prompt_tokens')}-token prompts, {meta.get('new_tokens')} out",
+                 "output tokens per second")

@@ -1,0 +1,45 @@
+"""``kvcache bench serve`` refusals and its server handling (its measurements are checked in test_bench_all)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import run_kvcache
+
+from kvcache.bench.local_redis import free_port
+from kvcache.bench.serving import server
+
+
+def test_serve_bad_options():
+    p = run_kvcache("bench", "serve", "--streams", "8,0")
+    assert p.returncode == 2 and "--streams '8,0': give whole numbers of at least 1" in p.stderr
+    p = run_kvcache("bench", "serve", "--streams", "eight")
+    assert p.returncode == 2 and "--streams 'eight': give whole numbers" in p.stderr
+    p = run_kvcache("bench", "serve", "--peers", "vllm")
+    assert p.returncode == 2 and "unknown serve peer 'vllm'" in p.stderr
+    p = run_kvcache("bench", "serve", "--depth", "100")
+    assert p.returncode == 2 and "does not apply to the serve suite" in p.stderr
+    p = run_kvcache("bench", "decode", "--streams", "4")
+    assert p.returncode == 2 and "--streams does not apply to the decode suite (only to serve)" in p.stderr
+
+
+def test_a_server_that_dies_or_never_starts_is_a_reason_not_a_crash():
+    port = free_port()
+    with server([sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"], port, "peer") as (url, why):
+        assert url is None and why == "peer exited with 3: no model here"
+    with server(["/nonexistent/llama-server"], port, "peer") as (url, why):
+        assert url is None and why.startswith("peer did not start:")
+
+
+def test_a_started_server_is_stopped_afterwards():
+    port = free_port()
+    code = ("import http.server as h\n"
+            "class H(h.BaseHTTPRequestHandler):\n"
+            "    def do_GET(self):\n"
+            "        self.send_response(200); self.end_headers(); self.wfile.write(b'ok')\n"
+            f"h.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n")
+    with server([sys.executable, "-c", code], port, "peer") as (url, why):
+        assert url == f"http://127.0.0.1:{port}" and why == ""
+    gone = subprocess.run(["pgrep", "-f", f"127.0.0.1', {port}"], capture_output=True)
+    assert gone.returncode == 1  # no such process left
