@@ -147,7 +147,7 @@ try:
 except KVCacheError as e:
     print("ERR", e)
 cache.check_integrity()
-print("PAGES", cache.allocators[0].num_referenced)
+print("PAGES", cache.pages.used(0))
 """
 
 

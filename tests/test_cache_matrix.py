@@ -97,7 +97,7 @@ def test_combination(tiny_llm, recompute, references, spec, tmp_path):
     runner.check_integrity()
     child = runner.fork(seq)  # copy-on-write: every page shared, nothing copied yet
     assert child.kv.tables == seq.kv.tables
-    assert all(runner.cache.allocators[0].refcount(p) == 2 for p in seq.kv.tables[0] if p >= 0)
+    assert all(runner.cache.pages.refcount(0, p) == 2 for p in seq.kv.tables[0] if p >= 0)
     copies = runner.cache.cow_copies
     runner.step([child], [[FOLLOW[1]]])  # the child writes: only a shared partial page is copied
     partial = len(PROMPT) % runner.cache.page_size and not cfg.quantized

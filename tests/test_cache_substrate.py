@@ -39,10 +39,10 @@ def test_pool_grows_and_keeps_contents():
     k = torch.randn(3, 2, 4)
     ctx = PagedContext(cache, [s], [3], torch.arange(3))
     cache.pools[0].write(0, ctx.plan.write_slots[0], k, k)
-    assert cache.allocators[0].total == 1
+    assert cache.pages.total(0) == 1
     s2 = cache.new_sequence()
     PagedContext(cache, [s2], [9], torch.arange(9))  # forces growth
-    assert cache.allocators[0].total >= 4
+    assert cache.pages.total(0) >= 4
     kk, _ = cache.pools[0].read(0, s.first_page_if_contiguous(), None, 3)
     torch.testing.assert_close(kk, k.transpose(0, 1))
     cache.check_integrity()
@@ -55,7 +55,7 @@ def test_static_refuses_past_capacity():
     with pytest.raises(ContextOverflow, match="static cache capacity of 8"):
         PagedContext(cache, [s], [1], torch.tensor([8]))
     assert s.length == 8
-    assert cache.allocators[0].total == 2
+    assert cache.pages.total(0) == 2
 
 
 def test_gather_path_equals_written_values():
@@ -129,17 +129,17 @@ def test_random_workload_keeps_page_accounting(ops):
     for s in live:
         cache.free(s)
     cache.check_integrity()
-    assert cache.allocators[0].num_free == cache.allocators[0].total
+    assert cache.pages.free(0) == cache.pages.total(0)
 
 
 def test_batch_reservation_is_all_or_nothing():
     cache = PagedKVCache(TINY, parse_kv_spec("static,max_tokens=8,max_seqs=2,page_size=4"))
     a, b = cache.new_sequence(), cache.new_sequence()
     PagedContext(cache, [a, b], [4, 4], torch.arange(4).repeat(2))
-    used = cache.allocators[0].num_referenced
+    used = cache.pages.used(0)
     with pytest.raises(ContextOverflow):  # a's extra page is taken, then b overflows
         PagedContext(cache, [a, b], [4, 5], torch.cat((torch.arange(4, 8), torch.arange(4, 9))))
-    assert (a.length, b.length) == (4, 4) and cache.allocators[0].num_referenced == used
+    assert (a.length, b.length) == (4, 4) and cache.pages.used(0) == used
     cache.check_integrity()
 
 
@@ -153,14 +153,14 @@ class Keeper:
 
     def keep(self, pages: list[int]) -> None:
         assert self.cache is not None
-        self.cache.allocators[0].incref(pages)
+        self.cache.pages.share(0, pages)
         self.kept += pages
 
     def reclaim(self, group: int, short: int) -> None:
         assert self.cache is not None
         self.asked.append((group, short))
         gone, self.kept = self.kept[:short], self.kept[short:]
-        self.cache.allocators[group].release(gone)
+        self.cache.pages.drop(group, gone)
 
     def held_pages(self) -> dict[int, list[int]]:
         return {0: list(self.kept)}

@@ -69,10 +69,10 @@ def test_window_and_sinks_match_reference(window, sinks, encoding, chunks):
         live = [p for p in seq.tables[0] if p != HOLE]
         if window is not None:  # out-of-window pages went back to the pool
             assert len(live) <= -(-sinks // 4) + -(-window // 4) + 1 + -(-c // 4)
-            assert cache.allocators[0].num_referenced == len(live)
+            assert cache.pages.used(0) == len(live)
     cache.free(seq)
     cache.check_integrity()
-    assert cache.allocators[0].num_referenced == 0
+    assert cache.pages.used(0) == 0
 
 
 def test_hybrid_model_windows_get_their_own_groups():
@@ -84,9 +84,8 @@ def test_hybrid_model_windows_get_their_own_groups():
     seq = cache.new_sequence()
     for t in range(30):
         PagedContext(cache, [seq], [1], torch.tensor([t]))
-    sliding, full = cache.allocators
-    assert full.num_referenced == 15  # every token kept
-    assert sliding.num_referenced <= 4  # only the window's pages
+    assert cache.pages.used(1) == 15  # the full layers: every token kept
+    assert cache.pages.used(0) <= 4  # the sliding layers: only the window's pages
     stats = cache.stats()
     assert [s.window for s in stats.per_layer] == [4, 4, None, 4, 4, None]
     assert stats.per_layer[0].bytes_used < stats.per_layer[2].bytes_used

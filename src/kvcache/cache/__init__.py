@@ -1,7 +1,9 @@
 """The KV substrate: where K/V live and who holds which page.
 
-- paged.py       PagedKVCache: per layer group a pool and an allocator, per sequence page tables;
-                 reserve, fork (copy-on-write), truncate, windows' dead pages, ``take_pages``
+- paged.py       PagedKVCache: per layer group a pool, per sequence page tables, its page manager
+- pages.py       PageManager (``cache.pages``): the only code that takes, shares, gives back, moves
+                 or counts pages: ask (a step's pages, or a typed Refusal), reserve, truncate,
+                 release, copy-on-write, windows' dead pages, shrink
 - evictor.py     Evictor: the contract with whatever else holds pages (the prefix index)
 - plan.py        ForwardPlan / ReadPlan: what a forward writes where and what each sequence reads
 - pool.py, qpool.py, quant.py   float pages; quantized pages (KIVI) and their codes
@@ -9,7 +11,7 @@
   persist.py, config.py   free lists, layer groups, page tables, device/host/disk, layer-ahead
   fetching, the memory budget, stats and the integrity check, cache files, CacheConfig
 
-Owns pages, page tables, lengths and the cache's configuration. May not compute attention
+Owns pages (through its page manager alone), page tables, lengths and the cache's configuration. May not compute attention
 (attention/) or know what a prefix index keeps beyond the Evictor contract (prefix/).
 """
 

@@ -63,7 +63,7 @@ def cache_stats(cache: "PagedKVCache") -> CacheStats:
     ps = cache.page_size
     layers: list[LayerStats] = []
     for g in cache.groups:
-        pool, alloc = cache.pools[g.index], cache.allocators[g.index]
+        pool, pages = cache.pools[g.index], cache.pages
         tokens_in_pages = 0
         for s in cache.sequences.values():
             table = s.tables[g.index]
@@ -78,15 +78,15 @@ def cache_stats(cache: "PagedKVCache") -> CacheStats:
                     for s in cache.sequences.values() if s.press is not None)
         for j, layer in enumerate(g.layers):
             tail = _tail_bytes(cache, g.index, j) + slots
-            layers.append(LayerStats(layer, g.index, g.window, g.sinks, per_tok, alloc.total,
-                                     alloc.num_referenced, share + tail, int(tokens_in_pages * per_tok) + tail))
+            layers.append(LayerStats(layer, g.index, g.window, g.sinks, per_tok, pages.total(g.index),
+                                     pages.used(g.index), share + tail, int(tokens_in_pages * per_tok) + tail))
     layers.sort(key=lambda s: s.layer)
     return CacheStats(
         strategy=cache.config.spec(),
         page_size=ps,
         bytes_per_token=int(round(sum(s.bytes_per_token for s in layers))),
-        pages_total=sum(a.total for a in cache.allocators),
-        pages_used=sum(a.num_referenced for a in cache.allocators),
+        pages_total=sum(cache.pages.total(g.index) for g in cache.groups),
+        pages_used=sum(cache.pages.used(g.index) for g in cache.groups),
         tokens_stored=sum(s.length for s in cache.sequences.values()),
         bytes_allocated=sum(s.bytes_allocated for s in layers),
         bytes_used=sum(s.bytes_used for s in layers),
@@ -99,7 +99,7 @@ def cache_stats(cache: "PagedKVCache") -> CacheStats:
 def cached_pages(cache: "PagedKVCache") -> dict[int, int]:
     """Per group, pages only the prefix index holds (cached, evictable)."""
     held = cache.evictor.held_pages() if cache.evictor is not None else {}
-    return {g: sum(1 for p in pages if cache.allocators[g].refcount(p) == 1) for g, pages in held.items()}
+    return {g: sum(1 for p in pages if cache.pages.refcount(g, p) == 1) for g, pages in held.items()}
 
 
 def check_integrity(cache: "PagedKVCache") -> None:
@@ -109,8 +109,7 @@ def check_integrity(cache: "PagedKVCache") -> None:
     ps = cache.page_size
     held = cache.evictor.held_pages() if cache.evictor is not None else {}
     for g in cache.groups:
-        alloc = cache.allocators[g.index]
-        alloc.check_integrity()
+        cache.pages.check(g.index)
         counts: dict[int, int] = {}
         index_pages = held.get(g.index, [])
         if len(set(index_pages)) != len(index_pages):
@@ -129,12 +128,14 @@ def check_integrity(cache: "PagedKVCache") -> None:
             for p in table:
                 if p != HOLE:
                     counts[p] = counts.get(p, 0) + 1
-        for p in range(alloc.total):
-            if alloc.refcount(p) != counts.get(p, 0):
+        gi, pages = g.index, cache.pages
+        total = pages.total(gi)
+        for p in range(total):
+            if pages.refcount(gi, p) != counts.get(p, 0):
                 raise AssertionError(
-                    f"group {g.index} page {p}: ref count {alloc.refcount(p)} but {counts.get(p, 0)} holders")
-        cached = sum(1 for p in index_pages if alloc.refcount(p) == 1)
-        in_use = sum(1 for p in range(alloc.total) if alloc.refcount(p) > 0) - cached
-        if alloc.num_free + in_use + cached != alloc.total:
-            raise AssertionError(f"group {g.index}: free {alloc.num_free} + referenced {in_use} + cached "
-                                 f"{cached} != total {alloc.total}")
+                    f"group {gi} page {p}: ref count {pages.refcount(gi, p)} but {counts.get(p, 0)} holders")
+        cached = sum(1 for p in index_pages if pages.refcount(gi, p) == 1)
+        in_use = sum(1 for p in range(total) if pages.refcount(gi, p) > 0) - cached
+        if pages.free(gi) + in_use + cached != total:
+            raise AssertionError(f"group {gi}: free {pages.free(gi)} + referenced {in_use} + cached "
+                                 f"{cached} != total {total}")

@@ -136,19 +136,5 @@ def shrink(cache: "PagedKVCache", floor: int) -> int:
     if cache.config.capacity != "dynamic":
         return 0
     before = pool_bytes(cache)
-    for g in cache.groups:
-        alloc, pool = cache.allocators[g.index], cache.pools[g.index]
-        keep = max(floor, alloc.num_referenced)
-        if keep >= alloc.total:
-            continue
-        moves = alloc.compact(keep)  # old id -> new id, counts moved
-        for src, dst in moves.items():
-            pool.copy_page(src, dst)
-        for seq in cache.sequences.values():
-            table = seq.tables[g.index]
-            seq.tables[g.index] = [moves.get(p, p) for p in table]
-        if moves and cache.evictor is not None:
-            cache.evictor.remap(g.index, moves)
-        alloc.truncate(keep)
-        pool.resize(keep)
+    cache.pages.shrink(floor)
     return before - pool_bytes(cache)

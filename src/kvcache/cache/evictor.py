@@ -3,7 +3,7 @@
 A cache is given at most one evictor, at construction or attached once afterwards
 (``PagedKVCache.attach_evictor``: an evictor built on the cache, as ``PrefixCache`` is). The cache
 calls it; it never reaches into the cache except through the cache's public methods (``room``,
-the allocators' reference counts).
+the page manager ``cache.pages``: take, share, drop, reference counts).
 
 - ``reclaim(group, short)``: a pool of ``group`` lacks ``short`` pages; free what the evictor's
   policy allows (it may free nothing: the pool then grows, or the allocation fails).

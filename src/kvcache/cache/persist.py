@@ -159,7 +159,7 @@ def load_sequence(cache: PagedKVCache, path: str | Path, fingerprint: str) -> tu
         for g in cache.groups:
             hole = set(holes[g.index])
             n_live = lens[g.index] - len(hole)
-            pages = cache.take_pages(g.index, n_live) if n_live else []
+            pages = cache.pages.take(g.index, n_live) if n_live else []
             it = iter(pages)
             seq.tables[g.index] = [HOLE if i in hole else next(it) for i in range(lens[g.index])]
             pool = cache.pools[g.index]

@@ -197,7 +197,8 @@ class ForwardPlan:
                         f"positions {int(q_pos[0])}..{int(q_pos[-1])} do not continue a sequence of "
                         f"{seq.length} cached tokens")
                 start += n
-        self.sealed = cache.reserve_all(seqs, new_tokens)  # all reservations before any length moves
+        # every reservation before any length moves; pages the scheduler asked for are already there
+        self.sealed = cache.pages.reserve_all(seqs, new_tokens)
         self.rows: list[slice] = []
         self.reads: list[list[ReadPlan]] = []
         write_slots: list[list[torch.Tensor]] = [[] for _ in cache.groups]
@@ -220,6 +221,7 @@ class ForwardPlan:
             self.rows.append(slice(start, start + n))
             start += n
         self.write_slots = [torch.cat(s) if len(s) > 1 else (s[0] if s else None) for s in write_slots]
+        cache.pages.commit(seqs)
 
     def page_tables(self, group: int) -> torch.Tensor:
         """The sequences' page tables of one group, zero-padded: [B, max_pages] int64."""

@@ -163,7 +163,7 @@ def pack(cache: "PagedKVCache", seq: SeqKV, g: int, keep: torch.Tensor) -> None:
     else:
         moved = (idx != torch.arange(m)).flatten(0, 1).any(0)  # [m]
         first = int(torch.nonzero(moved)[0]) if bool(moved.any()) else m
-        cache.own_pages(seq, g, first // ps, -(-m // ps))
+        cache.pages.own_pages(seq, g, first // ps, -(-m // ps))
         slots = slot_ids(cache, seq, g, s)
         dst = slots[first:m]
         for j in range(len(cache.groups[g].layers)):
@@ -172,7 +172,7 @@ def pack(cache: "PagedKVCache", seq: SeqKV, g: int, keep: torch.Tensor) -> None:
             data = torch.gather(flat, 2, src.to(flat.device)[None, :, :, None].expand(2, -1, -1, flat.shape[3]))
             flat.index_copy_(2, dst.to(flat.device), data)
         keep_pages = -(-m // ps)
-        cache.allocators[g].release(table[keep_pages:])
+        cache.pages.drop(g, table[keep_pages:])
         del table[keep_pages:]
     seq.dropped[g] += s - m
     st.keep(g, idx)
@@ -213,7 +213,7 @@ def truncate(cache: "PagedKVCache", seq: SeqKV, length: int) -> None:
             seq.tails[gi] = [t[:, :, : c - sealed] for t in seq.tails[gi]]  # type: ignore[union-attr]
         else:
             keep = -(-c // ps)
-            cache.allocators[gi].release(seq.tables[gi][keep:])
+            cache.pages.drop(gi, seq.tables[gi][keep:])
             del seq.tables[gi][keep:]
         st.truncate(gi, c)
         seq.dropped[gi] = length - c
@@ -239,7 +239,7 @@ def release_dead(cache: "PagedKVCache", seq: SeqKV) -> None:
                 break
             i += 1
         if i > first:
-            cache.allocators[gi].release(table[first:i])
+            cache.pages.drop(gi, table[first:i])
             del table[first:i]
             st.cut(gi, first * ps, i * ps)
             seq.dropped[gi] += (i - first) * ps

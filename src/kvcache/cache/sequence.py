@@ -26,6 +26,9 @@ class SeqKV:
     # and the retention state (which token each slot holds); empty and None without one
     dropped: list[int] = field(default_factory=list)
     press: "PressState | None" = None
+    # per group, the table lengths before pages asked for a step (PageManager.ask) that no forward
+    # has used yet; None when nothing is pending
+    pending: list[int] | None = None
 
     def held(self, group: int = 0) -> int:
         """Slots the sequence uses in a group: its length, less what a press packed away."""

@@ -12,6 +12,7 @@ import torch
 
 from kvcache.attention.backends import PagedContext
 from kvcache.attention.recompute import RecomputeContext
+from kvcache.cache.pages import Refusal
 from kvcache.cache.paged import CacheStats, PagedKVCache
 from kvcache.cache.sequence import SeqKV
 from kvcache.cache.config import CacheConfig
@@ -98,9 +99,28 @@ class ModelRunner:
         seq.tokens = list(tokens[:n])
         return seq
 
+    def reserve(self, seqs: Sequence[Seq], counts: Sequence[int]) -> Refusal | None:
+        """Ask the cache's page manager, before a step runs, for the pages of ``counts[i]`` new
+        tokens of every ``seqs[i]``: None when they are in place (the step's forward takes
+        nothing more), else the typed Refusal (nothing taken). A windowed prompt chunk longer
+        than a forward's chunk reserves as it goes instead (pages leave the window between
+        chunks), and so does recomputation (no cache)."""
+        if self.cache is None or any(s.kv is None for s in seqs):
+            return None
+        if self.windowed and any(n > WINDOW_CHUNK for n in counts):
+            return None
+        got = self.cache.pages.ask([s.kv for s in seqs], counts)  # type: ignore[misc]
+        return got if isinstance(got, Refusal) else None
+
+    def _unasked(self, seq: Seq) -> None:
+        """Pages asked for a step that did not run go back."""
+        if self.cache is not None and seq.kv is not None and seq.kv.pending is not None:
+            self.cache.pages.unreserve(seq.kv, seq.kv.pending)
+
     def release(self, seq: Seq, salt: str | None = None) -> None:
         """A finished sequence: its pages go to the prefix index (when there is one), then it is
         freed."""
+        self._unasked(seq)
         if self.prefix is not None and seq.kv is not None and seq.kv.length == len(seq.tokens):
             self.prefix.release(seq.kv, seq.tokens, salt)
             seq.tokens = []
@@ -112,13 +132,16 @@ class ModelRunner:
         child.tokens = list(seq.tokens)
         return child
 
+    @torch.inference_mode()  # a press's state holds inference tensors, changed in place
     def truncate(self, seq: Seq, length: int) -> None:
         """Keep only the first ``length`` tokens (their K/V stay cached)."""
+        self._unasked(seq)
         del seq.tokens[length:]
         if self.cache is not None and seq.kv is not None:
             self.cache.truncate(seq.kv, length)
 
     def free(self, seq: Seq) -> None:
+        self._unasked(seq)
         if self.cache is not None and seq.kv is not None:
             self.cache.free(seq.kv)
         seq.tokens = []
@@ -203,11 +226,13 @@ class ModelRunner:
             raise
         return torch.stack(out)
 
+    @torch.inference_mode()
     def rollback(self, seq: Seq) -> bool:
         """After a failed forward: give the sequence's cache back the state its ``tokens`` describe
-        (the pages the forward reserved return to the pool). False when that cannot be done (a
+        (the pages the forward reserved, or the scheduler asked for, return to the pool). False when that cannot be done (a
         quantized cache may have sealed pages of some layers): the sequence is then emptied (its
         pages freed, a fresh empty cache sequence in their place)."""
+        self._unasked(seq)
         if self.cache is None or seq.kv is None or seq.kv.length == len(seq.tokens):
             return True
         if self.cache.quantized:

@@ -14,7 +14,9 @@ Every ``step`` runs one model forward over a batch of sequences of different len
 2. the batch is planned: every decoding sample feeds its last token, then samples still
    prefilling feed a chunk of their prompt, so at most ``max_batch_tokens`` tokens go into one
    forward and a long prompt never stalls the others' decoding (chunked prefill);
-3. when the pool runs out of pages, the latest-admitted, lowest-priority request is preempted: its
+3. the step's pages are asked of the cache's page manager (``runner.reserve``) before the forward
+   runs, so attention only writes pages it was given; when the pool cannot give them (a typed
+   refusal), the latest-admitted, lowest-priority request is preempted: its
    pages go to the prefix index (still reusable, evictable under pressure) and it waits again at
    its original place in the queue; resumed, it refills from the index or recomputes;
 4. samples whose feed is done get their next token sampled; a request's first completed prefill
@@ -44,7 +46,16 @@ from kvcache.errors import CacheFull, InvalidParams, KVCacheError
 from kvcache.models.tokenizer import Tokenizer
 from kvcache.prefix.radix import common_prefix
 
-__all__ = ["Request", "Sample", "Scheduler", "SchedulerConfig", "error_kind"]
+__all__ = ["Item", "Request", "Sample", "Scheduler", "SchedulerConfig", "error_kind"]
+
+
+@dataclass
+class Item:
+    """One sample's part of a step: ``n`` tokens of its feed go into the forward."""
+
+    req: Request
+    sample: Sample
+    n: int
 
 
 @dataclass(frozen=True)
@@ -113,7 +124,8 @@ class Scheduler:
         if logits is None:
             return done
         self.steps += 1
-        for row, (req, s, n) in enumerate(batch):
+        for row, item in enumerate(batch):
+            req, s, n = item.req, item.sample, item.n
             if req.error is not None:  # failed while an earlier sample of it was sampled
                 continue
             del s.feed[:n]
@@ -130,12 +142,18 @@ class Scheduler:
                 self._held_back = False
         return done
 
-    def _run(self, batch: list[tuple[Request, Sample, int]]) -> torch.Tensor:
-        return self.runner.step([s.seq for _, s, _ in batch], [s.feed[:n] for _, s, n in batch],  # type: ignore[misc]
-                                prompt_end=[n == len(s.feed) for _, s, n in batch])
+    def _run(self, batch: list[Item]) -> torch.Tensor:
+        """The step's pages are asked for first (a refusal raises here, before any forward), then
+        the forward runs over them."""
+        seqs = [b.sample.seq for b in batch]
+        refusal = self.runner.reserve(seqs, [b.n for b in batch])  # type: ignore[arg-type]
+        if refusal is not None:
+            raise refusal.error()
+        return self.runner.step(seqs, [b.sample.feed[: b.n] for b in batch],  # type: ignore[arg-type]
+                                prompt_end=[b.n == len(b.sample.feed) for b in batch])
 
-    def _forward(self, batch: list[tuple[Request, Sample, int]],
-                 done: list[Request]) -> tuple[list[tuple[Request, Sample, int]], torch.Tensor | None]:
+    def _forward(self, batch: list[Item],
+                 done: list[Request]) -> tuple[list[Item], torch.Tensor | None]:
         """One forward over ``batch``: the rows that ran and their logits [rows, V] (None: none ran).
         A full pool preempts (or, alone, fails) the latest request and retries; any other failure
         isolates the request at fault (see step)."""
@@ -150,24 +168,24 @@ class Scheduler:
                     self._fail(victim, CacheFull(f"{e}; the request needs more KV pages than the pool holds"), done)
                 else:
                     self._preempt(victim)
-                batch = [b for b in batch if b[0] in self.running]
+                batch = [b for b in batch if b.req in self.running]
             except Exception as e:
                 batch = self._resync(batch)
                 return self._forward_each(batch, done, e)
         return [], None
 
-    def _forward_each(self, batch: list[tuple[Request, Sample, int]], done: list[Request],
-                      error: Exception) -> tuple[list[tuple[Request, Sample, int]], torch.Tensor | None]:
+    def _forward_each(self, batch: list[Item], done: list[Request],
+                      error: Exception) -> tuple[list[Item], torch.Tensor | None]:
         """A forward of several requests failed with ``error``: run each request's rows alone;
         those that fail again (or the only request) fail, the rest keep their logits."""
-        reqs = list(dict.fromkeys(req for req, _, _ in batch))
+        reqs = list(dict.fromkeys(b.req for b in batch))
         if len(reqs) == 1:
             self._fail(reqs[0], error, done)
             return [], None
-        kept: list[tuple[Request, Sample, int]] = []
+        kept: list[Item] = []
         rows: list[torch.Tensor] = []
         for req in reqs:
-            part = [b for b in batch if b[0] is req]
+            part = [b for b in batch if b.req is req]
             try:
                 rows.append(self._run(part))
                 kept += part
@@ -176,12 +194,13 @@ class Scheduler:
                 self._fail(req, e, done)
         return kept, (torch.cat(rows) if rows else None)
 
-    def _resync(self, batch: list[tuple[Request, Sample, int]]) -> list[tuple[Request, Sample, int]]:
+    def _resync(self, batch: list[Item]) -> list[Item]:
         """After a failed forward: undo the cache's half-done step (or, when it cannot be undone,
         start the sample again from the prefix cache), recompute each sample's feed from its
         tokens, and return the batch with counts of what is still to feed."""
         out = []
-        for req, s, n in batch:
+        for item in batch:
+            req, s, n = item.req, item.sample, item.n
             seq = s.seq
             if seq is None or req.error is not None or s.reason is not None:
                 continue
@@ -193,7 +212,7 @@ class Scheduler:
             s.feed = full[len(seq.tokens):]
             n -= before - len(s.feed)
             if n > 0:
-                out.append((req, s, n))
+                out.append(Item(req, s, n))
         return out
 
     def _order(self, reqs: list[Request]) -> list[Request]:
@@ -253,7 +272,7 @@ class Scheduler:
             return True
         need = -(-len(req.prompt_ids) // cache.page_size) + 1  # type: ignore[union-attr]
         cached = self.runner.prefix.cached_pages(0) if self.runner.prefix is not None else 0
-        return cache.allocators[0].num_free + cached + room >= need  # type: ignore[union-attr]
+        return cache.pages.free(0) + cached + room >= need  # type: ignore[union-attr]
 
     def idle(self) -> int:
         """Nothing runs: dynamic pools give back the pages beyond those in use (the prefix index's
@@ -262,19 +281,19 @@ class Scheduler:
             return 0
         return self.runner.cache.shrink()
 
-    def _plan(self) -> list[tuple[Request, Sample, int]]:
+    def _plan(self) -> list[Item]:
         budget = self.config.max_batch_tokens
-        batch: list[tuple[Request, Sample, int]] = []
+        batch: list[Item] = []
         for req in self.running:  # decodes first: one token each
             for s in req.samples:
                 if s.reason is None and s.tokens and len(s.feed) == 1 and budget > 0:
-                    batch.append((req, s, 1))
+                    batch.append(Item(req, s, 1))
                     budget -= 1
         for req in self.running:  # then prefill chunks, in admission order
             for s in req.samples:
                 if s.reason is None and s.feed and not (s.tokens and len(s.feed) == 1) and budget > 0:
                     n = min(len(s.feed), budget)
-                    batch.append((req, s, n))
+                    batch.append(Item(req, s, n))
                     budget -= n
         return batch
 

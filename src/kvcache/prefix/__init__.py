@@ -10,7 +10,7 @@
 - keys.py, entry.py   chained keys, page entries as bytes with a digest or MAC
 
 Owns what is shared between requests and processes; touches the KV cache only through its
-public API (allocators' references, ``take_pages``, the Evictor contract).
+public API (its page manager ``cache.pages``: take, share, drop; the Evictor contract).
 """
 
 from kvcache.prefix.config import PrefixConfig

@@ -1,4 +1,4 @@
-"""PrefixCache: the radix index bound to a PagedKVCache's pools and allocators, and its tiers.
+"""PrefixCache: the radix index bound to a PagedKVCache's pools and page manager, and its tiers.
 
 - ``lookup(tokens, salt)``: a new sequence holding the longest reusable cached prefix of
   ``tokens`` (never all of them: the last token is recomputed for its logits). RAM first; then,
@@ -18,8 +18,8 @@ in the tiers from that page's start, so a shorter shared prefix in RAM never hid
 on disk or in Redis. Restore and write-through are restore.py's (TierLink).
 
 Owns the index's policy: what a lookup holds, what a release inserts, what is evicted and when. It
-is the cache's Evictor (cache/evictor.py), attached at construction; it touches pool pages only
-through the allocators' references and ``take_pages`` (via pages.py).
+is the cache's Evictor (cache/evictor.py), attached at construction; it takes, shares and gives
+back pool pages only through the cache's page manager (``cache.pages``: take, share, drop, shared).
 
 A cache with a press keeps no uncompressed pages here: with a question-agnostic press
 (``knorm``, ``expected``) its compressed prompts are shared through spans.py's SpanIndex, keyed
@@ -107,7 +107,7 @@ class PrefixCache:
         keep = -(-length // self.cache.page_size)
         for g in range(len(self.cache.groups)):
             dropped = seq.tables[g][keep:]
-            self.cache.allocators[g].release([p for p in dropped if p != HOLE])
+            self.cache.pages.drop(g, [p for p in dropped if p != HOLE])
             del seq.tables[g][keep:]
         seq.length = length
         self.stats_.requests += 1
@@ -150,7 +150,7 @@ class PrefixCache:
         if n and len(tokens) >= n:
             path, taken = self.index.insert(tokens[:n], seq.tables, salt)
             for g, p in taken:
-                self.cache.allocators[g].incref([p])
+                self.cache.pages.share(g, [p])
             if self.link is not None:
                 self.link.write_through(path, salt)
         self.cache.free(seq)
@@ -158,17 +158,17 @@ class PrefixCache:
 
     def _shared(self, seq: SeqKV, i: int) -> bool:
         """Whether page ``i`` of the sequence is also held elsewhere (in any group)."""
-        return any(i < len(t) and t[i] != HOLE and self.cache.allocators[g].refcount(t[i]) > 1
+        return any(i < len(t) and t[i] != HOLE and self.cache.pages.shared(g, t[i])
                    for g, t in enumerate(seq.tables))
 
     # -- eviction ---------------------------------------------------------------------------------
     def _in_use(self, g: int, p: int) -> bool:
-        return self.cache.allocators[g].refcount(p) > 1  # someone besides the index holds it
+        return self.cache.pages.shared(g, p)  # someone besides the index holds it
 
     def _drop(self, nodes: list[Node]) -> None:
         for n in nodes:
             for g, p in n.live_pages():
-                self.cache.allocators[g].release([p])
+                self.cache.pages.drop(g, [p])
         self.stats_.evicted_pages += sum(len(list(n.live_pages())) for n in nodes)
 
     def reclaim(self, group: int, short: int) -> None:

@@ -77,11 +77,11 @@ class PageEntries:
             try:
                 for g in cache.groups:
                     has = self.group_names[g.index][0] in tensors  # all of the group's, or none (fits)
-                    pages.append(cache.take_pages(g.index, 1)[0] if has else HOLE)
+                    pages.append(cache.pages.take(g.index, 1)[0] if has else HOLE)
             except CacheFull:  # no room to restore more: the rest is recomputed
                 for gi, p in enumerate(pages):
                     if p != HOLE:
-                        cache.allocators[gi].release([p])
+                        cache.pages.drop(gi, [p])
                 break
             out.append(pages)
         for g in cache.groups:
@@ -102,7 +102,7 @@ def hold(cache: PagedKVCache, seq: SeqKV, nodes: list[Node]) -> None:
     """Append the nodes' pages to the sequence's tables (one more reference each)."""
     for g in range(len(cache.groups)):
         pages = [n.pages[g] for n in nodes]
-        cache.allocators[g].incref([p for p in pages if p != HOLE])
+        cache.pages.share(g, [p for p in pages if p != HOLE])
         seq.tables[g].extend(pages)
 
 
@@ -112,4 +112,4 @@ def unhold(cache: PagedKVCache, seq: SeqKV, node: Node) -> None:
         p = seq.tables[g].pop()
         assert p == node.pages[g]
         if p != HOLE:
-            cache.allocators[g].release([p])
+            cache.pages.drop(g, [p])

@@ -130,10 +130,10 @@ class SpanLink:
             for g in c.groups:
                 tail0 = t.get(f"layer{g.layers[0]}.tail")
                 n = -(-slots[g.index] // ps) if tail0 is None else (slots[g.index] - tail0.shape[2]) // ps
-                pages.append(c.take_pages(g.index, n) if n else [])
+                pages.append(c.pages.take(g.index, n) if n else [])
         except CacheFull:
             for g, got in enumerate(pages):
-                c.allocators[g].release(got)
+                c.pages.drop(g, got)
             return None
         tails: list[list[torch.Tensor] | None] = []
         for g in c.groups:
@@ -146,6 +146,6 @@ class SpanLink:
             tails.append([t[f"layer{layer}.tail"].clone() for layer in g.layers] if c.quantized else None)
         pos = [t[f"group{g.index}.pos"].clone() for g in c.groups]
         entry = self.index.adopt(SpanEntry(salt, tokens, pages, slots, pos, tails, key=key))
-        for g, got in enumerate(pages):  # the index now holds the references take_pages gave
-            c.allocators[g].release(got)
+        for g, got in enumerate(pages):  # the index now holds the references pages.take gave
+            c.pages.drop(g, got)
         return entry

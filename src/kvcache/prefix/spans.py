@@ -66,7 +66,7 @@ class SpanIndex:
         st = seq.press
         assert st is not None and seq.length == 0
         for g in range(len(self.cache.groups)):
-            self.cache.allocators[g].incref(entry.pages[g])
+            self.cache.pages.share(g, entry.pages[g])
             seq.tables[g] = list(entry.pages[g])
             seq.dropped[g] = len(entry.tokens) - entry.slots[g]
             st.append(g, 0, entry.slots[g])
@@ -106,7 +106,7 @@ class SpanIndex:
             for p in pages:
                 n = self.refs[g].get(p, 0)
                 if not n:
-                    self.cache.allocators[g].incref([p])
+                    self.cache.pages.share(g, [p])
                 self.refs[g][p] = n + 1
         entry.last_used = next(self._clock)
         self.entries[(entry.salt, entry.tokens)] = entry
@@ -115,7 +115,7 @@ class SpanIndex:
 
     # -- eviction ---------------------------------------------------------------------------------
     def _in_use(self, e: SpanEntry) -> bool:
-        return any(self.cache.allocators[g].refcount(p) > 1 for g, pages in enumerate(e.pages) for p in pages)
+        return any(self.cache.pages.shared(g, p) for g, pages in enumerate(e.pages) for p in pages)
 
     def drop(self, e: SpanEntry) -> int:
         """Forget an entry; returns the pages given back to the pool."""
@@ -128,7 +128,7 @@ class SpanIndex:
                 self.refs[g][p] -= 1
                 if not self.refs[g][p]:
                     del self.refs[g][p]
-                    self.cache.allocators[g].release([p])
+                    self.cache.pages.drop(g, [p])
                     freed += 1
         return freed
 
