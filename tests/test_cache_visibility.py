@@ -13,7 +13,7 @@ from kvcache.cache import PagedKVCache
 from kvcache.cache.sequence import HOLE
 from kvcache.cache.config import CacheConfig
 from kvcache.models.config import ModelConfig
-from kvcache.models.layers import Rotary, apply_rotary
+from kvcache.kernels.rotary import Rotary, apply_rotary
 
 ONE = ModelConfig(model_type="llama", vocab_size=8, hidden_size=16, intermediate_size=16, num_layers=1,
                   num_heads=4, num_kv_heads=2, head_dim=8, max_position=64, layer_windows=(None,))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvcache.errors import InvalidParams
-from kvcache.models.layers import Rotary
+from kvcache.kernels.rotary import Rotary
 from kvcache.press import PRESSES, LayerView, make_press
 from kvcache.press.observe import LayerObservation
 from kvcache.press.select import candidates, decode_evictions, evict_mask, span_evictions

@@ -78,7 +78,7 @@ def report(check_build: bool = True) -> list[tuple[str, str]]:
             built = kernels.qgemm() is not None
         if not built:
             variant += " (could not be built here: the torch path runs)"
-    from kvcache.models.paths import cache_home
+    from kvcache.paths import cache_home
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return [("kvcache", version()), ("python", f"{platform.python_version()} ({sys.executable})"),

@@ -11,7 +11,8 @@ Owns the attention math and the choice of backend. May not plan reads or allocat
 cache's plan.py and paged.py do); it writes a forward's K/V where the plan says.
 """
 
-from kvcache.attention.dense import attend_dense, visibility_mask
+from kvcache.attention.dense import attend_dense
+from kvcache.cache.visibility import visibility_mask
 from kvcache.attention.recompute import RecomputeContext
 from kvcache.attention.interface import AttentionContext
 

@@ -36,7 +36,7 @@ from kvcache.cache.pool import PagePool
 from kvcache.cache.prefetch import Prefetcher
 from kvcache.cache.qpool import QuantPool
 from kvcache.cache.sequence import SeqKV
-from kvcache.models.layers import Rotary
+from kvcache.kernels.rotary import Rotary
 from kvcache.models.qweight import attn_block
 from kvcache.press.kvzip import replay_peaks
 

@@ -83,7 +83,7 @@ def rows(src: Path | None, pairs: list[str], work: Work, depth_pair: str | None,
     if note:
         return _skipped(plan, work, depth_pair, note, tick)
     assert src is not None
-    from kvcache.models.paths import cache_home
+    from kvcache.paths import cache_home
 
     out_dir = cache_home() / "llamacpp"
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -205,7 +205,7 @@ def bin_dir(arg: str | None = None) -> Path:
 
 
 def cache_dir() -> Path:
-    from kvcache.models.paths import cache_home
+    from kvcache.paths import cache_home
 
     d = cache_home() / "benchmodels"
     d.mkdir(parents=True, exist_ok=True)

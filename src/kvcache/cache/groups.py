@@ -9,9 +9,12 @@ pool while full-attention layers keep theirs (hybrid per layer).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvcache.cache.config import CacheConfig
-from kvcache.models.config import ModelConfig
+
+if TYPE_CHECKING:  # the model's shape comes in; the cache imports nothing of models/
+    from kvcache.models.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ takes, shares, gives back or counts pages) asks to reclaim pages before a pool g
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,8 +33,10 @@ from kvcache.cache.pool import PagePool
 from kvcache.cache.qpool import QuantPool
 from kvcache.cache.sequence import HOLE, SeqKV
 from kvcache.cache.config import CacheConfig
-from kvcache.errors import CacheFull, ContextOverflow, InvalidParams
-from kvcache.models.config import ModelConfig
+from kvcache.errors import InvalidParams
+
+if TYPE_CHECKING:  # the model's shape comes in; the cache imports nothing of models/
+    from kvcache.models.config import ModelConfig
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

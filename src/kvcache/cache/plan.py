@@ -23,7 +23,7 @@ from typing import Literal
 
 import torch
 
-from kvcache.attention.dense import Mask, build_mask
+from kvcache.cache.visibility import Mask, build_mask
 from kvcache.cache.groups import LayerGroup
 from kvcache.cache.paged import PagedKVCache
 from kvcache.cache.sequence import HOLE, SeqKV, run_start

@@ -142,7 +142,7 @@ def choose(rows: Sequence[dict], budget: Budget) -> dict:
 # -- storage beside the model's fingerprint ---------------------------------------------------
 
 def store_path(fingerprint: str) -> Path:
-    from kvcache.models.paths import cache_home
+    from kvcache.paths import cache_home
 
     if not fingerprint or any(c not in "0123456789abcdef" for c in fingerprint.lower()):
         raise InvalidParams(f"not a model fingerprint: {fingerprint!r}")

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvcache.errors import InvalidParams, KVCacheError
 from kvcache.models.config import ModelConfig
-from kvcache.models.layers import Rotary
+from kvcache.kernels.rotary import Rotary
 
 _SLIDING = "sliding_attention"
 _KNOWN = ("full_attention", _SLIDING)

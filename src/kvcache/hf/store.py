@@ -22,7 +22,7 @@ from kvcache.cache.sequence import SeqKV
 from kvcache.cache.config import CacheConfig
 from kvcache.errors import InvalidParams, KVCacheError
 from kvcache.hf.layout import Layout
-from kvcache.models.layers import Rotary
+from kvcache.kernels.rotary import Rotary
 
 
 def _free_rows(cache: PagedKVCache, rows: list[SeqKV]) -> None:

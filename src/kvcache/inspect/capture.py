@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcache.attention import AttentionContext, RecomputeContext
-from kvcache.attention.dense import visibility_mask
+from kvcache.cache.visibility import visibility_mask
 from kvcache.errors import InvalidParams
 from kvcache.models.base import CausalLM
 

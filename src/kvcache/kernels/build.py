@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from kvcache.models.paths import cache_home
+from kvcache.paths import cache_home
 
 SOURCES = Path(__file__).parent
 MATH = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",

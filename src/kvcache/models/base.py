@@ -11,7 +11,7 @@ from torch import nn
 
 from kvcache.attention.interface import AttentionContext
 from kvcache.models.config import ModelConfig
-from kvcache.models.layers import Rotary
+from kvcache.kernels.rotary import Rotary
 
 
 class CausalLM(nn.Module):

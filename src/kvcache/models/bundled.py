@@ -10,7 +10,7 @@ import importlib.util
 from pathlib import Path
 
 from kvcache.errors import ModelLoadError
-from kvcache.models.paths import cache_home
+from kvcache.paths import cache_home
 
 DEFAULT = "smollm2"
 BUNDLED = {

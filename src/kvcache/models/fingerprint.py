@@ -22,7 +22,7 @@ import json
 import os
 from pathlib import Path
 
-from kvcache.models.paths import cache_home
+from kvcache.paths import cache_home
 
 VERSION = 2  # of the fingerprint's recipe; a new recipe never matches an old fingerprint
 _BLOCK = 1 << 22

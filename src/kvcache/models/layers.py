@@ -11,7 +11,6 @@ for prefill. k is the torch thread count when the model is loaded (capped at 8).
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcache import kernels
+from kvcache.kernels.rotary import apply_rotary
 from kvcache.errors import UnsupportedArchitecture
 
 _MULTI_ROW = True  # route products of several rows to kernels/pgemm.c when it can be built
@@ -201,115 +201,6 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in ACTIVATIONS:
         raise UnsupportedArchitecture(f"unsupported activation {name!r}; supported: {', '.join(ACTIVATIONS)}")
     return ACTIVATIONS[name]
-
-
-class Rotary:
-    """RoPE with explicit positions: HF's rotate_half convention, optional partial rotary dims,
-    HF's 'linear', 'llama3' and 'yarn' scaling. Tables of cos/sin over positions are built once
-    and grown on demand; a forward gathers the rows of its positions."""
-
-    SUPPORTED = ("default", "linear", "llama3", "yarn")
-
-    def __init__(
-        self, rot_dim: int, theta: float, scaling: dict[str, Any] | None = None, max_position: int = 2048
-    ) -> None:
-        self.rot_dim = rot_dim
-        self.theta = theta
-        self.attention_factor = 1.0
-        inv = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))  # [rot/2]
-        if scaling is not None:
-            inv = self._scale(inv, scaling, max_position)
-        self.inv_freq = inv  # [rot_dim / 2]
-        self.cos = torch.empty(0, rot_dim)  # [P, rot_dim]
-        self.sin = torch.empty(0, rot_dim)  # [P, rot_dim], rotate_half's sign folded in
-
-    def _scale(self, inv: torch.Tensor, s: dict[str, Any], max_position: int) -> torch.Tensor:
-        kind = s.get("rope_type", s.get("type", "default"))
-        if kind == "default":
-            return inv
-        if kind == "linear":
-            return inv / float(s["factor"])
-        if kind == "llama3":
-            factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
-            old = float(s["original_max_position_embeddings"])
-            low_wl, high_wl = old / low, old / high
-            wavelen = 2 * math.pi / inv
-            scaled = torch.where(wavelen > low_wl, inv / factor, inv)
-            smooth = (old / wavelen - low) / (high - low)
-            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-            medium = (wavelen >= high_wl) & (wavelen <= low_wl)
-            return torch.where(medium, smoothed, scaled)
-        if kind == "yarn":
-            return self._yarn(s, max_position)
-        raise UnsupportedArchitecture(
-            f"unsupported rope scaling {kind!r}; supported: {', '.join(self.SUPPORTED)}"
-        )
-
-    def _yarn(self, s: dict[str, Any], max_position: int) -> torch.Tensor:
-        """HF's _compute_yarn_parameters: inverse frequencies [rot/2]; sets attention_factor."""
-        dim, base = self.rot_dim, self.theta
-        old = float(s["original_max_position_embeddings"])
-        factor = float(s.get("factor") or max_position / old)
-
-        def mscale(scale: float, m: float = 1.0) -> float:
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-        att = s.get("attention_factor")
-        if att is None:
-            m, m_all = s.get("mscale"), s.get("mscale_all_dim")
-            att = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-        self.attention_factor = float(att)
-
-        def corr_dim(rot: float) -> float:
-            return (dim * math.log(old / (rot * 2 * math.pi))) / (2 * math.log(base))
-
-        low, high = corr_dim(float(s.get("beta_fast") or 32)), corr_dim(float(s.get("beta_slow") or 1))
-        if s.get("truncate", True):
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, dim - 1)
-        if low == high:
-            high += 0.001
-        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-        pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
-        extra = 1 - ramp  # share of the unscaled (extrapolated) frequency
-        return (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
-
-    def _grow(self, upto: int) -> None:
-        n = max(upto, 2 * self.cos.shape[0], 256)
-        freqs = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq[None, :]  # [n, rot/2]
-        emb = torch.cat((freqs, freqs), -1)  # [n, rot]
-        self.cos = emb.cos() * self.attention_factor
-        sin = emb.sin() * self.attention_factor
-        half = sin.shape[-1] // 2
-        # rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2): the sign lives in the table
-        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), -1)
-
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin for positions [N]: each [N, 1, rot_dim] (broadcast over heads)."""
-        top = int(positions.max()) + 1 if positions.numel() else 0
-        if top > self.cos.shape[0]:
-            self._grow(top)
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
-
-
-    def rotate(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """Turn already-rotated x: [N, H, D] by a further ``delta`` positions: [N] int64 (may be
-        negative). RoPE rotations compose, so R(delta) R(p) x = R(p + delta) x."""
-        cos, sin = self.tables(delta.abs())  # [N, 1, R] each
-        sign = torch.where(delta < 0, -1.0, 1.0)[:, None, None]
-        if self.attention_factor != 1.0:
-            cos, sin = cos / self.attention_factor, sin / self.attention_factor
-        return apply_rotary(x, cos, sin * sign)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [N, H, D]; cos, signed sin from Rotary.tables: [N, 1, R] with R <= D (partial rotary
-    leaves the last D - R dims alone) -> [N, H, D]. HF's x * cos + rotate_half(x) * sin, where
-    rotate_half's halves swap is a roll by R/2 (its sign is in the sin table)."""
-    r = cos.shape[-1]
-    rot = x if r == x.shape[-1] else x[..., :r]
-    out = (rot * cos).addcmul_(rot.roll(r // 2, -1), sin)
-    return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), -1)
 
 
 def strip_prefix(state_dict: dict[str, torch.Tensor], prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:

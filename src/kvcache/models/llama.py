@@ -14,10 +14,11 @@ from torch import nn
 
 from kvcache.attention.interface import AttentionContext
 from kvcache.errors import ModelLoadError
+from kvcache.kernels.rotary import Rotary
 from kvcache.models.base import CausalLM
 from kvcache.models.config import ModelConfig
 from kvcache.models.layers import (
-    ACT_KERNEL, Rotary, activation, attention_block, frozen, mlp, norm_linear, pack_bias, packed_rows,
+    ACT_KERNEL, activation, attention_block, frozen, mlp, norm_linear, pack_bias, packed_rows,
     text_model_names,
 )
 from kvcache.models.weights import embedding, projection

@@ -22,7 +22,7 @@ import torch
 
 from kvcache.errors import ModelLoadError
 from kvcache.models.bundled import BUNDLED, DEFAULT, bundled_path, is_installed
-from kvcache.models.paths import cache_home
+from kvcache.paths import cache_home
 
 FORMAT_VERSION = 3
 

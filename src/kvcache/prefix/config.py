@@ -8,7 +8,7 @@ import stat
 from dataclasses import dataclass, field
 
 from kvcache.errors import InvalidParams
-from kvcache.models.paths import cache_home
+from kvcache.paths import cache_home
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ def mean_rotation(rotary: object | None, start: int, n: int, dim: int) -> torch.
     RoPE). Column j is the mean of the rotated j-th basis vector."""
     if rotary is None:
         return torch.eye(dim)
-    from kvcache.models.layers import apply_rotary
+    from kvcache.kernels.rotary import apply_rotary
 
     cos, sin = rotary.tables(torch.arange(start, start + n))  # type: ignore[attr-defined]  # [n, 1, R]
     basis = torch.eye(dim).expand(n, dim, dim)  # [n, j, D]: row j is e_j
