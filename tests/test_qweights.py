@@ -15,7 +15,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
-from kvcache.kernels import build
+from kvcache.kernels import build, signatures
 from kvcache.models.qweight import FORMAT_OF, QWeight, common_format
 
 KERNELS = ("qgemm", "pgemm", "qattn")
@@ -114,11 +114,7 @@ def error_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def variant_lib(v: build.Variant) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build.build("qgemm", v)))
-    P, I, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.kv_q_linear.argtypes = [I, I, I, I, P, I64, P, ctypes.c_float, P, P, P, P, P, I64, I, I]
-    lib.kv_q_isa.restype = ctypes.c_char_p
-    return lib
+    return signatures.bind(ctypes.CDLL(str(build.build("qgemm", v))), "qgemm")
 
 
 RUNNABLE = [v for v in build.variants() if build.runnable(v)]

@@ -12,6 +12,9 @@ AVX2, generic) into ``$KVCACHE_HOME/kernels`` and loads the best variant this CP
 is no compiler, the build fails, or ``KVCACHE_NO_KERNELS=1``, callers fall back to the pure torch
 path, which gives the same result (quantized weights then dequantize their rows in torch).
 
+Every exported function's signature is declared once, in signatures.py; loading a library sets
+the ctypes argument and result types of all its functions from there.
+
 The wrappers check what they hand to C (dtype, contiguity, device, shapes) and return None when a
 kernel cannot take the inputs, so a caller never passes memory the kernel would misread.
 """
@@ -24,7 +27,7 @@ import warnings
 
 import torch
 
-from kvcache.kernels import build
+from kvcache.kernels import build, signatures
 
 _LIBS: dict[str, ctypes.CDLL | bool] = {}  # name -> library, or False: unavailable here
 
@@ -34,18 +37,15 @@ def variant() -> str:
     return build.select().name
 
 
-def _load(name: str, symbol: str, argtypes: list) -> ctypes.CDLL | None:
-    """The compiled library ``name`` with ``symbol``'s signature set, or None when it cannot be had."""
+def _load(name: str) -> ctypes.CDLL | None:
+    """The compiled library ``name`` with its functions' signatures set (signatures.py), or None when
+    it cannot be had."""
     if name not in _LIBS:
         if os.environ.get("KVCACHE_NO_KERNELS") == "1":
             _LIBS[name] = False
         else:
             try:
-                lib = ctypes.CDLL(str(build.build(name, build.select())))
-                fn = getattr(lib, symbol)
-                fn.argtypes = argtypes
-                fn.restype = ctypes.c_int
-                _LIBS[name] = lib
+                _LIBS[name] = signatures.bind(ctypes.CDLL(str(build.build(name, build.select()))), name)
             except (OSError, RuntimeError, AttributeError) as e:
                 warnings.warn(f"kvcache: native kernel {name} unavailable ({e}); using the torch path", stacklevel=3)
                 _LIBS[name] = False
@@ -57,13 +57,9 @@ def _cpu_f32(*ts: torch.Tensor | None) -> bool:
     return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()) for t in ts)
 
 
-_I, _P, _I64 = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64
-
-
 def qattn() -> ctypes.CDLL | None:
     """The quantized decode-attention library, or None when it cannot be had here."""
-    return _load("qattn", "kv_quant_decode",
-                 [_I, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _I, _P, _I])
+    return _load("qattn")
 
 
 def _canonical(switch: str) -> ctypes.CDLL | None:
@@ -124,7 +120,7 @@ def quant_decode(
 
 def pgemm() -> ctypes.CDLL | None:
     """The packed-weight multi-row projection library, or None."""
-    return _load("pgemm", "kv_packed_matmul", [_I, _I, _I, _I, _P, _I64, _P, _P, _P, _I])
+    return _load("pgemm")
 
 
 def packed_matmul(
@@ -181,31 +177,7 @@ def _i64(*ts: torch.Tensor) -> bool:
 
 def qgemm() -> ctypes.CDLL | None:
     """The quantized-weight library (products, repacking, dequantizing), or None."""
-    lib = _load("qgemm", "kv_q_linear", [_I, _I, _I, _I, _P, _I64, _P, ctypes.c_float, _P, _P, _P, _P, _P, _I64,
-                                         _I, _I])
-    if lib is not None and not getattr(lib, "_kv_typed", False):
-        f = ctypes.c_float
-        lib.kv_decode_attend.argtypes = [_I, _I, _I, _I, _I, _P, _I64, _P, _P, _P, f, _P, _I, _I64, _P, _P, _I, _I,
-                                         _P, _P, _P, f, _P, _I]
-        lib.kv_q_attn_block.argtypes = [_I, _I, _P, _I64, _P, f, _I, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P,
-                                        _I, _I64, _P, _P, _I, _I, _P, _P, _P, f, _I, _P, _P, _P, _P, _P, f, _I]
-        lib.kv_stream_sum.argtypes = [_P, _I64, _I]
-        lib.kv_stream_sum.restype = ctypes.c_float
-        lib.kv_int8_peak.argtypes = [_I64, _I, _P]
-        lib.kv_int8_peak.restype = ctypes.c_int64
-        lib.kv_paged_attend.argtypes = [_I, _I, _I, _I, _I, _I64, _P, _P, _P, _I, _P, _P, _P, _P, _I64, _I]
-        for fn in (lib.kv_decode_attend, lib.kv_q_attn_block, lib.kv_paged_attend):
-            fn.restype = ctypes.c_int
-        lib.kv_q_mlp.argtypes = [_I, _I, _I, _P, _I64, _P, ctypes.c_float, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P,
-                                 _I, _P, ctypes.c_float, _I]
-        lib.kv_q_mlp.restype = ctypes.c_int
-        lib.kv_q_repack.argtypes = [_I, _I, _I, _I, _P, _I64, _P, _I, _P, _P, _P]
-        lib.kv_q_dequant.argtypes = [_I, _I, _I, _P, _P, _P, _P, _I, _P, _I64]
-        lib.kv_q_isa.restype = ctypes.c_char_p
-        lib.kv_q_isa.argtypes = []
-        lib._kv_typed = True
-    return lib
-
+    return _load("qgemm")
 
 
 def stream_sum(x: torch.Tensor) -> float | None:
