@@ -14,7 +14,7 @@ import torch
 from kvcache import LLM, SamplingParams
 from kvcache.eval.fidelity import builtin_text
 from kvcache.eval.weights import chunks, compare_weights
-from kvcache.models.qweight import QStack, QWeight
+from kvcache.kernels.qweight import QStack, QWeight
 
 from conftest import gemma_installed
 

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
 from kvcache.kernels import build, signatures
-from kvcache.models.qweight import FORMAT_OF, QWeight, common_format
+from kvcache.kernels.qweight import FORMAT_OF, QWeight, common_format
 
 KERNELS = ("qgemm", "pgemm", "qattn")
 LEGACY = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
@@ -79,7 +79,7 @@ def test_k_quants_at_the_files_density_multiply_as_with_fp32_scales(v, t):
     """Q4_K, Q5_K and Q6_K keep the file's integer scales as bytes (0.58, 0.70 and 0.83 bytes a
     weight, where fp32 scales took 0.75, 0.875 and 1.25); the kernels rebuild each scale exactly,
     so the products are bitwise those of the fp32-scale format, on every variant and row count."""
-    from kvcache.models.qweight import Q4_F32, Q5_F32, S8_F32_16
+    from kvcache.kernels.qweight import Q4_F32, Q5_F32, S8_F32_16
     lib = variant_lib(v)
     packed, _ = repacked(t, 40, 512, seed=5)
     wide, _ = repacked(t, 40, 512, fmt={T.Q4_K: Q4_F32, T.Q5_K: Q5_F32, T.Q6_K: S8_F32_16}[t], seed=5)
@@ -225,7 +225,8 @@ FUSED_CHECK = """
 import sys, torch
 sys.path.insert(0, {tests!r})
 from kvcache import LLM, kernels
-from kvcache.models import layers, qweight
+from kvcache.models import layers
+from kvcache.kernels import qweight
 from kvcache.attention import backends
 assert kernels.variant() == {variant!r}
 llm = LLM({path!r}, weights="q8", prefix=False)

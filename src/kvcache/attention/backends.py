@@ -37,7 +37,7 @@ from kvcache.cache.prefetch import Prefetcher
 from kvcache.cache.qpool import QuantPool
 from kvcache.cache.sequence import SeqKV
 from kvcache.kernels.rotary import Rotary
-from kvcache.models.qweight import attn_block
+from kvcache.kernels.qweight import attn_block
 from kvcache.press.kvzip import replay_peaks
 
 

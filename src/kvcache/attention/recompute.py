@@ -20,7 +20,7 @@ import torch
 
 from kvcache import kernels
 from kvcache.attention.dense import attend_dense
-from kvcache.models.qweight import attn_block
+from kvcache.kernels.qweight import attn_block
 
 PAGE = 16  # slots per scratch page
 

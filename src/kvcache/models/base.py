@@ -54,7 +54,7 @@ class CausalLM(nn.Module):
 
     def weight_kinds(self) -> dict[str, int]:
         """Bytes per kind of weight: ``fp32`` and each quantized format name."""
-        from kvcache.models.qweight import QStack, QWeight
+        from kvcache.kernels.qweight import QStack, QWeight
 
         out: dict[str, int] = {}
         seen: set[int] = set()

@@ -21,7 +21,7 @@ import torch
 from kvcache.errors import ModelLoadError, UnsupportedArchitecture
 from kvcache.models.gguf_names import hf_config_from_meta, hf_tensor_name
 from kvcache.models.gguf_tensor import GGUFTensor
-from kvcache.models.qweight import FORMAT_OF
+from kvcache.kernels.qweight import FORMAT_OF
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "gpt2")
 

@@ -55,7 +55,7 @@ def pack_bias(b: torch.Tensor | None, packed: Any) -> nn.Parameter | None:
 
 def linear(x: torch.Tensor, w: Any, b: torch.Tensor | None = None) -> torch.Tensor:
     """x: [N, in] @ packed w: [k, in, part] (+ b: [k, 1, part]) -> [N, k * part]; or, for a
-    quantized weight (models/qweight.py, bias [out]), its int8 product -> [N, out].
+    quantized weight (kernels/qweight.py, bias [out]), its int8 product -> [N, out].
 
     Rows go to the native kernel (kernels/pgemm.c: every weight loaded once serves several rows;
     1.4-2.8x MKL's sgemm at 2-2048 rows on the reference machine) when it is there, one row too:
@@ -186,7 +186,7 @@ def mlp(x: torch.Tensor, gu_w: Any, gu_b: torch.Tensor | None, down_w: Any, down
         post_norm: torch.Tensor | None = None) -> None:
     """x [N, H] += post_norm(down(act(gate) * up)), [gate | up] = gate_up(rms_norm(x)) (the norm's
     weight folded into gate_up), in place. Quantized weights do it in one native call."""
-    from kvcache.models.qweight import fused_mlp
+    from kvcache.kernels.qweight import fused_mlp
 
     if fused_mlp(x, gu_w, down_w, act_kernel, eps, gu_b, down_b, post_norm, eps):
         return

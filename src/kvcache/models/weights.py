@@ -26,7 +26,7 @@ from torch import nn
 from kvcache.errors import InvalidParams
 from kvcache.models import repacked
 from kvcache.models.gguf_tensor import GGUFTensor, qtype
-from kvcache.models.qweight import GGML, Q4_F16, S8_F16, QStack, QWeight, common_format, kernels_available
+from kvcache.kernels.qweight import GGML, Q4_F16, S8_F16, QStack, QWeight, common_format, kernels_available
 
 MODES = ("file", "fp32", "q8", "q4")
 CHUNK_BYTES = 8 << 20  # rows of a GGUF tensor read and repacked at a time (bounds the load's peak)
