@@ -49,8 +49,9 @@ gemma: $(VENV)/.setup
 run: setup
 	$(BIN)/kvcache generate
 
+# two workers of one thread each (tests/conftest.py): half the suite waits on servers and processes
 test: setup-test
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n 2
 
 test-all: setup-test
 	$(BIN)/python -m pytest -q

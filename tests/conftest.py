@@ -16,7 +16,12 @@ pytest_plugins = ["redis_server"]  # the redis_url fixture
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n: each worker (and what it starts) one thread
+    os.environ.setdefault("KVCACHE_THREADS", "1")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 VOCAB = 160
 TEMPLATE = (
