@@ -48,3 +48,11 @@ def test_a_started_server_is_stopped_afterwards():
         assert url == f"http://127.0.0.1:{port}" and why == ""
     gone = subprocess.run(["pgrep", "-f", f"127.0.0.1', {port}"], capture_output=True)
     assert gone.returncode == 1  # no such process left
+
+
+def test_percentile_is_the_nearest_rank():
+    from kvcache.bench.report import percentile
+
+    assert percentile([], 0.5) is None
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert percentile([float(i) for i in range(100)], 0.99) == 98.0 and percentile([5.0], 0.99) == 5.0

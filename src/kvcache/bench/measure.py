@@ -1,5 +1,5 @@
 """What the kvcache side of several bench suites shares: prompts of exactly N tokens of English
-prose, the bytes and the label of the weights a step reads, a runner for a cache spec, and pools
+prose, distinct slices of it for the servers' load, the bytes and the label of the weights a step reads, a runner for a cache spec, and pools
 grown before timing so that no timed run pays a one-off resize.
 
 Imports nothing heavy at module level; a suite passes in the LLM it loaded.
@@ -15,6 +15,24 @@ if TYPE_CHECKING:
     from kvcache.engine.llm import LLM
     from kvcache.engine.runner import ModelRunner
     from kvcache.models.base import CausalLM
+
+
+def english_slices(model: str | None, count: int, tokens: int, skip: int = 4000) -> list[str]:
+    """``count`` distinct slices of the built-in English text, ``tokens`` tokens each by the model's
+    tokenizer, from token ``skip`` on (wrapping around): prompts that share no prefix."""
+    from kvcache.eval.fidelity import builtin_text
+    from kvcache.models.loading import resolve_model
+    from kvcache.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(resolve_model(model).path)
+    ids = tok.encode(builtin_text())
+    out, at = [], skip
+    for _ in range(count):
+        if at + tokens > len(ids):
+            at = 0
+        out.append(tok.decode(ids[at : at + tokens]))
+        at += tokens + 11
+    return out
 
 
 def english_prompt(llm: LLM, n: int, text: str | None = None) -> list[int]:

@@ -29,7 +29,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvcache.bench.report import cell, run_meta
+from kvcache.bench.measure import english_slices
+from kvcache.bench.report import cell, percentile, run_meta
 from kvcache.errors import InvalidParams
 
 SYSTEM_TOKENS = 256
@@ -56,36 +57,15 @@ class Case:
     note: str = ""
 
     def summary(self) -> dict[str, object]:
-        def pct(xs: list[float], q: float) -> float | None:
-            xs = sorted(xs)
-            return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else None
-
         return {"case": self.name, "replicas": self.replicas, "turns": len(self.ttft_s),
                 "hit_rate": self.cached / self.prompt if self.prompt else None,
-                "ttft_p50_s": pct(self.ttft_s, 0.5), "ttft_p99_s": pct(self.ttft_s, 0.99),
+                "ttft_p50_s": percentile(self.ttft_s, 0.5), "ttft_p99_s": percentile(self.ttft_s, 0.99),
                 "ttft_mean_s": statistics.fmean(self.ttft_s) if self.ttft_s else None,
-                "long_ttft_p50_s": pct(self.long_ttft_s, 0.5),
+                "long_ttft_p50_s": percentile(self.long_ttft_s, 0.5),
                 "doc_hit_rate": self.doc_cached / self.doc_prompt if self.doc_prompt else None,
-                "tpot_p50_ms": None if not self.tpot_s else pct(self.tpot_s, 0.5) * 1000,  # type: ignore[operator]
+                "tpot_p50_ms": None if not self.tpot_s else percentile(self.tpot_s, 0.5) * 1000,  # type: ignore[operator]
                 "tok_s": self.tokens / self.wall_s if self.wall_s else None, "wall_s": self.wall_s,
                 "errors": self.errors, "note": self.note}
-
-
-def _texts(model: str | None, count: int, tokens: int, skip: int = 0) -> list[str]:
-    """``count`` distinct slices of the built-in English text, about ``tokens`` tokens each."""
-    from kvcache.eval.fidelity import builtin_text
-    from kvcache.models.loading import resolve_model
-    from kvcache.models.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_dir(resolve_model(model).path)
-    ids = tok.encode(builtin_text())
-    out, at = [], 4000 + skip
-    for _ in range(count):
-        if at + tokens > len(ids):
-            at = 0
-        out.append(tok.decode(ids[at : at + tokens]))
-        at += tokens + 11
-    return out
 
 
 def _stream(url: str, messages: list[dict[str, str]], new: int, case: Case, lock: threading.Lock,
@@ -183,8 +163,8 @@ def run(args: argparse.Namespace) -> int:
     from kvcache.prefix.config import PrefixConfig
     from kvcache.server.replicas import ReplicaSpec, Topology, start, stop
 
-    systems = _texts(args.model, sessions, SYSTEM_TOKENS)
-    documents = _texts(args.model, 2 * max(1, m), LONG_TOKENS, skip=40000) if m else []
+    systems = english_slices(args.model, sessions, SYSTEM_TOKENS)
+    documents = english_slices(args.model, 2 * max(1, m), LONG_TOKENS, skip=44000) if m else []
     kv = parse_kv_spec(args.kv or "dynamic")
     weights = args.weights or "file"
     sched = SchedulerConfig(max_batch_tokens=256, max_running=max(8, sessions + len(documents)))

@@ -19,6 +19,14 @@ from pathlib import Path
 from typing import TextIO
 
 
+def percentile(xs: list[float], q: float) -> float | None:
+    """The ``q`` quantile of ``xs`` (nearest rank; None for no values)."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
 def cell(x: float | None, spec: str = ".1f") -> str:
     """A table cell: the number formatted by ``spec``, or ``-`` where there is none."""
     return "-" if x is None else format(x, spec)

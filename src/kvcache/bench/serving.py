@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from kvcache.bench.report import cell, run_meta
+from kvcache.bench.measure import english_slices
+from kvcache.bench.report import cell, percentile, run_meta
 from kvcache.errors import InvalidParams
 
 PROMPT_TOKENS = 256
@@ -51,34 +52,12 @@ class Level:
     note: str = ""
 
     def summary(self) -> dict[str, object]:
-        def pct(xs: list[float], q: float) -> float | None:
-            xs = sorted(xs)
-            return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else None
-
-        tpot = pct(self.tpot_s, 0.5)
+        tpot = percentile(self.tpot_s, 0.5)
         return {"system": self.system, "streams": self.streams, "requests": self.requests, "errors": self.errors,
                 "prompt_tokens": self.prompt_tokens, "new_tokens": self.tokens, "wall_s": self.wall_s or None,
                 "tok_s": self.tokens / self.wall_s if self.wall_s and self.tokens else None,
-                "ttft_p50_s": pct(self.ttft_s, 0.5), "ttft_p99_s": pct(self.ttft_s, 0.99),
+                "ttft_p50_s": percentile(self.ttft_s, 0.5), "ttft_p99_s": percentile(self.ttft_s, 0.99),
                 "tpot_p50_ms": None if tpot is None else tpot * 1000, "note": self.note}
-
-
-def prompts(model: str | None, count: int, tokens: int) -> list[str]:
-    """``count`` distinct slices of the built-in English text, ``tokens`` tokens each by the model's
-    tokenizer (the servers may add a BOS)."""
-    from kvcache.eval.fidelity import builtin_text
-    from kvcache.models.loading import resolve_model
-    from kvcache.models.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_dir(resolve_model(model).path)
-    ids = tok.encode(builtin_text())
-    out, at = [], 0
-    for _ in range(count):
-        if at + tokens > len(ids):
-            at = 0
-        out.append(tok.decode(ids[at : at + tokens]))
-        at += tokens + 13
-    return out
 
 
 def complete(url: str, prompt: str, new: int, level: Level | None, lock: threading.Lock) -> None:
@@ -220,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     if peers:
         where = check_bin(args.llama_cpp_bin)
         binary = tool(where, "llama-server") if where else None
-    texts = prompts(args.model, max(streams) * per_stream + 1, prompt)
+    texts = english_slices(args.model, max(streams) * per_stream + 1, prompt, skip=0)
     results: list[dict[str, object]] = []
     systems = [("kvcache", None)] + [(p, binary) for p in peers]
     for name, peer_bin in systems:

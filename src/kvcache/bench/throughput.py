@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from kvcache.bench.measure import weights_label
-from kvcache.bench.report import cell, run_meta
+from kvcache.bench.report import cell, percentile, run_meta
 from kvcache.cliargs import weights_list
 from kvcache.engine.llm import LLM
 from kvcache.engine.params import SamplingParams
@@ -49,17 +49,11 @@ class Result:
     weights: str = "fp32"  # how the weights were held (transformers: fp32)
 
     def summary(self) -> dict[str, object]:
-        def pct(xs: list[float], q: float) -> float | None:
-            if not xs:
-                return None
-            xs = sorted(xs)
-            return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
-
         return {"system": self.system, "weights": self.weights, "wall_s": self.wall_s or None, "new_tokens": self.new_tokens,
                 "tok_s": self.new_tokens / self.wall_s if self.wall_s else None,
-                "ttft_p50_s": pct(self.ttft_s, 0.5), "ttft_p99_s": pct(self.ttft_s, 0.99),
-                "tpot_p50_ms": None if not self.tpot_s else pct(self.tpot_s, 0.5) * 1000,  # type: ignore[operator]
-                "tpot_p99_ms": None if not self.tpot_s else pct(self.tpot_s, 0.99) * 1000,  # type: ignore[operator]
+                "ttft_p50_s": percentile(self.ttft_s, 0.5), "ttft_p99_s": percentile(self.ttft_s, 0.99),
+                "tpot_p50_ms": None if not self.tpot_s else percentile(self.tpot_s, 0.5) * 1000,  # type: ignore[operator]
+                "tpot_p99_ms": None if not self.tpot_s else percentile(self.tpot_s, 0.99) * 1000,  # type: ignore[operator]
                 "note": self.note}
 
 
