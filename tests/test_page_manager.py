@@ -99,6 +99,11 @@ def test_ask_reserves_or_refuses_with_nothing_taken(tiny_llm, tmp_path):
     runner.step([s1, s2], [[1, 2, 3], list(range(8))])  # the forward takes nothing more
     assert runner.stats().pages_used == asked and s1.kv.pending is None and s2.kv.pending is None
     runner.check_integrity()
+    child = runner.fork(s1)  # every page of s1 now has two holders
+    (st,) = pages.stats()
+    assert st["shared"] == len(s1.kv.tables[0]) and st["used"] + st["free"] == st["total"] == runner.stats().pages_total
+    runner.free(child)
+    assert pages.stats()[0]["shared"] == 0
     got = pages.ask([s2.kv], [4])
     used = runner.stats().pages_used
     got.cancel()  # the step did not run: its pages go back

@@ -16,7 +16,7 @@ The interface:
   ``share_tables`` (a fork), copy-on-write of shared partial pages, windows' dead pages;
 - per page: ``take(group, n)`` (fresh pages, reclaiming from the evictor and growing a dynamic pool
   first), ``share`` (one more reference), ``drop`` (one less), ``refcount``/``shared``;
-- counts and upkeep: ``free``, ``total``, ``used``, ``fit`` (a pool's first size under a budget),
+- counts and upkeep: ``stats``, ``free``, ``total``, ``used``, ``fit`` (a pool's first size under a budget),
   ``shrink`` (pages in use moved down, pools cut), ``check`` (the allocators' own consistency).
 
 Locking: none; called on the thread that owns the cache (the engine thread).
@@ -89,6 +89,12 @@ class PageManager:
     def shared(self, group: int, page: int) -> bool:
         """Whether ``page`` has more than one holder."""
         return self._allocs[group].refcount(page) > 1
+
+    def stats(self) -> list[dict[str, int]]:
+        """Per layer group: pages in the pool, with a holder, free, and with more than one holder
+        (shared by forks or by the prefix index and a sequence)."""
+        return [{"total": a.total, "used": a.num_referenced, "free": a.num_free,
+                 "shared": sum(1 for p in range(a.total) if a.refcount(p) > 1)} for a in self._allocs]
 
     def check(self, group: int) -> None:
         """The group's free list and reference counts agree (AssertionError otherwise)."""
