@@ -13,7 +13,12 @@ is no compiler, the build fails, or ``KVCACHE_NO_KERNELS=1``, callers fall back 
 path, which gives the same result (quantized weights then dequantize their rows in torch).
 
 Every exported function's signature is declared once, in signatures.py; loading a library sets
-the ctypes argument and result types of all its functions from there.
+the ctypes argument and result types of all its functions from there. qweight.py holds weights in
+the repacked formats (``QWeight``, ``QStack``) and the fused attention-half and MLP calls over them;
+rotary.py the RoPE tables every layer above shares.
+
+The lowest layer but the base (docs/architecture.md): it imports nothing of kvcache but errors and
+paths, and knows nothing of models, caches or requests.
 
 The wrappers check what they hand to C (dtype, contiguity, device, shapes) and return None when a
 kernel cannot take the inputs, so a caller never passes memory the kernel would misread.
