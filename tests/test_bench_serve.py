@@ -56,3 +56,26 @@ def test_percentile_is_the_nearest_rank():
     assert percentile([], 0.5) is None
     assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
     assert percentile([float(i) for i in range(100)], 0.99) == 98.0 and percentile([5.0], 0.99) == 5.0
+
+
+def test_the_load_generators_read_a_real_servers_streams():
+    """bench serve's completions and bench replicas' chat turns, against a real `kvcache serve`."""
+    import threading
+
+    from kvcache.bench.replicas import Case, _stream
+    from kvcache.bench.serving import Level, complete
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvcache", "serve", "--port", str(port), "--served-model-name", "default",
+           "--log-level", "warning", "--threads", "1"]
+    with server(cmd, port, "kvcache") as (url, why):
+        assert url is not None, why
+        lock, level = threading.Lock(), Level("kvcache", 1)
+        complete(url, "The capital of France is", 5, level, lock)
+        assert level.requests == 1 and level.errors == 0 and level.tokens == 5 and level.prompt_tokens > 0
+        assert len(level.ttft_s) == 1 and len(level.tpot_s) == 1
+        case = Case("chat", "1")
+        text = _stream(f"{url}/v1", [{"role": "user", "content": "Say hi."}], 4, case, lock)
+        assert text and case.errors == 0 and case.tokens == 4 and case.prompt > 0 and len(case.ttft_s) == 1
+        complete(f"{url}/nowhere", "x", 3, level, lock)  # a 404: counted as an error, not raised
+        assert level.errors == 1

@@ -71,32 +71,24 @@ class Case:
 def _stream(url: str, messages: list[dict[str, str]], new: int, case: Case, lock: threading.Lock,
             long: bool = False) -> str:
     """One streamed chat turn; returns its text and records its figures in ``case``."""
-    import urllib.error
-    import urllib.request
+    from kvcache.bench.serving import sse_events
 
     body = {"model": "default", "messages": messages, "max_tokens": new, "ignore_eos": True, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(f"{url}/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
     t0 = time.perf_counter()
     first = last = None
     text, usage, failed = [], None, False
     try:
-        with urllib.request.urlopen(req, timeout=600) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ev = json.loads(line[6:])
-                failed = failed or "error" in ev
-                usage = ev.get("usage") or usage
-                for ch in ev.get("choices", []):
-                    piece = ch.get("delta", {}).get("content")
-                    if piece:
-                        last = time.perf_counter()
-                        first = first or last
-                        text.append(piece)
-    except (OSError, urllib.error.HTTPError):
+        for ev in sse_events(f"{url}/chat/completions", body, 600):
+            failed = failed or "error" in ev
+            usage = ev.get("usage") or usage
+            for ch in ev.get("choices", []):
+                piece = ch.get("delta", {}).get("content")
+                if piece:
+                    last = time.perf_counter()
+                    first = first or last
+                    text.append(piece)
+    except (OSError, ValueError):
         failed = True
     with lock:
         case.errors += failed

@@ -60,29 +60,33 @@ class Level:
                 "tpot_p50_ms": None if tpot is None else tpot * 1000, "note": self.note}
 
 
+def sse_events(url: str, body: dict, timeout: float) -> Iterator[dict]:
+    """The JSON events of a streamed OpenAI response to ``body`` POSTed at ``url`` (its ``data:``
+    lines up to ``[DONE]``); a failed connection or a bad status raises OSError."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
 def complete(url: str, prompt: str, new: int, level: Level | None, lock: threading.Lock) -> None:
     """One streamed completion; its figures go into ``level`` (None: a warm-up, not counted)."""
     body = {"model": "default", "prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
     t0 = time.perf_counter()
     first = last = None
     chunks, usage, failed = 0, None, False
     try:
-        with urllib.request.urlopen(req, timeout=900) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ev = json.loads(line[6:])
-                failed = failed or "error" in ev
-                usage = ev.get("usage") or usage
-                if any(ch.get("text") for ch in ev.get("choices", [])):
-                    last = time.perf_counter()
-                    first = first or last
-                    chunks += 1
-    except (OSError, ValueError, urllib.error.HTTPError):
+        for ev in sse_events(f"{url}/v1/completions", body, 900):
+            failed = failed or "error" in ev
+            usage = ev.get("usage") or usage
+            if any(ch.get("text") for ch in ev.get("choices", [])):
+                last = time.perf_counter()
+                first = first or last
+                chunks += 1
+    except (OSError, ValueError):
         failed = True
     if level is None:
         return
