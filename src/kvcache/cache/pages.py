@@ -11,7 +11,7 @@ The interface:
 - for a step: ``ask(seqs, tokens)`` -> a ``Reservation`` (the pages for every sequence's new
   tokens are in their tables) or a ``Refusal`` (typed: ``full`` or ``context``; nothing was
   taken). The scheduler asks before a forward; the forward's plan then finds the pages there.
-  ``Reservation.cancel`` gives back what a step that did not run had taken;
+  ``cancel(seq)`` (or ``Reservation.cancel``) gives back what a step that did not run had taken;
 - per sequence: ``reserve`` (raising), ``release`` (free every page), ``truncate(seq, n)``,
   ``share_tables`` (a fork), copy-on-write of shared partial pages, windows' dead pages;
 - per page: ``take(group, n)`` (fresh pages, reclaiming from the evictor and growing a dynamic pool
@@ -53,18 +53,16 @@ class Refusal:
 
 @dataclass
 class Reservation:
-    """The pages one step took: each sequence's table lengths (per group) from before."""
+    """The pages one step asked for, in place in its sequences' tables (their ``pending`` says
+    where they start) until a forward commits them or ``cancel`` gives them back."""
 
     manager: "PageManager"
-    before: dict[int, tuple[SeqKV, list[int]]]  # seq_id -> (sequence, table lengths before)
+    seqs: list[SeqKV]
 
-    def cancel(self, seq: SeqKV | None = None) -> None:
-        """Give back what was taken for ``seq`` (every sequence when None) while no forward has
-        used it (a forward that ran committed it)."""
-        for sid in [seq.seq_id] if seq is not None else list(self.before):
-            got = self.before.pop(sid, None)
-            if got is not None and got[0].pending is not None:
-                self.manager.unreserve(*got)
+    def cancel(self) -> None:
+        """Give back what no forward has used (a forward that ran committed it)."""
+        for seq in self.seqs:
+            self.manager.cancel(seq)
 
 
 class PageManager:
@@ -162,8 +160,11 @@ class PageManager:
     # -- a step's pages ---------------------------------------------------------------------------
     def ask(self, seqs: Sequence[SeqKV], new_tokens: Sequence[int]) -> Reservation | Refusal:
         """The pages for ``new_tokens[i]`` more tokens of every ``seqs[i]``, or a Refusal (and
-        nothing taken). The forward that follows finds them in place (``reserve_all`` takes
-        nothing more and reports the tables from before the ask)."""
+        nothing taken). The forward that follows finds them in place: ``reserve_all`` takes
+        nothing more for a sequence with pages pending and reports its tables from before the ask.
+        Asking again before a forward first gives back what the earlier ask took."""
+        for seq in seqs:
+            self.cancel(seq)
         try:
             before = self.reserve_all(seqs, new_tokens)
         except CacheFull as e:
@@ -172,12 +173,17 @@ class PageManager:
             return Refusal("context", str(e))
         for seq, lens in zip(seqs, before):
             seq.pending = lens
-        return Reservation(self, {s.seq_id: (s, lens) for s, lens in zip(seqs, before)})
+        return Reservation(self, list(seqs))
 
     def commit(self, seqs: Sequence[SeqKV]) -> None:
         """A forward has written the new tokens into the pages asked for: nothing is pending."""
         for seq in seqs:
             seq.pending = None
+
+    def cancel(self, seq: SeqKV) -> None:
+        """Pages asked for a step that did not run go back (nothing when none are pending)."""
+        if seq.pending is not None:
+            self.unreserve(seq, seq.pending)
 
     def reserve(self, seq: SeqKV, new_tokens: int) -> None:
         """Give ``seq`` the pages for ``new_tokens`` more tokens (all groups, or none on overflow).
@@ -210,11 +216,13 @@ class PageManager:
     def reserve_all(self, seqs: Sequence[SeqKV], new_tokens: Sequence[int]) -> list[list[int]]:
         """``reserve`` for every sequence, or for none: if one fails, what the others got is given
         back (pages asked for earlier too). Returns each sequence's table lengths from before
-        (per group; from before the ask when its pages were asked for first)."""
+        (per group). A sequence whose pages were asked for (``ask``) has them: its lengths from
+        before the ask are returned and nothing is done again."""
         before = [seq.pending or [len(t) for t in seq.tables] for seq in seqs]
         try:
             for seq, n in zip(seqs, new_tokens):
-                self.reserve(seq, n)
+                if seq.pending is None:
+                    self.reserve(seq, n)
         except Exception:
             for seq, lens in zip(seqs, before):
                 self.unreserve(seq, lens)

@@ -114,8 +114,8 @@ class ModelRunner:
 
     def _unasked(self, seq: Seq) -> None:
         """Pages asked for a step that did not run go back."""
-        if self.cache is not None and seq.kv is not None and seq.kv.pending is not None:
-            self.cache.pages.unreserve(seq.kv, seq.kv.pending)
+        if self.cache is not None and seq.kv is not None:
+            self.cache.pages.cancel(seq.kv)
 
     def release(self, seq: Seq, salt: str | None = None) -> None:
         """A finished sequence: its pages go to the prefix index (when there is one), then it is
