@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from kvcache.engine.grammar import Constraint
 from kvcache.errors import InvalidParams
 
 
@@ -20,6 +21,14 @@ class SamplingParams:
     ``logprobs``: record each generated token's log-probability under the model (log-softmax of
     its logits, before temperature and filters) and that many of the most likely alternatives
     (0 to MAX_LOGPROBS); None records nothing.
+
+    ``logit_bias`` ({token id: bias in [-100, 100]}) is added to the logits; ``repetition_penalty``
+    (1 off) divides the positive logits of tokens seen in the prompt or the output and multiplies
+    the negative ones; ``frequency_penalty`` and ``presence_penalty`` (0 off, -2 to 2) subtract
+    count x frequency and presence once from the tokens of the output. ``min_tokens`` holds back
+    EOS and ``stop_token_ids`` until that many tokens are out; ``stop_token_ids`` end the text like
+    EOS (the token is not part of it). ``constraint`` (engine/grammar.py) makes the text follow a
+    JSON schema, a regex, a choice or a grammar. All of them apply to greedy decoding too.
     """
 
     max_tokens: int = 256
@@ -32,8 +41,16 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
+        self._convert()
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is None:
@@ -57,9 +74,63 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs!r}")
+        for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
+            v = getattr(self, name)
+            _check(_number(v) and lo <= v <= hi, f"{name} must be between {lo:g} and {hi:g}, got {v!r}")
+        _check(_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+               f"repetition_penalty must be in (0, 10] (1 is off), got {self.repetition_penalty!r}")
+        _check(_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be an integer between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
+        _check(len(self.stop_token_ids) <= MAX_STOP_IDS and all(_int(t) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be at most {MAX_STOP_IDS} token ids (integers >= 0)")
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, f"logit_bias has {len(self.logit_bias)} entries, over the "
+                                                        f"limit of {MAX_LOGIT_BIAS}")
+        for t, b in self.logit_bias:
+            _check(_int(t) and t >= 0, f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+            _check(_number(b) and -100.0 <= b <= 100.0, f"logit_bias values must be between -100 and 100, "
+                                                        f"got {b!r} for token {t}")
+        _check(self.constraint is None or isinstance(self.constraint, Constraint),
+               f"constraint must be a kvcache.engine.grammar.Constraint, got {type(self.constraint).__name__}")
+
+    def _convert(self) -> None:
+        """logit_bias from a dict (keys may be strings of ints, as JSON writes them), stop_token_ids
+        from a list: both kept as tuples (the parameters are frozen)."""
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            pairs = []
+            for k, v in bias.items():
+                try:
+                    tok = int(k) if isinstance(k, str) else k
+                except ValueError:
+                    raise InvalidParams(f"logit_bias keys must be token ids, got {k!r}") from None
+                pairs.append((tok, float(v) if _number(v) else v))
+            object.__setattr__(self, "logit_bias", tuple(pairs))
+        elif bias is None:
+            object.__setattr__(self, "logit_bias", ())
+        else:
+            object.__setattr__(self, "logit_bias", tuple(tuple(x) for x in bias))
+        ids = self.stop_token_ids
+        object.__setattr__(self, "stop_token_ids", () if ids is None else tuple(ids))
+
+    def check_vocab(self, vocab: int) -> None:
+        """Token ids in ``logit_bias`` and ``stop_token_ids`` within the model's vocabulary."""
+        bad = [t for t, _ in self.logit_bias if t >= vocab] + [t for t in self.stop_token_ids if t >= vocab]
+        if bad:
+            where = "logit_bias" if any(t == bad[0] for t, _ in self.logit_bias) else "stop_token_ids"
+            raise InvalidParams(f"{where}: token id {bad[0]} is outside the vocabulary (0 to {vocab - 1})")
 
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024
+MAX_STOP_IDS = 64
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+
+def _int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 class TokenLogprob(NamedTuple):

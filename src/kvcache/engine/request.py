@@ -23,7 +23,8 @@ from kvcache.errors import CacheFull, ContextOverflow, InvalidParams
 
 
 class Sample:
-    __slots__ = ("index", "seq", "feed", "tokens", "text", "gen", "reason", "logprobs", "lp_sent")
+    __slots__ = ("index", "seq", "feed", "tokens", "text", "gen", "reason", "logprobs", "lp_sent", "matcher",
+                 "counts", "seen")
 
     def __init__(self, index: int, text: TextTracker, gen: torch.Generator | None) -> None:
         self.index = index
@@ -35,20 +36,52 @@ class Sample:
         self.reason: str | None = None
         self.logprobs: list[TokenLogprob] = []  # one per token, when params.logprobs is set
         self.lp_sent = 0  # of those, how many went out with a Delta
+        self.matcher: Any = None  # the constraint's matcher, in the state after ``tokens`` (engine/grammar.py)
+        self.counts: torch.Tensor | None = None  # output token counts [V], for frequency/presence penalties
+        self.seen: torch.Tensor | None = None  # prompt and output tokens [V], for the repetition penalty
+
+    def start(self, params: SamplingParams, prompt_ids: list[int], vocab: int, matcher: Any = None) -> None:
+        """What the sampler needs from this sample's history, for the parameters that use it."""
+        from kvcache.engine.sampler import needs_counts, needs_seen
+
+        self.matcher = matcher
+        if needs_counts(params):
+            self.counts = torch.zeros(vocab, dtype=torch.float32)
+        if needs_seen(params):
+            self.seen = torch.zeros(vocab, dtype=torch.bool)
+            self.seen[torch.tensor(prompt_ids, dtype=torch.long).clamp_(0, vocab - 1)] = True
+
+    def fork_state(self, twin: "Sample") -> None:
+        """Give ``twin`` (a new sample of the same request, before any token) this one's state."""
+        twin.matcher = self.matcher.deep_copy() if self.matcher is not None else None
+        twin.counts = self.counts.clone() if self.counts is not None else None
+        twin.seen = self.seen.clone() if self.seen is not None else None
 
     def take(self, tok: int, entry: TokenLogprob | None, eos: set[int], params: SamplingParams, room: int) -> str:
         """Add a sampled token (and its log-probability entry, if asked for). The sample ends on
-        EOS (the token is dropped), a stop string, ``max_tokens``, or when ``room`` tokens (what
-        the context leaves after the prompt) are generated: prompt and completion together never
-        exceed the context. Returns the text now safe to stream."""
+        EOS or one of ``stop_token_ids`` (the token is dropped), a stop string, the end of its
+        constraint, ``max_tokens``, or when ``room`` tokens (what the context leaves after the
+        prompt) are generated: prompt and completion together never exceed the context. A
+        constrained sample cut by ``max_tokens`` ends with "length", never as complete text.
+        Returns the text now safe to stream."""
         self.tokens.append(tok)
         if entry is not None:
             self.logprobs.append(entry)
-        if tok in eos and not params.ignore_eos:
+        if self.counts is not None:
+            self.counts[tok] += 1
+        if self.seen is not None:
+            self.seen[tok] = True
+        grammar_end = False
+        if self.matcher is not None:
+            if not self.matcher.consume_token(tok):
+                raise InvalidParams(f"the constraint refused token {tok}: {self.matcher.get_error()}")
+            grammar_end = self.matcher.is_stopped()
+        if (tok in eos and not params.ignore_eos) or tok in params.stop_token_ids or (
+                grammar_end and tok in eos):
             self.tokens.pop()
             del self.logprobs[len(self.tokens) :]
             self.reason = "stop"
-        elif self.text.add(tok):
+        elif self.text.add(tok) or grammar_end:
             self.reason = "stop"
         elif len(self.tokens) >= params.max_tokens or len(self.tokens) >= room:
             self.reason = "length"

@@ -1,4 +1,17 @@
-"""Token selection: greedy, temperature, top-k, top-p, min-p, with per-sample seeded generators.
+"""Token selection for a step's rows at once: the grammar's mask, min_tokens, logit_bias, the
+repetition, frequency and presence penalties, then greedy or temperature, top-k, top-p, min-p, with
+per-sample seeded generators.
+
+Every per-request setting is a tensor over the rows that use it (``choose``): no Python loop runs
+over the vocabulary, and a row's result does not depend on the other rows (each row's reductions
+are its own), so a request picks the same token alone or in any batch.
+
+Order (vLLM's): the mask and min_tokens (disallowed tokens get -inf), logit_bias (added), the
+repetition penalty (transformers' and vLLM's: over the prompt's and the output's tokens, a positive
+logit divided by it, a negative one multiplied), the frequency and presence penalties (OpenAI's:
+``logit - count * frequency - (count > 0) * presence`` over the output's tokens); then greedy
+takes the argmax, or sampling divides by the temperature and applies top-k, top-p and min-p in
+transformers' order. Log-probabilities stay those of the model (``log_probs``: before any of this).
 
 Inputs are bounded here rather than trusted: a seed is reduced modulo 2^64 (sample i of a request
 uses seed + i, which may pass the top), and a temperature below ``GREEDY_BELOW`` picks greedily
@@ -7,12 +20,15 @@ uses seed + i, which may pass the top), and a temperature below ``GREEDY_BELOW``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvcache.engine.params import SamplingParams, TokenLogprob
 
 SEED_SPACE = 2**64  # torch generators take seeds in [0, 2^64)
 GREEDY_BELOW = 1e-6  # temperatures below this are greedy: sampling there differs from argmax only in ties
+NEG = float("-inf")
 
 
 def is_greedy(params: SamplingParams) -> bool:
@@ -31,32 +47,147 @@ def make_generator(params: SamplingParams, index: int) -> torch.Generator | None
     return g
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick one token from logits [V] (float32)."""
-    if is_greedy(params):
-        return int(torch.argmax(logits))
-    return int(torch.multinomial(distribution(logits, params), 1, generator=generator))
+@dataclass
+class Row:
+    """One sample's part of a step's choice.
+
+    ``n_out``: tokens it has generated; ``counts``: how often each token occurs in its output [V]
+    (float32; kept when frequency or presence penalties are asked for); ``seen``: the tokens of its
+    prompt and output [V] (bool; for the repetition penalty); ``mask``: its row in the step's
+    grammar masks, or None when it is free."""
+
+    params: SamplingParams
+    gen: torch.Generator | None = None
+    n_out: int = 0
+    counts: torch.Tensor | None = None
+    seen: torch.Tensor | None = None
+    mask: int | None = None
+
+
+def needs_counts(p: SamplingParams) -> bool:
+    return p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def needs_seen(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0
+
+
+def choose(logits: torch.Tensor, rows: list[Row], masks: torch.Tensor | None = None,
+           stop_ids: tuple[int, ...] = ()) -> list[int]:
+    """One token per row of ``logits`` [R, V]. ``masks``: the step's grammar masks [M, W] (int32
+    bitmasks, see engine/grammar.py), indexed by ``Row.mask``; ``stop_ids``: the end-of-sequence
+    tokens, held back (with each row's ``stop_token_ids``) until ``min_tokens`` are out."""
+    scores = adjust(logits, rows, masks, stop_ids)
+    out = [0] * len(rows)
+    greedy = [i for i, r in enumerate(rows) if is_greedy(r.params)]
+    if greedy:
+        picks = torch.argmax(scores[greedy] if len(greedy) < len(rows) else scores, dim=-1).tolist()
+        for i, t in zip(greedy, picks):
+            out[i] = int(t)
+    drawn = [i for i, r in enumerate(rows) if not is_greedy(r.params)]
+    if drawn:
+        probs = warp(scores[drawn], [rows[i].params for i in drawn])
+        for j, i in enumerate(drawn):
+            out[i] = int(torch.multinomial(probs[j], 1, generator=rows[i].gen))
+    return out
+
+
+def adjust(logits: torch.Tensor, rows: list[Row], masks: torch.Tensor | None = None,
+           stop_ids: tuple[int, ...] = ()) -> torch.Tensor:
+    """The logits [R, V] after masks, min_tokens, logit_bias and penalties (a copy when any applies)."""
+    scores = logits.float()
+    vocab = scores.shape[-1]
+    touched = False
+
+    def own() -> torch.Tensor:
+        nonlocal scores, touched
+        if not touched:
+            scores, touched = scores.clone(), True
+        return scores
+
+    masked = [i for i, r in enumerate(rows) if r.mask is not None]
+    if masked and masks is not None:
+        from kvcache.engine.grammar import unpack
+
+        allowed = unpack(masks[[rows[i].mask for i in masked]], vocab)  # type: ignore[misc]
+        s = own()
+        s[masked] = s[masked].masked_fill(~allowed, NEG)
+    held = [(i, tuple(stop_ids) + r.params.stop_token_ids) for i, r in enumerate(rows)
+            if r.n_out < r.params.min_tokens]
+    if held:
+        ri = [i for i, ids in held for _ in ids]
+        ti = [t for _, ids in held for t in ids]
+        if ri:
+            s = own()
+            before = s[[i for i, _ in held]].clone()
+            s[ri, ti] = NEG
+            # the grammar's end wins over min_tokens: a row left with no token keeps its stops
+            dead = torch.isinf(s[[i for i, _ in held]]).all(-1)
+            if bool(dead.any()):
+                for k in dead.nonzero().flatten().tolist():
+                    s[held[k][0]] = before[k]
+    biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+    if biased:
+        ri = [i for i, b in biased for _ in b]
+        ti = [t for _, b in biased for t, _ in b]
+        vals = torch.tensor([v for _, b in biased for _, v in b], dtype=torch.float32)
+        s = own()
+        s.index_put_((torch.tensor(ri), torch.tensor(ti)), vals, accumulate=True)
+    rep = [i for i, r in enumerate(rows) if needs_seen(r.params) and r.seen is not None]
+    if rep:
+        s = own()
+        pen = torch.tensor([rows[i].params.repetition_penalty for i in rep], dtype=torch.float32)[:, None]
+        seen = torch.stack([rows[i].seen for i in rep])  # type: ignore[misc]
+        x = s[rep]
+        s[rep] = torch.where(seen, torch.where(x < 0, x * pen, x / pen), x)
+    pf = [i for i, r in enumerate(rows) if needs_counts(r.params) and r.counts is not None]
+    if pf:
+        s = own()
+        freq = torch.tensor([rows[i].params.frequency_penalty for i in pf], dtype=torch.float32)[:, None]
+        pres = torch.tensor([rows[i].params.presence_penalty for i in pf], dtype=torch.float32)[:, None]
+        counts = torch.stack([rows[i].counts for i in pf])  # type: ignore[misc]
+        s[pf] = s[pf] - counts * freq - (counts > 0).float() * pres
+    return scores
+
+
+def warp(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The probabilities [R, V] tokens are drawn from: scores [R, V] divided by each row's
+    temperature, then top-k, top-p and min-p, in transformers' order (its logits warpers give the
+    same). A row whose setting is off is left as it is."""
+    vocab = scores.shape[-1]
+    temp = torch.tensor([max(p.temperature, GREEDY_BELOW) for p in params], dtype=torch.float32)[:, None]
+    scores = scores / temp
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    ps = [p.top_p for p in params]
+    if any(k < vocab for k in ks) or any(p < 1.0 for p in ps):
+        ranked, order = torch.sort(scores, dim=-1, descending=True)
+        if any(k < vocab for k in ks):
+            kth = ranked.gather(1, torch.tensor(ks)[:, None] - 1)
+            ranked = ranked.masked_fill(ranked < kth, NEG)
+        if any(p < 1.0 for p in ps):
+            probs = torch.softmax(ranked, -1)
+            # drop a token when the tokens ranked above it already reach top_p (rows with top_p 1 drop none)
+            top = torch.tensor([p if p < 1.0 else float("inf") for p in ps], dtype=torch.float32)[:, None]
+            ranked = ranked.masked_fill((torch.cumsum(probs, -1) - probs) >= top, NEG)
+        scores = torch.full_like(scores, NEG).scatter(1, order, ranked)
+    probs = torch.softmax(scores, -1)
+    mp = [i for i, p in enumerate(params) if p.min_p > 0.0]
+    if mp:  # keep p >= min_p * max p
+        sub = probs[mp]
+        floor = torch.tensor([params[i].min_p for i in mp], dtype=torch.float32)[:, None] * sub.max(-1, keepdim=True).values
+        sub = sub.masked_fill(sub < floor, 0.0)
+        probs[mp] = sub / sub.sum(-1, keepdim=True)
+    return probs
 
 
 def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The probabilities [V] a sampled token is drawn from: logits [V] divided by the temperature,
-    then top-k, top-p and min-p, in transformers' order (its logits warpers give the same)."""
-    scores = logits.float() / max(params.temperature, GREEDY_BELOW)
-    if params.top_k > 0 and params.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=True)
-        probs = torch.softmax(sorted_scores, -1)
-        # drop a token when the tokens ranked above it already reach top_p
-        drop = (torch.cumsum(probs, -1) - probs) >= params.top_p
-        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
-        scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
-    probs = torch.softmax(scores, -1)
-    if params.min_p > 0.0:  # keep p >= min_p * max p
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-        probs = probs / probs.sum()
-    return probs
+    """One row's sampling distribution [V] (``warp`` of logits [V])."""
+    return warp(logits.float()[None], [params])[0]
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick one token from logits [V] (float32) with no penalties or masks."""
+    return choose(logits[None], [Row(params, generator)])[0]
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:

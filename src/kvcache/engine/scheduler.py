@@ -34,13 +34,15 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvcache.engine import faults
 from kvcache.engine.request import Request, Sample, check_prompt, error_kind
+from kvcache.engine.grammar import Grammars, MaskWorker
 from kvcache.engine.runner import ModelRunner
-from kvcache.engine.sampler import log_probs, make_generator, sample, token_logprob
+from kvcache.engine.sampler import Row, choose, log_probs, make_generator, token_logprob
 from kvcache.engine.stops import TextTracker
 from kvcache.errors import CacheFull, InvalidParams, KVCacheError
 from kvcache.models.tokenizer import Tokenizer
@@ -72,9 +74,13 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: SchedulerConfig | None = None) -> None:
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: SchedulerConfig | None = None,
+                 grammars: Grammars | None = None) -> None:
         self.runner, self.tokenizer = runner, tokenizer
         self.config = config or SchedulerConfig()
+        self.vocab = runner.config.vocab_size
+        self.grammars = grammars or Grammars(tokenizer, self.vocab)
+        self._masks: MaskWorker | None = None  # started with the first constrained request
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.eos = set(tokenizer.eos_token_ids) | set(runner.config.eos_token_ids)
@@ -90,7 +96,11 @@ class Scheduler:
         req.arrival = next(self._arrivals)
         req.t_arrival = req.t_arrival or time.perf_counter()
         p = req.params
-        req.samples = [Sample(0, TextTracker(self.tokenizer, p.stop), make_generator(p, 0))]
+        p.check_vocab(self.vocab)
+        matcher = self.grammars.compile(p.constraint).matcher() if p.constraint is not None else None
+        first = Sample(0, TextTracker(self.tokenizer, p.stop), make_generator(p, 0))
+        first.start(p, req.prompt_ids, self.vocab, matcher)
+        req.samples = [first]
         self.waiting.append(req)
 
     def abort(self, request_id: str) -> bool:
@@ -120,27 +130,39 @@ class Scheduler:
         requests fails, each request's rows run again on their own, so the one at fault is found."""
         done: list[Request] = []
         self._admit(done)
-        batch, logits = self._forward(self._plan(), done)
+        plan = self._plan()
+        masks, mask_of = self._start_masks(plan)  # computed while the forward runs
+        batch, logits = self._forward(plan, done)
+        mask_rows = masks.result() if masks is not None else None
         if logits is None:
             return done
         self.steps += 1
+        ready: list[tuple[int, Item]] = []
         for row, item in enumerate(batch):
-            req, s, n = item.req, item.sample, item.n
-            if req.error is not None:  # failed while an earlier sample of it was sampled
+            if item.req.error is not None:
                 continue
-            del s.feed[:n]
-            if not s.feed:
-                try:
-                    self._sampled(req, s, logits[row])
-                except Exception as e:
-                    self._fail(req, e, done)
-                    continue
+            del item.sample.feed[: item.n]
+            if not item.sample.feed:
+                ready.append((row, item))
+        self._sample(ready, logits, mask_rows, mask_of, done)
+        for item in batch:
+            req = item.req
             if req.finished and req in self.running:
                 self.running.remove(req)
                 req.t_end = time.perf_counter()
                 done.append(req)
                 self._held_back = False
         return done
+
+    def _start_masks(self, plan: list[Item]) -> tuple[Any, dict[int, int]]:
+        """The grammar masks of the constrained samples that pick a token in this step, as a future
+        (None when there are none), and each such sample's row in them (by ``id``)."""
+        masked = [it.sample for it in plan if it.sample.matcher is not None and it.n == len(it.sample.feed)]
+        if not masked:
+            return None, {}
+        if self._masks is None:
+            self._masks = MaskWorker(self.grammars.words)
+        return self._masks.start([s.matcher for s in masked]), {id(s): i for i, s in enumerate(masked)}
 
     def _run(self, batch: list[Item]) -> torch.Tensor:
         """The step's pages are asked for first (a refusal raises here, before any forward), then
@@ -297,7 +319,56 @@ class Scheduler:
                     budget -= n
         return batch
 
-    def _sampled(self, req: Request, s: Sample, logits: torch.Tensor) -> None:
+    def _sample(self, ready: list[tuple[int, Item]], logits: torch.Tensor, masks: torch.Tensor | None,
+                mask_row: dict[int, int], done: list[Request]) -> None:
+        """Pick the next token of every sample whose feed is done, in one batched choice: a
+        request's first completed prefill forks its ``n`` samples first (shared pages, each with
+        its own copy of the matcher and penalty state). A failure fails its request alone."""
+        groups: list[tuple[Request, list[tuple[Sample, int, int | None]]]] = []
+        for row, item in ready:
+            req, s = item.req, item.sample
+            try:
+                m = mask_row.get(id(s))
+                if m is not None:
+                    _check_mask(s, masks[m])  # type: ignore[index]
+                group = [(x, row, m) for x in self._fork(req, s)]
+            except Exception as e:
+                self._fail(req, e, done)
+                continue
+            if groups and groups[-1][0] is req:
+                groups[-1][1].extend(group)
+            else:
+                groups.append((req, group))
+        if not groups:
+            return
+        try:
+            toks = self._choose(logits, groups, masks)
+        except Exception:  # find the request at fault: each on its own
+            toks = []
+            for req, group in groups:
+                try:
+                    toks += self._choose(logits, [(req, group)], masks)
+                except Exception as e:
+                    self._fail(req, e, done)
+                    toks += [None] * len(group)
+        at = 0
+        for req, group in groups:
+            picked, at = toks[at : at + len(group)], at + len(group)
+            if req.error is None:
+                try:
+                    self._took(req, group, picked, logits)
+                except Exception as e:
+                    self._fail(req, e, done)
+
+    def _choose(self, logits: torch.Tensor, groups: list[tuple[Request, list[tuple[Sample, int, int | None]]]],
+                masks: torch.Tensor | None) -> list[int | None]:
+        rows = [Row(req.params, x.gen, len(x.tokens), x.counts, x.seen, m) for req, group in groups
+                for x, _, m in group]
+        at = [r for _, group in groups for _, r, _ in group]
+        return list(choose(logits[at], rows, masks, tuple(self.eos)))
+
+    def _fork(self, req: Request, s: Sample) -> list[Sample]:
+        """``s`` and, when its prompt is now in and ``n`` > 1, its new twins."""
         p = req.params
         group = [s]
         if faults.ACTIVE:
@@ -308,18 +379,29 @@ class Scheduler:
             for i in range(1, p.n):
                 twin = Sample(i, TextTracker(self.tokenizer, p.stop), make_generator(p, i))
                 twin.seq = self.runner.fork(s.seq)  # type: ignore[arg-type]
+                s.fork_state(twin)
                 req.samples.append(twin)
                 group.append(twin)
         if not req.t_first:
             req.t_first = time.perf_counter()
-        lp = log_probs(logits) if p.logprobs is not None else None
+        return group
+
+    def _took(self, req: Request, group: list[tuple[Sample, int, int | None]], toks: list[int | None],
+              logits: torch.Tensor) -> None:
+        p = req.params
         room = self.runner.capacity - len(req.prompt_ids)
         ended = []
-        for x in group:
-            tok = sample(logits, p, x.gen)
-            piece = x.take(tok, token_logprob(lp, tok, p.logprobs or 0) if lp is not None else None, self.eos, p, room)
+        lps: dict[int, torch.Tensor] = {}
+        for (x, row, _), tok in zip(group, toks):
+            assert tok is not None
+            entry = None
+            if p.logprobs is not None:
+                if row not in lps:
+                    lps[row] = log_probs(logits[row])
+                entry = token_logprob(lps[row], tok, p.logprobs or 0)
+            piece = x.take(tok, entry, self.eos, p, room)
             if req.on_delta is not None and (piece or x.reason is not None):
-                req.on_delta(x.delta(piece, tok, lp is not None))
+                req.on_delta(x.delta(piece, tok, p.logprobs is not None))
             if x.reason is None:
                 x.feed = [tok]
             else:
@@ -375,6 +457,14 @@ class Scheduler:
         req.exception = error
         req.t_end = time.perf_counter()
         done.append(req)
+
+
+def _check_mask(s: Sample, mask: torch.Tensor) -> None:
+    """A constrained sample's matcher failed (a grammar past its limits) or allows no token."""
+    if s.matcher.is_error():
+        raise InvalidParams(f"the constraint failed: {' '.join(str(s.matcher.get_error()).split())[:300]}")
+    if not bool(mask.any()):
+        raise InvalidParams("the constraint allows no token after the text so far")
 
 
 def _kept(req: Request, s: Sample) -> bool:

@@ -1,0 +1,279 @@
+"""Structured outputs: a ``Constraint`` (a JSON schema, any JSON object, a regex, a list of choices,
+or a Lark / GBNF grammar) is compiled once per model and text, and each constrained sample carries
+its own matcher, which gives the tokens allowed next as a bitmask.
+
+The grammar engine is llguidance (PyPI, no dependencies). ``Grammars.compile`` builds the grammar
+once, checks it (a bad schema or grammar, one that matches no text, one over the size limits raises
+``InvalidParams`` naming the problem) and keeps it by the constraint's hash; every sample then
+starts from a copy of that first matcher, so a cached constraint costs a copy, not a compile.
+
+``MaskWorker`` computes the next token's masks for a step's constrained samples on a worker thread
+while the forward pass runs (llguidance releases the GIL while it computes a mask).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvcache.errors import InvalidParams
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "gbnf")
+MAX_CONSTRAINT_BYTES = 64 << 10  # a schema or grammar larger than this is refused
+MAX_CHOICES = 1024
+CACHE_SIZE = 256  # compiled constraints kept per model
+# JSON as json.dumps writes it: ", " and ": ", no other whitespace (a small model given free
+# whitespace may write newlines until max_tokens)
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a constrained sample's text must be. Build it with the class methods."""
+
+    kind: str
+    text: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidParams(f"unknown constraint kind {self.kind!r}: one of {', '.join(KINDS)}")
+        if not isinstance(self.text, str):
+            raise InvalidParams(f"a {self.kind} constraint must be text, got {type(self.text).__name__}")
+        size = len(self.text.encode())
+        if size > MAX_CONSTRAINT_BYTES:
+            raise InvalidParams(f"the {_noun(self.kind)} has {size} bytes, over the limit of {MAX_CONSTRAINT_BYTES}")
+
+    @classmethod
+    def json_schema(cls, schema: Any) -> "Constraint":
+        """Text that is JSON valid under ``schema`` (a dict, or its JSON text)."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise InvalidParams(f"the JSON schema is not valid JSON: {e.msg} at character {e.pos}") from None
+        if isinstance(schema, bool):
+            schema = {} if schema else {"not": {}}
+        if not isinstance(schema, dict):
+            raise InvalidParams(f"a JSON schema must be an object, got {type(schema).__name__}")
+        return cls("json_schema", json.dumps(schema, ensure_ascii=False))
+
+    @classmethod
+    def json_object(cls) -> "Constraint":
+        """Any JSON object (OpenAI's ``response_format: {"type": "json_object"}``)."""
+        return cls("json_object", "")
+
+    @classmethod
+    def regex(cls, pattern: str) -> "Constraint":
+        if not isinstance(pattern, str) or not pattern:
+            raise InvalidParams("a regex constraint must be a non-empty string")
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, choices: Any) -> "Constraint":
+        """Exactly one of ``choices`` (non-empty strings)."""
+        if (not isinstance(choices, (list, tuple)) or not choices
+                or not all(isinstance(c, str) and c for c in choices)):
+            raise InvalidParams("choices must be a non-empty list of non-empty strings")
+        if len(choices) > MAX_CHOICES:
+            raise InvalidParams(f"{len(choices)} choices, over the limit of {MAX_CHOICES}")
+        return cls("choice", json.dumps(list(choices), ensure_ascii=False))
+
+    @classmethod
+    def grammar(cls, text: str) -> "Constraint":
+        """A grammar: GBNF (llama.cpp's, rules written ``name ::= ...``) or Lark (llguidance's)."""
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidParams("a grammar must be a non-empty string")
+        return cls("gbnf" if "::=" in text else "lark", text)
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(f"{self.kind}\0{self.text}".encode()).hexdigest()
+
+    def source(self) -> str:
+        """The grammar llguidance reads."""
+        import llguidance
+
+        m = llguidance.LLMatcher
+        if self.kind == "json_schema":
+            return m.grammar_from_json_schema(self.text, defaults=JSON_OPTIONS)
+        if self.kind == "json_object":
+            return m.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if self.kind == "regex":
+            return m.grammar_from_regex(self.text)
+        if self.kind == "choice":
+            return m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(self.text)))
+        if self.kind == "gbnf":
+            try:
+                return m.grammar_from_lark(llguidance.gbnf_to_lark(self.text))
+            except Exception as e:  # the converter raises its own errors for bad GBNF
+                raise InvalidParams(f"the grammar is not valid GBNF: {_line(e)}") from None
+        return m.grammar_from_lark(self.text)
+
+
+def _noun(kind: str) -> str:
+    return {"json_schema": "JSON schema", "regex": "regex", "choice": "choice list"}.get(kind, "grammar")
+
+
+def _line(e: Exception) -> str:
+    return " ".join(str(e).split())[:300] or type(e).__name__
+
+
+class Compiled:
+    """A checked constraint: ``matcher()`` gives a fresh matcher at the start of the text."""
+
+    def __init__(self, constraint: Constraint, first: Any, compile_s: float) -> None:
+        self.constraint, self._first, self.compile_s = constraint, first, compile_s
+
+    def matcher(self) -> Any:
+        return self._first.deep_copy()
+
+
+class Grammars:
+    """Constraints compiled for one tokenizer and vocabulary (the model's logits width)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self._tokenizer_source, self.vocab_size = tokenizer, vocab_size
+        self._ll: Any = None
+        self._cache: OrderedDict[str, Compiled] = OrderedDict()
+        self._lock = threading.Lock()
+        self.compiles = 0  # constraints compiled (cache misses)
+        self.hits = 0
+
+    @property
+    def words(self) -> int:
+        """int32 words in one token mask."""
+        return (self.vocab_size + 31) // 32
+
+    def tokenizer(self) -> Any:
+        with self._lock:
+            if self._ll is None:
+                self._ll = _ll_tokenizer(self._tokenizer_source, self.vocab_size)
+            return self._ll
+
+    def compile(self, constraint: Constraint) -> Compiled:
+        """The checked constraint, compiled on first use (thread-safe; a miss compiles outside the lock)."""
+        key = constraint.key
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return hit
+        compiled = self._build(constraint)
+        with self._lock:
+            self._cache[key] = compiled
+            self.compiles += 1
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _build(self, constraint: Constraint) -> Compiled:
+        import time
+
+        import llguidance
+
+        tok = self.tokenizer()
+        t0 = time.perf_counter()
+        try:
+            source = constraint.source()
+        except InvalidParams:
+            raise
+        except Exception as e:
+            raise InvalidParams(f"the {_noun(constraint.kind)} cannot be used: {_line(e)}") from None
+        m = llguidance.LLMatcher(tok, source, log_level=0, limits=_limits())
+        if m.is_error():
+            raise InvalidParams(f"the {_noun(constraint.kind)} cannot be used: {_clean(m.get_error())}")
+        mask = torch.zeros(self.words, dtype=torch.int32)
+        m.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
+        if m.is_error():
+            raise InvalidParams(f"the {_noun(constraint.kind)} cannot be used: {_clean(m.get_error())}")
+        if not bool(mask.any()):
+            raise InvalidParams(f"the {_noun(constraint.kind)} matches no text: no token can start it")
+        return Compiled(constraint, m, time.perf_counter() - t0)
+
+    def stats(self) -> dict[str, int]:
+        return {"compiled": self.compiles, "cache_hits": self.hits, "cached": len(self._cache)}
+
+
+def _limits() -> Any:
+    import llguidance
+
+    # below llguidance's defaults for the grammar's size: a request may not make the engine spend
+    # seconds building one; lexer states bound the memory one grammar takes
+    return llguidance.LLParserLimits(max_grammar_size=200_000, max_lexer_states=100_000, verbose_errors=False)
+
+
+def _clean(error: str) -> str:
+    return " ".join(str(error).split())[:300]
+
+
+def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
+    """llguidance's view of the model's tokenizer (``kvcache.models.tokenizer.Tokenizer``)."""
+    import llguidance
+
+    backend = tokenizer.backend
+    try:
+        copy = type(backend).from_str(backend.to_str())
+        copy.no_padding()
+        copy.no_truncation()
+        source = copy.to_str()
+    except Exception:  # pragma: no cover - tokenizers objects all serialize
+        source = backend.to_str()
+    eos = list(tokenizer.eos_token_ids) or None
+    return llguidance.LLTokenizer(source, n_vocab=vocab_size, eos_token=eos)
+
+
+def unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int32 bitmasks [R, W] -> allowed [R, vocab] (bool): token t is bit t % 32 of word t // 32."""
+    bits = torch.arange(32, dtype=torch.int32)
+    allowed = (bitmask.unsqueeze(-1) >> bits) & 1
+    return allowed.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+class MaskWorker:
+    """Next-token masks for a step's constrained samples, computed on a worker thread while the
+    forward runs. ``start`` takes the matchers (each in the state after its last token) and returns
+    a future of their masks [len(matchers), W] (int32), row i for matcher i."""
+
+    def __init__(self, words: int, threads: int = 1) -> None:
+        self.words = words
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvcache-masks")
+        self._executor: Any = None
+        self._threads = threads
+        self.mask_s = 0.0  # time spent computing masks (on the worker)
+        self.masks = 0
+
+    def start(self, matchers: list[Any]) -> Future:
+        return self._pool.submit(self._compute, list(matchers))
+
+    def compute(self, matchers: list[Any]) -> torch.Tensor:
+        """The masks, on the calling thread."""
+        return self._compute(list(matchers))
+
+    def _compute(self, matchers: list[Any]) -> torch.Tensor:
+        import time
+
+        import llguidance
+
+        t0 = time.perf_counter()
+        out = torch.zeros(len(matchers), self.words, dtype=torch.int32)
+        if len(matchers) == 1:
+            matchers[0].unsafe_compute_mask_ptr(out.data_ptr(), self.words * 4)
+        elif matchers:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor(num_threads=self._threads)
+            self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], out.data_ptr(),
+                                                   self.words * 4, len(matchers))
+        self.mask_s += time.perf_counter() - t0
+        self.masks += len(matchers)
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
