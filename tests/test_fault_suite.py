@@ -87,7 +87,10 @@ def _hostile(model: str) -> list[tuple[bytes, int, str]]:
         (b'{"model": ' + m + b', "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}', 400,
          "must be a string"),
         (b'{"model": ' + m + b', "prompt": "t5", "tools": [{"type": "function"}]}', 400, "'tools'"),
-        (b'{"model": ' + m + b', "prompt": "t5", "logit_bias": {"5": 100}}', 400, "'logit_bias'"),
+        (b'{"model": ' + m + b', "prompt": "t5", "logit_bias": {"5": 1000}}', 400, "logit_bias values"),
+        (b'{"model": ' + m + b', "prompt": "t5", "response_format": {"type": "json_schema", "json_schema": '
+         b'{"name": "x", "schema": {"type": "nope"}}}}', 400, "not a valid JSON Schema"),
+        (b'{"model": ' + m + b', "prompt": "t5", "guided_regex": "(unclosed"}', 400, "regex"),
         (b'{"model": ' + m + b', "prompt": ' + json.dumps(["t5"] * 2000).encode() + b"}", 400, "--max-prompts"),
         (b'{"model": ' + m + b', "prompt": ' + json.dumps(["t5"] * 9).encode() + b', "n": 16}', 400, "--max-choices"),
         (b'{"model": ' + m + b', "prompt": "' + b"t5 " * 400_000 + b'"}', 413, "--max-request-bytes"),

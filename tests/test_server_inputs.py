@@ -53,19 +53,24 @@ def test_hostile_bodies_get_400_naming_the_problem(server, body, words, param):
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
     ({"best_of": 3}, "best_of"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"suffix": " the end"}, "suffix"),
-    ({"tool_choice": "auto", "presence_penalty": 1}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"prediction": {"type": "content", "content": "t5"}}, "prediction"),
+    ({"audio": {"voice": "alloy"}}, "audio"),
 ])
 def test_unsupported_parameters_are_named_not_ignored(server, extra, param):
     body = {"model": _model(server), "prompt": "t5 t6", "max_tokens": 2, **extra}
     code, err = server.post("/v1/completions", json.dumps(body).encode())
     assert code == 400 and err["error"]["param"] == param and err["error"]["code"] == "unsupported_parameter"
     assert repr(param) in err["error"]["message"]
+
+
+def test_tools_on_completions_are_refused_by_name(server):
+    body = {"model": _model(server), "prompt": "t5 t6", "max_tokens": 2,
+            "tools": [{"type": "function", "function": {"name": "f"}}]}
+    code, err = server.post("/v1/completions", json.dumps(body).encode())
+    assert code == 400 and err["error"]["param"] == "tools" and "/v1/chat/completions" in err["error"]["message"]
 
 
 def test_parameters_at_their_off_values_are_accepted(server):

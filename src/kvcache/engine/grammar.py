@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -111,7 +112,9 @@ class Constraint:
             return m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(self.text)))
         if self.kind == "gbnf":
             try:
-                return m.grammar_from_lark(llguidance.gbnf_to_lark(self.text))
+                from llguidance.gbnf_to_lark import gbnf_to_lark
+
+                return m.grammar_from_lark(gbnf_to_lark(self.text))
             except Exception as e:  # the converter raises its own errors for bad GBNF
                 raise InvalidParams(f"the grammar is not valid GBNF: {_line(e)}") from None
         return m.grammar_from_lark(self.text)
@@ -145,16 +148,32 @@ class Grammars:
         self._lock = threading.Lock()
         self.compiles = 0  # constraints compiled (cache misses)
         self.hits = 0
+        self._worker: MaskWorker | None = None
+
+    def worker(self) -> MaskWorker:
+        """The thread that computes masks beside the forward (one per model, started on first use)."""
+        with self._lock:
+            if self._worker is None:
+                self._worker = MaskWorker(self.words)
+            return self._worker
 
     @property
     def words(self) -> int:
         """int32 words in one token mask."""
         return (self.vocab_size + 31) // 32
 
-    def tokenizer(self) -> Any:
+    def tokenizer(self, what: str = "a constraint") -> Any:
+        """llguidance's tokenizer (built once); a tokenizer it cannot read (a WordPiece one) makes
+        every constraint an InvalidParams naming that."""
         with self._lock:
             if self._ll is None:
-                self._ll = _ll_tokenizer(self._tokenizer_source, self.vocab_size)
+                try:
+                    self._ll = _ll_tokenizer(self._tokenizer_source, self.vocab_size)
+                except Exception as e:  # llguidance's ValueError for a decoder it does not know
+                    self._ll = e
+            if isinstance(self._ll, Exception):
+                raise InvalidParams(f"{what} cannot be used with this model: the grammar engine cannot read its "
+                                    f"tokenizer ({_line(self._ll)})")
             return self._ll
 
     def compile(self, constraint: Constraint) -> Compiled:
@@ -179,15 +198,15 @@ class Grammars:
 
         import llguidance
 
-        tok = self.tokenizer()
+        tok = self.tokenizer(f"the {_noun(constraint.kind)}")
         t0 = time.perf_counter()
         try:
             source = constraint.source()
+            m = llguidance.LLMatcher(tok, source, log_level=0, limits=_limits())
         except InvalidParams:
             raise
-        except Exception as e:
+        except Exception as e:  # llguidance raises ValueError for some bad inputs, and others
             raise InvalidParams(f"the {_noun(constraint.kind)} cannot be used: {_line(e)}") from None
-        m = llguidance.LLMatcher(tok, source, log_level=0, limits=_limits())
         if m.is_error():
             raise InvalidParams(f"the {_noun(constraint.kind)} cannot be used: {_clean(m.get_error())}")
         mask = torch.zeros(self.words, dtype=torch.int32)
@@ -200,6 +219,20 @@ class Grammars:
 
     def stats(self) -> dict[str, int]:
         return {"compiled": self.compiles, "cache_hits": self.hits, "cached": len(self._cache)}
+
+
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def grammars_for(tokenizer: Any, vocab_size: int) -> Grammars:
+    """The one ``Grammars`` of a tokenizer object and vocabulary: every scheduler of a model (one
+    per ``LLM.generate`` call, the server's) shares its compiled constraints."""
+    with _SHARED_LOCK:
+        per = _SHARED.setdefault(tokenizer, {})
+        if vocab_size not in per:
+            per[vocab_size] = Grammars(tokenizer, vocab_size)
+        return per[vocab_size]
 
 
 def _limits() -> Any:

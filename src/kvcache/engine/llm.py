@@ -26,6 +26,7 @@ from kvcache.prefix.config import PrefixConfig, parse_prefix
 from kvcache.press.kvzip import replay_prompt
 
 if TYPE_CHECKING:
+    from kvcache.engine.grammar import Grammars
     from kvcache.engine.scheduler import SchedulerConfig
     from kvcache.engine.session import ChatSession
 
@@ -237,6 +238,13 @@ class LLM:
         return ChatSession(self, system=system, salt=salt)
 
     # -- inspection ----------------------------------------------------------------------------
+    @property
+    def grammars(self) -> Grammars:
+        """This model's compiled constraints (shared by every scheduler over it)."""
+        from kvcache.engine.grammar import grammars_for
+
+        return grammars_for(self.tokenizer, self.config.vocab_size)
+
     def kv_stats(self) -> CacheStats | None:
         """Memory accounting of the KV cache (None for the ``none`` strategy)."""
         return self.runner.stats()

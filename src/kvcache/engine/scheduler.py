@@ -40,7 +40,7 @@ import torch
 
 from kvcache.engine import faults
 from kvcache.engine.request import Request, Sample, check_prompt, error_kind
-from kvcache.engine.grammar import Grammars, MaskWorker
+from kvcache.engine.grammar import Grammars, grammars_for
 from kvcache.engine.runner import ModelRunner
 from kvcache.engine.sampler import Row, choose, log_probs, make_generator, token_logprob
 from kvcache.engine.stops import TextTracker
@@ -79,8 +79,7 @@ class Scheduler:
         self.runner, self.tokenizer = runner, tokenizer
         self.config = config or SchedulerConfig()
         self.vocab = runner.config.vocab_size
-        self.grammars = grammars or Grammars(tokenizer, self.vocab)
-        self._masks: MaskWorker | None = None  # started with the first constrained request
+        self.grammars = grammars or grammars_for(tokenizer, self.vocab)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.eos = set(tokenizer.eos_token_ids) | set(runner.config.eos_token_ids)
@@ -160,9 +159,7 @@ class Scheduler:
         masked = [it.sample for it in plan if it.sample.matcher is not None and it.n == len(it.sample.feed)]
         if not masked:
             return None, {}
-        if self._masks is None:
-            self._masks = MaskWorker(self.grammars.words)
-        return self._masks.start([s.matcher for s in masked]), {id(s): i for i, s in enumerate(masked)}
+        return self.grammars.worker().start([s.matcher for s in masked]), {id(s): i for i, s in enumerate(masked)}
 
     def _run(self, batch: list[Item]) -> torch.Tensor:
         """The step's pages are asked for first (a refusal raises here, before any forward), then

@@ -65,7 +65,9 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra: object) -> str:
+        """The conversation as the model's template writes it; ``extra``: more variables for the
+        template (``tools`` for a template that renders them)."""
         if not self.chat_template:
             raise InvalidParams("this model has no chat template: pass plain text, without --chat")
         if self._template is None:
@@ -76,7 +78,7 @@ class Tokenizer:
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(self.chat_template)
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the templated conversation (the template writes any BOS itself)."""

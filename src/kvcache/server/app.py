@@ -22,7 +22,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvcache.engine.grammar import Constraint
 from kvcache.engine.llm import LLM
+from kvcache.engine.params import SamplingParams
 from kvcache.engine.loop import EngineLoop
 from kvcache.engine.request import Request
 from kvcache.engine.scheduler import Scheduler, SchedulerConfig
@@ -37,6 +39,7 @@ from kvcache.server.protocol import ApiError, ChatRequest, CompletionRequest, er
 from kvcache.server.responses import chat_response, completion_response
 from kvcache.server.streams import DISCONNECT_POLL_S, collect, exception_reply, sse, stream_chat, stream_completion
 from kvcache.server.tokens import encode_messages, encode_text
+from kvcache.server.tools import check_messages, check_tools, render, tool_grammar
 
 __all__ = ["ApiError", "DISCONNECT_POLL_S", "ServerState", "build_app"]
 
@@ -44,7 +47,7 @@ __all__ = ["ApiError", "DISCONNECT_POLL_S", "ServerState", "build_app"]
 class ServerState:
     def __init__(self, llm: LLM, model_name: str, auth: Auth, scheduler: SchedulerConfig, limits: Limits) -> None:
         self.llm, self.model_name, self.auth, self.limits = llm, model_name, auth, limits
-        self.sched = Scheduler(llm.runner, llm.tokenizer, scheduler)
+        self.sched = Scheduler(llm.runner, llm.tokenizer, scheduler, llm.grammars)
         self.engine = EngineLoop(self.sched)
         self.metrics = Metrics()
         self.text_of = TokenText(llm.tokenizer)
@@ -162,7 +165,9 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
         _check_model(state, body.model)
         prompts = _prompts(body.prompt)
         check_limits(state.limits, len(prompts), body.n, body.stop)
+        _no_tools(raw)
         params = body.sampling(16)
+        await _check_params(state, params)
         ids = await asyncio.to_thread(lambda: [_encode(state, p) for p in prompts])
         reqs = [_request(state, i, body, params, caller, p if isinstance(p, str) else None, "prompt")
                 for i, p in zip(ids, prompts)]
@@ -183,19 +188,28 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
         body = ChatRequest.model_validate(raw)
         _check_model(state, body.model)
         check_limits(state.limits, 1, body.n, body.stop)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            ids = await asyncio.to_thread(encode_messages, llm, messages)  # template and tokens off the event loop
+        spec = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        messages = [m.as_dict() for m in body.messages]
+        check_messages(messages)
+        messages, extra = render(messages, spec, llm.tokenizer.chat_template)
+        forced = tool_grammar(spec) if spec is not None else None
+        if forced is not None and body.constraint() is not None:
+            raise ApiError(400, f"tool_choice {body.tool_choice!r} forces a tool call: it cannot be combined with "
+                                "response_format or guided_*", param="tool_choice")
+        try:  # template and tokens off the event loop
+            ids = await asyncio.to_thread(encode_messages, llm, messages, extra)
         except KVCacheError as e:
             raise ApiError(400, str(e), param="messages") from None
         room = max(1, llm.runner.capacity - len(ids))
         body.max_tokens = body.max_completion_tokens or body.max_tokens
-        req = _request(state, ids, body, body.sampling(min(1024, room)), caller, None, "messages")
+        params = body.sampling(min(1024, room), Constraint("lark", forced) if forced is not None else None)
+        await _check_params(state, params, "tool_choice" if forced is not None else None)
+        req = _request(state, ids, body, params, caller, None, "messages")
         rid = new_id("chatcmpl")
         if body.stream:
-            return sse(stream_chat(state, http, rid, body, req), ignored)
+            return sse(stream_chat(state, http, rid, body, req, spec), ignored)
         (done,) = await collect(state, http, [req], "messages")
-        return chat_response(rid, state.model_name, done, state.text_of)
+        return chat_response(rid, state.model_name, done, state.text_of, spec)
 
     return app
 
@@ -205,6 +219,34 @@ def _check_model(state: ServerState, model: str) -> None:
     if model != state.model_name:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
                        param="model", code="model_not_found")
+
+
+def _no_tools(raw: Any) -> None:
+    """Tools are called from a conversation: /v1/completions refuses them by name."""
+    for name, off in (("tools", (None, [])), ("tool_choice", (None, "none")), ("parallel_tool_calls", (None,))):
+        if isinstance(raw, dict) and raw.get(name, None) not in off:
+            raise ApiError(400, f"'{name}' works with /v1/chat/completions only: a completion has no conversation "
+                                "to call tools from", param=name)
+
+
+async def _check_params(state: ServerState, params: SamplingParams, source: str | None = None) -> None:
+    """Token ids within the vocabulary and the constraint compiled (once per schema or grammar,
+    on a worker thread) before any work is queued: a bad one gets 400 naming it."""
+    try:
+        params.check_vocab(state.llm.config.vocab_size)
+    except KVCacheError as e:
+        raise ApiError(400, str(e), param=str(e).split(":", 1)[0]) from None
+    if params.constraint is None:
+        return
+    try:
+        await asyncio.to_thread(state.llm.grammars.compile, params.constraint)
+    except KVCacheError as e:
+        raise ApiError(400, str(e), param=source or _constraint_field(params.constraint)) from None
+
+
+def _constraint_field(c: Constraint) -> str:
+    return {"json_schema": "response_format", "json_object": "response_format", "regex": "guided_regex",
+            "choice": "guided_choice"}.get(c.kind, "guided_grammar")
 
 
 def _prompts(prompt: Any) -> list[Any]:

@@ -156,13 +156,11 @@ def _check_str(s: str, where: str) -> None:
 
 
 # parameter -> the values that mean "not used" (anything else is refused: kvcache does not do it)
+# (audio and other modalities: a text model has none; functions/function_call: OpenAI's deprecated
+# form of tools, which are taken; suffix: insertion, which no chat or base model here is trained for)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "parallel_tool_calls": (None, False, True), "response_format": (None, {"type": "text"}),
-    "logit_bias": (None, {}), "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "audio": (None,),
-    "modalities": (None, ["text"]), "prediction": (None,), "guided_json": (None,), "guided_regex": (None,),
-    "guided_choice": (None,), "guided_grammar": (None,),
+    "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "audio": (None,),
+    "modalities": (None, ["text"]), "prediction": (None,),
 }
 
 

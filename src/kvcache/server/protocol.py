@@ -8,7 +8,9 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
+from kvcache.engine.grammar import Constraint
 from kvcache.engine.params import MAX_LOGPROBS, SamplingParams
+from kvcache.errors import InvalidParams
 
 MAX_N = 16
 
@@ -44,12 +46,79 @@ class _Common(BaseModel):
     # kvcache: higher is admitted first under --policy priority; only admin keys may set it
     priority: StrictInt = Field(default=0, ge=-(2**31), le=2**31 - 1)
     ignore_eos: bool = False  # kvcache (vLLM's name): generate max_tokens whatever the model says
+    logit_bias: Optional[dict[str, float]] = None  # OpenAI's: token id (as a string) -> bias in [-100, 100]
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)  # vLLM's: 1 is off
+    min_tokens: StrictInt = Field(default=0, ge=0)  # vLLM's: EOS and stop_token_ids held back until then
+    stop_token_ids: Optional[list[StrictInt]] = None  # vLLM's
+    # structured outputs: OpenAI's response_format, or vLLM's guided_* (one of them)
+    response_format: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[dict[str, Any], StrictStr]] = None
+    guided_regex: Optional[StrictStr] = None
+    guided_choice: Optional[list[StrictStr]] = None
+    guided_grammar: Optional[StrictStr] = None
 
-    def sampling(self, default_max: int) -> SamplingParams:
+    def sampling(self, default_max: int, constraint: Constraint | None = None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(max_tokens=self.max_tokens or default_max, temperature=self.temperature,
-                              top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=stop, n=self.n, ignore_eos=self.ignore_eos,
-                              logprobs=self.logprob_count())
+        try:
+            return SamplingParams(
+                max_tokens=self.max_tokens or default_max, temperature=self.temperature, top_p=self.top_p,
+                top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=stop, n=self.n, ignore_eos=self.ignore_eos,
+                logprobs=self.logprob_count(), logit_bias=self.logit_bias or {},
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
+                stop_token_ids=tuple(self.stop_token_ids or ()), constraint=constraint or self.constraint())
+        except InvalidParams as e:
+            raise ApiError(400, str(e), param=_param_of(str(e))) from None
+
+    def constraint(self) -> Constraint | None:
+        """The structured output asked for: at most one of response_format (json_object or
+        json_schema) and guided_json / guided_regex / guided_choice / guided_grammar."""
+        asked = {k: v for k, v in (("response_format", self._response_format()), ("guided_json", self.guided_json),
+                                   ("guided_regex", self.guided_regex), ("guided_choice", self.guided_choice),
+                                   ("guided_grammar", self.guided_grammar)) if v is not None}
+        if len(asked) > 1:
+            raise ApiError(400, f"{' and '.join(asked)} both constrain the output: give one of them",
+                           param=list(asked)[1])
+        if not asked:
+            return None
+        (name, value), = asked.items()
+        try:
+            if name == "response_format":
+                return value  # type: ignore[no-any-return]
+            if name == "guided_json":
+                return Constraint.json_schema(_checked_schema(value, name))
+            if name == "guided_regex":
+                return Constraint.regex(value)
+            if name == "guided_choice":
+                return Constraint.choice(value)
+            return Constraint.grammar(value)
+        except InvalidParams as e:
+            raise ApiError(400, f"{name}: {e}", param=name) from None
+
+    def _response_format(self) -> Constraint | None:
+        rf = self.response_format
+        if rf is None:
+            return None
+        kind = rf.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return Constraint.json_object()
+        if kind != "json_schema":
+            raise ApiError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                           param="response_format.type")
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise ApiError(400, "response_format.json_schema must be an object with a 'schema'",
+                           param="response_format.json_schema")
+        schema = js.get("schema", {})  # OpenAI's default: any JSON
+        try:
+            return Constraint.json_schema(_checked_schema(schema, "response_format.json_schema.schema"))
+        except InvalidParams as e:
+            raise ApiError(400, f"response_format.json_schema.schema: {e}",
+                           param="response_format.json_schema.schema") from None
 
     def logprob_count(self) -> int | None:
         """How many alternatives per token to report (None: no log-probabilities)."""
@@ -80,6 +149,9 @@ class Message(BaseModel):
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[StrictStr, list[TextPart], None] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's calls (checked in server/tools.py)
+    tool_call_id: Optional[StrictStr] = None  # a tool message: the call it answers
+    name: Optional[StrictStr] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -100,12 +172,26 @@ class Message(BaseModel):
             return "".join(p.text for p in self.content)
         return self.content or ""
 
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the chat template and the tool renderer read it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls is not None:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: Optional[list[Any]] = None  # checked in server/tools.py
+    tool_choice: Optional[Union[StrictStr, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[StrictBool] = None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> "ChatRequest":
@@ -115,6 +201,34 @@ class ChatRequest(_Common):
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def _checked_schema(schema: Any, where: str) -> Any:
+    """A JSON schema the jsonschema library accepts (400 naming the first problem otherwise)."""
+    import json
+
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ApiError(400, f"{where} is not valid JSON: {e.msg} at character {e.pos}", param=where) from None
+    if not isinstance(schema, (dict, bool)):
+        raise ApiError(400, f"{where} must be a JSON object, got {type(schema).__name__}", param=where)
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        path = "/".join(str(p) for p in e.path)
+        raise ApiError(400, f"{where} is not a valid JSON Schema: {e.message}" + (f" (at {path})" if path else ""),
+                       param=where) from None
+    return schema
+
+
+def _param_of(message: str) -> str | None:
+    """The parameter a SamplingParams error names (its first word), for the error body."""
+    word = message.split(" ", 1)[0].rstrip(":")
+    return word if word.replace("_", "").isalpha() else None
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

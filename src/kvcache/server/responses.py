@@ -7,6 +7,7 @@ from typing import Any
 from kvcache.engine.request import Request
 from kvcache.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from kvcache.server.protocol import now, usage
+from kvcache.server.tools import ToolSpec, parse_output
 
 
 def _usage(reqs: list[Request]) -> dict[str, Any]:
@@ -34,11 +35,23 @@ def completion_response(rid: str, model: str, reqs: list[Request], echoes: list[
             "usage": _usage(reqs)}
 
 
-def chat_response(rid: str, model: str, r: Request, text_of: TokenText) -> dict[str, Any]:
+def chat_response(rid: str, model: str, r: Request, text_of: TokenText,
+                  tools: ToolSpec | None = None) -> dict[str, Any]:
+    """With ``tools``, calls in a choice's text become its ``message.tool_calls`` (finish_reason
+    "tool_calls"); the rest of the text stays its content."""
     want = r.params.logprobs is not None
-    choices = [{"index": s.index, "message": {"role": "assistant", "content": s.text.text},
-                "logprobs": chat_logprobs(text_of, s.logprobs) if want else None,
-                "finish_reason": s.reason or "length"} for s in r.samples]
+    choices = []
+    for s in r.samples:
+        message: dict[str, Any] = {"role": "assistant", "content": s.text.text}
+        reason = s.reason or "length"
+        if tools is not None:
+            content, calls = parse_output(s.text.text, tools)
+            if calls:
+                message = {"role": "assistant", "content": content,
+                           "tool_calls": [c.as_openai() for c in calls]}
+                reason = "tool_calls" if reason == "stop" else reason
+        choices.append({"index": s.index, "message": message,
+                        "logprobs": chat_logprobs(text_of, s.logprobs) if want else None, "finish_reason": reason})
     return {"id": rid, "object": "chat.completion", "created": now(), "model": model, "choices": choices,
             "usage": _usage([r])}
 
@@ -49,9 +62,11 @@ def completion_chunk(rid: str, model: str, index: int, text: str, finish: str | 
             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
 
-def chat_chunk(rid: str, model: str, index: int, text: str, finish: str | None, first: bool,
-               logprobs: dict | None = None) -> dict[str, Any]:
-    delta: dict[str, Any] = {"content": text}
+def chat_chunk(rid: str, model: str, index: int, text: str | None, finish: str | None, first: bool,
+               logprobs: dict | None = None, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    delta: dict[str, Any] = {"content": text} if text is not None or tool_calls is None else {}
+    if tool_calls is not None:
+        delta["tool_calls"] = tool_calls
     if first:
         delta["role"] = "assistant"
     return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model,

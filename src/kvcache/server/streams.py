@@ -19,6 +19,7 @@ from kvcache.engine.request import Request, error_kind
 from kvcache.server.logprobs import chat_logprobs, completion_logprobs
 from kvcache.server.protocol import ApiError, ChatRequest, CompletionRequest
 from kvcache.server.responses import chat_chunk, completion_chunk, usage_chunk
+from kvcache.server.tools import ToolStream, ToolSpec
 
 if TYPE_CHECKING:
     from kvcache.server.app import ServerState
@@ -103,6 +104,23 @@ async def collect(state: "ServerState", http: HttpRequest, reqs: list[Request], 
     return [done[i] for i in range(len(reqs))]
 
 
+def _tool_chunks(rid: str, model: str, index: int, events: list[tuple], first: bool,
+                 lps: dict | None) -> list[dict[str, Any]]:
+    """One chunk per ToolStream event: content text, a call's header, or a piece of its arguments."""
+    out = []
+    for ev in events:
+        if ev[0] == "content":
+            out.append(chat_chunk(rid, model, index, ev[1], None, first, lps))
+        elif ev[0] == "call":
+            call = {"index": ev[1], "id": ev[2], "type": "function", "function": {"name": ev[3], "arguments": ""}}
+            out.append(chat_chunk(rid, model, index, None, None, first, lps, [call]))
+        else:
+            out.append(chat_chunk(rid, model, index, None, None, first, lps,
+                                  [{"index": ev[1], "function": {"arguments": ev[2]}}]))
+        first, lps = False, None
+    return out
+
+
 def sse(events: AsyncIterator[dict[str, Any]], headers: dict[str, str] | None = None) -> StreamingResponse:
     async def gen() -> AsyncIterator[bytes]:
         async for ev in events:
@@ -134,10 +152,15 @@ async def stream_completion(state: "ServerState", http: HttpRequest, rid: str, b
         yield usage_chunk(rid, model, "text_completion", ended)
 
 
-async def stream_chat(state: "ServerState", http: HttpRequest, rid: str, body: ChatRequest,
-                      req: Request) -> AsyncIterator[dict[str, Any]]:
+async def stream_chat(state: "ServerState", http: HttpRequest, rid: str, body: ChatRequest, req: Request,
+                      tools: ToolSpec | None = None) -> AsyncIterator[dict[str, Any]]:
+    """With ``tools``, each choice's text goes through a ToolStream: content as it comes, calls as
+    OpenAI streams them (``delta.tool_calls``: index, id and name first, then argument pieces)."""
     started: set[int] = set()
     ended: list[Request] = []
+    parsers: dict[int, ToolStream] = {}
+    called: set[int] = set()
+    model = state.model_name
     async for _, item in run(state, http, [req]):
         if isinstance(item, Request):
             if item.error:
@@ -147,6 +170,20 @@ async def stream_chat(state: "ServerState", http: HttpRequest, rid: str, body: C
         first = item.index not in started
         started.add(item.index)
         lps = chat_logprobs(state.text_of, item.logprobs) if item.logprobs is not None else None
-        yield chat_chunk(rid, state.model_name, item.index, item.text, item.finish_reason, first, lps)
+        if tools is None:
+            yield chat_chunk(rid, model, item.index, item.text, item.finish_reason, first, lps)
+            continue
+        parser = parsers.setdefault(item.index, ToolStream(tools))
+        events = parser.feed(item.text) + (parser.finish() if item.finish_reason is not None else [])
+        for chunk in _tool_chunks(rid, model, item.index, events, first, lps):
+            yield chunk
+            first, lps = False, None
+        if any(e[0] == "call" for e in events):
+            called.add(item.index)
+        if item.finish_reason is not None:
+            reason = "tool_calls" if item.index in called and item.finish_reason == "stop" else item.finish_reason
+            yield chat_chunk(rid, model, item.index, None if item.index in called else "", reason, first, lps)
+        elif first or lps is not None:  # the role (and log-probabilities) go out even before text does
+            yield chat_chunk(rid, model, item.index, "", None, first, lps)
     if body.stream_options and body.stream_options.include_usage:
         yield usage_chunk(rid, state.model_name, "chat.completion.chunk", ended)

@@ -17,7 +17,8 @@ def encode_text(llm: LLM, text: str) -> list[int]:
     return list(llm.tokenizer.backend.encode_batch([text], add_special_tokens=True)[0].ids)
 
 
-def encode_messages(llm: LLM, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a templated conversation, as ``llm.encode(messages)``."""
-    text = llm.tokenizer.apply_chat_template(messages)
+def encode_messages(llm: LLM, messages: list[dict], extra: dict | None = None) -> list[int]:
+    """Token ids of a templated conversation, as ``llm.encode(messages)``; ``extra``: more of the
+    template's variables (``tools``)."""
+    text = llm.tokenizer.apply_chat_template(messages, **(extra or {}))
     return list(llm.tokenizer.backend.encode_batch([text], add_special_tokens=False)[0].ids)

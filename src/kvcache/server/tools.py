@@ -1,0 +1,622 @@
+"""OpenAI tool calling as pure functions: request checks, prompt rendering, a forcing grammar, output parsing.
+
+- ``check_tools``: validates ``tools``, ``tool_choice`` and ``parallel_tool_calls`` into a ``ToolSpec``
+  (None when no tool can be called: no tools, or ``tool_choice: "none"``).
+- ``check_messages``: validates the tool fields of chat messages (``tool_calls`` on assistant messages,
+  ``tool_call_id`` on tool messages).
+- ``render``: the messages and template arguments for the chat template. A template that knows tools
+  (it names a ``tools`` variable) gets them as ``tools=[...]`` and the messages in Hugging Face's shape;
+  any other template gets the default format, described in ``tools_prompt``: a system turn listing the
+  tools, calls written as ``<tool_call>`` blocks and results as ``<tool_response>`` blocks in user turns.
+- ``tool_grammar``: for ``tool_choice`` "required" or a named function, a grammar in llguidance's Lark
+  dialect that admits only ``<tool_call>`` blocks of the allowed functions with schema-valid arguments.
+- ``ToolStream`` and ``parse_output``: model output text into content and calls, incrementally (for
+  streaming) or at once; ``parse_output`` is exactly what the stream's events add up to.
+
+Every refusal is an ``ApiError(400, ...)`` with one line naming the problem and ``param`` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from kvcache.server.protocol import ApiError
+
+MAX_TOOLS = 128
+MAX_SCHEMA_BYTES = 64 << 10  # a function's parameters schema, as JSON
+NAME_RE = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+CHOICES = ("none", "auto", "required")
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# forced calls are written as json.dumps writes them by default (the format the prompts show)
+# keywords whose value maps names to schemas, and keywords whose value is data rather than a schema
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+VALUE_KEYWORDS = ("const", "enum", "default", "examples", "required", "dependentRequired")
+JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+Event = tuple[str, str] | tuple[str, int, str, str] | tuple[str, int, str]
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """The tools a request offers and how the model may use them."""
+
+    tools: tuple[dict, ...]  # the "function" objects: {"name", "description"?, "parameters"?, "strict"?}
+    choice: str  # "auto" | "required" | "named"
+    name: str | None  # the forced function for choice "named"
+    parallel: bool
+
+    def names(self) -> frozenset[str]:
+        return frozenset(f["name"] for f in self.tools)
+
+
+def bad(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+# --- request checks -----------------------------------------------------------------------------
+
+
+def check_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> ToolSpec | None:
+    """The validated tool request; None when no tool can be called (no tools, or tool_choice "none")."""
+    functions = _check_tool_list(tools)
+    parallel = _check_parallel(parallel_tool_calls)
+    choice, name = _check_choice(tool_choice, functions)
+    if not functions or choice == "none":
+        return None
+    return ToolSpec(tools=functions, choice=choice, name=name, parallel=parallel)
+
+
+def _check_tool_list(tools: Any) -> tuple[dict, ...]:
+    if tools is None:
+        return ()
+    if not isinstance(tools, list):
+        raise bad("tools", f"tools must be a list, got {type(tools).__name__}")
+    if len(tools) > MAX_TOOLS:
+        raise bad("tools", f"tools holds {len(tools)} tools; at most {MAX_TOOLS} are allowed")
+    functions = tuple(_check_tool(i, t) for i, t in enumerate(tools))
+    seen: set[str] = set()
+    for i, f in enumerate(functions):
+        if f["name"] in seen:
+            raise bad(f"tools.{i}.function.name", f"tools.{i}.function.name {f['name']!r} is used by an earlier tool")
+        seen.add(f["name"])
+    return functions
+
+
+def _check_tool(i: int, tool: Any) -> dict:
+    where = f"tools.{i}"
+    if not isinstance(tool, dict):
+        raise bad(where, f"{where} must be an object, got {type(tool).__name__}")
+    if tool.get("type") != "function":
+        raise bad(f"{where}.type", f"{where}.type must be 'function', got {tool.get('type')!r}")
+    fn = tool.get("function")
+    if not isinstance(fn, dict):
+        raise bad(f"{where}.function", f"{where}.function must be an object, got {type(fn).__name__}")
+    return _check_function(f"{where}.function", fn)
+
+
+def _check_function(where: str, fn: dict) -> dict:
+    name = fn.get("name")
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise bad(f"{where}.name", f"{where}.name must match ^[a-zA-Z0-9_-]{{1,64}}$, got {name!r}")
+    out: dict[str, Any] = {"name": name}
+    if fn.get("description") is not None:
+        if not isinstance(fn["description"], str):
+            raise bad(f"{where}.description", f"{where}.description must be a string")
+        out["description"] = fn["description"]
+    if fn.get("parameters") is not None:
+        out["parameters"] = _check_parameters(f"{where}.parameters", fn["parameters"])
+    if fn.get("strict") is not None:
+        if not isinstance(fn["strict"], bool):
+            raise bad(f"{where}.strict", f"{where}.strict must be a boolean")
+        out["strict"] = fn["strict"]
+    return out
+
+
+def _check_parameters(where: str, schema: Any) -> dict:
+    if not isinstance(schema, dict):
+        raise bad(where, f"{where} must be a JSON Schema object, got {type(schema).__name__}")
+    size = len(json.dumps(schema, ensure_ascii=False).encode())
+    if size > MAX_SCHEMA_BYTES:
+        raise bad(where, f"{where} is {size} bytes as JSON; at most {MAX_SCHEMA_BYTES} are allowed")
+    if schema.get("type", "object") != "object":
+        raise bad(where, f"{where} must describe an object (type 'object'), got type {schema.get('type')!r}")
+    problem = schema_problem(schema)
+    if problem:
+        raise bad(where, f"{where} is not a valid JSON Schema: {problem}")
+    return schema
+
+
+def schema_problem(schema: dict) -> str | None:
+    """Why ``jsonschema`` refuses the schema, on one line; None when it accepts it."""
+    from jsonschema.exceptions import SchemaError
+    from jsonschema.validators import Draft202012Validator, validator_for
+
+    try:
+        validator_for(schema, default=Draft202012Validator).check_schema(schema)
+    except SchemaError as e:
+        path = "/".join(str(p) for p in e.absolute_path)
+        return " ".join(f"{e.message}{f' (at /{path})' if path else ''}".split())
+    except RecursionError:
+        return "it is nested too deeply"
+    return None
+
+
+def _check_parallel(value: Any) -> bool:
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise bad("parallel_tool_calls", f"parallel_tool_calls must be a boolean, got {type(value).__name__}")
+    return value
+
+
+def _check_choice(choice: Any, functions: tuple[dict, ...]) -> tuple[str, str | None]:
+    if choice is None:
+        return "auto", None
+    if isinstance(choice, str):
+        if choice not in CHOICES:
+            raise bad("tool_choice", f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice!r}")
+        if choice == "required" and not functions:
+            raise bad("tool_choice", "tool_choice 'required' needs tools")
+        return choice, None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(choice.get("function"), dict):
+        raise bad("tool_choice", 'tool_choice must be a string or {"type": "function", "function": {"name": ...}}')
+    name = choice["function"].get("name")
+    if not isinstance(name, str):
+        raise bad("tool_choice.function.name", "tool_choice.function.name must be a string")
+    if not functions:
+        raise bad("tool_choice", f"tool_choice names function {name!r} but no tools are given")
+    if name not in {f["name"] for f in functions}:
+        raise bad("tool_choice.function.name", f"tool_choice.function.name {name!r} is not one of the tools")
+    return "named", name
+
+
+def check_messages(messages: list[dict]) -> None:
+    """400 naming ``messages.<i>.<field>`` for a message whose role, content or tool fields are malformed."""
+    if not isinstance(messages, list):
+        raise bad("messages", f"messages must be a list, got {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        _check_message(f"messages.{i}", m)
+
+
+def _check_message(where: str, m: Any) -> None:
+    if not isinstance(m, dict):
+        raise bad(where, f"{where} must be an object, got {type(m).__name__}")
+    role = m.get("role")
+    if role not in ROLES:
+        raise bad(f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}")
+    _check_content(f"{where}.content", m.get("content"))
+    if m.get("tool_calls") is not None:
+        if role != "assistant":
+            raise bad(f"{where}.tool_calls", f"{where}.tool_calls is allowed on assistant messages only")
+        _check_calls(f"{where}.tool_calls", m["tool_calls"])
+    call_id = m.get("tool_call_id")
+    if role == "tool" and (not isinstance(call_id, str) or not call_id):
+        raise bad(f"{where}.tool_call_id", f"{where}.tool_call_id must be a non-empty string on a tool message")
+    if role != "tool" and call_id is not None:
+        raise bad(f"{where}.tool_call_id", f"{where}.tool_call_id is allowed on tool messages only")
+
+
+def _check_content(where: str, content: Any) -> None:
+    if content is None or isinstance(content, str):
+        return
+    if isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
+        return
+    raise bad(where, f"{where} must be a string, null or a list of text parts")
+
+
+def _check_calls(where: str, calls: Any) -> None:
+    if not isinstance(calls, list):
+        raise bad(where, f"{where} must be a list, got {type(calls).__name__}")
+    for j, call in enumerate(calls):
+        _check_call(f"{where}.{j}", call)
+
+
+def _check_call(where: str, call: Any) -> None:
+    if not isinstance(call, dict):
+        raise bad(where, f"{where} must be an object, got {type(call).__name__}")
+    if not isinstance(call.get("id"), str) or not call["id"]:
+        raise bad(f"{where}.id", f"{where}.id must be a non-empty string")
+    if call.get("type", "function") != "function":
+        raise bad(f"{where}.type", f"{where}.type must be 'function', got {call.get('type')!r}")
+    fn = call.get("function")
+    if not isinstance(fn, dict):
+        raise bad(f"{where}.function", f"{where}.function must be an object")
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise bad(f"{where}.function.name", f"{where}.function.name must be a non-empty string")
+    args = fn.get("arguments")
+    if not isinstance(args, str):
+        raise bad(f"{where}.function.arguments", f"{where}.function.arguments must be a string of JSON")
+    if not isinstance(_json_object(args), dict):
+        raise bad(f"{where}.function.arguments", f"{where}.function.arguments is not a JSON object")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _json_object(text: str) -> dict | None:
+    """The JSON object ``text`` holds (strict JSON: no NaN or Infinity), or None."""
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+# --- rendering ----------------------------------------------------------------------------------
+
+
+def template_knows_tools(template: str | None) -> bool:
+    """Whether a chat template renders tools itself (it names a ``tools`` variable)."""
+    return bool(template) and "tools" in template
+
+
+def render(messages: list[dict], spec: ToolSpec | None, template: str | None) -> tuple[list[dict], dict]:
+    """The messages to hand the chat template, and extra keyword arguments for its render.
+
+    A template that knows tools gets ``tools=[{"type": "function", "function": f}, ...]`` and messages in
+    Hugging Face's shape (tool call arguments as dicts). Any other template gets messages of ``role``
+    and ``content`` only, in the default format: see ``tools_prompt`` and ``calls_text``. The messages
+    must have passed ``check_messages``.
+    """
+    if template_knows_tools(template):
+        kwargs = {"tools": [{"type": "function", "function": f} for f in spec.tools]} if spec else {}
+        return _hf_messages(messages), kwargs
+    out = _default_messages(messages)
+    return (_with_tools_prompt(out, tools_prompt(spec)) if spec else out), {}
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(p["text"] for p in content)
+    return content or ""
+
+
+def _call_args(call: dict) -> dict:
+    return _json_object(call["function"]["arguments"]) or {}
+
+
+def _hf_messages(messages: list[dict]) -> list[dict]:
+    names: dict[str, str] = {}  # tool call id -> function name, for the tool messages that answer them
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") or []
+        msg: dict[str, Any] = {"role": m["role"], "content": _text(m.get("content"))}
+        if m["role"] == "assistant" and calls:
+            msg["content"] = _text(m["content"]) if m.get("content") is not None else None
+            msg["tool_calls"] = [{"id": c["id"], "type": "function",
+                                  "function": {"name": c["function"]["name"], "arguments": _call_args(c)}}
+                                 for c in calls]
+            names.update((c["id"], c["function"]["name"]) for c in calls)
+        if m["role"] == "tool":
+            msg["tool_call_id"] = m["tool_call_id"]
+            if m["tool_call_id"] in names:
+                msg["name"] = names[m["tool_call_id"]]
+        out.append(msg)
+    return out
+
+
+def _default_messages(messages: list[dict]) -> list[dict]:
+    out: list[dict] = []
+    last_was_tool = False
+    for m in messages:
+        if m["role"] == "tool":
+            block = f"<tool_response>\n{_text(m.get('content'))}\n</tool_response>"
+            if last_was_tool:
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block})
+            last_was_tool = True
+            continue
+        content = _text(m.get("content"))
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = calls_text([(c["function"]["name"], _call_args(c)) for c in m["tool_calls"]])
+            content = f"{content}\n{calls}" if content else calls
+        out.append({"role": m["role"], "content": content})
+        last_was_tool = False
+    return out
+
+
+def calls_text(calls: list[tuple[str, dict]]) -> str:
+    """Calls in the default format: one ``<tool_call>`` block each, a newline between blocks."""
+    return "\n".join(_block(name, args) for name, args in calls)
+
+
+def _block(name: str, args: dict) -> str:
+    return f"{OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{CLOSE}"
+
+
+def _with_tools_prompt(messages: list[dict], prompt: str) -> list[dict]:
+    for i, m in enumerate(messages):
+        if m["role"] in ("system", "developer"):
+            merged = f"{m['content']}\n\n{prompt}" if m["content"] else prompt
+            return [*messages[:i], {"role": m["role"], "content": merged}, *messages[i + 1:]]
+    return [{"role": "system", "content": prompt}, *messages]
+
+
+def tools_prompt(spec: ToolSpec) -> str:
+    """The default system text offering the tools. Its shape, for two tools and tool_choice "auto"::
+
+        # Tools
+
+        You can call these functions, each given as JSON within <tools></tools> tags:
+        <tools>
+        {"type": "function", "function": {"name": "get_weather", "description": ..., "parameters": {...}}}
+        {"type": "function", "function": {"name": "get_time", ...}}
+        </tools>
+
+        To call a function, write exactly this, with nothing else on those lines:
+        <tool_call>
+        {"name": "<function name>", "arguments": {<arguments as JSON>}}
+        </tool_call>
+        Call a function only when it helps; otherwise answer directly.
+        To call several functions, write one <tool_call> block after another.
+        Results come back in <tool_response></tool_response> tags.
+
+    "required" says "You must call at least one function." (or "exactly one" without parallel calls),
+    a named choice says 'You must call the function "<name>".', and without parallel calls the line
+    on several calls reads "Call at most one function at a time."
+    """
+    listing = [json.dumps({"type": "function", "function": f}, ensure_ascii=False) for f in spec.tools]
+    return "\n".join([
+        "# Tools", "",
+        "You can call these functions, each given as JSON within <tools></tools> tags:",
+        "<tools>", *listing, "</tools>", "",
+        "To call a function, write exactly this, with nothing else on those lines:",
+        OPEN, '{"name": "<function name>", "arguments": {<arguments as JSON>}}', CLOSE,
+        _choice_line(spec),
+        "To call several functions, write one <tool_call> block after another." if spec.parallel
+        else "Call at most one function at a time.",
+        "Results come back in <tool_response></tool_response> tags.",
+    ])
+
+
+def _choice_line(spec: ToolSpec) -> str:
+    if spec.choice == "named":
+        return f'You must call the function "{spec.name}".'
+    if spec.choice == "required":
+        return "You must call at least one function." if spec.parallel else "You must call exactly one function."
+    return "Call a function only when it helps; otherwise answer directly."
+
+
+# --- the forcing grammar ------------------------------------------------------------------------
+
+
+def tool_grammar(spec: ToolSpec) -> str | None:
+    """For "required" or a named function: a Lark grammar (llguidance's dialect) admitting only calls.
+
+    The output is one ``<tool_call>`` block (one or more, a newline apart, when calls may be parallel)
+    whose JSON is ``{"name": <an allowed function>, "arguments": <an object its parameters admit>}``,
+    written with json.dumps's default separators. None for "auto".
+    """
+    if spec.choice == "auto":
+        return None
+    allowed = [f for f in spec.tools if spec.choice == "required" or f["name"] == spec.name]
+    if len(allowed) == 1:
+        schema = _call_schema(allowed[0], "#/properties/arguments")
+    else:
+        schema = {"anyOf": [_call_schema(f, f"#/anyOf/{i}/properties/arguments") for i, f in enumerate(allowed)]}
+    schema["x-guidance"] = JSON_FORMAT
+    start = 'start: block ("\\n" block)*' if spec.parallel else "start: block"
+    return "\n".join([start, f'block: "{OPEN}\\n" call "\\n{CLOSE}"',
+                      f"call: %json {json.dumps(schema, ensure_ascii=False)}", ""])
+
+
+def _call_schema(fn: dict, at: str) -> dict:
+    """The schema of one call of ``fn``; its parameters sit at JSON pointer ``at``, where local $refs now point."""
+    params = _rebase_refs(fn.get("parameters") or {"type": "object"}, at)
+    return {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _rebase_refs(schema: Any, at: str) -> Any:
+    """A copy of a schema whose local references (``#...``) resolve from pointer ``at`` instead of the root."""
+    if isinstance(schema, list):
+        return [_rebase_refs(s, at) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in ("$ref", "$dynamicRef") and isinstance(v, str) and v.startswith("#"):
+            out[k] = at + v[1:]
+        elif k in SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: _rebase_refs(s, at) for name, s in v.items()}
+        elif k in VALUE_KEYWORDS:
+            out[k] = v
+        else:
+            out[k] = _rebase_refs(v, at)
+    return out
+
+
+# --- parsing the output -------------------------------------------------------------------------
+
+
+@dataclass
+class ToolCall:
+    id: str  # "call_" + 24 hex characters
+    name: str
+    arguments: str  # JSON text
+
+    def as_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def read_call(value: Any, names: frozenset[str]) -> tuple[str, str] | None:
+    """(name, compact JSON arguments) of a call object naming a known function; None when it is not one.
+
+    ``arguments`` may be an object or a JSON string holding one; ``parameters`` is its alias; a call
+    with neither takes no arguments.
+    """
+    if not isinstance(value, dict) or value.get("name") not in names:
+        return None
+    args = value.get("arguments", value.get("parameters", {}))
+    if isinstance(args, str):
+        args = _json_object(args)
+    if not isinstance(args, dict):
+        return None
+    return value["name"], json.dumps(args, ensure_ascii=False)
+
+
+def _bare_calls(text: str, names: frozenset[str]) -> list[tuple[str, str]] | None:
+    """The calls of an output that is, whole, one bare JSON call object or a list of them; else None."""
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        return None
+    items = value if isinstance(value, list) else [value]
+    calls = [read_call(v, names) for v in items]
+    if not calls or any(c is None for c in calls):
+        return None
+    return [c for c in calls if c is not None]
+
+
+def _block_call(body: str, names: frozenset[str]) -> tuple[str, str] | None:
+    try:
+        value = json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        return None
+    return read_call(value, names)
+
+
+def _partial_tag(text: str) -> int:
+    """Length of the longest end of ``text`` that could begin the opening tag."""
+    for n in range(min(len(text), len(OPEN) - 1), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolStream:
+    """Incremental parser of model output text into events, for streaming.
+
+    Events: ``("content", text)``, then for each call ``("call", index, id, name)`` followed by one or more
+    ``("args", index, fragment)`` whose fragments join into the arguments' JSON.
+
+    Content is given out as soon as it cannot begin a ``<tool_call>`` tag, except that a stretch of
+    whitespace only is held until it is known whether it merely separates calls (then it is dropped).
+    A ``<tool_call>`` block is given out when it closes (or at the end, unclosed), as a call when its JSON
+    names a known function and as content, untouched, otherwise. An output starting (after whitespace)
+    with ``{`` or ``[`` is held to the end: it may be, whole, a bare JSON call or a list of calls.
+    """
+
+    def __init__(self, spec: ToolSpec) -> None:
+        self.names = spec.names()
+        self._buf = ""
+        self._mode = "start"  # "start" | "bare" | "text" | "block"
+        self._scan = 0  # in a block, where the search for its closing tag resumes
+        self._ws = ""  # whitespace held at the start of the current stretch of content
+        self._has_text = False  # the current stretch of content holds more than whitespace
+        self._after_call = False  # the current stretch began right after a call
+        self._count = 0
+        self._finished = False
+
+    def feed(self, text: str) -> list[Event]:
+        if self._finished:
+            raise RuntimeError("ToolStream.feed after finish")
+        self._buf += text
+        return self._drain(final=False)
+
+    def finish(self) -> list[Event]:
+        """Flush at the end of the output."""
+        if self._finished:
+            return []
+        events = self._drain(final=True)
+        if self._ws and not self._has_text and not self._after_call:
+            events.append(("content", self._ws))
+        self._finished = True
+        return events
+
+    def _drain(self, final: bool) -> list[Event]:
+        events: list[Event] = []
+        if self._mode == "start":
+            head = self._buf.lstrip()
+            if not head and not final:
+                return events
+            self._mode = "bare" if head[:1] in ("{", "[") else "text"
+        if self._mode == "bare":
+            if not final:
+                return events
+            calls = _bare_calls(self._buf, self.names)
+            if calls is not None:
+                self._buf = ""
+                for name, args in calls:
+                    self._emit_call(name, args, events)
+                return events
+            self._mode = "text"
+        while self._step(final, events):
+            pass
+        return events
+
+    def _step(self, final: bool, events: list[Event]) -> bool:
+        """Consume what can be decided in the buffer; whether to go on."""
+        if self._mode == "text":
+            at = self._buf.find(OPEN)
+            if at >= 0:
+                self._content(self._buf[:at], events)
+                self._buf, self._mode, self._scan = self._buf[at + len(OPEN):], "block", 0
+                return True
+            keep = 0 if final else _partial_tag(self._buf)
+            self._content(self._buf[:len(self._buf) - keep], events)
+            self._buf = self._buf[len(self._buf) - keep:]
+            return False
+        end = self._buf.find(CLOSE, self._scan)
+        if end < 0 and not final:
+            self._scan = max(0, len(self._buf) - len(CLOSE) + 1)
+            return False
+        body = self._buf if end < 0 else self._buf[:end]
+        raw = OPEN + self._buf if end < 0 else OPEN + self._buf[:end + len(CLOSE)]
+        self._buf = "" if end < 0 else self._buf[end + len(CLOSE):]
+        self._mode = "text"
+        call = _block_call(body, self.names)
+        if call is None:
+            self._content(raw, events)
+        else:
+            self._emit_call(*call, events)
+        return end >= 0
+
+    def _content(self, text: str, events: list[Event]) -> None:
+        if not text:
+            return
+        if self._has_text:
+            events.append(("content", text))
+        elif text.strip():
+            events.append(("content", self._ws + text))
+            self._ws, self._has_text = "", True
+        else:
+            self._ws += text
+
+    def _emit_call(self, name: str, args: str, events: list[Event]) -> None:
+        index, self._count = self._count, self._count + 1
+        events.append(("call", index, new_call_id(), name))
+        events.append(("args", index, args))
+        self._ws, self._has_text, self._after_call = "", False, True
+
+
+def assemble(events: list[Event]) -> tuple[str | None, list[ToolCall]]:
+    """Content and calls that a list of ToolStream events adds up to (content None when empty and calls were made)."""
+    content: list[str] = []
+    calls: list[ToolCall] = []
+    for e in events:
+        if e[0] == "content":
+            content.append(e[1])
+        elif e[0] == "call":
+            calls.append(ToolCall(id=e[2], name=e[3], arguments=""))
+        else:
+            calls[e[1]].arguments += e[2]
+    text = "".join(content)
+    return (None if not text and calls else text), calls
+
+
+def parse_output(text: str, spec: ToolSpec) -> tuple[str | None, list[ToolCall]]:
+    """Content and calls of a whole model output: what ToolStream's events for it add up to."""
+    stream = ToolStream(spec)
+    return assemble(stream.feed(text) + stream.finish())
