@@ -152,6 +152,8 @@ SLOW = {
     "test_hardening.py::test_a_redis_that_sleeps_ten_seconds_never_stops_the_engine",
     "test_fault_suite.py::test_redis_stopped_and_killed_mid_run_misses_then_hits_again",
     "test_eval.py::test_eval_command_on_the_default_model", "test_cli.py::test_bench_decode_smoke",
+    "test_grammar.py::test_two_hundred_varied_strict_outputs_all_validate",
+    "test_grammar.py::test_forced_tool_calls_all_validate",
 }
 
 

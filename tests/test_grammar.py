@@ -122,3 +122,90 @@ def test_prefix_hit_and_preemption_give_the_same_constrained_text(tmp_path):
     assert [o.token_ids for o in runs[1]] == [o.token_ids for o in alone]
     assert all(o.cached_tokens > 0 for o in runs[1])  # the second run hit the prefix cache
     assert sum(o.metrics["preemptions"] for o in runs[0] + runs[1]) > 0
+
+
+def _schemas() -> list[dict]:
+    """Bounded schemas of several shapes (strings, integers, numbers, enums, arrays, nesting, optional
+    fields): every text valid under them is short, so none is cut by max_tokens."""
+    s = lambda n: {"type": "string", "maxLength": n}  # noqa: E731
+    obj = lambda props, req=None: {"type": "object", "properties": props,  # noqa: E731
+                                   "required": list(props) if req is None else req, "additionalProperties": False}
+    return [
+        PERSON,
+        obj({"title": s(30), "author": s(20), "year": {"type": "integer", "minimum": 1400, "maximum": 2030}}),
+        obj({"city": s(20), "country": s(20), "coastal": {"type": "boolean"}}),
+        obj({"product": s(20), "price": {"type": "number", "minimum": 0, "maximum": 1000},
+             "colour": {"enum": ["red", "green", "blue", "black"]}}),
+        obj({"name": s(16), "address": obj({"street": s(24), "zip": {"type": "string", "pattern": "^[0-9]{5}$"}})}),
+        obj({"items": {"type": "array", "items": s(12), "minItems": 1, "maxItems": 4}}),
+        obj({"answer": {"enum": ["yes", "no"]}, "confidence": {"type": "integer", "minimum": 0, "maximum": 100}}),
+        obj({"event": s(24), "day": {"type": "integer", "minimum": 1, "maximum": 31}, "note": s(20)},
+            req=["event", "day"]),
+    ]
+
+
+SUBJECTS = ["a famous scientist", "a city in Asia", "a new phone", "a river", "a painting", "a mountain", "a novel",
+            "a football team", "a planet", "a bird", "a recipe", "a festival", "a car", "a programming language",
+            "a volcano", "a composer", "an island", "a museum", "a bridge", "a spice", "a desert", "a poet",
+            "a holiday", "a tree", "a fish"]
+
+
+def test_two_hundred_varied_strict_outputs_all_validate(smollm_q):
+    """200 requests (25 subjects x 8 schemas, sampled with their own seeds) in batches of 16: every
+    one ends by itself and validates."""
+    schemas = _schemas()
+    jobs = [(f"Describe {subject} as JSON.", schema) for subject in SUBJECTS for schema in schemas]
+    assert len(jobs) == 200
+    for at in range(0, len(jobs), 16):
+        part = jobs[at : at + 16]
+        outs = smollm_q.generate_batch(
+            [[{"role": "user", "content": q}] for q, _ in part],
+            [SamplingParams(constraint=Constraint.json_schema(sch), max_tokens=160, temperature=0.7, seed=at + i)
+             for i, (_, sch) in enumerate(part)], chat=True)
+        for (q, sch), out in zip(part, outs):
+            assert out.finish_reason == "stop", (q, out.text)
+            jsonschema.validate(json.loads(out.text), sch)
+
+
+def test_forced_tool_calls_all_validate(smollm_q):
+    """tool_choice required (and a named function) over 48 varied requests: every call parses and
+    its arguments validate against the function's schema."""
+    from kvcache.server.tools import check_tools, parse_output, render, tool_grammar
+
+    tools = [{"type": "function", "function": {"name": f"lookup_{i}", "description": d, "parameters": sch}}
+             for i, (d, sch) in enumerate(zip(["Find a person.", "Find a book.", "Find a city.", "Find a product."],
+                                              _schemas()[:4]))]
+    jobs = []
+    for i, subject in enumerate(SUBJECTS[:24]):
+        for choice in ("required", {"type": "function", "function": {"name": f"lookup_{i % 4}"}}):
+            spec = check_tools(tools, choice, False)
+            msgs, extra = render([{"role": "user", "content": f"Look up {subject}."}], spec,
+                                 smollm_q.tokenizer.chat_template)
+            jobs.append((spec, smollm_q.tokenizer.encode_chat(msgs) if not extra else None,
+                         Constraint("lark", tool_grammar(spec))))
+    outs = smollm_q.generate_batch([ids for _, ids, _ in jobs],
+                                   [SamplingParams(constraint=c, max_tokens=200, temperature=0.7, seed=i)
+                                    for i, (_, _, c) in enumerate(jobs)])
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for (spec, _, _), out in zip(jobs, outs):
+        assert out.finish_reason == "stop", out.text
+        content, calls = parse_output(out.text, spec)
+        assert len(calls) == 1 and not content, out.text
+        if spec.choice == "named":
+            assert calls[0].name == spec.name
+        jsonschema.validate(json.loads(calls[0].arguments), schemas[calls[0].name])
+
+
+def test_generate_flags(tmp_path):
+    from conftest import run_kvcache
+
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}},
+                                  "required": ["name"], "additionalProperties": False}))
+    done = run_kvcache("generate", "A person as JSON:", "--json-schema", f"@{schema}", "--repetition-penalty", "1.1")
+    assert done.returncode == 0, done.stderr
+    assert set(json.loads(done.stdout.strip().splitlines()[0])) == {"name"}
+    bad = run_kvcache("generate", "x", "--regex", "(bad")
+    assert bad.returncode != 0 and "regex cannot be used" in bad.stderr and "Traceback" not in bad.stderr
+    both = run_kvcache("generate", "x", "--regex", "a", "--choice", "b")
+    assert both.returncode != 0 and "not allowed with" in both.stderr

@@ -82,6 +82,24 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, -2 to 2 (default 0: off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, -2 to 2 (default 0: off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="transformers' and vLLM's, over prompt and output tokens (default 1: off)")
+    p.add_argument("--min-tokens", type=int, default=0, help="hold back EOS until this many tokens are out")
+    p.add_argument("--stop-token-id", type=int, action="append", default=[], metavar="ID",
+                   help="a token id that ends the text like EOS (repeatable)")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS (-100 to 100) to token ID's logit (repeatable)")
+    c = p.add_mutually_exclusive_group()
+    c.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                   help="the text must be JSON valid under this JSON schema (inline JSON, or @FILE)")
+    c.add_argument("--json", action="store_true", help="the text must be a JSON object")
+    c.add_argument("--regex", default=None, help="the text must match this regular expression")
+    c.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                   help="the text must be one of these (repeatable)")
+    c.add_argument("--grammar", default=None, metavar="GRAMMAR",
+                   help="the text must follow this grammar: GBNF (rules 'name ::= ...') or Lark, inline or @FILE")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -91,7 +109,49 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
+        stop_token_ids=tuple(args.stop_token_id), logit_bias=_logit_bias(args.logit_bias), constraint=_constraint(args),
     )
+
+
+def _logit_bias(items: list[str]) -> dict[int, float]:
+    out = {}
+    for item in items:
+        tok, sep, bias = item.partition("=")
+        try:
+            out[int(tok)] = float(bias)
+        except ValueError:
+            raise InvalidParams(f"--logit-bias {item!r}: give ID=BIAS, e.g. 1234=-100") from None
+        if not sep:
+            raise InvalidParams(f"--logit-bias {item!r}: give ID=BIAS, e.g. 1234=-100")
+    return out
+
+
+def _text_or_file(value: str, flag: str) -> str:
+    if not value.startswith("@"):
+        return value
+    try:
+        with open(value[1:], encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise InvalidParams(f"{flag} {value}: cannot read the file ({e.strerror})") from None
+
+
+def _constraint(args: argparse.Namespace):  # noqa: ANN202 - Constraint | None, imported lazily
+    from kvcache.engine.grammar import Constraint
+
+    if getattr(args, "json_schema", None) is not None:
+        return Constraint.json_schema(_text_or_file(args.json_schema, "--json-schema"))
+    if getattr(args, "json", False):
+        return Constraint.json_object()
+    if getattr(args, "regex", None) is not None:
+        return Constraint.regex(args.regex)
+    if getattr(args, "choice", None):
+        return Constraint.choice(args.choice)
+    if getattr(args, "grammar", None) is not None:
+        return Constraint.grammar(_text_or_file(args.grammar, "--grammar"))
+    return None
 
 
 def kv_config(args: argparse.Namespace, default_budget: str | None = None) -> CacheConfig:

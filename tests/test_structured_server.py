@@ -1,0 +1,213 @@
+"""Structured outputs and tool calls through `kvcache serve` on the bundled model, with the real
+`openai` client: ``.parse()`` with a Pydantic model, json_object and the guided_* parameters on
+both endpoints, a tool round trip (call -> tool message -> answer), ``required`` and a named
+function forced by the grammar, streamed tool-call deltas that reassemble into the non-streamed
+call, and bad constraints refused with a 400 naming them beside healthy streams."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from test_server import Server, _model
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                   "required": ["city"], "additionalProperties": False}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+
+
+class City(BaseModel):
+    name: str
+    country: str
+    population_millions: int = Field(ge=0, le=100)  # bounded: a 135M model left free writes digits on and on
+
+
+@pytest.fixture(scope="module")
+def server():
+    from kvcache.models.bundled import default_gguf
+
+    s = Server(str(default_gguf()), "--max-running", "16")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def test_parse_with_a_pydantic_model(server, client):
+    done = client.chat.completions.parse(
+        model=_model(server), messages=[{"role": "user", "content": "Tell me about Paris as JSON."}],
+        response_format=City, max_tokens=120, temperature=0)
+    choice = done.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    assert isinstance(choice.message.parsed, City) and choice.message.parsed.name
+
+
+def test_json_object_and_guided_parameters_on_both_endpoints(server, client):
+    model = _model(server)
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "A JSON object about dogs."}],
+                                          response_format={"type": "json_object"}, max_tokens=150, temperature=0)
+    if chat.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(chat.choices[0].message.content), dict)
+    else:
+        assert chat.choices[0].finish_reason == "length"
+    comp = client.completions.create(model=model, prompt="Is water wet? Answer:", max_tokens=5,
+                                     extra_body={"guided_choice": ["yes", "no"]})
+    assert comp.choices[0].text in ("yes", "no")
+    regex = client.completions.create(model=model, prompt="A date:", max_tokens=20,
+                                      extra_body={"guided_regex": r"20\d\d-[01]\d-[0-3]\d"})
+    assert len(regex.choices[0].text) == 10 and regex.choices[0].text.startswith("20")
+    gram = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Pick a colour."}], max_tokens=10,
+        extra_body={"guided_grammar": 'root ::= "colour: " ("red" | "blue")'})
+    assert gram.choices[0].message.content in ("colour: red", "colour: blue")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+              "required": ["n"], "additionalProperties": False}
+    js = client.completions.create(model=model, prompt="Give a number as JSON:", max_tokens=20, temperature=0.7,
+                                   seed=3, extra_body={"guided_json": schema})
+    jsonschema.validate(json.loads(js.choices[0].text), schema)
+
+
+def _ask(client, model, **kw):
+    kw.setdefault("max_tokens", 120)
+    return client.chat.completions.create(model=model, temperature=0, **kw)
+
+
+def test_required_and_named_tool_calls_validate(server, client):
+    model = _model(server)
+    msgs = [{"role": "user", "content": "What is the weather like in Lyon?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        done = _ask(client, model, messages=msgs, tools=[WEATHER, TIME], tool_choice=choice, parallel_tool_calls=False)
+        c = done.choices[0]
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c.message
+        call = c.message.tool_calls[0]
+        assert call.type == "function" and call.id.startswith("call_") and not c.message.content
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        if isinstance(choice, dict):
+            assert call.function.name == "get_time"
+    # parallel calls allowed: a small model may go on calling until max_tokens; every call it
+    # completed is returned and valid
+    done = _ask(client, model, messages=msgs, tools=[WEATHER, TIME], tool_choice="required")
+    calls = done.choices[0].message.tool_calls
+    assert calls and done.choices[0].finish_reason in ("tool_calls", "length")
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_a_tool_round_trip(server, client):
+    model = _model(server)
+    msgs = [{"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is the weather in Oslo, in celsius?"}]
+    first = _ask(client, model, messages=msgs, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    (call,) = first.choices[0].message.tool_calls
+    msgs += [first.choices[0].message.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 4, "sky": "rain"})}]
+    answer = _ask(client, model, messages=msgs, tools=[WEATHER], tool_choice="none", max_tokens=40)
+    c = answer.choices[0]
+    assert c.message.content and not c.message.tool_calls and c.finish_reason in ("stop", "length")
+
+
+def test_streamed_tool_calls_reassemble_into_the_non_streamed_call(server, client):
+    model = _model(server)
+    kw = dict(messages=[{"role": "user", "content": "Weather and time in Rome, please."}], tools=[WEATHER, TIME],
+              tool_choice="required", max_tokens=200)
+    whole = _ask(client, model, **kw).choices[0]
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in _ask(client, model, stream=True, **kw):
+        for ch in chunk.choices:
+            finish = ch.finish_reason or finish
+            for d in ch.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                entry["id"] = d.id or entry["id"]
+                if d.function is not None:
+                    entry["name"] = d.function.name or entry["name"]
+                    entry["arguments"] += d.function.arguments or ""
+    assert finish == whole.finish_reason and finish in ("tool_calls", "length")
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == \
+        [(t.function.name, t.function.arguments) for t in whole.message.tool_calls]
+    assert all(c["id"] for c in calls.values())
+
+
+@pytest.mark.parametrize("extra,param,words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema", "not a valid JSON Schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "integer", "minimum": 5, "maximum": 3}}}}, "response_format", "JSON schema"),
+    ({"guided_regex": "(unclosed"}, "guided_regex", "regex"),
+    ({"guided_json": {"type": "string", "pattern": "a" * 70000}}, "guided_json", "over the limit"),
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice", "give one of them"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name", "nope"),
+    ({"logit_bias": {"999999": 5}}, "logit_bias", "outside the vocabulary"),
+])
+def test_bad_constraints_get_400_beside_healthy_streams(server, client, extra, param, words):
+    model = _model(server)
+    results: list = []
+
+    def healthy():
+        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Count to five."}], max_tokens=24, stream=True,
+            temperature=0) if c.choices)
+        results.append(text)
+
+    threads = [threading.Thread(target=healthy) for _ in range(2)]
+    for t in threads:
+        t.start()
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, **extra}
+    code, err = server.post("/v1/chat/completions", json.dumps(body).encode())
+    for t in threads:
+        t.join()
+    assert code == 400, err
+    assert err["error"]["param"] == param and words in err["error"]["message"], err
+    assert "\n" not in err["error"]["message"]
+    assert len(results) == 2 and all(results)
+
+
+def test_a_constrained_request_cut_by_max_tokens_says_length(server, client):
+    done = client.chat.completions.create(
+        model=_model(server), messages=[{"role": "user", "content": "Paris as JSON."}], max_tokens=4,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": City.model_json_schema()}})
+    assert done.choices[0].finish_reason == "length"
+
+
+def test_sampling_parameters_are_taken(server, client):
+    model = _model(server)
+    prompt = "la la la la la la la la"
+
+    def text(**kw):
+        kw.setdefault("max_tokens", 12)
+        return client.completions.create(model=model, prompt=prompt, temperature=0, **kw).choices[0].text
+
+    plain = text()
+    assert text(presence_penalty=2.0) != plain and text(frequency_penalty=1.0) != plain
+    assert text(extra_body={"repetition_penalty": 1.5}) != plain
+    first = text(max_tokens=1)
+    assert text(max_tokens=1, logit_bias={str(_token_id(first)): -100}) != first
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          logprobs=True, top_logprobs=3, temperature=0)
+    assert len(chat.choices[0].logprobs.content[0].top_logprobs) == 3
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        client.completions.create(model=model, prompt="x", max_tokens=2, presence_penalty=3.0)
+
+
+def _token_id(text: str) -> int:
+    """The id of ``text`` (one token) in the served model's vocabulary."""
+    from kvcache.models.loading import resolve_model
+    from kvcache.models.tokenizer import Tokenizer
+
+    (tid,) = Tokenizer.from_dir(resolve_model(None).path).encode(text, add_special_tokens=False)
+    return tid
