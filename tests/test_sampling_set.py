@@ -14,6 +14,7 @@ from transformers.generation.logits_process import (MinNewTokensLengthLogitsProc
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from kvcache.engine.params import SamplingParams
+from kvcache.kernels import build
 from kvcache.engine.sampler import Row, adjust, choose, warp
 from kvcache.errors import InvalidParams
 
@@ -173,3 +174,27 @@ def test_penalties_and_bias_change_greedy_text_in_the_batch(smollm_q):
     # the batch gives each request what it gets alone
     alone = smollm_q.generate([prompt], SamplingParams(max_tokens=16, repetition_penalty=1.8))[0]
     assert alone.token_ids == rep.token_ids
+
+
+@pytest.mark.parametrize("variant", [v for v in build.variants() if build.runnable(v)], ids=lambda v: v.name)
+def test_the_mask_kernel_equals_the_torch_unpacking_on_every_variant(variant):
+    """kernels/vmask.c sets exactly the tokens whose bit is clear to -inf (words of all ones, all
+    zeros and mixed; a vocabulary that ends mid-word), on every kernel variant this CPU runs."""
+    from test_qweights import variant_lib
+
+    from kvcache.engine.grammar import allowed_tokens
+
+    lib = variant_lib(variant)
+    g = torch.Generator().manual_seed(9)
+    for vocab in (300, 49152, 33):
+        words = (vocab + 31) // 32
+        mask = torch.randint(-(2**31), 2**31 - 1, (3, words), dtype=torch.int32, generator=g)
+        mask[0, : words // 2] = -1
+        mask[1, : words // 2] = 0
+        logits = torch.randn(3, vocab, generator=g)
+        want = logits.masked_fill(~allowed_tokens(mask, vocab), float("-inf"))
+        got = logits.clone()
+        assert lib.kv_mask_logits(3, vocab, got.data_ptr(), vocab, mask.data_ptr(), words) == 0
+        assert torch.equal(got, want), (variant.name, vocab)
+        assert torch.isinf(got[1, : (words // 2) * 32]).all() and torch.equal(got[0, :32], logits[0, :32])
+    assert lib.kv_mask_logits(1, 64, got.data_ptr(), 64, mask.data_ptr(), 1) == -1  # a mask too short is refused

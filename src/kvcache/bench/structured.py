@@ -452,20 +452,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _verdict(r: dict[str, Any]) -> str:
-    """Whether a row's masks were hidden behind the forward: the constrained step's extra time
-    against the mask work per step."""
-    mask, extra = r["mask_ms_per_step"], r["step_overhead_ms"]
+def _verdict(r: dict[str, Any], threads: int) -> str:
+    """Whether a row's masks were hidden behind the forward: their time per step on the mask
+    thread against the free step (the forward they run beside), and what the constrained step
+    costs beyond the free one."""
+    mask, free, extra = r["mask_ms_per_step"], r["free_step_ms"], r["step_overhead_ms"]
     if mask is None:
-        return "no masks computed"
-    head = (f"batch {r['batch']}: masks {mask:.2f} ms per step ({r['mask_share'] * 100:.0f}% of a constrained "
-            f"step), constrained step - free step {extra:+.2f} ms: ")
-    if extra <= 0.25 * mask:
-        return head + "the masks are hidden behind the forward"
-    if extra < mask:
-        return head + "the masks are partly hidden behind the forward"
-    return head + ("not hidden: the step pays at least the mask time (masks, their use in sampling, "
-                   "advancing the matchers)")
+        return f"batch {r['batch']}: no masks computed"
+    text = (f"batch {r['batch']}: masks {mask:.2f} ms per step on the mask thread "
+            f"({r['mask_share'] * 100:.0f}% of a constrained step), ")
+    if mask < free:
+        text += f"less than the forward they run beside (free step {free:.2f} ms): hidden behind it; "
+    else:
+        text += f"more than the free step ({free:.2f} ms): the step waits for them, not hidden; "
+    text += f"constrained step - free step {extra:+.2f} ms ({extra / free * 100:+.0f}%)"
+    if extra > 0 and mask < free:
+        text += (f" (applying the masks in sampling, advancing the matchers, the mask thread taking CPU from "
+                 f"the forward's {threads} thread(s))")
+    return text
 
 
 def _print(model: str, speed: list[dict[str, Any]], comp: dict[str, Any], engines: list[dict[str, Any]],
@@ -475,7 +479,8 @@ def _print(model: str, speed: list[dict[str, Any]], comp: dict[str, Any], engine
           f"maxLength), at most {max_tokens} tokens")
     print("compared: output tokens / wall time (prompts prefilled alike, no prefix cache); the free run of each "
           "request makes exactly as many tokens as its constrained output (EOS ignored), so both sides run the "
-          f"same steps at the same batch sizes; best of {repeats} alternating run(s); step ms is the median step")
+          f"same steps at the same batch sizes; best of {repeats} alternating run(s); step ms is the median step; "
+          "mask us/tok: the mask thread's time per token mask, beside the forward")
     print(f"{'batch':>5} {'reqs':>4} {'tokens':>6} {'free tok/s':>10} {'constr tok/s':>12} {'ratio':>6} "
           f"{'free step ms':>12} {'constr step ms':>14} {'mask us/tok':>11} {'mask ms/step':>12} {'valid':>7}")
     for r in speed:
@@ -485,7 +490,7 @@ def _print(model: str, speed: list[dict[str, Any]], comp: dict[str, Any], engine
               f"{cell(r['constrained_step_ms'], '.2f'):>14} {cell(r['mask_us_per_token'], '.0f'):>11} "
               f"{cell(r['mask_ms_per_step'], '.2f'):>12} {str(r['valid']) + '/' + str(r['outputs']):>7}")
     for r in speed:
-        print(_verdict(r))
+        print(_verdict(r, threads))
     print(f"schema compile (llguidance in the engine): cold {comp['cold_s'] * 1000:.2f} ms (a schema never seen), "
           f"cached {comp['cached_s'] * 1e6:.0f} us (cache hit {comp['lookup_s'] * 1e6:.0f} us + matcher copy); "
           f"median of {comp['schemas']} schemas")

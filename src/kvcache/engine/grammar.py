@@ -263,42 +263,76 @@ def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
     return llguidance.LLTokenizer(source, n_vocab=vocab_size, eos_token=eos)
 
 
-def unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """int32 bitmasks [R, W] -> allowed [R, vocab] (bool): token t is bit t % 32 of word t // 32."""
-    bits = torch.arange(32, dtype=torch.int32)
-    allowed = (bitmask.unsqueeze(-1) >> bits) & 1
-    return allowed.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int32 bitmasks [R, W] -> allowed [R, vocab] (bool): token t is bit t % 32 of word t // 32
+    (little-endian words, so byte t // 8, bit t % 8)."""
+    import numpy as np
+
+    words = bitmask.contiguous().numpy()
+    if words.dtype.byteorder == ">" or (words.dtype.byteorder == "=" and np.little_endian is False):
+        words = words.byteswap()
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")
+    return torch.from_numpy(bits).view(torch.bool)[:, :vocab]
+
+
+def _background() -> None:
+    """The mask thread runs at the lowest priority (Linux: a thread's nice value is its own, and the
+    threads it starts inherit it): on a machine whose cores all run the forward it takes the CPU
+    only where the forward leaves it idle, and at the latest when the step waits for the masks."""
+    import os
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not permitted: normal priority
+        pass
+
+
+INLINE_MAX = 4  # masks a step computes on its own thread when no core is spare (see MaskWorker)
 
 
 class MaskWorker:
     """Next-token masks for a step's constrained samples, computed on a worker thread while the
     forward runs. ``start`` takes the matchers (each in the state after its last token) and returns
-    a future of their masks [len(matchers), W] (int32), row i for matcher i."""
+    a future of their masks [len(matchers), W] (int32), row i for matcher i.
 
-    def __init__(self, words: int, threads: int = 1) -> None:
+    When the torch threads take every core, a step of at most ``INLINE_MAX`` masks computes them
+    on the calling thread instead: a mask costs tens of microseconds, less than handing it to a
+    thread that could only run once the forward's threads let go (measured by `kvcache bench
+    structured`). The worker thread runs at the lowest priority and its masks for several samples
+    go through llguidance's executor (``threads`` threads, which inherit that priority)."""
+
+    def __init__(self, words: int, threads: int = 2) -> None:
+        import os
+
         self.words = words
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvcache-masks")
+        self.spare_core = (os.cpu_count() or 1) > torch.get_num_threads()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvcache-masks", initializer=_background)
         self._executor: Any = None
         self._threads = threads
         self.mask_s = 0.0  # time spent computing masks (on the worker)
         self.masks = 0
 
     def start(self, matchers: list[Any]) -> Future:
+        if not self.spare_core and len(matchers) <= INLINE_MAX:
+            done: Future = Future()
+            done.set_result(self._compute(list(matchers), parallel=False))
+            return done
         return self._pool.submit(self._compute, list(matchers))
 
     def compute(self, matchers: list[Any]) -> torch.Tensor:
         """The masks, on the calling thread."""
         return self._compute(list(matchers))
 
-    def _compute(self, matchers: list[Any]) -> torch.Tensor:
+    def _compute(self, matchers: list[Any], parallel: bool = True) -> torch.Tensor:
         import time
 
         import llguidance
 
         t0 = time.perf_counter()
         out = torch.zeros(len(matchers), self.words, dtype=torch.int32)
-        if len(matchers) == 1:
-            matchers[0].unsafe_compute_mask_ptr(out.data_ptr(), self.words * 4)
+        if len(matchers) == 1 or not parallel:
+            for i, m in enumerate(matchers):
+                m.unsafe_compute_mask_ptr(out[i].data_ptr(), self.words * 4)
         elif matchers:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor(num_threads=self._threads)

@@ -107,11 +107,14 @@ def adjust(logits: torch.Tensor, rows: list[Row], masks: torch.Tensor | None = N
 
     masked = [i for i, r in enumerate(rows) if r.mask is not None]
     if masked and masks is not None:
-        from kvcache.engine.grammar import unpack
-
-        allowed = unpack(masks[[rows[i].mask for i in masked]], vocab)  # type: ignore[misc]
         s = own()
-        s[masked] = s[masked].masked_fill(~allowed, NEG)
+        bits = masks[[rows[i].mask for i in masked]]  # type: ignore[misc]
+        if len(masked) == len(rows):
+            _mask(s, bits)
+        else:
+            sub = s[masked]
+            _mask(sub, bits)
+            s[masked] = sub
     held = [(i, tuple(stop_ids) + r.params.stop_token_ids) for i, r in enumerate(rows)
             if r.n_out < r.params.min_tokens]
     if held:
@@ -148,6 +151,17 @@ def adjust(logits: torch.Tensor, rows: list[Row], masks: torch.Tensor | None = N
         counts = torch.stack([rows[i].counts for i in pf])  # type: ignore[misc]
         s[pf] = s[pf] - counts * freq - (counts > 0).float() * pres
     return scores
+
+
+def _mask(scores: torch.Tensor, bits: torch.Tensor) -> None:
+    """-inf, in place, for the tokens the grammar bitmasks [R, W] do not allow (the native kernel;
+    torch where it is missing)."""
+    from kvcache import kernels
+
+    if not kernels.mask_logits(scores, bits.contiguous()):
+        from kvcache.engine.grammar import allowed_tokens
+
+        scores.masked_fill_(~allowed_tokens(bits, scores.shape[-1]), NEG)
 
 
 def warp(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -194,6 +194,18 @@ def stream_sum(x: torch.Tensor) -> float | None:
     return float(lib.kv_stream_sum(x.data_ptr(), x.numel(), torch.get_num_threads()))
 
 
+def mask_logits(x: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Set to -inf, in place, the logits of x [R, V] (fp32, rows contiguous) whose bit in ``mask``
+    [R, W] (int32, token t: bit t % 32 of word t // 32) is clear (kernels/vmask.c). False when the
+    kernel is missing or the tensors do not fit it (the caller then masks in torch)."""
+    lib = qgemm()
+    if (lib is None or x.dim() != 2 or mask.dim() != 2 or x.dtype != torch.float32 or mask.dtype != torch.int32
+            or x.stride(1) != 1 or not mask.is_contiguous() or x.shape[0] != mask.shape[0]
+            or mask.shape[1] * 32 < x.shape[1] or x.device.type != "cpu"):
+        return False
+    return lib.kv_mask_logits(x.shape[0], x.shape[1], x.data_ptr(), x.stride(0), mask.data_ptr(), mask.shape[1]) == 0
+
+
 def int8_peak(seconds: float = 0.3) -> float | None:
     """Int8 multiply-adds per second this CPU's kernel variant can do on the torch threads
     (kernels/membw.c: independent chains of its dot-product instruction on registers; the best of

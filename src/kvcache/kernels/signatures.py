@@ -70,6 +70,10 @@ _TABLE = (
         ("x", "const float *"), ("n", "int64_t"), ("n_threads", "int"))),
     Signature("qgemm", "kv_int8_peak", "int64_t", (
         ("iters", "int64_t"), ("n_threads", "int"), ("sink", "int64_t *"))),
+    # vmask.c: grammar masks on logits (the sampler)
+    Signature("qgemm", "kv_mask_logits", "int", (
+        ("rows", "int"), ("vocab", "int"), ("x", "float *"), ("ldx", "int64_t"), ("mask", "const int32_t *"),
+        ("ldm", "int64_t"))),
     # qattn.c: decode attention over quantized pages
     Signature("qattn", "kv_quant_decode", "int", (
         ("hkv", "int"), ("g", "int"), ("D", "int"), ("ps", "int"), ("G", "int"), ("bits", "int"),
