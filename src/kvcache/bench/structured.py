@@ -456,9 +456,17 @@ def _verdict(r: dict[str, Any], threads: int) -> str:
     """Whether a row's masks were hidden behind the forward: their time per step on the mask
     thread against the free step (the forward they run beside), and what the constrained step
     costs beyond the free one."""
+    import os
+
+    from kvcache.engine.grammar import INLINE_MAX
+
     mask, free, extra = r["mask_ms_per_step"], r["free_step_ms"], r["step_overhead_ms"]
     if mask is None:
         return f"batch {r['batch']}: no masks computed"
+    if r["batch"] <= INLINE_MAX and (os.cpu_count() or 1) <= threads:
+        return (f"batch {r['batch']}: masks {mask:.2f} ms per step, computed on the engine thread (no core is spare "
+                f"and a step of at most {INLINE_MAX} masks costs less than a hand-off); constrained step - free step "
+                f"{extra:+.2f} ms ({extra / free * 100:+.0f}%)")
     text = (f"batch {r['batch']}: masks {mask:.2f} ms per step on the mask thread "
             f"({r['mask_share'] * 100:.0f}% of a constrained step), ")
     if mask < free:
