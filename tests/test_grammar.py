@@ -209,3 +209,69 @@ def test_generate_flags(tmp_path):
     assert bad.returncode != 0 and "regex cannot be used" in bad.stderr and "Traceback" not in bad.stderr
     both = run_kvcache("generate", "x", "--regex", "a", "--choice", "b")
     assert both.returncode != 0 and "not allowed with" in both.stderr
+
+
+@pytest.mark.parametrize("constraint", [Constraint.json_schema(PERSON), Constraint.regex(r"[A-Z][a-z]+ \d{2,4}"),
+                                        Constraint.grammar('root ::= "Answer: " ("yes" | "no") "."')],
+                         ids=["schema", "regex", "gbnf"])
+def test_masks_beside_the_forward_and_masks_on_refusal_give_the_same_text(smollm_q, constraint):
+    """With a core to spare every step's masks are computed beside the forward; without one each
+    choice is checked against its grammar and a mask is computed only where it is refused. The two
+    give the same greedy tokens (where the grammar forces bytes, only the canonical first token
+    passes the check), and the check spares most masks."""
+    prompts = [f"Entry {i}: describe item {i} in the format asked." for i in range(8)]
+    worker = smollm_q.grammars.worker()
+    was = worker.spare_core
+    outs, masks = {}, {}
+    try:
+        for spare in (True, False):
+            worker.spare_core = spare
+            before = worker.masks
+            outs[spare] = smollm_q.generate_batch(prompts, SamplingParams(constraint=constraint, max_tokens=60))
+            masks[spare] = worker.masks - before
+    finally:
+        worker.spare_core = was
+    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
+    tokens = sum(len(o.token_ids) for o in outs[True])
+    assert masks[True] >= tokens and masks[False] < masks[True]
+
+
+def test_sampling_on_refusal_keeps_the_masked_distribution(smollm_q):
+    """Sampled rows without a spare core: a draw the grammar allows is kept, a refused one is drawn
+    again under the mask (rejection sampling). The letters drawn match those drawn with every mask
+    computed (two-sample chi-square over 1536 draws each); the bias makes both branches common (about 1200 refused, 350 kept)."""
+    tok = smollm_q.tokenizer
+    letters = "abcde"
+    ids = {c: tok.encode(c, add_special_tokens=False)[0] for c in letters}
+    bias = {ids["a"]: 12.0, ids["b"]: 11.0, ids["c"]: 9.0}
+    worker = smollm_q.grammars.worker()
+    was = worker.spare_core
+    counts = {}
+    try:
+        for spare in (True, False):
+            worker.spare_core = spare
+            before = worker.masks
+            outs = smollm_q.generate_batch(["Pick a letter:"] * 12, [
+                SamplingParams(constraint=Constraint.regex("[a-e]"), temperature=1.5, seed=1000 * i + (7 if spare else 0),
+                               n=128, max_tokens=2, logit_bias=bias) for i in range(12)])
+            texts = [o.text for out in outs for o in out.outputs]
+            assert set(texts) <= set(letters) and len(texts) == 1536
+            counts[spare] = [texts.count(c) for c in letters]
+            if not spare:
+                refused = worker.masks - before
+    finally:
+        worker.spare_core = was
+    assert 200 < refused < 1400, refused  # draws were kept and drawn again, both
+    assert _chi2(counts[True], counts[False]) < 18.47, counts  # chi-square, 4 degrees of freedom: p > 0.001
+
+
+def _chi2(a: list[int], b: list[int]) -> float:
+    """Two-sample chi-square statistic of two count vectors over the same categories."""
+    na, nb = sum(a), sum(b)
+    stat = 0.0
+    for x, y in zip(a, b):
+        col = x + y
+        for obs, n in ((x, na), (y, nb)):
+            exp = col * n / (na + nb)
+            stat += (obs - exp) ** 2 / exp if exp else 0.0
+    return stat

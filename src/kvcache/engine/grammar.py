@@ -287,19 +287,15 @@ def _background() -> None:
         pass
 
 
-INLINE_MAX = 4  # masks a step computes on its own thread when no core is spare (see MaskWorker)
-
-
 class MaskWorker:
-    """Next-token masks for a step's constrained samples, computed on a worker thread while the
-    forward runs. ``start`` takes the matchers (each in the state after its last token) and returns
-    a future of their masks [len(matchers), W] (int32), row i for matcher i.
-
-    When the torch threads take every core, a step of at most ``INLINE_MAX`` masks computes them
-    on the calling thread instead: a mask costs tens of microseconds, less than handing it to a
-    thread that could only run once the forward's threads let go (measured by `kvcache bench
-    structured`). The worker thread runs at the lowest priority and its masks for several samples
-    go through llguidance's executor (``threads`` threads, which inherit that priority)."""
+    """Next-token masks for a step's constrained samples. With a core to spare (more cores than
+    torch threads), ``start`` computes them on a worker thread while the forward runs: it takes
+    the matchers (each in the state after its last token) and returns a future of their masks
+    [len(matchers), W] (int32), row i for matcher i. Without one, the mask thread could only take
+    CPU from the forward (measured by `kvcache bench structured`), so the scheduler checks each
+    sample's choice against its grammar instead and calls ``compute`` (on its own thread) only for
+    the samples whose choice the grammar refuses. The worker thread runs at the lowest priority;
+    masks for several samples go through llguidance's executor (``threads`` threads)."""
 
     def __init__(self, words: int, threads: int = 2) -> None:
         import os
@@ -307,37 +303,33 @@ class MaskWorker:
         self.words = words
         self.spare_core = (os.cpu_count() or 1) > torch.get_num_threads()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvcache-masks", initializer=_background)
-        self._executor: Any = None
+        self._executor: Any = None  # the worker thread's
+        self._executor_here: Any = None  # the engine thread's
         self._threads = threads
         self.mask_s = 0.0  # time spent computing masks (on the worker)
         self.masks = 0
 
     def start(self, matchers: list[Any]) -> Future:
-        if not self.spare_core and len(matchers) <= INLINE_MAX:
-            done: Future = Future()
-            done.set_result(self._compute(list(matchers), parallel=False))
-            return done
-        return self._pool.submit(self._compute, list(matchers))
+        return self._pool.submit(self._compute, list(matchers), "_executor")
 
     def compute(self, matchers: list[Any]) -> torch.Tensor:
-        """The masks, on the calling thread."""
-        return self._compute(list(matchers))
+        """The masks, on the calling thread (its own executor: the worker's threads run at the lowest priority)."""
+        return self._compute(list(matchers), "_executor_here")
 
-    def _compute(self, matchers: list[Any], parallel: bool = True) -> torch.Tensor:
+    def _compute(self, matchers: list[Any], executor: str) -> torch.Tensor:
         import time
 
         import llguidance
 
         t0 = time.perf_counter()
         out = torch.zeros(len(matchers), self.words, dtype=torch.int32)
-        if len(matchers) == 1 or not parallel:
-            for i, m in enumerate(matchers):
-                m.unsafe_compute_mask_ptr(out[i].data_ptr(), self.words * 4)
+        if len(matchers) == 1:
+            matchers[0].unsafe_compute_mask_ptr(out.data_ptr(), self.words * 4)
         elif matchers:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor(num_threads=self._threads)
-            self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], out.data_ptr(),
-                                                   self.words * 4, len(matchers))
+            if getattr(self, executor) is None:
+                setattr(self, executor, llguidance.LLExecutor(num_threads=self._threads))
+            getattr(self, executor).unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], out.data_ptr(),
+                                                            self.words * 4, len(matchers))
         self.mask_s += time.perf_counter() - t0
         self.masks += len(matchers)
         return out

@@ -157,9 +157,10 @@ class Scheduler:
         """The grammar masks of the constrained samples that pick a token in this step, as a future
         (None when there are none), and each such sample's row in them (by ``id``)."""
         masked = [it.sample for it in plan if it.sample.matcher is not None and it.n == len(it.sample.feed)]
-        if not masked:
-            return None, {}
-        return self.grammars.worker().start([s.matcher for s in masked]), {id(s): i for i, s in enumerate(masked)}
+        worker = self.grammars.worker() if masked else None
+        if worker is None or not worker.spare_core:
+            return None, {}  # none, or checked after the choice (``_lazy``)
+        return worker.start([s.matcher for s in masked]), {id(s): i for i, s in enumerate(masked)}
 
     def _run(self, batch: list[Item]) -> torch.Tensor:
         """The step's pages are asked for first (a refusal raises here, before any forward), then
@@ -348,6 +349,7 @@ class Scheduler:
                 except Exception as e:
                     self._fail(req, e, done)
                     toks += [None] * len(group)
+        self._lazy(groups, toks, logits, done)
         at = 0
         for req, group in groups:
             picked, at = toks[at : at + len(group)], at + len(group)
@@ -356,6 +358,49 @@ class Scheduler:
                     self._took(req, group, picked, logits)
                 except Exception as e:
                     self._fail(req, e, done)
+
+    def _lazy(self, groups: list[tuple[Request, list[tuple[Sample, int, int | None]]]], toks: list[int | None],
+              logits: torch.Tensor, done: list[Request]) -> None:
+        """Constrained samples whose masks were not computed beside the forward (no core to spare):
+        the token chosen without the mask is kept when the grammar accepts it, which is exact (a
+        greedy row's argmax over the allowed tokens is the same token; a sampled row's draw, kept
+        when allowed and drawn again under the mask otherwise, has the masked distribution, as in
+        rejection sampling). Only the samples whose choice the grammar refuses get a mask, computed
+        here, and choose again. Most steps of a model that writes the format well compute none."""
+        misses: list[tuple[int, Request, tuple[Sample, int, int | None]]] = []
+        at = 0
+        for req, group in groups:
+            for entry in group:
+                x, _, m = entry
+                tok = toks[at]
+                if (x.matcher is not None and m is None and tok is not None and req.error is None
+                        and not _allowed(x.matcher, tok, self.eos)):
+                    misses.append((at, req, entry))
+                at += 1
+        if not misses:
+            return
+        masks = self.grammars.worker().compute([x.matcher for _, _, (x, _, _) in misses])
+        again = []
+        for k, (at, req, (x, row, _)) in enumerate(misses):
+            toks[at] = None
+            if req.error is None:
+                try:
+                    _check_mask(x, masks[k])
+                    again.append((at, req, (x, row, k)))
+                except Exception as e:
+                    self._fail(req, e, done)
+        try:
+            picked = self._choose(logits, [(req, [entry]) for _, req, entry in again], masks)
+        except Exception:  # each on its own, to fail only the one at fault
+            picked = []
+            for _, req, entry in again:
+                try:
+                    picked += self._choose(logits, [(req, [entry])], masks)
+                except Exception as e:
+                    self._fail(req, e, done)
+                    picked.append(None)
+        for (at, _, _), tok in zip(again, picked):
+            toks[at] = tok
 
     def _choose(self, logits: torch.Tensor, groups: list[tuple[Request, list[tuple[Sample, int, int | None]]]],
                 masks: torch.Tensor | None) -> list[int | None]:
@@ -454,6 +499,20 @@ class Scheduler:
         req.exception = error
         req.t_end = time.perf_counter()
         done.append(req)
+
+
+def _allowed(matcher: Any, tok: int, eos: set[int]) -> bool:
+    """Whether the grammar's mask would allow ``tok`` next (an end-of-sequence token: whether the text
+    is complete). Where the grammar forces the next bytes, llguidance's mask keeps the canonical
+    tokenization of them while its parser would take others: there a choice is allowed when it is
+    the first forced token (always in the mask), and otherwise the mask decides. Elsewhere the
+    parser's answer is the mask's."""
+    if tok in eos:
+        return bool(matcher.is_accepting())
+    if matcher.compute_ff_bytes():
+        forced = matcher.compute_ff_tokens()
+        return bool(forced) and forced[0] == tok
+    return bool(matcher.validate_tokens([tok]) == 1)
 
 
 def _check_mask(s: Sample, mask: torch.Tensor) -> None:
