@@ -31,6 +31,8 @@ def test_every_suite_writes_json_png_and_report(out):
         assert "kvcache bench all --quick" in report and f"![{suite}]({suite}.png)" in report
     index = (out / "README.md").read_text()
     assert all(f"[{s}.md]({s}.md)" in index for s in SUITES)
+    structured = json.loads((out / "structured.json").read_text())  # a table without a plot
+    assert structured["results"] and "# kvcache bench structured" in (out / "structured.md").read_text()
 
 
 def _rows(out, suite):
