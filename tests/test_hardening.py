@@ -35,30 +35,7 @@ def tiny_path(tiny_dir):
     return str(tiny_dir("llama")[0])
 
 
-# -- 1. sampling parameters: the same distribution as transformers' warpers; bad values refused --------
-@pytest.mark.parametrize("kw", [dict(temperature=1.5, top_k=1), dict(temperature=0.7, top_k=20),
-                                dict(temperature=1.3, min_p=0.05), dict(temperature=1.0, min_p=0.99),
-                                dict(temperature=0.9, top_k=30, top_p=0.8, min_p=0.1)])
-def test_filters_give_transformers_distribution(kw):
-    from kvcache.engine.sampler import distribution
-    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
-                                                        TopKLogitsWarper, TopPLogitsWarper)
-
-    torch.manual_seed(0)
-    logits = torch.randn(1, 500) * 3
-    scores = TemperatureLogitsWarper(kw["temperature"])(None, logits.clone())
-    if kw.get("top_k"):
-        scores = TopKLogitsWarper(kw["top_k"])(None, scores)
-    if kw.get("top_p", 1.0) < 1.0:
-        scores = TopPLogitsWarper(kw["top_p"])(None, scores)
-    if kw.get("min_p"):
-        scores = MinPLogitsWarper(kw["min_p"])(None, scores)
-    want = torch.softmax(scores, -1)[0]
-    got = distribution(logits[0], SamplingParams(**kw))
-    assert torch.allclose(got, want, atol=1e-6)
-    assert (got > 0).sum() < 500  # each setting drops tokens: the comparison is not of two softmaxes
-
-
+# -- 1. sampling parameters: bad values refused (the distributions: tests/test_sampling_set.py) ----------
 def test_bad_sampling_values_are_refused():
     for kw in (dict(top_k=-5), dict(min_p=1.5), dict(min_p=-0.1), dict(top_k=True)):
         with pytest.raises(InvalidParams):

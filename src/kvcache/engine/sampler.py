@@ -96,7 +96,6 @@ def adjust(logits: torch.Tensor, rows: list[Row], masks: torch.Tensor | None = N
            stop_ids: tuple[int, ...] = ()) -> torch.Tensor:
     """The logits [R, V] after masks, min_tokens, logit_bias and penalties (a copy when any applies)."""
     scores = logits.float()
-    vocab = scores.shape[-1]
     touched = False
 
     def own() -> torch.Tensor:
