@@ -454,7 +454,6 @@ def test_another_model_layout_or_salt_never_hits_a_tier(tiny_path, tmp_path, tin
 
 
 def test_two_processes_share_pages_through_redis(tiny_path, redis_url):
-    import json
     import subprocess
     import sys
 

@@ -104,7 +104,7 @@ class LlamaForCausalLM(CausalLM):
         logits_rows: torch.Tensor | None = None,  # [R] int64
     ) -> torch.Tensor:  # [R or N, V] float32
         cfg = self.config
-        n, hq, hkv, d, eps = input_ids.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps
+        hq, hkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps
         scale, act, heads = cfg.scale, self.act, (hq, hkv, d)
         x = packed_rows(self.lm_head if self.embed is None else self.embed, input_ids)  # [N, H]
         cos, sin = self.rope.tables(positions)  # [N, 1, R] each
