@@ -29,6 +29,11 @@ class SamplingParams:
     EOS and ``stop_token_ids`` until that many tokens are out; ``stop_token_ids`` end the text like
     EOS (the token is not part of it). ``constraint`` (engine/grammar.py) makes the text follow a
     JSON schema, a regex, a choice or a grammar. All of them apply to greedy decoding too.
+
+    Speculative decoding (engine/speculate.py): ``prompt_lookup`` (up to that many tokens proposed
+    per forward from n-grams of the prompt and output; 0 off) and ``prediction`` (token ids of the
+    text expected, OpenAI's predicted outputs) propose tokens that one forward verifies; the text
+    is the text without them (greedy token for token; sampled, the same distribution).
     """
 
     max_tokens: int = 256
@@ -48,6 +53,8 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     constraint: Constraint | None = None
+    prompt_lookup: int = 0
+    prediction: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self._convert()
@@ -89,6 +96,10 @@ class SamplingParams:
             _check(_int(t) and t >= 0, f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
             _check(_number(b) and -100.0 <= b <= 100.0, f"logit_bias values must be between -100 and 100, "
                                                         f"got {b!r} for token {t}")
+        _check(_int(self.prompt_lookup) and 0 <= self.prompt_lookup <= MAX_LOOKUP,
+               f"prompt_lookup must be between 0 (off) and {MAX_LOOKUP} proposed tokens, got {self.prompt_lookup!r}")
+        _check(len(self.prediction) <= MAX_PREDICTION and all(_int(t) and t >= 0 for t in self.prediction),
+               f"prediction must be at most {MAX_PREDICTION} token ids")
         _check(self.constraint is None or isinstance(self.constraint, Constraint),
                f"constraint must be a kvcache.engine.grammar.Constraint, got {type(self.constraint).__name__}")
 
@@ -111,17 +122,22 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", tuple(tuple(x) for x in bias))
         ids = self.stop_token_ids
         object.__setattr__(self, "stop_token_ids", () if ids is None else tuple(ids))
+        object.__setattr__(self, "prediction", () if self.prediction is None else tuple(self.prediction))
 
     def check_vocab(self, vocab: int) -> None:
         """Token ids in ``logit_bias`` and ``stop_token_ids`` within the model's vocabulary."""
-        bad = [t for t, _ in self.logit_bias if t >= vocab] + [t for t in self.stop_token_ids if t >= vocab]
+        bad = ([t for t, _ in self.logit_bias if t >= vocab] + [t for t in self.stop_token_ids if t >= vocab]
+               + [t for t in self.prediction if t >= vocab])
         if bad:
-            where = "logit_bias" if any(t == bad[0] for t, _ in self.logit_bias) else "stop_token_ids"
+            where = ("logit_bias" if any(t == bad[0] for t, _ in self.logit_bias) else
+                     "stop_token_ids" if bad[0] in self.stop_token_ids else "prediction")
             raise InvalidParams(f"{where}: token id {bad[0]} is outside the vocabulary (0 to {vocab - 1})")
 
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
+MAX_LOOKUP = 32  # tokens proposed per forward at most
+MAX_PREDICTION = 32768
 MAX_STOP_IDS = 64
 
 

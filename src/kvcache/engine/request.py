@@ -24,7 +24,7 @@ from kvcache.errors import CacheFull, ContextOverflow, InvalidParams
 
 class Sample:
     __slots__ = ("index", "seq", "feed", "tokens", "text", "gen", "reason", "logprobs", "lp_sent", "matcher",
-                 "counts", "seen")
+                 "counts", "seen", "spec", "draft")
 
     def __init__(self, index: int, text: TextTracker, gen: torch.Generator | None) -> None:
         self.index = index
@@ -39,6 +39,8 @@ class Sample:
         self.matcher: Any = None  # the constraint's matcher, in the state after ``tokens`` (engine/grammar.py)
         self.counts: torch.Tensor | None = None  # output token counts [V], for frequency/presence penalties
         self.seen: torch.Tensor | None = None  # prompt and output tokens [V], for the repetition penalty
+        self.spec: Any = None  # its Speculator, when it speculates (engine/speculate.py)
+        self.draft = 0  # proposed tokens at the end of ``feed``, verified in its next forward
 
     def start(self, params: SamplingParams, prompt_ids: list[int], vocab: int, matcher: Any = None) -> None:
         """What the sampler needs from this sample's history, for the parameters that use it."""
@@ -134,6 +136,10 @@ class Request:
         r.prefill_s = max(0.0, self.t_first - self.t_arrival) if self.t_first else 0.0
         r.decode_s = max(0.0, self.t_end - self.t_first) if self.t_first else 0.0
         r.metrics = {"preemptions": self.preemptions}
+        specs = [s.spec for s in self.samples if s.spec is not None]
+        if specs:  # speculative decoding: proposals verified and kept, verifying forwards, the prediction's share
+            for name in ("proposed", "accepted", "forwards", "pred_accepted", "pred_rejected"):
+                r.metrics[f"spec_{name}"] = sum(getattr(sp, name) for sp in specs)
         if self.kv_stats is not None:
             r.kv_stats, r.kv_bytes = self.kv_stats, self.kv_stats.bytes_used
         return r

@@ -148,11 +148,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, seqs: Sequence[Seq], new_tokens: Sequence[Sequence[int]],
-             prompt_end: bool | Sequence[bool] = True) -> torch.Tensor:
+             prompt_end: bool | Sequence[bool] = True, want: Sequence[int] | None = None) -> torch.Tensor:
         """Append ``new_tokens[i]`` to ``seqs[i]`` and return the logits after each: [B, vocab].
         ``prompt_end`` (per sequence, or for all): whether this completes what the sequence reads
         before sampling (a prompt chunked over several steps passes False until its last); a
-        cache with a press scores a completed prompt then."""
+        cache with a press scores a completed prompt then. ``want``: how many of each sequence's
+        last new tokens to return logits after (speculative verification; default one each):
+        [sum(want), vocab], each sequence's rows in order."""
         ends = [prompt_end] * len(seqs) if isinstance(prompt_end, bool) else list(prompt_end)
         for seq, toks, end in zip(seqs, new_tokens, ends):
             if not toks:
@@ -160,7 +162,12 @@ class ModelRunner:
             self._check_room(seq, len(toks))
             if end and _replays(seq):
                 self._replay_chunk(len(seq.tokens) + len(toks))  # refused before the prompt is read
-        if self.windowed and any(len(t) > WINDOW_CHUNK for t in new_tokens):
+        if want is not None and any(w != 1 for w in want):
+            if self.windowed or any(not 1 <= w <= len(t) for w, t in zip(want, new_tokens)):
+                raise ValueError("logits of several rows per sequence need a cache without windows and as many "
+                                 "new tokens")
+            logits = self._forward(seqs, new_tokens, want=want)
+        elif self.windowed and any(len(t) > WINDOW_CHUNK for t in new_tokens):
             logits = self._chunked(seqs, new_tokens)
         else:
             logits = self._forward(seqs, new_tokens)
@@ -254,7 +261,8 @@ class ModelRunner:
             self.cache.pass_span(seq.kv)  # scored text stays whole, as generated tokens do
         return logits
 
-    def _forward(self, seqs: Sequence[Seq], new_tokens: Sequence[Sequence[int]], all_rows: bool = False) -> torch.Tensor:
+    def _forward(self, seqs: Sequence[Seq], new_tokens: Sequence[Sequence[int]], all_rows: bool = False,
+                 want: Sequence[int] | None = None) -> torch.Tensor:
         if self.cache is None:
             feeds = [seq.tokens + list(toks) for seq, toks in zip(seqs, new_tokens)]
             starts = [0] * len(seqs)
@@ -268,7 +276,13 @@ class ModelRunner:
             ctx = RecomputeContext(lens, positions, self.config.layer_windows)
         else:
             ctx = PagedContext(self.cache, [s.kv for s in seqs], lens, positions, self.rotaries)  # type: ignore[misc]
-        rows = None if all_rows else torch.tensor(lens).cumsum(0) - 1  # [B] last token of each sequence
+        ends = torch.tensor(lens).cumsum(0)
+        if all_rows:
+            rows = None
+        elif want is None:
+            rows = ends - 1  # [B] last token of each sequence
+        else:  # each sequence's last want[i] tokens, in order
+            rows = torch.cat([torch.arange(e - w, e) for e, w in zip(ends.tolist(), want)])
         if faults.ACTIVE:
             faults.check("forward", ids.tolist())
             faults.check("stall", ids.tolist())

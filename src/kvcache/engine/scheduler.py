@@ -43,6 +43,7 @@ from kvcache.engine.request import Request, Sample, check_prompt, error_kind
 from kvcache.engine.grammar import Grammars, grammars_for
 from kvcache.engine.runner import ModelRunner
 from kvcache.engine.sampler import Row, choose, log_probs, make_generator, token_logprob
+from kvcache.engine.speculate import Speculator, speculative, verify
 from kvcache.engine.stops import TextTracker
 from kvcache.errors import CacheFull, InvalidParams, KVCacheError
 from kvcache.models.tokenizer import Tokenizer
@@ -58,6 +59,14 @@ class Item:
     req: Request
     sample: Sample
     n: int
+
+    @property
+    def want(self) -> int:
+        """Logits rows this item needs: one, or 1 + k when it verifies k proposed tokens."""
+        return 1 + self.sample.draft if self.sample.draft and self.n == len(self.sample.feed) else 1
+
+
+SPEC_MAX_DECODES = 8  # with this many decodes in a step, no sample speculates (see _plan)
 
 
 @dataclass(frozen=True)
@@ -99,8 +108,17 @@ class Scheduler:
         matcher = self.grammars.compile(p.constraint).matcher() if p.constraint is not None else None
         first = Sample(0, TextTracker(self.tokenizer, p.stop), make_generator(p, 0))
         first.start(p, req.prompt_ids, self.vocab, matcher)
+        first.spec = self._speculator(req)
         req.samples = [first]
         self.waiting.append(req)
+
+    def _speculator(self, req: Request) -> Speculator | None:
+        """A sample's proposer, when its request speculates and the cache can take tokens back
+        cheaply (no windows, which may drop pages for tokens that are then refused, and no press)."""
+        cache = self.runner.cache
+        if not speculative(req.params) or self.runner.windowed or (cache is not None and cache.config.press):
+            return None
+        return Speculator(req.params, req.prompt_ids)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and give back its pages; False if it is unknown or finished."""
@@ -137,13 +155,33 @@ class Scheduler:
             return done
         self.steps += 1
         ready: list[tuple[int, Item]] = []
+        checks: list[tuple[Item, int, list[int]]] = []
+        last = []
+        at = 0
+        for item in batch:
+            at += item.want
+            last.append(at - 1)
+        rows_logits = logits
+        if at != len(last):  # some rows verify proposals: each item's own rows, and its last for the rest
+            logits = logits[last]
         for row, item in enumerate(batch):
             if item.req.error is not None:
                 continue
+            want = item.want
+            draft = item.sample.feed[1 : 1 + item.sample.draft] if want > 1 else []
             del item.sample.feed[: item.n]
             if not item.sample.feed:
-                ready.append((row, item))
+                if want > 1:
+                    checks.append((item, last[row] + 1 - want, draft))
+                else:
+                    ready.append((row, item))
+            item.sample.draft = 0
         self._sample(ready, logits, mask_rows, mask_of, done)
+        for item, start, draft in checks:
+            try:
+                self._verify(item, rows_logits[start : start + 1 + len(draft)], draft)
+            except Exception as e:
+                self._fail(item.req, e, done)
         for item in batch:
             req = item.req
             if req.finished and req in self.running:
@@ -169,8 +207,10 @@ class Scheduler:
         refusal = self.runner.reserve(seqs, [b.n for b in batch])  # type: ignore[arg-type]
         if refusal is not None:
             raise refusal.error()
+        want = [b.want for b in batch]
         return self.runner.step(seqs, [b.sample.feed[: b.n] for b in batch],  # type: ignore[arg-type]
-                                prompt_end=[b.n == len(b.sample.feed) for b in batch])
+                                prompt_end=[b.n == len(b.sample.feed) for b in batch],
+                                want=want if any(w > 1 for w in want) else None)
 
     def _forward(self, batch: list[Item],
                  done: list[Request]) -> tuple[list[Item], torch.Tensor | None]:
@@ -229,7 +269,7 @@ class Scheduler:
                 self.runner.free(seq)
                 s.seq = seq = self.runner.lookup(full, req.salt)
             before = len(s.feed)
-            s.feed = full[len(seq.tokens):]
+            s.feed, s.draft = full[len(seq.tokens):], 0
             n -= before - len(s.feed)
             if n > 0:
                 out.append(Item(req, s, n))
@@ -281,7 +321,7 @@ class Scheduler:
         keep = self.runner.reusable(seq, keep)
         if keep < len(seq.tokens):
             self.runner.truncate(seq, keep)
-        s.seq, s.feed = seq, full[keep:]
+        s.seq, s.feed, s.draft = seq, full[keep:], 0
 
     def _room_for(self, req: Request) -> bool:
         """Whether a static pool, or a dynamic one at its budget, has the pages for the request's
@@ -302,16 +342,27 @@ class Scheduler:
         return self.runner.cache.shrink()
 
     def _plan(self) -> list[Item]:
+        """Decodes first, one token each (with their proposed tokens when they speculate and the
+        step has room), then prefill chunks in admission order, up to ``max_batch_tokens``. With
+        ``SPEC_MAX_DECODES`` or more decodes in the step, nothing is proposed: the batch already
+        reads each weight once for many tokens, and verifying proposals would only add work."""
         budget = self.config.max_batch_tokens
         batch: list[Item] = []
-        for req in self.running:  # decodes first: one token each
-            for s in req.samples:
-                if s.reason is None and s.tokens and len(s.feed) == 1 and budget > 0:
-                    batch.append(Item(req, s, 1))
-                    budget -= 1
+        decodes = [(req, s) for req in self.running for s in req.samples
+                   if s.reason is None and s.tokens and len(s.feed) == 1 + s.draft]
+        busy = len(decodes) >= SPEC_MAX_DECODES
+        for req, s in decodes:  # decodes first
+            if budget <= 0:
+                break
+            if s.draft and (busy or 1 + s.draft > budget):
+                keep = 0 if busy else budget - 1
+                del s.feed[1 + keep :]
+                s.draft = keep
+            batch.append(Item(req, s, len(s.feed)))
+            budget -= len(s.feed)
         for req in self.running:  # then prefill chunks, in admission order
             for s in req.samples:
-                if s.reason is None and s.feed and not (s.tokens and len(s.feed) == 1) and budget > 0:
+                if s.reason is None and s.feed and not (s.tokens and len(s.feed) == 1 + s.draft) and budget > 0:
                     n = min(len(s.feed), budget)
                     batch.append(Item(req, s, n))
                     budget -= n
@@ -422,6 +473,7 @@ class Scheduler:
                 twin = Sample(i, TextTracker(self.tokenizer, p.stop), make_generator(p, i))
                 twin.seq = self.runner.fork(s.seq)  # type: ignore[arg-type]
                 s.fork_state(twin)
+                twin.spec = self._speculator(req)
                 req.samples.append(twin)
                 group.append(twin)
         if not req.t_first:
@@ -446,12 +498,59 @@ class Scheduler:
                 req.on_delta(x.delta(piece, tok, p.logprobs is not None))
             if x.reason is None:
                 x.feed = [tok]
+                if x.spec is not None:
+                    x.spec.took([tok])
+                    self._propose(req, x)
             else:
                 ended.append(x)
         if ended and req.record_stats and req.finished:
             req.kv_stats = self.runner.stats()  # before the last samples' pages go back
         for x in ended:
             self._give_back(req, x)
+
+    def _propose(self, req: Request, x: Sample) -> None:
+        """Append the speculator's proposals to ``x``'s feed (its last token): at most what the
+        request may still generate after the next token, and what the context still holds."""
+        room = self.runner.capacity - len(req.prompt_ids) - len(x.tokens)
+        limit = min(req.params.max_tokens - len(x.tokens), room) - 1
+        draft = x.spec.propose(limit) if x.spec is not None and limit > 0 else []
+        x.feed += draft
+        x.draft = len(draft)
+
+    def _verify(self, item: Item, logits: torch.Tensor, draft: list[int]) -> None:
+        """One speculating sample after its verifying forward: keep the proposals the model agrees
+        with and one token of its own (engine/speculate.py ``verify``), take them in order (a stop
+        may end the sample early), and cut the cache back to what a plain decode of those tokens
+        would hold, before anything else (the prefix index, a tier) sees the refused ones."""
+        req, x = item.req, item.sample
+        p = req.params
+        if faults.ACTIVE:
+            faults.check("sample", req.prompt_ids)
+        new = verify(logits, draft, p, x.gen)
+        x.spec.verified(len(draft), len(new) - 1)  # type: ignore[union-attr]
+        seq = x.seq
+        assert seq is not None
+        fed = len(seq.tokens) - (1 + len(draft))  # tokens before this step's feed
+        room = self.runner.capacity - len(req.prompt_ids)
+        taken = 0
+        for tok in new:
+            taken += 1
+            piece = x.take(tok, None, self.eos, p, room)
+            if req.on_delta is not None and (piece or x.reason is not None):
+                req.on_delta(x.delta(piece, tok, False))
+            if x.reason is not None:
+                break
+        keep = fed + taken  # a plain decode has fed every taken token but the last
+        if keep < len(seq.tokens):
+            self.runner.truncate(seq, keep)
+        if x.reason is None:
+            x.feed = [new[taken - 1]]
+            x.spec.took(new[:taken])  # type: ignore[union-attr]
+            self._propose(req, x)
+            return
+        if req.record_stats and req.finished:
+            req.kv_stats = self.runner.stats()
+        self._give_back(req, x)
 
     # -- pressure ---------------------------------------------------------------------------------
     def _victim(self) -> Request | None:

@@ -1,0 +1,174 @@
+"""Speculative decoding: proposals of the next tokens, and their verification.
+
+A decoding sample with a ``Speculator`` feeds its last token and up to ``k`` proposed tokens in one
+forward; the logits after each are checked in order (``verify``) and the sample keeps the proposals
+the model agrees with plus one token of its own, so a forward gives 1 to k+1 tokens. The cache
+then drops the K/V of the rejected tokens (``ModelRunner.truncate``) before anything else sees
+them: the prefix index, the tiers and the next step find what a plain decode would have left.
+
+Proposers (no second model):
+- prompt lookup: the longest recent n-gram (4 down to 1 tokens) at the end of the sequence that
+  occurred before in the prompt or the output proposes what followed it;
+- a prediction (OpenAI's ``prediction`` content, ``SamplingParams.prediction``): the text the
+  caller expects, followed from where the output agrees with it, realigned by n-gram where it
+  departs.
+
+k adapts per sample: it grows after a fully accepted proposal and falls to one more than what was
+accepted otherwise; a lookup that keeps failing rests for a while.
+
+Verification is exact. Greedy: proposals are kept while each equals the argmax after the one
+before (and batch invariance makes those logits the bits a one-token decode gives), so the text is
+the text without speculation. Sampled: a proposal d at a position whose distribution is p is kept
+with probability p(d), else a token is drawn from p without d (renormalized), the standard
+rejection step for a proposal that is a single token; the output keeps the target distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcache.engine.params import SamplingParams
+from kvcache.engine.sampler import Row, adjust, is_greedy, warp
+
+MAX_NGRAM, MIN_NGRAM = 4, 1
+REST_AFTER, REST_STEPS = 3, 8  # a lookup refused this many times in a row rests this many steps
+SEARCH_LIMIT = 8192  # the last tokens of a sequence searched for an n-gram
+
+
+def speculative(params: SamplingParams) -> bool:
+    """Whether a request speculates: a prediction or prompt lookup, and nothing that changes the
+    logits from token to token or needs each token's log-probability (penalties, bias, grammars,
+    min_tokens, logprobs): those run without speculation."""
+    if not (params.prompt_lookup or params.prediction):
+        return False
+    return (params.constraint is None and not params.logit_bias and params.repetition_penalty == 1.0
+            and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0 and params.min_tokens == 0
+            and params.logprobs is None)
+
+
+class Speculator:
+    """One sample's proposer and its adaptive k, with what it proposed and what was kept."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int]) -> None:
+        self.k_max = params.prompt_lookup or DEFAULT_K
+        self.k = self.k_max
+        self.lookup = params.prompt_lookup > 0
+        self.prediction = list(params.prediction)
+        self.at: int | None = 0 if self.prediction else None  # next prediction token expected
+        self.history = list(prompt_ids)  # prompt and output tokens, for the lookup
+        self.index: dict[tuple[int, ...], int] = {}  # n-gram -> the position just after its latest occurrence
+        for end in range(1, len(self.history)):  # the last token's n-grams have no continuation yet
+            self._index(end)
+        self.refused = 0
+        self.rest = 0
+        self.proposed = self.accepted = 0  # tokens proposed and kept, all proposers
+        self.forwards = 0  # verifying forwards
+        self.pred_accepted = self.pred_rejected = 0  # of those, the prediction's
+        self._from_prediction = False
+
+    def _index(self, end: int) -> None:
+        """Record the n-grams ending at ``end`` (the position after them) of the history."""
+        for n in range(MIN_NGRAM, MAX_NGRAM + 1):
+            if end - n >= 0:
+                self.index[tuple(self.history[end - n : end])] = end
+
+    def took(self, tokens: list[int]) -> None:
+        """The sample's new tokens (kept proposals and the model's own)."""
+        for t in tokens:
+            self.history.append(t)
+            # index the n-grams ending one before the end: the latest occurrence must have a continuation
+            self._index(len(self.history) - 1)
+            if self.at is not None:
+                if self.at < len(self.prediction) and self.prediction[self.at] == t:
+                    self.at += 1
+                else:
+                    self.at = None
+        if self.prediction and self.at is None:
+            self.at = self._realign()
+
+    def _realign(self) -> int | None:
+        """Where the output's last tokens occur in the prediction (the longest n-gram that does)."""
+        for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
+            if len(self.history) < n:
+                continue
+            tail = self.history[-n:]
+            for i in range(len(self.prediction) - n, -1, -1):
+                if self.prediction[i : i + n] == tail:
+                    return i + n
+        return None
+
+    def propose(self, limit: int) -> list[int]:
+        """Up to ``min(k, limit)`` tokens to verify after the sample's last token (which the history
+        ends with)."""
+        k = min(self.k, limit)
+        self._from_prediction = False
+        if k < 1:
+            return []
+        if self.at is not None and self.at < len(self.prediction):
+            self._from_prediction = True
+            return self.prediction[self.at : self.at + k]
+        if not self.lookup:
+            return []
+        if self.rest > 0:
+            self.rest -= 1
+            return []
+        h = self.history
+        for n in range(min(MAX_NGRAM, len(h) - 1), MIN_NGRAM - 1, -1):
+            end = self.index.get(tuple(h[-n:]))
+            if end is not None and end < len(h) and len(h) - end <= SEARCH_LIMIT:
+                return h[end : end + k]
+        return []
+
+    def verified(self, proposed: int, accepted: int) -> None:
+        """A verification's outcome: adapt k, rest a lookup that keeps failing, count."""
+        self.forwards += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        if self._from_prediction:
+            self.pred_accepted += accepted
+            self.pred_rejected += proposed - accepted
+        if accepted == proposed:
+            self.k = min(self.k_max, self.k + 2)
+        else:
+            self.k = max(1, accepted + 1)
+        if accepted == 0 and not self._from_prediction:
+            self.refused += 1
+            if self.refused >= REST_AFTER:
+                self.rest, self.refused = REST_STEPS, 0
+        else:
+            self.refused = 0
+
+
+DEFAULT_K = 8  # proposals per forward when only a prediction is given
+
+
+def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams,
+           gen: torch.Generator | None) -> list[int]:
+    """The tokens a sample keeps from one verifying forward: ``logits`` [k+1, V] are those after
+    its last token and after each of the k proposals ``draft``. Returns the kept proposals and one
+    more token of the model's own (exact: see the module docstring)."""
+    k = len(draft)
+    if is_greedy(params):
+        best = torch.argmax(logits.float(), dim=-1).tolist()
+        out = []
+        for i in range(k):
+            if best[i] != draft[i]:
+                return out + [int(best[i])]
+            out.append(draft[i])
+        return out + [int(best[k])]
+    probs = warp(adjust(logits, [Row(params)] * (k + 1)), [params] * (k + 1))
+    out = []
+    for i in range(k):
+        p = probs[i]
+        d = draft[i]
+        if float(torch.rand((), generator=gen)) < float(p[d]):
+            out.append(d)
+            continue
+        rest = p.clone()
+        rest[d] = 0.0
+        total = float(rest.sum())
+        if total <= 0.0:  # p was all on d: it would have been kept
+            out.append(d)
+            continue
+        return out + [int(torch.multinomial(rest / total, 1, generator=gen))]
+    return out + [int(torch.multinomial(probs[k], 1, generator=gen))]

@@ -1,0 +1,154 @@
+"""Speculative decoding (engine/speculate.py) on the bundled model: greedy text with prompt lookup
+or a prediction is token for token the text without, for every exact cache strategy, alone and in
+a batch of 8, with prefix hits; the cache after a run (pages, the prefix index's nodes and cached
+pages, the integrity check) is what a run without speculation leaves, so refused tokens never
+reach the index; sampled output keeps the target distribution (the verification step over many
+seeds); and the proposers propose what they should."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache import LLM
+from kvcache.engine.params import SamplingParams
+from kvcache.engine.speculate import Speculator, speculative, verify
+
+DOC = ("The lighthouse keeper climbed the stairs at dusk. He lit the lamp, wound the clock and wrote the weather "
+       "in the log. The lighthouse keeper climbed the stairs at dawn. He put out the lamp and wrote the weather "
+       "in the log again.")
+PROMPTS = [[{"role": "user", "content": f"Copy this text exactly:\n{DOC}"}],
+           [{"role": "user", "content": "Count from one to twenty in words, separated by commas."}],
+           [{"role": "user", "content": f"Summarize in one sentence:\n{DOC}"}],
+           [{"role": "user", "content": "Write a short poem about the sea."}]]
+
+
+def _plain(llm, prompts, n=48):
+    return llm.generate_batch(prompts, SamplingParams(max_tokens=n), chat=True)
+
+
+def _wrong(ids: list[int], every: int = 5) -> list[int]:
+    """A prediction that departs from the text now and then (every ``every``-th token replaced)."""
+    return [t if (i + 1) % every else (t + 7) % 40000 for i, t in enumerate(ids)]
+
+
+@pytest.mark.parametrize("kv", ["dynamic", "static,max_tokens=512", "dynamic,page_size=4", "dynamic,host"])
+def test_greedy_text_is_the_text_without_speculation(kv):
+    plain_llm, spec_llm = LLM(kv=kv), LLM(kv=kv)
+    prompts = PROMPTS * 2  # a batch of 8, each prompt twice: the second of each pair may hit the prefix cache
+    want = _plain(plain_llm, prompts)
+    preds = [_wrong(o.token_ids) for o in want]
+    for params in ([SamplingParams(max_tokens=48, prompt_lookup=6)] * len(prompts),
+                   [SamplingParams(max_tokens=48, prediction=p) for p in preds]):
+        got = spec_llm.generate_batch(prompts, params, chat=True)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+        for i in range(4):  # one at a time, and again with the prefix cached
+            for _ in range(2):
+                (alone,) = spec_llm.generate_batch([prompts[i]], [params[i]], chat=True)
+                assert alone.token_ids == want[i].token_ids, (kv, i)
+    spec_llm.check_integrity()
+    stats = spec_llm.generate_batch(prompts[:1], [SamplingParams(max_tokens=48, prediction=preds[0])], chat=True)[0]
+    assert stats.metrics["spec_accepted"] > 0 and stats.metrics["spec_pred_rejected"] > 0  # both paths ran
+
+
+def test_the_cache_after_speculation_is_the_cache_without():
+    """Rollback leaves what a sequence that never saw the refused tokens leaves: the same pages in
+    use and cached, the same prefix-index nodes; the refused tokens reach no page of the index."""
+    prompts = PROMPTS
+    plain_llm, spec_llm = LLM(kv="dynamic,page_size=4"), LLM(kv="dynamic,page_size=4")
+    want = _plain(plain_llm, prompts)
+    got = spec_llm.generate_batch(prompts, [SamplingParams(max_tokens=48, prediction=_wrong(o.token_ids, 3))
+                                            for o in want], chat=True)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert sum(o.metrics["spec_pred_rejected"] for o in got) > 20
+    a, b = plain_llm.prefix_stats(), spec_llm.prefix_stats()
+    assert (a.nodes, a.cached_pages) == (b.nodes, b.cached_pages)
+    sa, sb = plain_llm.kv_stats(), spec_llm.kv_stats()
+    assert (sa.pages_used, sa.tokens_stored, sa.pages_cached) == (sb.pages_used, sb.tokens_stored, sb.pages_cached)
+    spec_llm.check_integrity()
+
+
+@pytest.mark.parametrize("kv", ["int8", "int4,residual=8", "fp16"])
+def test_lossy_encodings_speculate_and_keep_their_accounting(kv):
+    """A lossy encoding takes proposals back too (the residual buffer and sealed pages as a
+    sequence that never saw them); its text may differ from one-at-a-time decoding by the
+    encoding's rounding, as a prefill chunk's does (the verified tokens attend to each other at
+    full precision), so only the accounting is compared."""
+    llm = LLM(kv=f"dynamic,{kv}")
+    want = _plain(llm, PROMPTS)
+    got = llm.generate_batch(PROMPTS, [SamplingParams(max_tokens=48, prediction=_wrong(o.token_ids, 3)) for o in want],
+                             chat=True)
+    assert sum(o.metrics["spec_pred_rejected"] for o in got) > 0 and all(o.token_ids for o in got)
+    llm.check_integrity()
+
+
+def test_windows_and_presses_do_not_speculate():
+    for kv in ("dynamic,window=64", "dynamic,press=snapkv,ratio=0.5"):
+        llm = LLM(kv=kv)
+        (out,) = llm.generate_batch(PROMPTS[:1], [SamplingParams(max_tokens=8, prompt_lookup=4)], chat=True)
+        assert "spec_forwards" not in out.metrics, kv
+
+
+def test_prediction_equal_to_the_output_needs_few_forwards(smollm_q):
+    (want,) = _plain(smollm_q, PROMPTS[:1], 64)
+    (got,) = smollm_q.generate_batch(PROMPTS[:1], [SamplingParams(max_tokens=64, prediction=want.token_ids)],
+                                     chat=True)
+    assert got.token_ids == want.token_ids
+    m = got.metrics
+    assert m["spec_pred_rejected"] == 0 and m["spec_accepted"] == m["spec_proposed"] > 0
+    # each verifying forward gives its kept proposals and one token of its own
+    assert m["spec_accepted"] + m["spec_forwards"] >= len(want.token_ids) - 1
+    assert m["spec_forwards"] <= len(want.token_ids) // 4  # 4 or more tokens a forward
+
+
+def test_requests_that_change_logits_per_token_do_not_speculate():
+    assert speculative(SamplingParams(prompt_lookup=4))
+    assert speculative(SamplingParams(prediction=(1, 2), temperature=0.7))
+    for kw in (dict(repetition_penalty=1.2), dict(logit_bias={3: 1.0}), dict(min_tokens=2), dict(logprobs=2),
+               dict(frequency_penalty=0.5)):
+        assert not speculative(SamplingParams(prompt_lookup=4, **kw)), kw
+    assert not speculative(SamplingParams())
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    sp = Speculator(SamplingParams(prompt_lookup=3), [5, 6, 7, 8, 9, 5, 6, 1, 2])
+    sp.took([5, 6])  # "5 6" occurred twice: the latest was followed by 1 2
+    assert sp.propose(10) == [1, 2, 5]
+    sp.took([42])  # nothing ends with 42 before: no proposal
+    assert sp.propose(10) == []
+    assert sp.propose(0) == []
+
+
+def test_prediction_follows_the_output_and_realigns():
+    sp = Speculator(SamplingParams(prediction=(10, 11, 12, 13, 14, 15, 16)), [1, 2])
+    assert sp.propose(3) == [10, 11, 12]
+    sp.took([10, 11])
+    assert sp.propose(3) == [12, 13, 14]
+    sp.took([99, 14])  # departs, then "14" is found again in the prediction
+    assert sp.propose(2) == [15, 16]
+    sp.verified(2, 1)
+    assert sp.k == 2 and sp.pred_accepted == 1 and sp.pred_rejected == 1
+
+
+def test_sampled_verification_keeps_the_target_distribution():
+    """The first token verify returns, over 6000 seeds: the target distribution p at that position,
+    whether the proposal there is likely or not (chi-square against p, and the draft kept at the
+    rate p gives it)."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 12) * 1.5
+    p = torch.softmax(logits[0] / 0.8, -1)
+    params = SamplingParams(temperature=0.8)
+    for draft in ([int(p.argmax()), 3], [int(p.argmin()), 0]):
+        counts = torch.zeros(12)
+        kept_second = 0
+        n = 6000
+        for seed in range(n):
+            g = torch.Generator().manual_seed(seed)
+            out = verify(logits, draft, params, g)
+            counts[out[0]] += 1
+            kept_second += len(out) == 3
+        expected = p * n
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < 40.0, (draft, counts.tolist(), expected.tolist())  # 11 degrees of freedom: p < 1e-4
+    assert verify(logits, [int(logits[0].argmax()), 5], SamplingParams(), None)[0] == int(logits[0].argmax())
