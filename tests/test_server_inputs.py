@@ -56,7 +56,6 @@ def test_hostile_bodies_get_400_naming_the_problem(server, body, words, param):
     ({"best_of": 3}, "best_of"),
     ({"suffix": " the end"}, "suffix"),
     ({"functions": [{"name": "f"}]}, "functions"),
-    ({"prediction": {"type": "content", "content": "t5"}}, "prediction"),
     ({"audio": {"voice": "alloy"}}, "audio"),
 ])
 def test_unsupported_parameters_are_named_not_ignored(server, extra, param):

@@ -7,6 +7,8 @@ seeds); and the proposers propose what they should."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -152,3 +154,38 @@ def test_sampled_verification_keeps_the_target_distribution():
         chi2 = float(((counts - expected) ** 2 / expected).sum())
         assert chi2 < 40.0, (draft, counts.tolist(), expected.tolist())  # 11 degrees of freedom: p < 1e-4
     assert verify(logits, [int(logits[0].argmax()), 5], SamplingParams(), None)[0] == int(logits[0].argmax())
+
+
+def test_predicted_outputs_through_the_openai_client():
+    """`prediction` on both endpoints with the real openai client: the same text as without, and
+    OpenAI's accounting in usage.completion_tokens_details; `prompt_lookup` as an extra."""
+    from test_server import Server, _model
+
+    from kvcache.models.bundled import default_gguf
+
+    server = Server(str(default_gguf()))
+    try:
+        client, model = server.client(), _model(server)
+        msgs = [{"role": "user", "content": f"Copy this text exactly:\n{DOC}"}]
+        plain = client.chat.completions.create(model=model, messages=msgs, max_tokens=60, temperature=0)
+        text = plain.choices[0].message.content
+        assert plain.usage.completion_tokens_details is None  # no prediction, no prediction accounting
+        same = client.chat.completions.create(model=model, messages=msgs, max_tokens=60, temperature=0,
+                                              prediction={"type": "content", "content": text})
+        assert same.choices[0].message.content == text
+        details = same.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens > 0.5 * same.usage.completion_tokens
+        assert details.rejected_prediction_tokens == 0
+        off = client.chat.completions.create(model=model, messages=msgs, max_tokens=60, temperature=0,
+                                             prediction={"type": "content", "content": "Something else. " + text})
+        assert off.choices[0].message.content == text
+        assert off.usage.completion_tokens_details.rejected_prediction_tokens > 0
+        comp = client.completions.create(model=model, prompt=DOC, max_tokens=30, temperature=0)
+        looked = client.completions.create(model=model, prompt=DOC, max_tokens=30, temperature=0,
+                                           extra_body={"prompt_lookup": 5})
+        assert looked.choices[0].text == comp.choices[0].text
+        code, err = server.post("/v1/completions", json.dumps({"model": model, "prompt": "x", "max_tokens": 2,
+                                                              "prediction": {"type": "image"}}).encode())
+        assert code == 400 and err["error"]["param"] == "prediction.type"
+    finally:
+        server.close()

@@ -6,7 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvcache.cliargs import add_model_args, add_prefix_args, add_sampling_args, load_llm, sampling_params
+from kvcache.cliargs import (add_model_args, add_prefix_args, add_sampling_args, load_llm, prediction_text,
+                             sampling_params)
 from kvcache.fmt import human_bytes
 from kvcache.errors import KVCacheError
 
@@ -15,7 +16,12 @@ DEFAULT_PROMPT = "What is a KV cache in a language model? Answer in two sentence
 
 def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)
+    predicted = prediction_text(args)
     llm = load_llm(args)
+    if predicted:
+        from dataclasses import replace
+
+        params = replace(params, prediction=tuple(llm.tokenizer.encode(predicted, add_special_tokens=False)))
     prompt = args.prompt if args.prompt is not None else ("" if args.prompt_cache else DEFAULT_PROMPT)
     chat = args.chat or args.prompt is None
     run = llm.request(prompt, params, chat and not args.prompt_cache, args.prompt_cache)

@@ -91,6 +91,12 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
                    help="a token id that ends the text like EOS (repeatable)")
     p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
                    help="add BIAS (-100 to 100) to token ID's logit (repeatable)")
+    p.add_argument("--prompt-lookup", type=int, default=0, metavar="K",
+                   help="speculative decoding: up to K tokens proposed per forward from n-grams of the prompt and "
+                        "output, verified in one forward; the text is the text without it (default 0: off)")
+    p.add_argument("--prediction", default=None, metavar="TEXT",
+                   help="speculative decoding from the text you expect (inline or @FILE), as OpenAI's predicted "
+                        "outputs: an edit of a file given as the file runs several tokens a forward")
     c = p.add_mutually_exclusive_group()
     c.add_argument("--json-schema", default=None, metavar="SCHEMA",
                    help="the text must be JSON valid under this JSON schema (inline JSON, or @FILE)")
@@ -112,7 +118,14 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
         stop_token_ids=tuple(args.stop_token_id), logit_bias=_logit_bias(args.logit_bias), constraint=_constraint(args),
+        prompt_lookup=args.prompt_lookup,
     )
+
+
+def prediction_text(args: argparse.Namespace) -> str | None:
+    """``--prediction``'s text (read from the file for @FILE), or None."""
+    value = getattr(args, "prediction", None)
+    return None if value is None else _text_or_file(value, "--prediction")
 
 
 def _logit_bias(items: list[str]) -> dict[int, float]:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ import torch
 from kvcache.engine import faults
 from kvcache.engine.request import Request, Sample, check_prompt, error_kind
 from kvcache.engine.grammar import Grammars, grammars_for
+from kvcache.engine.params import MAX_LOOKUP
 from kvcache.engine.runner import ModelRunner
 from kvcache.engine.sampler import Row, choose, log_probs, make_generator, token_logprob
 from kvcache.engine.speculate import Speculator, speculative, verify
@@ -74,10 +75,13 @@ class SchedulerConfig:
     max_batch_tokens: int = 256  # tokens per forward: decodes first, then prefill chunks
     max_running: int = 32  # requests served at once
     policy: str = "fifo"  # fifo | priority (higher first, then arrival)
+    prompt_lookup: int = 0  # prompt lookup for requests that set none (serve --prompt-lookup; 0: off)
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.max_running < 1:
             raise InvalidParams("max_batch_tokens and max_running must be at least 1")
+        if not 0 <= self.prompt_lookup <= MAX_LOOKUP:
+            raise InvalidParams(f"--prompt-lookup must be between 0 (off) and {MAX_LOOKUP}, got {self.prompt_lookup}")
         if self.policy not in ("fifo", "priority"):
             raise InvalidParams(f"unknown scheduling policy {self.policy!r}: fifo or priority")
 
@@ -116,9 +120,12 @@ class Scheduler:
         """A sample's proposer, when its request speculates and the cache can take tokens back
         cheaply (no windows, which may drop pages for tokens that are then refused, and no press)."""
         cache = self.runner.cache
-        if not speculative(req.params) or self.runner.windowed or (cache is not None and cache.config.press):
+        p = req.params
+        if self.config.prompt_lookup and not p.prompt_lookup:
+            p = replace(p, prompt_lookup=self.config.prompt_lookup)
+        if not speculative(p) or self.runner.windowed or (cache is not None and cache.config.press):
             return None
-        return Speculator(req.params, req.prompt_ids)
+        return Speculator(p, req.prompt_ids)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and give back its pages; False if it is unknown or finished."""

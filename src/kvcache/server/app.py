@@ -166,7 +166,7 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
         prompts = _prompts(body.prompt)
         check_limits(state.limits, len(prompts), body.n, body.stop)
         _no_tools(raw)
-        params = body.sampling(16)
+        params = body.sampling(16, prediction=await _prediction(state, body))
         await _check_params(state, params)
         ids = await asyncio.to_thread(lambda: [_encode(state, p) for p in prompts])
         reqs = [_request(state, i, body, params, caller, p if isinstance(p, str) else None, "prompt")
@@ -202,7 +202,8 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
             raise ApiError(400, str(e), param="messages") from None
         room = max(1, llm.runner.capacity - len(ids))
         body.max_tokens = body.max_completion_tokens or body.max_tokens
-        params = body.sampling(min(1024, room), Constraint("lark", forced) if forced is not None else None)
+        params = body.sampling(min(1024, room), Constraint("lark", forced) if forced is not None else None,
+                               await _prediction(state, body))
         await _check_params(state, params, "tool_choice" if forced is not None else None)
         req = _request(state, ids, body, params, caller, None, "messages")
         rid = new_id("chatcmpl")
@@ -219,6 +220,14 @@ def _check_model(state: ServerState, model: str) -> None:
     if model != state.model_name:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
                        param="model", code="model_not_found")
+
+
+async def _prediction(state: ServerState, body: Any) -> list[int] | None:
+    """The token ids of the request's ``prediction`` (tokenized off the event loop), or None."""
+    text = body.prediction_text()
+    if not text:
+        return None
+    return await asyncio.to_thread(lambda: state.llm.tokenizer.encode(text, add_special_tokens=False))
 
 
 def _no_tools(raw: Any) -> None:

@@ -33,6 +33,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-batch-tokens", type=int, default=256,
                    help="tokens per forward: decodes first, then prompt chunks (default 256)")
     s.add_argument("--max-running", type=int, default=32, help="requests served at once (default 32)")
+    s.add_argument("--prompt-lookup", type=int, default=0, metavar="K",
+                   help="speculative decoding for every request that allows it: up to K tokens proposed per "
+                        "forward from n-grams of its prompt and output, verified in one forward (greedy text "
+                        "unchanged); off while 8 or more requests decode at once (default 0: off; a request's "
+                        "'prediction' speculates either way)")
     s.add_argument("--policy", choices=("fifo", "priority"), default="fifo",
                    help="admission order (priority: the request's 'priority' field, higher first)")
     s.add_argument("--max-request-bytes", type=int, default=4 << 20, metavar="N",
@@ -65,7 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvcache.engine.scheduler import SchedulerConfig
 
     sched = SchedulerConfig(max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
-                            policy=args.policy)  # refuse bad values before the model loads
+                            policy=args.policy, prompt_lookup=args.prompt_lookup)  # refused before the model loads
     from kvcache.server.intake import Limits
 
     limits = Limits(max_request_bytes=args.max_request_bytes, max_prompts=args.max_prompts,

@@ -160,7 +160,7 @@ def _check_str(s: str, where: str) -> None:
 # form of tools, which are taken; suffix: insertion, which no chat or base model here is trained for)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "audio": (None,),
-    "modalities": (None, ["text"]), "prediction": (None,),
+    "modalities": (None, ["text"]),
 }
 
 

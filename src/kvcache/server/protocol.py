@@ -58,8 +58,28 @@ class _Common(BaseModel):
     guided_regex: Optional[StrictStr] = None
     guided_choice: Optional[list[StrictStr]] = None
     guided_grammar: Optional[StrictStr] = None
+    # speculative decoding: OpenAI's predicted outputs, and prompt lookup (kvcache: proposed tokens per forward)
+    prediction: Optional[dict[str, Any]] = None
+    prompt_lookup: Optional[StrictInt] = Field(default=None, ge=0, le=32)
 
-    def sampling(self, default_max: int, constraint: Constraint | None = None) -> SamplingParams:
+    def prediction_text(self) -> str | None:
+        """The text of ``prediction`` ({"type": "content", "content": text or text parts})."""
+        pred = self.prediction
+        if pred is None:
+            return None
+        if pred.get("type") != "content":
+            raise ApiError(400, f"prediction.type must be 'content', got {pred.get('type')!r}", param="prediction.type")
+        content = pred.get("content")
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                             and isinstance(p.get("text"), str) for p in content):
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ApiError(400, "prediction.content must be a string or a list of text parts",
+                           param="prediction.content")
+        return content
+
+    def sampling(self, default_max: int, constraint: Constraint | None = None,
+                 prediction: list[int] | None = None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         try:
             return SamplingParams(
@@ -68,7 +88,8 @@ class _Common(BaseModel):
                 logprobs=self.logprob_count(), logit_bias=self.logit_bias or {},
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
-                stop_token_ids=tuple(self.stop_token_ids or ()), constraint=constraint or self.constraint())
+                stop_token_ids=tuple(self.stop_token_ids or ()), constraint=constraint or self.constraint(),
+                prompt_lookup=self.prompt_lookup or 0, prediction=tuple(prediction or ()))
         except InvalidParams as e:
             raise ApiError(400, str(e), param=_param_of(str(e))) from None
 
@@ -244,7 +265,13 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+def usage(prompt_tokens: int, completion_tokens: int, cached: int,
+          prediction: tuple[int, int] | None = None) -> dict[str, Any]:
+    """OpenAI's usage; ``prediction``: (accepted, rejected) prediction tokens, when one was sent."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached}}
+    if prediction is not None:
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": prediction[0],
+                                            "rejected_prediction_tokens": prediction[1]}
+    return out

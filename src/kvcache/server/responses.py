@@ -13,7 +13,11 @@ from kvcache.server.tools import ToolSpec, parse_output
 def _usage(reqs: list[Request]) -> dict[str, Any]:
     prompt = sum(len(r.prompt_ids) for r in reqs)
     completion = sum(len(s.tokens) for r in reqs for s in r.samples)
-    return usage(prompt, completion, sum(max(0, r.cached_tokens) for r in reqs))
+    pred = None
+    if any(r.params.prediction for r in reqs):  # OpenAI's accounting of predicted outputs
+        specs = [s.spec for r in reqs for s in r.samples if s.spec is not None]
+        pred = (sum(sp.pred_accepted for sp in specs), sum(sp.pred_rejected for sp in specs))
+    return usage(prompt, completion, sum(max(0, r.cached_tokens) for r in reqs), pred)
 
 
 def completion_response(rid: str, model: str, reqs: list[Request], echoes: list[tuple[str, dict | None]] | None,
