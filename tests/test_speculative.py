@@ -189,3 +189,20 @@ def test_predicted_outputs_through_the_openai_client():
         assert code == 400 and err["error"]["param"] == "prediction.type"
     finally:
         server.close()
+
+
+def test_preempted_speculating_requests_give_the_same_text():
+    """A pool too small for four speculating requests at once: requests are preempted with
+    proposals pending and resumed (the feed rebuilt from their tokens); the text is unchanged and
+    the pages all come back."""
+    from kvcache.engine.scheduler import SchedulerConfig
+
+    want = _plain(LLM(prefix=False), PROMPTS, 40)
+    tight = LLM(kv="dynamic,page_size=4,budget=10MiB")
+    got = tight.generate_batch(PROMPTS, [SamplingParams(max_tokens=40, prediction=_wrong(o.token_ids, 4))
+                                         for o in want], chat=True,
+                               scheduler=SchedulerConfig(max_batch_tokens=64, max_running=4))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert sum(o.metrics["preemptions"] for o in got) > 0
+    tight.check_integrity()
+    assert tight.kv_stats().pages_in_use == 0
