@@ -59,6 +59,26 @@ def test_a_fault_in_one_request_fails_it_alone(tiny, monkeypatch, stage):
     assert tiny.kv_stats().pages_in_use == 0
 
 
+@pytest.mark.parametrize("stage", [s for s in faults.STAGES if s != "fork"])  # one sample each: no fork
+def test_a_fault_beside_speculating_requests_fails_one_alone(tiny, monkeypatch, stage):
+    """The same with every request speculating (prompt lookup; fewer than 8 decode at once, so
+    they do): the others keep their tokens, their proposals come and go, every page comes back."""
+    params = SamplingParams(max_tokens=16, ignore_eos=True, prompt_lookup=4)
+    tiny.clear_prefix_cache()
+    clean = [r.samples[0].tokens for r in _run(tiny, _healthy(), params)]
+    assert clean == [r.samples[0].tokens for r in _run(tiny, _healthy(), SamplingParams(max_tokens=16,
+                                                                                          ignore_eos=True))]
+    tiny.clear_prefix_cache()
+    _arm(monkeypatch, stage)
+    reqs = _run(tiny, _healthy()[:2] + [[5, 9, POISON, 7]] + _healthy()[2:], params)
+    bad = reqs.pop(2)
+    assert bad.error and "injected fault" in bad.error
+    assert [r.samples[0].tokens for r in reqs] == clean
+    assert any(s.spec.forwards for r in reqs for s in r.samples)  # they did speculate
+    tiny.check_integrity()
+    assert tiny.kv_stats().pages_in_use == 0
+
+
 def test_a_forward_fault_in_a_long_chunked_prefill_takes_nothing_with_it(tiny, monkeypatch):
     """The fault strikes a forward that carries a prompt chunk beside decodes: the decodes go on
     and the pages the failed step reserved come back."""
