@@ -206,3 +206,26 @@ def test_preempted_speculating_requests_give_the_same_text():
     assert sum(o.metrics["preemptions"] for o in got) > 0
     tight.check_integrity()
     assert tight.kv_stats().pages_in_use == 0
+
+
+def test_a_draft_model_proposes_and_the_text_is_unchanged(smollm):
+    """The bundled model's quantized file as the draft of its fp32 self: the same greedy tokens as
+    the fp32 model alone, several tokens a forward, and the draft's pages all back after."""
+    from kvcache.models.bundled import default_gguf
+
+    target = LLM(weights="fp32", draft_model=str(default_gguf()))
+    want = smollm.generate_batch(PROMPTS, SamplingParams(max_tokens=40), chat=True)
+    got = target.generate_batch(PROMPTS, SamplingParams(max_tokens=40), chat=True)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    m = [o.metrics for o in got]
+    assert sum(x["spec_accepted"] for x in m) > 0.5 * sum(x["spec_proposed"] for x in m)
+    assert sum(x["spec_forwards"] for x in m) < 0.5 * sum(len(o.token_ids) for o in got)
+    assert target.draft.kv_stats().pages_in_use == 0
+    target.check_integrity()
+
+
+def test_a_draft_with_another_tokenizer_is_refused(tiny_dir):
+    from kvcache.errors import InvalidParams
+
+    with pytest.raises(InvalidParams, match="another tokenizer"):
+        LLM(str(tiny_dir("llama")[0]), draft_model="smollm2")

@@ -66,6 +66,8 @@ class LLM:
         threads: int | None = None,
         prefix: PrefixConfig | bool | None = None,
         weights: str = "file",
+        draft_model: str | None = None,
+        draft_weights: str = "file",
     ) -> None:
         torch.set_num_threads(threads or default_threads())
         t0 = time.perf_counter()
@@ -91,7 +93,21 @@ class LLM:
         self.cache_config = parse_kv_spec(kv)
         self.prefix_config = parse_prefix(prefix)
         self.runner = ModelRunner(self.model, self.cache_config, self.prefix_config, self.fingerprint)
+        self.draft: LLM | None = None
+        if draft_model is not None:
+            self.draft = self._load_draft(draft_model, draft_weights, threads)
+            self.runner.draft = self.draft.runner
         self.load_s = time.perf_counter() - t0
+
+    def _load_draft(self, model: str, weights: str, threads: int | None) -> LLM:
+        """A draft model for speculative decoding: the same tokenizer (every token id the same
+        text), its own dynamic cache, no prefix cache."""
+        draft = LLM(model, kv="dynamic", threads=threads, prefix=False, weights=weights)
+        if (draft.config.vocab_size != self.config.vocab_size
+                or draft.tokenizer.backend.get_vocab() != self.tokenizer.backend.get_vocab()):
+            raise InvalidParams(f"the draft model {draft.model_name!r} has another tokenizer than "
+                                f"{self.model_name!r}: a draft must share the target's vocabulary")
+        return draft
 
     # -- prompts -----------------------------------------------------------------------------
     def encode(self, prompt: Prompt | Messages, chat: bool = False) -> list[int]:

@@ -49,6 +49,7 @@ class ModelRunner:
                  fingerprint: str = "") -> None:
         self.model = model
         self.config = model.config
+        self.draft: ModelRunner | None = None  # a draft model's runner, for speculative decoding (LLM(draft_model=))
         self.cache_config = cache_config.with_capacity(model.config.max_position)
         self.cache = PagedKVCache(model.config, self.cache_config) if cache_config.uses_cache else None
         self.rotaries = [model.rotary_for_layer(i) for i in range(model.config.num_layers)]

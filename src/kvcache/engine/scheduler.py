@@ -123,9 +123,10 @@ class Scheduler:
         p = req.params
         if self.config.prompt_lookup and not p.prompt_lookup:
             p = replace(p, prompt_lookup=self.config.prompt_lookup)
-        if not speculative(p) or self.runner.windowed or (cache is not None and cache.config.press):
+        draft = self.runner.draft
+        if not speculative(p, draft is not None) or self.runner.windowed or (cache is not None and cache.config.press):
             return None
-        return Speculator(p, req.prompt_ids)
+        return Speculator(p, req.prompt_ids, draft if not p.prediction else None)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and give back its pages; False if it is unknown or finished."""
@@ -585,6 +586,8 @@ class Scheduler:
     def _give_back(self, req: Request, s: Sample) -> None:
         """The sample is done with its sequence: released (computed K/V stay reusable in the prefix
         index), or, when the caller keeps it, left holding the tokens it has computed."""
+        if s.spec is not None:
+            s.spec.close()
         if s.seq is None:
             return
         if _kept(req, s):

@@ -6,12 +6,15 @@ the model agrees with plus one token of its own, so a forward gives 1 to k+1 tok
 then drops the K/V of the rejected tokens (``ModelRunner.truncate``) before anything else sees
 them: the prefix index, the tiers and the next step find what a plain decode would have left.
 
-Proposers (no second model):
-- prompt lookup: the longest recent n-gram (4 down to 1 tokens) at the end of the sequence that
-  occurred before in the prompt or the output proposes what followed it;
+Proposers, in this order of preference:
 - a prediction (OpenAI's ``prediction`` content, ``SamplingParams.prediction``): the text the
   caller expects, followed from where the output agrees with it, realigned by n-gram where it
-  departs.
+  departs;
+- a draft model (``LLM(draft_model=...)``, ``--draft-model``): a smaller or more quantized model
+  with the same tokenizer decodes k tokens greedily on its own cache, which is cut back to what
+  the target kept, as the target's is;
+- prompt lookup: the longest recent n-gram (4 down to 1 tokens) at the end of the sequence that
+  occurred before in the prompt or the output proposes what followed it.
 
 k adapts per sample: it grows after a fully accepted proposal and falls to one more than what was
 accepted otherwise; a lookup that keeps failing rests for a while.
@@ -25,6 +28,8 @@ rejection step for a proposal that is a single token; the output keeps the targe
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvcache.engine.params import SamplingParams
@@ -35,11 +40,11 @@ REST_AFTER, REST_STEPS = 3, 8  # a lookup refused this many times in a row rests
 SEARCH_LIMIT = 8192  # the last tokens of a sequence searched for an n-gram
 
 
-def speculative(params: SamplingParams) -> bool:
-    """Whether a request speculates: a prediction or prompt lookup, and nothing that changes the
-    logits from token to token or needs each token's log-probability (penalties, bias, grammars,
-    min_tokens, logprobs): those run without speculation."""
-    if not (params.prompt_lookup or params.prediction):
+def speculative(params: SamplingParams, draft: bool = False) -> bool:
+    """Whether a request speculates: a prediction, prompt lookup or a draft model (``draft``), and
+    nothing that changes the logits from token to token or needs each token's log-probability
+    (penalties, bias, grammars, min_tokens, logprobs): those run without speculation."""
+    if not (params.prompt_lookup or params.prediction or draft):
         return False
     return (params.constraint is None and not params.logit_bias and params.repetition_penalty == 1.0
             and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0 and params.min_tokens == 0
@@ -49,8 +54,9 @@ def speculative(params: SamplingParams) -> bool:
 class Speculator:
     """One sample's proposer and its adaptive k, with what it proposed and what was kept."""
 
-    def __init__(self, params: SamplingParams, prompt_ids: list[int]) -> None:
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], draft: Any = None) -> None:
         self.k_max = params.prompt_lookup or DEFAULT_K
+        self.draft = DraftProposer(draft) if draft is not None else None
         self.k = self.k_max
         self.lookup = params.prompt_lookup > 0
         self.prediction = list(params.prediction)
@@ -107,6 +113,8 @@ class Speculator:
         if self.at is not None and self.at < len(self.prediction):
             self._from_prediction = True
             return self.prediction[self.at : self.at + k]
+        if self.draft is not None:
+            return self.draft.propose(self.history, k)
         if not self.lookup:
             return []
         if self.rest > 0:
@@ -118,6 +126,11 @@ class Speculator:
             if end is not None and end < len(h) and len(h) - end <= SEARCH_LIMIT:
                 return h[end : end + k]
         return []
+
+    def close(self) -> None:
+        """The sample gave its pages back (it ended, or was preempted): so does its draft."""
+        if self.draft is not None:
+            self.draft.close()
 
     def verified(self, proposed: int, accepted: int) -> None:
         """A verification's outcome: adapt k, rest a lookup that keeps failing, count."""
@@ -131,7 +144,7 @@ class Speculator:
             self.k = min(self.k_max, self.k + 2)
         else:
             self.k = max(1, accepted + 1)
-        if accepted == 0 and not self._from_prediction:
+        if accepted == 0 and not self._from_prediction and self.draft is None:
             self.refused += 1
             if self.refused >= REST_AFTER:
                 self.rest, self.refused = REST_STEPS, 0
@@ -139,7 +152,41 @@ class Speculator:
             self.refused = 0
 
 
-DEFAULT_K = 8  # proposals per forward when only a prediction is given
+DEFAULT_K = 8  # proposals per forward for a prediction or a draft model
+
+
+class DraftProposer:
+    """A draft model's proposals for one sample: its own sequence on the draft's runner (no prefix
+    cache), brought up to the sample's history (what it holds beyond the longest common prefix is
+    cut first: the proposals the target refused), then k greedy one-token steps."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.seq: Any = None
+
+    def propose(self, history: list[int], k: int) -> list[int]:
+        from kvcache.prefix.radix import common_prefix
+
+        if self.seq is None:
+            self.seq = self.runner.new_sequence()
+        seq = self.seq
+        keep = min(common_prefix(seq.tokens, history), len(history) - 1)
+        if keep < len(seq.tokens):
+            self.runner.truncate(seq, keep)
+        feed = history[keep:]
+        room = self.runner.capacity - len(history)
+        out: list[int] = []
+        for _ in range(min(k, room)):
+            logits = self.runner.step([seq], [feed])
+            tok = int(torch.argmax(logits[0]))
+            out.append(tok)
+            feed = [tok]
+        return out
+
+    def close(self) -> None:
+        if self.seq is not None:
+            self.runner.free(self.seq)
+            self.seq = None
 
 
 def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams,
