@@ -33,6 +33,11 @@ def test_every_suite_writes_json_png_and_report(out):
     assert all(f"[{s}.md]({s}.md)" in index for s in SUITES)
     structured = json.loads((out / "structured.json").read_text())  # a table without a plot
     assert structured["results"] and "# kvcache bench structured" in (out / "structured.md").read_text()
+    spec = json.loads((out / "spec.json").read_text())  # a table without a plot
+    assert "# kvcache bench spec" in (out / "spec.md").read_text() and not (out / "spec.png").exists()
+    ours = [r for r in spec["results"] if r["system"] == "kvcache"]
+    assert ours and all(r["identical"] and r["spec_tok_s"] > 0 for r in ours)
+    assert any(r["system"] == "transformers" for r in spec["results"])  # measured, or skipped with the reason
 
 
 def _rows(out, suite):

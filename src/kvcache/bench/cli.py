@@ -1,6 +1,6 @@
 """``kvcache bench SUITE``: the parser and the dispatch to the suites; each suite is one module
 (bench/decode.py, nocache.py, context_lengths.py, memory.py, growth.py, prefix.py, throughput.py,
-hfbridge.py, serving.py, structured.py) whose ``run(args)`` measures, prints its table and writes its JSON."""
+hfbridge.py, serving.py, structured.py, spec.py) whose ``run(args)`` measures, prints its table and writes its JSON."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from kvcache.errors import InvalidParams
 # suite -> its module under kvcache.bench, in the order `bench all` runs them
 SUITE_MODULES = {"decode": "decode", "cache-vs-none": "nocache", "context": "context_lengths", "memory": "memory",
                  "growth": "growth", "prefix": "prefix", "throughput": "throughput", "serve": "serving",
-                 "hf": "hfbridge", "structured": "structured"}
+                 "hf": "hfbridge", "structured": "structured", "spec": "spec"}
 SUITES = tuple(SUITE_MODULES)
 
 
@@ -28,10 +28,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         "what the weights say)")
     b.add_argument("--new-tokens", type=int, default=None,
                    help="new tokens per run (default: decode 200, context 64); structured: the most tokens a "
-                        "constrained output may have (default 320)")
+                        "constrained output may have (default 320); spec: at most that many per run "
+                        "(default 128)")
     b.add_argument("--repeats", type=int, default=None,
                    help="timed runs per system (default: decode 3, context 2, growth 1; structured 3 alternating "
-                        "free/constrained runs, the best counts)")
+                        "free/constrained runs, the best counts; spec 3 runs without and with speculation, "
+                        "taking turns, the best counts)")
     b.add_argument("--kv", default=None,
                    help="kvcache specs, comma-separated (default: decode dynamic; "
                         "context dynamic,fp16,int8,int4,sink); in context, key=value items belong to the spec before "
@@ -40,11 +42,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="decode: peers to run: none,dynamic,static (transformers' caches), llama.cpp (default "
                         "dynamic,static,llama.cpp; '' skips); throughput: sequential,padded,generate_batch "
                         "(default all); structured: grammar engines to compare, llguidance,xgrammar (default "
-                        "both; '' skips)")
+                        "both; '' skips); spec: transformers (default; '' skips)")
     b.add_argument("--weights", default=None,
                    help="how kvcache holds the weights (file, fp32, q8, q4), comma-separated: decode (default "
-                        "file,q8,fp32), throughput and memory (default file,fp32) run each; context, prefix and "
-                        "cache-vs-none take one (default fp32, the weights transformers runs)")
+                        "file,q8,fp32), throughput, memory and spec (default file,fp32) run each; context, prefix "
+                        "and cache-vs-none take one (default fp32, the weights transformers runs)")
     b.add_argument("--prefill", default=None, metavar="N,N",
                    help="decode: prompt lengths of the prefill rows (default 512,2000,8000, --quick 512; '' skips); "
                         "serve: prompt tokens of each request (default 256)")
@@ -83,7 +85,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--threads", type=int, default=None, help="torch threads for every system")
     b.add_argument("--quick", action="store_true",
                    help="a short run: decode 16 tokens, 1 repeat, prefill 512, depth 512; context 256,1024 with 16 tokens, 1 repeat, "
-                        "kv dynamic,static; growth to 2048 tokens; structured 4 requests (2 one at a time), 1 repeat")
+                        "kv dynamic,static; growth to 2048 tokens; structured 4 requests (2 one at a time), 1 repeat; "
+                        "spec 32 tokens, 1 repeat")
     b.add_argument("--json", default=None, help="write results to this JSON file")
     b.add_argument("--out", default=None, metavar="DIR",
                    help="write SUITE.json, SUITE.png and a markdown report SUITE.md (machine, versions, command, "
@@ -103,6 +106,7 @@ OPTIONS = {
     "serve": ("new_tokens", "requests", "peers", "kv", "weights", "prefill", "streams", "llama_cpp_bin"),
     "hf": ("new_tokens", "repeats", "kv", "peers", "contexts"),
     "structured": ("new_tokens", "repeats", "requests", "peers"),
+    "spec": ("new_tokens", "repeats", "weights", "peers"),
 }
 _FLAGS = ("new_tokens", "repeats", "kv", "peers", "contexts", "max_context", "system_tokens", "redis", "requests",
           "time_budget", "context", "budget", "weights", "prefill", "depth", "llama_cpp_bin", "replicas",
@@ -165,6 +169,7 @@ ALL_QUICK: dict[str, dict[str, object]] = {
     "serve": {"streams": "4", "requests": 1, "new_tokens": 8, "prefill": "64"},
     "hf": {"contexts": "256", "new_tokens": 4, "kv": "dynamic", "peers": "dynamic"},
     "structured": {"requests": 4, "repeats": 1},
+    "spec": {"new_tokens": 16, "repeats": 1, "weights": "fp32"},
 }
 
 

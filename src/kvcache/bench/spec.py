@@ -1,0 +1,635 @@
+"""``kvcache bench spec``: speculative decoding against decoding one token per forward, batch 1,
+greedy, on three workloads, beside transformers' prompt lookup on the same fp32 weights.
+
+Workloads (chat prompts, at most ``--new-tokens`` new tokens, EOS ends a text):
+- code edit: a 62-line Python file and an instruction to rename one of its functions. Speculation
+  by a prediction (OpenAI's predicted outputs: the file as the answer would write it), by prompt
+  lookup, and the ceiling: a prediction that is the greedy output itself (taken from the run
+  without speculation), where every proposal is right and only the cost of verifying remains;
+- document: a question about a document of about 1050 tokens whose answer quotes it, by prompt
+  lookup;
+- free text: a short story, where little of the output repeats the prompt, by prompt lookup: what
+  speculation costs where it finds little to propose.
+With fp32 weights each workload also runs with a draft model: the same model's GGUF weights
+(quantized, several times cheaper a token) proposing for its fp32 self; the draft's own forwards,
+its prefill of the prompt among them, count in the decode time.
+
+kvcache's side runs in this process, one loaded model per ``--weights`` mode. For each workload
+the run without speculation and each speculating run take turns (the order rotates from repeat to
+repeat), after one untimed run of each; the best of ``--repeats`` counts (the machine may be
+shared). Decode tok/s is ``RequestOutput.decode_tok_s``: the tokens after the first over the time
+after the first. Each row reports:
+- acceptance: proposed tokens the model kept / tokens proposed (``spec_accepted`` /
+  ``spec_proposed`` of the request's metrics);
+- tokens per forward: (new tokens - 1) / the forwards after the prompt's, those that verified
+  proposals and those that had none to verify (1.00 without speculation);
+- forward cost: the time of a forward with speculation over one without (decode seconds /
+  forwards, each side), so that speed-up = tokens per forward / forward cost;
+- text: every speculating run's tokens against the run without speculation (greedy speculation
+  is exact: they must be the same; a difference is counted, not raised).
+
+transformers (the peer) runs in a child process (a crash or a missing package is a skipped row) on
+the fp32 folder kvcache converted from the same file (bench/hfpeer.py's weights), with the same
+prompt token ids, EOS tokens and thread count: ``generate`` without and with ``prompt_lookup_num_tokens``,
+alternating, tok/s as bench/hfpeer.py measures it (new tokens after the first over the generate
+time less the time to first token of a one-token generate). Its forwards are counted by a forward
+hook and its proposals by wrapping its prompt-lookup candidate generator, in one untimed run of
+each; its first forward reads the prompt and verifies the first proposals together. Its greedy
+text is compared with kvcache's fp32 text (fp32 sums in another order may part them: reported,
+not failed).
+
+Run as ``python -m kvcache.bench.spec`` with a JSON request on stdin: transformers' rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcache.bench.child import child_main, run_module
+from kvcache.bench.report import cell, run_meta
+from kvcache.errors import InvalidParams
+
+DEFAULT_NEW, QUICK_NEW = 128, 32
+DEFAULT_REPEATS, QUICK_REPEATS = 3, 1
+DEFAULT_WEIGHTS = "file,fp32"
+PEERS = ("transformers",)
+LOOKUP = 6  # prompt lookup: tokens proposed per forward at most (kvcache and transformers alike)
+FREE_COST_LIMIT = 0.03  # what speculation may cost where it finds little to propose
+PEER_TIMEOUT_S = 1800.0
+
+CODE = '''"""Read a CSV file of orders and print a summary per customer."""
+
+import csv
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+
+
+@dataclass
+class Order:
+    customer: str
+    item: str
+    quantity: int
+    price: float
+
+    @property
+    def total(self) -> float:
+        return self.quantity * self.price
+
+
+def parse_line(row: list[str]) -> Order:
+    customer, item, quantity, price = row
+    return Order(customer.strip(), item.strip(), int(quantity), float(price))
+
+
+def read_orders(path: str) -> list[Order]:
+    orders = []
+    with open(path, newline="") as f:
+        reader = csv.reader(f)
+        next(reader)  # skip the header
+        for row in reader:
+            if not row:
+                continue
+            orders.append(parse_line(row))
+    return orders
+
+
+def summarize(orders: list[Order]) -> dict[str, float]:
+    totals: dict[str, float] = defaultdict(float)
+    for order in orders:
+        totals[order.customer] += order.total
+    return dict(totals)
+
+
+def print_summary(totals: dict[str, float]) -> None:
+    width = max((len(name) for name in totals), default=8)
+    for name, total in sorted(totals.items(), key=lambda kv: -kv[1]):
+        print(f"{name:<{width}}  {total:>10.2f}")
+    print(f"{'all':<{width}}  {sum(totals.values()):>10.2f}")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: orders.py FILE", file=sys.stderr)
+        return 2
+    orders = read_orders(argv[1])
+    print_summary(summarize(orders))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
+'''
+EDIT = ("Here is a Python file:\n\n```python\n" + CODE + "```\n\nRename the function `parse_line` to `parse_row` "
+        "everywhere it appears. Reply with the complete updated file and nothing else.")
+EDIT_PREDICTION = "```python\n" + CODE + "```"  # the file as the answer writes it
+
+DOCUMENT = """\
+The Eastport Harbor Museum opened in 1921 in the old customs house on Water Street, a granite building that once \
+collected duties on every cargo landed in the town. For its first thirty years the museum was run entirely by \
+volunteers, most of them retired sailors and fishermen who donated their own charts, tools and logbooks. In 1954 the \
+town council bought the neighbouring sail loft and joined the two buildings with a glass corridor, which doubled the \
+space for exhibitions. Today the museum holds more than twelve thousand objects and welcomes about ninety thousand \
+visitors a year, a third of them school children.
+
+The lighthouse on Gull Point is the museum's best-known property. It was built in 1868 from brick and painted white \
+with a single red band, and its light could be seen twenty-two miles out to sea. The original Fresnel lens, made in \
+Paris and shipped across the Atlantic in eleven wooden crates, was replaced by an electric beacon in 1962 and is now \
+displayed in the main hall of the museum. Visitors can climb the one hundred and twelve steps of the tower from May \
+to September, when the weather allows, and the keeper's cottage at its foot has been restored to look as it did in \
+1900.
+
+The boat collection fills the former sail loft. It includes a dory built in 1890 for cod fishing on the Grand Banks, \
+a racing sloop that won the Eastport regatta nine years in a row, and a steam launch whose engine still runs on the \
+first Saturday of every month. Each boat is shown with the tools that were used to build it, and a workshop at the \
+back of the hall lets visitors watch the museum's two boatbuilders repair planks, caulk seams and carve new oars by \
+hand.
+
+The map room on the second floor holds charts of the coast from 1702 to the present day. The oldest chart was drawn \
+by a French navigator who spent a winter in the harbor after his ship lost its mast in a storm. Later charts show how \
+the sandbar at the mouth of the river moved north by almost half a mile over two centuries, and how the town built \
+the long breakwater in 1887 to protect the fishing fleet. Researchers may ask to see the charts that are not on \
+display by writing to the curator at least two weeks before their visit.
+
+The museum is open every day from ten in the morning to five in the afternoon, except on Mondays from November to \
+March, when it is closed for cleaning and repairs. On Thursdays in July and August it stays open until eight in the \
+evening, and a local band plays sea shanties on the terrace. The museum is also closed on the first of January and \
+the twenty-fifth of December. The last admission is forty-five minutes before closing time, and the lighthouse tower \
+closes an hour earlier than the museum.
+
+Tickets cost twelve dollars for adults and eight dollars for students and visitors over sixty-five. Children under \
+twelve enter free when they come with an adult, and school groups are free on weekdays if they book in advance. A \
+family pass for two adults and up to four children costs thirty dollars. Members of the Friends of the Museum enter \
+free all year and receive the quarterly newsletter, which describes new acquisitions and the results of the \
+museum's research.
+
+The café on the ground floor looks out over the harbor and serves fish chowder, sandwiches, cakes and hot drinks \
+from eleven until four. It uses fish landed that morning at the town pier, and the recipe for the chowder comes from \
+a cookbook written in 1910 by the wife of the last lighthouse keeper. Visitors do not need a museum ticket to use the \
+café, which can be entered directly from the street.
+
+All the galleries on the ground floor can be reached by wheelchair, and a lift connects them with the map room on \
+the second floor. The lighthouse tower, however, can only be reached by its narrow stairs, so the museum offers a \
+short film of the view from the top in a small room next to the main hall. Large-print guides and audio guides in \
+five languages can be borrowed at the front desk without charge, and guide dogs are welcome everywhere in the museum.
+
+The education department runs workshops for schools on knots, navigation by the stars, the life of the fishing \
+families and the science of tides. During the summer holidays it offers a week-long course for children aged nine \
+to fourteen, who build a small wooden boat and sail it on the last day. Teachers can borrow boxes of objects, \
+photographs and activity cards to use in their own classrooms for up to a month.
+
+The museum depends on about one hundred and forty volunteers who guide tours, catalogue objects, help in the \
+workshop and keep the gardens around the lighthouse. New volunteers attend two training days in the spring and are \
+then paired with an experienced guide for their first month. Anyone interested in volunteering can leave their name \
+at the front desk or come to the open evening held on the last Wednesday of every month.
+"""
+QUESTION = DOCUMENT + "\nWhat are the museum's opening hours? Quote the text."
+STORY = "Write a short story about a dragon."
+
+# workload -> (prompt, speculation methods); a method is "prediction", "ceiling" or "lookup"
+WORKLOADS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "code edit": (EDIT, ("prediction", "ceiling", "lookup")),
+    "document": (QUESTION, ("lookup",)),
+    "free text": (STORY, ("lookup",)),
+}
+
+
+def method_label(method: str, lookup: int = LOOKUP) -> str:
+    return {"prediction": "prediction: the file", "ceiling": "prediction: its output",
+            "lookup": f"prompt lookup {lookup}", "draft": "draft: its GGUF"}[method]
+
+
+# -- kvcache's side -------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """One request: its tokens, decode tok/s and seconds, the forwards after the prompt's, metrics."""
+
+    tokens: list[int]
+    tok_s: float
+    decode_s: float
+    forwards: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ms_per_forward(self) -> float | None:
+        return self.decode_s / self.forwards * 1000 if self.forwards else None
+
+
+def one_run(llm: Any, ids: list[int], params: Any) -> Run:
+    """Run one request as ``LLM.generate`` does (its prompt in one forward), counting its forwards."""
+    run = llm.request(ids, params)
+    for _ in run:
+        pass
+    out = run.result
+    return Run(list(out.token_ids), out.decode_tok_s, out.decode_s, max(0, run.scheduler.steps - 1),
+               dict(out.metrics))
+
+
+def spec_params(method: str, new: int, lookup: int, prediction: list[int], output: list[int]) -> Any:
+    from kvcache.engine.params import SamplingParams
+
+    if method == "prediction":
+        return SamplingParams(max_tokens=new, prediction=tuple(prediction))
+    if method == "ceiling":
+        return SamplingParams(max_tokens=new, prediction=tuple(output))
+    if method == "draft":  # the draft model proposes for every request while it is attached
+        return SamplingParams(max_tokens=new)
+    return SamplingParams(max_tokens=new, prompt_lookup=lookup)
+
+
+def bench_workload(llm: Any, workload: str, ids: list[int], methods: tuple[str, ...], new: int, repeats: int,
+                   lookup: int, prediction: list[int], tick: Any = None,
+                   draft: Any = None) -> tuple[list[dict[str, object]], list[int]]:
+    """One workload on one loaded model: the rows of its speculation methods and the text without
+    speculation (token ids). Untimed first runs, then ``repeats`` rounds of the run without
+    speculation and each method, the order rotating by one each round. ``draft``: a draft model's
+    runner, attached to the model for the "draft" method's runs only."""
+    def run_side(side: str, params: Any) -> Run:
+        if side != "draft":
+            return one_run(llm, ids, params)
+        llm.runner.draft = draft
+        try:
+            return one_run(llm, ids, params)
+        finally:
+            llm.runner.draft = None
+
+    from kvcache.bench.measure import weights_label
+    from kvcache.engine.params import SamplingParams
+
+    plain_params = SamplingParams(max_tokens=new)
+    ref = one_run(llm, ids, plain_params)  # the reference text, and the warm-up of one-token forwards
+    params = {m: spec_params(m, new, lookup, prediction, ref.tokens) for m in methods}
+    runs: dict[str, list[Run]] = {"plain": [], **{m: [] for m in methods}}
+    mismatches = {m: 0 for m in methods}
+    checked = {m: 0 for m in methods}
+    for m in methods:  # untimed: warms the shapes of verifying forwards; its text is checked too
+        r = run_side(m, params[m])
+        checked[m] += 1
+        mismatches[m] += r.tokens != ref.tokens
+    sides = ["plain", *methods]
+    for rep in range(repeats):
+        at = rep % len(sides)
+        for side in sides[at:] + sides[:at]:
+            r = run_side(side, plain_params if side == "plain" else params[side])
+            runs[side].append(r)
+            if side != "plain":
+                checked[side] += 1
+                mismatches[side] += r.tokens != ref.tokens
+            if tick:
+                tick()
+    plain = max(runs["plain"], key=lambda r: r.tok_s)
+    rows = []
+    for m in methods:
+        best = max(runs[m], key=lambda r: r.tok_s)
+        n = len(ref.tokens)
+        proposed, accepted = best.metrics.get("spec_proposed", 0), best.metrics.get("spec_accepted", 0)
+        tpf = (n - 1) / best.forwards if best.forwards else None
+        cost = (best.ms_per_forward / plain.ms_per_forward
+                if best.ms_per_forward is not None and plain.ms_per_forward else None)
+        rows.append({
+            "system": "kvcache", "weights": weights_label(llm), "pair": llm.weights, "workload": workload,
+            "method": m, "speculation": method_label(m, lookup), "prompt_tokens": len(ids), "tokens": n,
+            "plain_tok_s": plain.tok_s, "spec_tok_s": best.tok_s,
+            "speedup": best.tok_s / plain.tok_s if plain.tok_s else None,
+            "proposed": int(proposed), "accepted": int(accepted),
+            "acceptance": accepted / proposed if proposed else None,
+            "verifying_forwards": int(best.metrics.get("spec_forwards", 0)), "forwards": best.forwards,
+            "plain_forwards": plain.forwards, "tokens_per_forward": tpf,
+            "plain_ms_per_forward": plain.ms_per_forward, "spec_ms_per_forward": best.ms_per_forward,
+            "forward_cost": cost, "runs": checked[m], "mismatches": mismatches[m],
+            "identical": mismatches[m] == 0,
+            "plain_tok_s_runs": [r.tok_s for r in runs["plain"]], "spec_tok_s_runs": [r.tok_s for r in runs[m]],
+            "prediction_tokens": len(prediction) if m == "prediction" else n if m == "ceiling" else None,
+            "text": llm.tokenizer.decode(ref.tokens), "note": "",
+        })
+    return rows, ref.tokens
+
+
+def bench_kvcache(model: str | None, mode: str, threads: int | None, prompts: dict[str, list[int]] | None,
+                  new: int, repeats: int, lookup: int, tick: Any = None
+                  ) -> tuple[list[dict[str, object]], dict[str, list[int]], dict[str, list[int]], str, list[int]]:
+    """Every workload on the model loaded with weights ``mode``: rows, the prompts' token ids, the
+    texts without speculation, the model's name and its EOS tokens."""
+    from kvcache.engine.llm import LLM
+    from kvcache.engine.params import SamplingParams
+
+    llm = LLM(model, threads=threads, weights=mode, prefix=False)
+    if prompts is None:
+        prompts = {w: llm.encode(p, chat=True) for w, (p, _) in WORKLOADS.items()}
+    prediction = llm.tokenizer.encode(EDIT_PREDICTION, add_special_tokens=False)
+    first = next(iter(prompts.values()))
+    llm.generate([first[:8]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    draft = _draft(model, llm, threads) if mode == "fp32" else None
+    rows, texts = [], {}
+    for w, (_, methods) in WORKLOADS.items():
+        ms = methods + (("draft",) if draft is not None else ())
+        got, texts[w] = bench_workload(llm, w, prompts[w], ms, new, repeats, lookup, prediction, tick,
+                                       draft.runner if draft is not None else None)
+        rows += got
+    name, eos = llm.model_name, sorted(llm.tokenizer.eos_token_ids)
+    del llm, draft
+    gc.collect()
+    return rows, prompts, texts, name, eos
+
+
+def _draft(model: str | None, llm: Any, threads: int | None) -> Any:
+    """The model's own GGUF weights as the draft of its fp32 weights (None for a model without a
+    GGUF file: nothing smaller to draft with)."""
+    from kvcache.engine.llm import LLM
+
+    if llm.weights != "fp32" or not str(llm.model_path).endswith(".gguf"):
+        return None
+    draft = LLM(model, threads=threads, weights="file", prefix=False)
+    return draft if draft.weights != "fp32" else None
+
+
+# -- transformers, in a child process -------------------------------------------------------------
+
+
+def peer_rows(model_dir: str, prompts: dict[str, list[int]], new: int, repeats: int, lookup: int, threads: int,
+              eos: list[int] | None = None, timeout: float = PEER_TIMEOUT_S) -> list[dict[str, object]]:
+    """transformers' rows, one per workload (or skipped rows with the reason); ``eos``: the tokens
+    that end a text, as kvcache's tokenizer has them (default: the model's generation config)."""
+    req = {"model_dir": model_dir, "prompts": prompts, "new": new, "repeats": repeats, "lookup": lookup,
+           "threads": threads, "eos": eos}
+    out = run_module("kvcache.bench.spec", req, "transformers", timeout=timeout)
+    if out.ok and isinstance(out.data, list):
+        return out.data
+    return [_peer_skipped(w, len(ids), lookup, out.note) for w, ids in prompts.items()]
+
+
+def _peer_skipped(workload: str, prompt_tokens: int, lookup: int, note: str) -> dict[str, object]:
+    return {"system": "transformers", "weights": "fp32", "pair": "fp32", "workload": workload, "method": "lookup",
+            "speculation": method_label("lookup", lookup), "prompt_tokens": prompt_tokens, "tokens": None,
+            "plain_tok_s": None, "spec_tok_s": None, "speedup": None, "proposed": None, "accepted": None,
+            "acceptance": None, "forwards": None, "tokens_per_forward": None, "plain_ms_per_forward": None,
+            "spec_ms_per_forward": None, "forward_cost": None, "runs": 0, "mismatches": 0, "identical": None,
+            "note": note}
+
+
+def _peer_child(req: dict[str, Any]) -> list[dict[str, object]]:
+    import torch
+
+    torch.set_num_threads(int(req["threads"]))
+    prompts = {w: list(ids) for w, ids in req["prompts"].items()}
+    lookup = int(req["lookup"])
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return [_peer_skipped(w, len(ids), lookup, "transformers not installed: skipped") for w, ids in prompts.items()]
+    model = AutoModelForCausalLM.from_pretrained(req["model_dir"], dtype=torch.float32).eval()
+    eos = req.get("eos") or model.generation_config.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else [int(t) for t in eos or []]
+    gen: dict[str, Any] = {"do_sample": False, "pad_token_id": eos_ids[0] if eos_ids else None}
+    if eos_ids:
+        gen["eos_token_id"] = eos_ids
+    with torch.inference_mode():
+        model.generate(torch.tensor([next(iter(prompts.values()))[:8]]), max_new_tokens=4, min_new_tokens=4, **gen)
+        return [_peer_workload(model, w, ids, int(req["new"]), int(req["repeats"]), lookup, gen, set(eos_ids))
+                for w, ids in prompts.items()]
+
+
+@dataclass
+class _Counts:
+    forwards: int = 0
+    proposed: int | None = 0  # None: not counted (no prompt-lookup generator to wrap)
+
+
+@contextmanager
+def _counting(model: Any) -> Iterator[_Counts]:
+    """Forwards of the model (a forward hook) and tokens proposed by prompt lookup (its candidate
+    generator wrapped) within the block."""
+    counts = _Counts()
+
+    def forward(*_: object) -> None:
+        counts.forwards += 1
+
+    hook = model.register_forward_hook(forward)
+    try:
+        from transformers.generation import candidate_generator as cg
+
+        cls = cg.PromptLookupCandidateGenerator
+    except (ImportError, AttributeError):
+        cls = None
+        counts.proposed = None
+    orig = cls.get_candidates if cls is not None else None
+
+    def get_candidates(gen: Any, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig(gen, input_ids, *args, **kwargs)  # type: ignore[misc]
+        counts.proposed = (counts.proposed or 0) + int(out[0].shape[1] - input_ids.shape[1])
+        return out
+
+    if cls is not None:
+        cls.get_candidates = get_candidates
+    try:
+        yield counts
+    finally:
+        hook.remove()
+        if cls is not None:
+            cls.get_candidates = orig
+
+
+def _peer_workload(model: Any, workload: str, ids: list[int], new: int, repeats: int, lookup: int,
+                   gen: dict[str, Any], eos: set[int]) -> dict[str, object]:
+    import torch
+
+    x = torch.tensor([ids])
+
+    def generate(**kw: Any) -> tuple[list[int], float]:
+        t0 = time.perf_counter()
+        out = model.generate(x, **gen, **kw)
+        return out[0, x.shape[1]:].tolist(), time.perf_counter() - t0
+
+    def text(toks: list[int]) -> list[int]:
+        return toks[:-1] if toks and toks[-1] in eos else toks
+
+    spec_kw = {"max_new_tokens": new, "prompt_lookup_num_tokens": lookup}
+    with _counting(model) as pc:
+        plain_toks, _ = generate(max_new_tokens=new)
+    with _counting(model) as sc:
+        spec_toks, _ = generate(**spec_kw)
+    ref = text(plain_toks)
+    n = len(ref)
+    plain_tok_s, spec_tok_s = [], []
+    mismatches, checked = int(text(spec_toks) != ref), 1
+    for rep in range(repeats):
+        _, ttft = generate(max_new_tokens=1)
+        for side in (("plain", "spec") if rep % 2 == 0 else ("spec", "plain")):
+            toks, total = generate(**(spec_kw if side == "spec" else {"max_new_tokens": new}))
+            tok_s = (n - 1) / max(total - ttft, 1e-9) if n > 1 else 0.0
+            if side == "spec":
+                spec_tok_s.append(tok_s)
+                checked += 1
+                mismatches += text(toks) != ref
+            else:
+                plain_tok_s.append(tok_s)
+    made = len(spec_toks)  # EOS included: its forward made it
+    fwd = sc.forwards - 1  # after the prompt's (which verified the first proposals too)
+    pfwd = pc.forwards - 1
+    plain_best, spec_best = max(plain_tok_s), max(spec_tok_s)
+    plain_ms = 1000 / plain_best if plain_best else None  # one token per forward
+    spec_ms = (n - 1) / spec_best / fwd * 1000 if spec_best and fwd > 0 else None
+    return {"system": "transformers", "weights": "fp32", "pair": "fp32", "workload": workload, "method": "lookup",
+            "speculation": method_label("lookup", lookup), "prompt_tokens": len(ids), "tokens": n,
+            "plain_tok_s": plain_best, "spec_tok_s": spec_best,
+            "speedup": spec_best / plain_best if plain_best else None,
+            "proposed": sc.proposed, "accepted": max(0, made - sc.forwards),
+            "acceptance": max(0, made - sc.forwards) / sc.proposed if sc.proposed else None,
+            "forwards": fwd, "plain_forwards": pfwd, "tokens_per_forward": (n - 1) / fwd if fwd > 0 else None,
+            "plain_ms_per_forward": plain_ms, "spec_ms_per_forward": spec_ms,
+            "forward_cost": spec_ms / plain_ms if spec_ms and plain_ms else None,
+            "runs": checked, "mismatches": mismatches, "identical": mismatches == 0,
+            "plain_tok_s_runs": plain_tok_s, "spec_tok_s_runs": spec_tok_s, "token_ids": ref, "note": ""}
+
+
+# -- the suite ----------------------------------------------------------------------------------
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two token sequences differ (None when they are the same)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare_peer(rows: list[dict[str, Any]], texts: dict[str, list[int]] | None) -> None:
+    """Each transformers row's greedy text against kvcache's fp32 text of its workload (in place):
+    ``matches_kvcache`` and ``first_difference`` (None where kvcache fp32 did not run)."""
+    for r in rows:
+        ids = r.pop("token_ids", None)
+        if texts is None or ids is None or r["workload"] not in texts:
+            r["matches_kvcache"], r["first_difference"] = None, None
+            continue
+        at = first_difference(ids, texts[r["workload"]])
+        r["matches_kvcache"], r["first_difference"] = at is None, at
+
+
+def ratios(results: list[dict[str, Any]]) -> list[dict[str, object]]:
+    """kvcache fp32 over transformers on the same workload and weights: without speculation, and
+    with prompt lookup."""
+    out = []
+    for p in results:
+        if p["system"] != "transformers" or not p["plain_tok_s"]:
+            continue
+        for r in results:
+            if (r["system"] == "kvcache" and r["pair"] == "fp32" and r["workload"] == p["workload"]
+                    and r["method"] == "lookup" and r["plain_tok_s"]):
+                out.append({"workload": p["workload"], "plain": r["plain_tok_s"] / p["plain_tok_s"],
+                            "lookup": r["spec_tok_s"] / p["spec_tok_s"]})
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvcache.cliargs import weights_list
+
+    quick = args.quick
+    new = args.new_tokens if args.new_tokens is not None else (QUICK_NEW if quick else DEFAULT_NEW)
+    repeats = args.repeats if args.repeats is not None else (QUICK_REPEATS if quick else DEFAULT_REPEATS)
+    if new < 8 or repeats < 1:
+        raise InvalidParams("--new-tokens must be at least 8 and --repeats at least 1")
+    peers = [p for p in (args.peers if args.peers is not None else ",".join(PEERS)).split(",") if p]
+    for p in peers:
+        if p not in PEERS:
+            raise InvalidParams(f"unknown peer {p!r}; peers: {', '.join(PEERS)} ('' skips)")
+    weights = weights_list(args, DEFAULT_WEIGHTS)
+
+    import torch
+    from tqdm import tqdm
+
+    per_mode = sum(repeats * (2 + len(m)) for _, m in WORKLOADS.values())  # with a draft row where fp32
+    bar = tqdm(total=per_mode * len(weights) + len(peers), desc="bench spec", file=sys.stderr)
+    rows: list[dict[str, Any]] = []
+    prompts: dict[str, list[int]] | None = None
+    fp32_texts: dict[str, list[int]] | None = None
+    name, eos = "", []
+    for mode in weights:
+        got, prompts, texts, name, eos = bench_kvcache(args.model, mode, args.threads, prompts, new, repeats,
+                                                       LOOKUP, bar.update)
+        rows += got
+        if got and got[0]["pair"] == "fp32":
+            fp32_texts = texts
+    threads = torch.get_num_threads()
+    if "transformers" in peers and prompts is not None:
+        from kvcache.models.loading import fp32_folder
+
+        hf = peer_rows(str(fp32_folder(args.model)), prompts, new, repeats, LOOKUP, threads, eos)
+        compare_peer(hf, fp32_texts)
+        rows += hf
+        bar.update()
+    bar.close()
+    rat = ratios(rows)
+    meta = run_meta(model=name, new_tokens=new, repeats=repeats, weights=weights, peers=peers, lookup=LOOKUP,
+                    prompt_tokens={w: len(ids) for w, ids in (prompts or {}).items()},
+                    compared="decode tok/s (tokens after the first over the time after the first), batch 1, "
+                             "greedy; best of the runs without and with speculation, taking turns",
+                    tokens_per_forward="(new tokens - 1) / forwards after the prompt's (those verifying "
+                                       "proposals and those with none)",
+                    acceptance="proposed tokens kept / tokens proposed",
+                    forward_cost="ms per forward with speculation / ms per forward without")
+    print_table(rows, rat, meta)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": rows, "ratios": rat}, indent=2))
+    return 0
+
+
+def _text_cell(r: dict[str, Any]) -> str:
+    if r["identical"] is None:
+        return "-"
+    own = f"same {r['runs']}/{r['runs']}" if r["identical"] else f"{r['mismatches']}/{r['runs']} DIFFER"
+    if r["system"] != "transformers" or r.get("matches_kvcache") is None:
+        return own
+    if r["matches_kvcache"]:
+        return own + ", = kvcache fp32"
+    return own + f", kvcache fp32 differs from token {r['first_difference']}"
+
+
+def print_table(rows: list[dict[str, Any]], rat: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    print(f"\nspec: {meta['model']}, batch 1, greedy, {meta['threads']} threads, at most {meta['new_tokens']} new "
+          f"tokens (EOS ends a text); prompts: " + ", ".join(f"{w} {n} tokens" for w, n in
+                                                             meta["prompt_tokens"].items()))
+    print(f"decode tok/s without and with speculation, best of {meta['repeats']} run(s) each, taking turns; "
+          "accept: proposed tokens kept / proposed; tok/fwd: (new tokens - 1) / forwards after the prompt's "
+          "(1.00 without speculation); fwd cost: ms of a forward with speculation / without, so speed-up = "
+          "tok/fwd / fwd cost; text: speculating runs with the same tokens as the run without")
+    print(f"{'system':<13} {'weights':<12} {'workload':<10} {'speculation':<23} {'tokens':>6} {'plain tok/s':>11} "
+          f"{'spec tok/s':>10} {'speed-up':>8} {'accept':>6} {'tok/fwd':>7} {'fwd cost':>8}  text")
+    for r in rows:
+        head = f"{r['system']:<13} {r['weights']:<12} {r['workload']:<10} {r['speculation']:<23} "
+        if r["spec_tok_s"] is None:
+            print(head + str(r["note"]))
+            continue
+        speed = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        print(head + f"{r['tokens']:>6} {cell(r['plain_tok_s']):>11} {cell(r['spec_tok_s']):>10} {speed:>8} "
+              f"{cell(r['acceptance'], '.2f'):>6} {cell(r['tokens_per_forward'], '.2f'):>7} "
+              f"{cell(r['forward_cost'], '.2f'):>8}  {_text_cell(r)}")
+    if rat:
+        print("\nkvcache fp32 / transformers fp32, decode tok/s in this run")
+        for x in rat:
+            print(f"  {x['workload']:<10} without speculation {x['plain']:.2f}x, prompt lookup {x['lookup']:.2f}x")
+    for r in rows:
+        if r["system"] == "kvcache" and r["workload"] == "free text" and r["method"] == "lookup" and r["speedup"]:
+            cost = 1 - r["speedup"]
+            verdict = f"costs {cost * 100:.1f}%" if cost > 0 else f"gains {-cost * 100:.1f}%"
+            limit = "met" if cost <= FREE_COST_LIMIT else "MISSED"
+            print(f"free text, {r['weights']}: speculation {verdict} ({r['verifying_forwards']} of {r['forwards']} "
+                  f"forwards verified {r['proposed']} proposals, {r['accepted']} kept); where little matches it "
+                  f"should cost at most {FREE_COST_LIMIT * 100:.0f}%: {limit}")
+    bad = [r for r in rows if r["system"] == "kvcache" and not r["identical"]]
+    if bad:
+        print(f"TEXT DIFFERS: {len(bad)} kvcache row(s) gave another text with speculation than without")
+
+
+if __name__ == "__main__":
+    sys.exit(child_main(_peer_child))

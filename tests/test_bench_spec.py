@@ -1,0 +1,81 @@
+"""``kvcache bench spec``: a short run in this process writes its rows (speculation gives the text
+without it, the ceiling keeps every proposal); transformers' child process; the suite's refusals."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from kvcache.bench import spec as sb
+from kvcache.cli import main
+
+
+def test_a_short_run_writes_positive_rows_and_the_same_texts(tmp_path, capsys):
+    path = tmp_path / "spec.json"
+    assert main(["bench", "spec", "--new-tokens", "24", "--repeats", "1", "--weights", "file", "--peers", "",
+                 "--json", str(path)]) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(path.read_text())
+    meta = data["meta"]
+    assert meta["torch"] and meta["new_tokens"] == 24 and meta["lookup"] == sb.LOOKUP
+    assert set(meta["prompt_tokens"]) == set(sb.WORKLOADS) and meta["prompt_tokens"]["document"] > 1000
+    rows = {(r["workload"], r["method"]): r for r in data["results"]}
+    assert set(rows) == {(w, m) for w, (_, ms) in sb.WORKLOADS.items() for m in ms}
+    for r in rows.values():
+        assert r["system"] == "kvcache" and r["pair"] == "file" and r["weights"].startswith("file")
+        assert 1 < r["tokens"] <= 24 and r["text"]
+        for key in ("plain_tok_s", "spec_tok_s", "speedup", "tokens_per_forward", "plain_ms_per_forward",
+                    "spec_ms_per_forward", "forward_cost"):
+            assert r[key] > 0, key
+        assert r["plain_forwards"] == r["tokens"] - 1  # one token a forward without speculation
+        assert r["forwards"] >= r["verifying_forwards"] > 0 and r["proposed"] >= r["accepted"] >= 0
+        assert r["tokens_per_forward"] == (r["tokens"] - 1) / r["forwards"]
+        assert r["runs"] == 2 and r["mismatches"] == 0 and r["identical"] is True  # untimed run and timed run
+    ceiling = rows[("code edit", "ceiling")]
+    assert ceiling["acceptance"] == 1.0 and ceiling["tokens_per_forward"] > 1.5
+    assert ceiling["prediction_tokens"] == ceiling["tokens"]
+    assert rows[("code edit", "prediction")]["accepted"] > 0 and data["ratios"] == []
+    assert "prediction: its output" in printed and "prompt lookup" in printed and "same 2/2" in printed
+    assert "DIFFERS" not in printed and "free text, file" in printed
+
+
+def test_transformers_rows_in_a_child_process():
+    from kvcache.models.loading import fp32_folder, resolve_model
+    from kvcache.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(resolve_model(None).path)
+    ids = tok.encode_chat([{"role": "user", "content": "Say 'the cat sat on the mat' three times."}])
+    (row,) = sb.peer_rows(str(fp32_folder(None)), {"free text": ids}, 8, 1, 3, 1, sorted(tok.eos_token_ids),
+                          timeout=300)
+    if row["spec_tok_s"] is None:  # transformers missing or broken: a skipped row with the reason
+        assert row["note"]
+        return
+    assert row["system"] == "transformers" and 1 < row["tokens"] <= 8 and row["identical"] is True
+    assert row["plain_tok_s"] > 0 and row["spec_tok_s"] > 0 and row["forwards"] >= 1
+    assert len(row["token_ids"]) == row["tokens"]
+    sb.compare_peer([row], {"free text": list(row["token_ids"])})
+    assert row["matches_kvcache"] is True and row["first_difference"] is None and "token_ids" not in row
+
+
+def test_a_missing_transformers_is_a_skipped_row(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    (row,) = sb._peer_child({"threads": 1, "prompts": {"document": [1, 2, 3]}, "lookup": 6, "new": 8,
+                             "repeats": 1, "model_dir": "/nonexistent"})
+    assert row["spec_tok_s"] is None and "not installed" in row["note"] and row["prompt_tokens"] == 3
+
+
+def test_first_difference():
+    assert sb.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert sb.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert sb.first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_spec_refusals(capsys):
+    assert main(["bench", "spec", "--peers", "vllm"]) == 2
+    assert "unknown peer 'vllm'" in capsys.readouterr().err
+    assert main(["bench", "spec", "--kv", "int8"]) == 2
+    assert "--kv does not apply to the spec suite" in capsys.readouterr().err
+    assert main(["bench", "spec", "--new-tokens", "4"]) == 2
+    assert "at least 8" in capsys.readouterr().err
+    assert main(["bench", "spec", "--weights", "q3"]) == 2
+    assert "unknown mode 'q3'" in capsys.readouterr().err
