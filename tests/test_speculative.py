@@ -71,12 +71,13 @@ def test_the_cache_after_speculation_is_the_cache_without():
     spec_llm.check_integrity()
 
 
-@pytest.mark.parametrize("kv", ["int8", "int4,residual=8", "fp16"])
+@pytest.mark.parametrize("kv", ["int8", "int4,residual=8", "fp16", "window=96,sinks=4,page_size=4"])
 def test_lossy_encodings_speculate_and_keep_their_accounting(kv):
     """A lossy encoding takes proposals back too (the residual buffer and sealed pages as a
     sequence that never saw them); its text may differ from one-at-a-time decoding by the
     encoding's rounding, as a prefill chunk's does (the verified tokens attend to each other at
-    full precision), so only the accounting is compared."""
+    full precision), so only the accounting is compared. Sinks likewise: a verified block is
+    placed at the cache positions of its step, where one-token steps shift them token by token."""
     llm = LLM(kv=f"dynamic,{kv}")
     want = _plain(llm, PROMPTS)
     got = llm.generate_batch(PROMPTS, [SamplingParams(max_tokens=48, prediction=_wrong(o.token_ids, 3)) for o in want],
@@ -85,11 +86,26 @@ def test_lossy_encodings_speculate_and_keep_their_accounting(kv):
     llm.check_integrity()
 
 
-def test_windows_and_presses_do_not_speculate():
-    for kv in ("dynamic,window=64", "dynamic,press=snapkv,ratio=0.5"):
-        llm = LLM(kv=kv)
-        (out,) = llm.generate_batch(PROMPTS[:1], [SamplingParams(max_tokens=8, prompt_lookup=4)], chat=True)
-        assert "spec_forwards" not in out.metrics, kv
+@pytest.mark.parametrize("kv", ["dynamic,window=96,page_size=4", "static,max_tokens=512,window=96,page_size=4"])
+def test_windows_speculate_and_give_the_same_text(kv):
+    """A step gives back only the pages dead before its first new token, so refused tokens never
+    cost a window a page the kept ones see: with windows shorter than the texts, the greedy text
+    is the text without speculation and the pages all come back."""
+    plain_llm, spec_llm = LLM(kv=kv), LLM(kv=kv)
+    want = _plain(plain_llm, PROMPTS, 64)
+    assert sum(len(o.prompt_token_ids) + len(o.token_ids) > 96 for o in want) >= 3  # the windows slide
+    got = spec_llm.generate_batch(PROMPTS, [SamplingParams(max_tokens=64, prediction=_wrong(o.token_ids, 4))
+                                            for o in want], chat=True)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert sum(o.metrics.get("spec_pred_rejected", 0) for o in got) > 0
+    spec_llm.check_integrity()
+    assert spec_llm.kv_stats().pages_in_use == 0
+
+
+def test_presses_do_not_speculate():
+    llm = LLM(kv="dynamic,press=snapkv,ratio=0.5")
+    (out,) = llm.generate_batch(PROMPTS[:1], [SamplingParams(max_tokens=8, prompt_lookup=4)], chat=True)
+    assert "spec_forwards" not in out.metrics
 
 
 def test_prediction_equal_to_the_output_needs_few_forwards(smollm_q):
@@ -229,3 +245,17 @@ def test_a_draft_with_another_tokenizer_is_refused(tiny_dir):
 
     with pytest.raises(InvalidParams, match="another tokenizer"):
         LLM(str(tiny_dir("llama")[0]), draft_model="smollm2")
+
+
+@pytest.mark.gemma
+def test_gemma3_sliding_layers_do_not_speculate():
+    """Gemma 3's own sliding-window layers: a verifying forward there does not give the bits of
+    one-token decodes, so its requests decode without speculation (and their text is unchanged)."""
+    from conftest import gemma_installed
+
+    if not gemma_installed():
+        pytest.skip("the Gemma 3 270M package is not installed (make gemma)")
+    llm = LLM("gemma3-270m")
+    want = _plain(llm, PROMPTS[:1], 24)
+    got = llm.generate_batch(PROMPTS[:1], [SamplingParams(max_tokens=24, prompt_lookup=5)], chat=True)
+    assert got[0].token_ids == want[0].token_ids and "spec_forwards" not in got[0].metrics

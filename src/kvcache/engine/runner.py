@@ -164,9 +164,10 @@ class ModelRunner:
             if end and _replays(seq):
                 self._replay_chunk(len(seq.tokens) + len(toks))  # refused before the prompt is read
         if want is not None and any(w != 1 for w in want):
-            if self.windowed or any(not 1 <= w <= len(t) for w, t in zip(want, new_tokens)):
-                raise ValueError("logits of several rows per sequence need a cache without windows and as many "
-                                 "new tokens")
+            if any(not 1 <= w <= len(t) for w, t in zip(want, new_tokens)) or (
+                    self.windowed and any(len(t) > WINDOW_CHUNK for t in new_tokens)):
+                raise ValueError("logits of several rows per sequence need as many new tokens (at most "
+                                 f"{WINDOW_CHUNK} a sequence with windows)")
             logits = self._forward(seqs, new_tokens, want=want)
         elif self.windowed and any(len(t) > WINDOW_CHUNK for t in new_tokens):
             logits = self._chunked(seqs, new_tokens)

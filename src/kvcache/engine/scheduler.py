@@ -117,14 +117,19 @@ class Scheduler:
         self.waiting.append(req)
 
     def _speculator(self, req: Request) -> Speculator | None:
-        """A sample's proposer, when its request speculates and the cache can take tokens back
-        cheaply (no windows, which may drop pages for tokens that are then refused, and no press)."""
+        """A sample's proposer, when its request speculates, its cache has no press (a press would
+        read a verifying forward of several tokens as a prompt and score it) and its model has no
+        sliding-window layers of its own (Gemma 3's: a verifying forward there does not give the
+        bits of one-token decodes, so the text would change). Cache windows speculate: a step gives
+        back only the pages dead before its first new token, so a refused token never costs the
+        window a page the kept ones still see."""
         cache = self.runner.cache
         p = req.params
         if self.config.prompt_lookup and not p.prompt_lookup:
             p = replace(p, prompt_lookup=self.config.prompt_lookup)
         draft = self.runner.draft
-        if not speculative(p, draft is not None) or self.runner.windowed or (cache is not None and cache.config.press):
+        if (not speculative(p, draft is not None) or (cache is not None and cache.config.press)
+                or any(w is not None for w in self.runner.config.layer_windows)):
             return None
         return Speculator(p, req.prompt_ids, draft if not p.prediction else None)
 
