@@ -333,6 +333,3 @@ class MaskWorker:
         self.mask_s += time.perf_counter() - t0
         self.masks += len(matchers)
         return out
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False)

@@ -193,16 +193,6 @@ def warp(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return probs
 
 
-def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """One row's sampling distribution [V] (``warp`` of logits [V])."""
-    return warp(logits.float()[None], [params])[0]
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick one token from logits [V] (float32) with no penalties or masks."""
-    return choose(logits[None], [Row(params, generator)])[0]
-
-
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
     """Log-probabilities under the model: log-softmax of the raw logits [..., V] (float32)."""
     return torch.log_softmax(logits.float(), -1)
