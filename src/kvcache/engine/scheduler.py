@@ -122,7 +122,8 @@ class Scheduler:
         sliding-window layers of its own (Gemma 3's: a verifying forward there does not give the
         bits of one-token decodes, so the text would change). Cache windows speculate: a step gives
         back only the pages dead before its first new token, so a refused token never costs the
-        window a page the kept ones still see."""
+        window a page the kept ones still see (their text, like a lossy encoding's, may differ from
+        one-token decoding in the last bits of the sums)."""
         cache = self.runner.cache
         p = req.params
         if self.config.prompt_lookup and not p.prompt_lookup:
