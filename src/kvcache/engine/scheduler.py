@@ -404,16 +404,7 @@ class Scheduler:
                 groups.append((req, group))
         if not groups:
             return
-        try:
-            toks = self._choose(logits, groups, masks)
-        except Exception:  # find the request at fault: each on its own
-            toks = []
-            for req, group in groups:
-                try:
-                    toks += self._choose(logits, [(req, group)], masks)
-                except Exception as e:
-                    self._fail(req, e, done)
-                    toks += [None] * len(group)
+        toks = self._choose_each(logits, groups, masks, done)
         self._lazy(groups, toks, logits, done)
         at = 0
         for req, group in groups:
@@ -454,18 +445,25 @@ class Scheduler:
                     again.append((at, req, (x, row, k)))
                 except Exception as e:
                     self._fail(req, e, done)
-        try:
-            picked = self._choose(logits, [(req, [entry]) for _, req, entry in again], masks)
-        except Exception:  # each on its own, to fail only the one at fault
-            picked = []
-            for _, req, entry in again:
-                try:
-                    picked += self._choose(logits, [(req, [entry])], masks)
-                except Exception as e:
-                    self._fail(req, e, done)
-                    picked.append(None)
+        picked = self._choose_each(logits, [(req, [entry]) for _, req, entry in again], masks, done)
         for (at, _, _), tok in zip(again, picked):
             toks[at] = tok
+
+    def _choose_each(self, logits: torch.Tensor, groups: list[tuple[Request, list[tuple[Sample, int, int | None]]]],
+                     masks: torch.Tensor | None, done: list[Request]) -> list[int | None]:
+        """``_choose`` for all groups at once; when that fails, each request's group on its own, so
+        that only the request at fault fails (its entries are None)."""
+        try:
+            return self._choose(logits, groups, masks)
+        except Exception:
+            toks: list[int | None] = []
+            for req, group in groups:
+                try:
+                    toks += self._choose(logits, [(req, group)], masks)
+                except Exception as e:
+                    self._fail(req, e, done)
+                    toks += [None] * len(group)
+            return toks
 
     def _choose(self, logits: torch.Tensor, groups: list[tuple[Request, list[tuple[Sample, int, int | None]]]],
                 masks: torch.Tensor | None) -> list[int | None]:

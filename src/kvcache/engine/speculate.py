@@ -38,6 +38,7 @@ from kvcache.engine.sampler import Row, adjust, is_greedy, warp
 MAX_NGRAM, MIN_NGRAM = 4, 1
 REST_AFTER, REST_STEPS = 3, 8  # a lookup refused this many times in a row rests this many steps
 SEARCH_LIMIT = 8192  # the last tokens of a sequence searched for an n-gram
+DEFAULT_K = 8  # proposals per forward for a prediction or a draft model
 
 
 def speculative(params: SamplingParams, draft: bool = False) -> bool:
@@ -151,8 +152,6 @@ class Speculator:
         else:
             self.refused = 0
 
-
-DEFAULT_K = 8  # proposals per forward for a prediction or a draft model
 
 
 class DraftProposer:
