@@ -176,3 +176,31 @@ def test_a_served_greedy_request_does_not_depend_on_what_runs_beside_it():
         assert together == alone
     finally:
         s.close()
+
+
+@pytest.mark.gemma
+def test_gemma3_sliding_layers_give_recomputations_bits():
+    """Gemma 3's own sliding-window layers (512 tokens) go through the canonical kernel too: a
+    700-token prompt, whose early pages leave the window, gives the bits of recomputation fed
+    whole, in chunks, one token at a time after the window filled, and in a batch."""
+    from conftest import gemma_installed
+
+    if not gemma_installed():
+        pytest.skip("the Gemma 3 270M package is not installed (make gemma)")
+    ref, llm = LLM("gemma3-270m", kv="none", prefix=False), LLM("gemma3-270m", kv="dynamic,page_size=16", prefix=False)
+    assert 512 in ref.runner.config.layer_windows
+    ids: list[int] = []
+    while len(ids) < 700:
+        ids += ref.encode(TEXTS[len(ids) % len(TEXTS)])
+    ids = ids[:700]
+    want = _feed(ref, ids, [0], steps=3)
+    for chunks in ([0], [300, 250, 0], [520] + [1] * 180):
+        _same(want, _feed(llm, ids, chunks, steps=3), f"gemma3, chunks {chunks[:3]}")
+    r = llm.runner
+    others = [ids[:40], ids[100:650]]
+    seqs = [r.new_sequence() for _ in range(3)]
+    got = r.step(seqs, [others[0], ids, others[1]])
+    assert torch.equal(got[1], want[0]), "gemma3, the long prompt in a batch of 3"
+    for s in seqs:
+        r.free(s)
+    llm.check_integrity()

@@ -224,6 +224,54 @@ def test_extend_kernel_equals_torch_path(case, spec, monkeypatch):
         torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("case", ["interleaved, then extends", "a batch of different lengths",
+                                  "long extend over a short prefix"])
+@pytest.mark.parametrize("spec", ["dynamic,page_size=4,window=24", "dynamic,page_size=16,window=200",
+                                  "static,max_tokens=512,max_seqs=2,page_size=16,window=129"])
+def test_windowed_extend_kernel_equals_torch_path(case, spec, monkeypatch):
+    """A sliding window (no sinks) goes through the same kernel: every row sees only its window,
+    and pages gone out of every window (holes in the table) are never read."""
+    if kernels.xattn() is None:
+        pytest.skip("no C compiler here: the torch path is the only one")
+    calls = []
+    real = kernels.paged_extend
+    monkeypatch.setattr(kernels, "paged_extend", lambda *a: calls.append(real(*a) is not None) or real(*a))
+    fast = extend_outputs(CFG, spec, EXTEND_CASES[case], True, monkeypatch)
+    assert calls and all(calls)
+    slow = extend_outputs(CFG, spec, EXTEND_CASES[case], False, monkeypatch)
+    for x, y in zip(fast, slow):
+        torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4)
+
+
+def _fed_in(spec: str, chunks: list[int], n: int) -> tuple[torch.Tensor, int]:
+    """One sequence's n tokens (fixed q, k, v) fed in ``chunks``: its output rows [n, Hq, D] and
+    the page-table holes it ended with."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = torch.randn(n, 6, 32, generator=g), torch.randn(n, 2, 32, generator=g), torch.randn(n, 2, 32, generator=g)
+    cache = PagedKVCache(CFG, parse_kv_spec(spec))
+    seq, at, outs = cache.new_sequence(), 0, []
+    for c in chunks:
+        ctx = PagedContext(cache, [seq], [c], torch.arange(at, at + c))
+        outs.append(ctx.attend(0, q[at : at + c], k[at : at + c], v[at : at + c], 0.3))
+        at += c
+    cache.check_integrity()
+    return torch.cat(outs), sum(p == -1 for p in seq.tables[0])
+
+
+@pytest.mark.parametrize("spec", ["dynamic,page_size=4,window=40", "dynamic,page_size=16,window=300"])
+def test_windowed_rows_have_the_same_bits_however_they_are_fed(spec):
+    """Batch invariance with a window: one token at a time, one prefill, uneven chunks and short
+    verifying-sized steps give every row the same bits, holes in the table or not."""
+    if kernels.xattn() is None:
+        pytest.skip("no C compiler here")
+    n = 420
+    ref, _ = _fed_in(spec, [n], n)
+    for chunks in ([1] * n, [5, 9, 1, 2] * 23 + [n - 17 * 23], [130, 3, 200, 87]):
+        got, holes = _fed_in(spec, chunks, n)
+        assert torch.equal(got, ref), f"chunks {chunks[:5]}...: max difference {float((got - ref).abs().max()):.3g}"
+    assert holes > 0  # pages left every window and went back: the kernel skipped them
+
+
 def test_extend_kernel_declines_a_head_size_it_does_not_tile(monkeypatch):
     """head_dim 20 is no multiple of a vector: the kernel says no and the torch path answers."""
     if kernels.xattn() is None:

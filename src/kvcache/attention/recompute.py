@@ -6,8 +6,8 @@ A layer with full visibility goes through the very kernels a paged cache uses (k
 cattn.c) over a scratch pool that lives for one forward: each sequence's tokens in a page-aligned
 run of slots, rewritten by every layer. Attention then reduces in the same canonical order as
 every cached path, so recomputing gives the cache's logits bit for bit, quantized weights
-included. Sliding-window layers, inputs the kernels do not take, and machines without them use
-attention/dense.py.
+included; sliding-window layers pass their window to the same kernels. Inputs the kernels do not
+take, and machines without them, use attention/dense.py.
 
 Owns the scratch pool of one forward; knows nothing of the cache's pages, allocator or planner.
 """
@@ -54,21 +54,19 @@ class RecomputeContext:
     def attend_packed(self, layer: int, qkv: torch.Tensor, heads: tuple[int, int, int], cos: torch.Tensor,
                       sin: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, scale: float) -> torch.Tensor | None:
         """qkv [N, (Hq + 2 Hkv) D] -> [N, Hq D] through the fused kernel; None: use ``attend``."""
-        if self.layer_windows[layer] is not None:
-            return None
         _, hkv, d = heads
         return kernels.decode_attend(qkv, heads, cos, sin, qk_norm, eps, self._scratch(hkv, d), PAGE, self.slots,
-                                     self.rows, scale)
+                                     self.rows, scale, self.layer_windows[layer] or 0)
 
     def attend_block(self, layer: int, x: torch.Tensor, weights: tuple, heads: tuple[int, int, int],
                      cos: torch.Tensor, sin: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, scale: float,
                      post_norm: torch.Tensor | None) -> bool:
         """The attention half of a layer with quantized weights in one native call; False otherwise."""
-        if self.layer_windows[layer] is not None or kernels.dattn() is None:
+        if kernels.dattn() is None:
             return False
         _, hkv, d = heads
         return attn_block(x, weights, heads, cos, sin, qk_norm, eps, scale, post_norm, self._scratch(hkv, d), PAGE,
-                          self.slots, self.rows)
+                          self.slots, self.rows, self.layer_windows[layer] or 0)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q: [N, Hq, D]; k, v: [N, Hkv, D] -> [N, Hq, D], dense, per sequence."""

@@ -153,14 +153,15 @@ def paged_extend(
     new: torch.Tensor,  # [B] int64: its new tokens (rows), at least 1
     lens: torch.Tensor,  # [B] int64: tokens it holds, the new ones included
     page_size: int,
+    window: int = 0,  # a sliding window: a row at position p sees keys p - window + 1 .. p; 0: all
 ) -> torch.Tensor | None:  # [N, Hq, D], or None when the kernel is unavailable for these inputs
     if xattn() is None:
         return None
-    return _attend(q, flat, tables, row0, new, lens, page_size)
+    return _attend(q, flat, tables, row0, new, lens, page_size, window)
 
 
 def _attend(q: torch.Tensor, flat: torch.Tensor, tables: torch.Tensor, row0: torch.Tensor, new: torch.Tensor,
-            lens: torch.Tensor, page_size: int) -> torch.Tensor | None:
+            lens: torch.Tensor, page_size: int, window: int = 0) -> torch.Tensor | None:
     """cattn.c over q [N, Hq, D] (scale applied) -> [N, Hq, D]; None when it cannot take the inputs."""
     lib = qgemm()
     if (lib is None or not _cpu_f32(q, flat) or not _i64(tables, row0, new, lens) or q.dim() != 3
@@ -172,7 +173,7 @@ def _attend(q: torch.Tensor, flat: torch.Tensor, tables: torch.Tensor, row0: tor
     out = torch.empty(n, hq, d)
     rc = lib.kv_paged_attend(tables.shape[0], hkv, hq // hkv, d, page_size, flat.shape[2], q.data_ptr(),
                              flat.data_ptr(), tables.data_ptr(), tables.shape[1], row0.data_ptr(), new.data_ptr(),
-                             lens.data_ptr(), out.data_ptr(), n, torch.get_num_threads())
+                             lens.data_ptr(), window, out.data_ptr(), n, torch.get_num_threads())
     return out if rc == 0 else None
 
 
@@ -248,6 +249,7 @@ def decode_attend(
     slots: torch.Tensor,  # [N] int64: where each new token's K/V go
     rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],  # tables [B, P], row0, nnew, lens [B]
     scale: float,
+    window: int = 0,  # a sliding window: a row at position p sees keys p - window + 1 .. p; 0: all
 ) -> torch.Tensor | None:  # [N, hq * D], or None when the kernel cannot take these inputs
     """Every new token of every sequence in one call: norm, RoPE, the cache write and attention."""
     lib = dattn()
@@ -264,5 +266,5 @@ def decode_attend(
                               sin.data_ptr(), None if qk_norm is None else qk_norm.data_ptr(), float(eps),
                               flat.data_ptr(), page_size, flat.shape[2], slots.data_ptr(), tables.data_ptr(),
                               tables.shape[1], tables.shape[0], row0.data_ptr(), nnew.data_ptr(), lens.data_ptr(),
-                              float(scale), out.data_ptr(), torch.get_num_threads())
+                              window, float(scale), out.data_ptr(), torch.get_num_threads())
     return out if rc == 0 else None

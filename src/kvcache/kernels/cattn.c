@@ -3,12 +3,14 @@
  * of threads, a decode or a prefill, a prefix hit or a recompute). Built into the qgemm library;
  * dattn.c (decode and extend fused with the projections) and kv_paged_attend use it.
  *
- * The order, for one query row at position p of a sequence (it sees keys 0 .. p):
+ * The order, for one query row at position p of a sequence (it sees keys 0 .. p, or p - W + 1 .. p
+ * with a sliding window of W):
  *   - keys go in chunks of CH at fixed positions: chunk c holds keys c*CH .. c*CH + CH - 1;
  *   - in a chunk, each score is one fused multiply-add chain over the head dimension, d = 0 .. D-1,
  *     of the query (scale applied beforehand) and the key; the chunk's maximum m, exp(s - m) by
  *     vexp, their sum l in key order, and the value sum acc, one multiply-add chain per output
- *     element in key order (keys past p are masked to -inf: they add exact zeros);
+ *     element in key order (keys past p or before the window are masked to -inf: they add exact
+ *     zeros, so a call may start or end a chunk's range at any masked key: a row's bits stay);
  *   - chunks merge in order 0, 1, 2, ...: a running (M, L, O) takes each chunk that sees a key
  *     (``merge_into``), and the output is O / L (``finish``).
  * The functions doing each step are compiled once (noinline), so every caller runs the same
@@ -17,6 +19,8 @@
  * with many (prefill) gives each thread blocks of RB rows that run their chunks in order. Both
  * sides tile like a GEMM: the g * rows query rows sharing a KV head are the columns of a transposed
  * query block QT [D, Gp]; each key row is loaded once for them, each value row once per tile.
+ * With a window, keys before the window of a call's first new row are never read (their pages may
+ * have gone back to the pool: holes in the table).
  *
  * Layouts (S = slots in the pool = pages * ps, Hq = hkv * g, query head h * g + i uses KV head h):
  *   q      [N, ...] float, row n's head k at q + n * ldq + k * D; sequence b's new tokens are rows
@@ -89,11 +93,12 @@ static inline __attribute__((always_inline)) void value_cols(int nv, const float
 }
 
 /* One chunk (keys j0 .. j1 - 1) for the G query rows in qt [D, Gp]: row r is new token r % nt,
- * whose position is first + r % nt (it sees keys up to it). Out: m, l [Gp], acc [G, D]; a row
- * that sees no key here gets l = 0. st: scratch [(j1 - j0 + NK), Gp]. */
+ * whose position is first + r % nt (it sees keys up to it, and with a window W > 0 none before
+ * first + r % nt - W + 1). Out: m, l [Gp], acc [G, D]; a row that sees no key here gets l = 0.
+ * st: scratch [(j1 - j0 + NK), Gp]. */
 static NOINLINE void chunk_partial(const float *K, const float *V, const int64_t *table, int ps, int D, int64_t j0,
-                                   int64_t j1, const float *qt, int Gp, int G, int nt, int64_t first, float *st,
-                                   float *m, float *l, float *acc) {
+                                   int64_t j1, const float *qt, int Gp, int G, int nt, int64_t first, int64_t W,
+                                   float *st, float *m, float *l, float *acc) {
     for (int v0 = 0; v0 < Gp; v0 += VL * CV) {
         switch ((Gp - v0) / VL < CV ? (Gp - v0) / VL : CV) {
         case 1: score_cols(1, K, table, ps, D, j0, j1, qt, Gp, v0, st); break;
@@ -108,6 +113,9 @@ static NOINLINE void chunk_partial(const float *K, const float *V, const int64_t
         if (j > first) /* causal among the new tokens */
             for (int r = 0; r < G; r++)
                 if (j - first > r % nt) sj[r] = -INFINITY;
+        if (W && j <= first + nt - 1 - W) /* before some row's window */
+            for (int r = 0; r < G; r++)
+                if (first + r % nt - j >= W) sj[r] = -INFINITY;
         for (int r = 0; r < Gp; r++) m[r] = sj[r] > m[r] ? sj[r] : m[r];
     }
     for (int r = 0; r < Gp; r++) m[r] = m[r] == -INFINITY ? 0.f : m[r];
@@ -171,7 +179,7 @@ typedef struct {
 
 struct CAttn {
     int B, hkv, g, D, ps, max_pages;
-    int64_t S, ldq;
+    int64_t S, ldq, W;
     const float *q, *kv;
     const int64_t *tables, *row0, *nnew, *lens;
     float *out;
@@ -184,14 +192,18 @@ struct CAttn {
 
 static int64_t chunks_of(int64_t keys) { return (keys + KV_CH - 1) / KV_CH; }
 
+/* The first key a row at position p reads: 0, or the start of its window. */
+static int64_t first_key(int64_t p, int64_t W) { return W && p - W + 1 > 0 ? p - W + 1 : 0; }
+
 int cattn_check(int B, int hkv, int g, int D, int ps, int64_t S, const int64_t *tables, int max_pages,
-                const int64_t *row0, const int64_t *nnew, const int64_t *lens, int64_t n_rows) {
-    if (D % VL || B < 1 || hkv < 1 || g < 1 || ps < 1 || S < ps || max_pages < 1) return 1;
+                const int64_t *row0, const int64_t *nnew, const int64_t *lens, int64_t W, int64_t n_rows) {
+    if (D % VL || B < 1 || hkv < 1 || g < 1 || ps < 1 || S < ps || max_pages < 1 || W < 0) return 1;
     for (int b = 0; b < B; b++) {
         if (nnew[b] < 1 || lens[b] < nnew[b] || row0[b] < 0 || row0[b] + nnew[b] > n_rows ||
             (lens[b] + ps - 1) / ps > max_pages)
             return 1;
-        for (int64_t i = 0; i < (lens[b] + ps - 1) / ps; i++) { /* every page read lies in the pool */
+        /* every page read lies in the pool */
+        for (int64_t i = first_key(lens[b] - nnew[b], W) / ps; i < (lens[b] + ps - 1) / ps; i++) {
             const int64_t page = tables[(int64_t)b * max_pages + i];
             if (page < 0 || page >= S / ps) return 3;
         }
@@ -201,16 +213,16 @@ int cattn_check(int B, int hkv, int g, int D, int ps, int64_t S, const int64_t *
 
 CAttn *cattn_plan(int B, int hkv, int g, int D, int ps, int64_t S, const float *q, int64_t ldq, const float *kv,
                   const int64_t *tables, int max_pages, const int64_t *row0, const int64_t *nnew,
-                  const int64_t *lens, float *out) {
+                  const int64_t *lens, int64_t W, float *out) {
     CAttn *a = calloc(1, sizeof(CAttn));
     if (!a) return NULL;
-    *a = (CAttn){B, hkv, g, D, ps, max_pages, S, ldq, q, kv, tables, row0, nnew, lens, out, 0, VL,
+    *a = (CAttn){B, hkv, g, D, ps, max_pages, S, ldq, W, q, kv, tables, row0, nnew, lens, out, 0, VL,
                  NULL, NULL, NULL, NULL};
     int64_t items = 0, parts = 0;
     for (int b = 0; b < B; b++) {
         const int64_t T = nnew[b];
         if (T <= SPLIT) {
-            items += hkv * chunks_of(lens[b]);
+            items += hkv * (chunks_of(lens[b]) - first_key(lens[b] - T, W) / KV_CH);
             if (GP(g * T) > a->scratch_gp) a->scratch_gp = GP(g * T);
         } else {
             for (int64_t t0 = 0; t0 < T; t0 += RB) items += hkv;
@@ -231,7 +243,7 @@ CAttn *cattn_plan(int B, int hkv, int g, int D, int ps, int64_t S, const float *
         for (int h = 0; h < hkv; h++) {
             a->first[(int64_t)b * hkv + h] = n;
             if (T <= SPLIT) {
-                for (int64_t c = 0; c < chunks_of(L); c++, n++) {
+                for (int64_t c = first_key(L - T, W) / KV_CH; c < chunks_of(L); c++, n++) {
                     a->its[n] = (item_t){b, h, (int)T, 1, 0, c, c + 1};
                     a->off[n] = parts;
                     parts += GP(g * T) * (D + 2);
@@ -239,7 +251,8 @@ CAttn *cattn_plan(int B, int hkv, int g, int D, int ps, int64_t S, const float *
             } else {
                 for (int64_t t0 = 0; t0 < T; t0 += RB, n++) {
                     const int nt = (int)(T - t0 < RB ? T - t0 : RB);
-                    a->its[n] = (item_t){b, h, nt, 0, t0, 0, chunks_of(L - T + t0 + nt)};
+                    a->its[n] = (item_t){b, h, nt, 0, t0, first_key(L - T + t0, W) / KV_CH,
+                                         chunks_of(L - T + t0 + nt)};
                     a->off[n] = -1;
                 }
             }
@@ -276,10 +289,11 @@ static void run_item(const CAttn *a, int64_t i, float *qt, float *st, float *st8
             const float *qr = a->q + (a->row0[b] + it->t0 + t) * a->ldq + (h * g + k) * D;
             for (int c = 0; c < D; c++) qt[(int64_t)c * Gp + k * nt + t] = qr[c];
         }
+    const int64_t lo = first_key(first, a->W); /* no key before it is read */
     if (it->split) {
         float *m = a->part + a->off[i], *l = m + Gp, *acc = m + 2 * Gp;
-        const int64_t j0 = it->c0 * KV_CH, j1 = j0 + KV_CH < L ? j0 + KV_CH : L;
-        chunk_partial(K, V, table, a->ps, D, j0, j1, qt, Gp, G, nt, first, st, m, l, acc);
+        const int64_t c0 = it->c0 * KV_CH, j0 = c0 > lo ? c0 : lo, j1 = c0 + KV_CH < L ? c0 + KV_CH : L;
+        chunk_partial(K, V, table, a->ps, D, j0, j1, qt, Gp, G, nt, first, a->W, st, m, l, acc);
         return;
     }
     /* st8: the running state M, L [Gp], O [Gp, D], then the chunk's m, l [Gp], acc [Gp, D] */
@@ -290,8 +304,8 @@ static void run_item(const CAttn *a, int64_t i, float *qt, float *st, float *st8
     }
     const int64_t last = first + nt; /* keys the block's last row sees */
     for (int64_t c = it->c0; c < it->c1; c++) {
-        const int64_t j0 = c * KV_CH, j1 = j0 + KV_CH < last ? j0 + KV_CH : last;
-        chunk_partial(K, V, table, a->ps, D, j0, j1, qt, Gp, G, nt, first, st, m, l, acc);
+        const int64_t c0 = c * KV_CH, j0 = c0 > lo ? c0 : lo, j1 = c0 + KV_CH < last ? c0 + KV_CH : last;
+        chunk_partial(K, V, table, a->ps, D, j0, j1, qt, Gp, G, nt, first, a->W, st, m, l, acc);
         merge_into(G, D, M, Ls, O, m, l, acc);
     }
     finish(G, D, nt, g, (int)h, Ls, O, a->out + (a->row0[b] + it->t0) * (int64_t)a->hkv * g * D,
@@ -301,7 +315,8 @@ static void run_item(const CAttn *a, int64_t i, float *qt, float *st, float *st8
 /* A split sequence's KV head: its chunks' partials merged in order, into out. */
 static void merge_split(const CAttn *a, int b, int h, float *st8) {
     const int g = a->g, D = a->D, nt = (int)a->nnew[b], G = g * nt, Gp = (int)GP(G);
-    const int64_t first = a->first[(int64_t)b * a->hkv + h], n = chunks_of(a->lens[b]);
+    const int64_t first = a->first[(int64_t)b * a->hkv + h],
+                  n = chunks_of(a->lens[b]) - first_key(a->lens[b] - nt, a->W) / KV_CH;
     float *M = st8, *Ls = M + Gp, *O = Ls + Gp;
     for (int r = 0; r < Gp; r++) {
         M[r] = -INFINITY;
@@ -335,12 +350,12 @@ void cattn_in_region(const CAttn *a, int *bad) {
 
 int kv_paged_attend(int B, int hkv, int g, int D, int ps, int64_t S, const float *q, const float *kv,
                     const int64_t *tables, int max_pages, const int64_t *row0, const int64_t *nnew,
-                    const int64_t *lens, float *out, int64_t n_rows, int n_threads) {
+                    const int64_t *lens, int64_t window, float *out, int64_t n_rows, int n_threads) {
     if (n_threads < 1) return 1;
-    int rc = cattn_check(B, hkv, g, D, ps, S, tables, max_pages, row0, nnew, lens, n_rows);
+    int rc = cattn_check(B, hkv, g, D, ps, S, tables, max_pages, row0, nnew, lens, window, n_rows);
     if (rc) return rc;
     CAttn *a = cattn_plan(B, hkv, g, D, ps, S, q, (int64_t)hkv * g * D, kv, tables, max_pages, row0, nnew, lens,
-                          out);
+                          window, out);
     if (!a) return 2;
     int bad = 0;
 #pragma omp parallel num_threads(n_threads)

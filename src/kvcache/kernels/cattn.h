@@ -11,13 +11,16 @@
 
 typedef struct CAttn CAttn;
 
-/* 0, 1 for bad sizes, 3 for a page outside the pool. */
+/* 0, 1 for bad sizes, 3 for a page outside the pool (pages wholly before every new row's window are
+ * not read, and may be holes). W: a sliding window (a row at position p sees keys p - W + 1 .. p),
+ * 0 for none. */
 KV_HIDDEN int cattn_check(int B, int hkv, int g, int D, int ps, int64_t S, const int64_t *tables, int max_pages,
-                          const int64_t *row0, const int64_t *nnew, const int64_t *lens, int64_t n_rows);
+                          const int64_t *row0, const int64_t *nnew, const int64_t *lens, int64_t W,
+                          int64_t n_rows);
 /* The work items of one call (NULL when memory runs out); q rows ldq apart (pre-scaled), out [N, hkv * g * D]. */
 KV_HIDDEN CAttn *cattn_plan(int B, int hkv, int g, int D, int ps, int64_t S, const float *q, int64_t ldq,
                             const float *kv, const int64_t *tables, int max_pages, const int64_t *row0,
-                            const int64_t *nnew, const int64_t *lens, float *out);
+                            const int64_t *nnew, const int64_t *lens, int64_t W, float *out);
 /* Every thread of a parallel region calls it; *bad = 1 when a thread's scratch cannot be had. */
 KV_HIDDEN void cattn_in_region(const CAttn *a, int *bad);
 KV_HIDDEN void cattn_free(CAttn *a);

@@ -1,6 +1,6 @@
 /* Attention fused with the steps around it, for a batch of sequences that each feed one or more
- * new tokens over fp32 pages with full visibility (decodes, extends after a prefix hit, prefill
- * chunks). Built into the quantized-weights library (qgemm).
+ * new tokens over fp32 pages with full visibility or a sliding window (decodes, extends after a
+ * prefix hit, prefill chunks, verifying forwards). Built into the quantized-weights library (qgemm).
  *
  * kv_decode_attend: from each row of the fused q|k|v projection, the q and k heads get their
  * per-head RMSNorm (when the model has one: Qwen3, Gemma 3) and their rotary embedding (HF's
@@ -19,6 +19,7 @@
  *   slots  [N] int64: where each new token's K/V go; tables [B, max_pages] int64; row0, nnew,
  *          lens [B] int64: sequence b's rows are row0[b] .. row0[b] + nnew[b] - 1 and it holds
  *          lens[b] tokens, the new ones included
+ *   window 0, or W: a row at position p sees keys p - W + 1 .. p only
  *   out    [N, hq * D] float
  * Returns 0, 1 for bad sizes, 2 (or 4) when memory runs out, 3 for a slot or page outside the pool.
  */
@@ -41,7 +42,7 @@ typedef struct { /* the per-row steps before attention */
 } Prep;
 
 static int check_rows(const Prep *p, int B, int ps, int max_pages, const int64_t *tables, const int64_t *row0,
-                      const int64_t *nnew, const int64_t *lens) {
+                      const int64_t *nnew, const int64_t *lens, int64_t window) {
     if (p->N < 1 || p->hkv < 1 || p->hq < p->hkv || p->hq % p->hkv || p->D < 1 || p->D > MAXD || p->rot < 0 ||
         p->rot > p->D || p->rot % 2 || p->ldq < (int64_t)(p->hq + 2 * p->hkv) * p->D)
         return 1;
@@ -50,7 +51,8 @@ static int check_rows(const Prep *p, int B, int ps, int max_pages, const int64_t
     int64_t rows = 0;
     for (int b = 0; b < B; b++) rows += nnew[b];
     if (rows != p->N) return 1;
-    return cattn_check(B, p->hkv, p->hq / p->hkv, p->D, ps, p->S, tables, max_pages, row0, nnew, lens, p->N);
+    return cattn_check(B, p->hkv, p->hq / p->hkv, p->D, ps, p->S, tables, max_pages, row0, nnew, lens, window,
+                       p->N);
 }
 
 /* Row n: per-head norm and RoPE of the q and k heads, the scale on q, then k and v into the pool. */
@@ -92,12 +94,14 @@ static void attend_in_region(const Prep *p, const CAttn *c, int *bad) {
 int kv_decode_attend(int N, int hq, int hkv, int D, int rot, float *qkv, int64_t ldq, const float *cos,
                      const float *sin, const float *qk_norm, float eps, float *kv, int ps, int64_t S,
                      const int64_t *slots, const int64_t *tables, int max_pages, int B, const int64_t *row0,
-                     const int64_t *nnew, const int64_t *lens, float scale, float *out, int n_threads) {
+                     const int64_t *nnew, const int64_t *lens, int64_t window, float scale, float *out,
+                     int n_threads) {
     Prep p = {N, hq, hkv, D, rot, S, ldq, qkv, kv, scale, eps, cos, sin, qk_norm, slots};
     if (n_threads < 1 || B < 1) return 1;
-    int rc = check_rows(&p, B, ps, max_pages, tables, row0, nnew, lens);
+    int rc = check_rows(&p, B, ps, max_pages, tables, row0, nnew, lens, window);
     if (rc) return rc;
-    CAttn *c = cattn_plan(B, hkv, hq / hkv, D, ps, S, qkv, ldq, kv, tables, max_pages, row0, nnew, lens, out);
+    CAttn *c = cattn_plan(B, hkv, hq / hkv, D, ps, S, qkv, ldq, kv, tables, max_pages, row0, nnew, lens, window,
+                          out);
     if (!c) return 2;
     int bad = 0;
 #pragma omp parallel num_threads(n_threads)
@@ -113,7 +117,8 @@ int kv_q_attn_block(int N, int H, float *x, int64_t ldx, const float *g_in, floa
                     const uint8_t *qkv_qs, const void *qkv_d, const void *qkv_m, const float *qkv_b, int hq,
                     int hkv, int D, int rot, const float *cos, const float *sin, const float *qk_norm, float *kv,
                     int ps, int64_t S, const int64_t *slots, const int64_t *tables, int max_pages, int B,
-                    const int64_t *row0, const int64_t *nnew, const int64_t *lens, float scale, int o_fmt,
+                    const int64_t *row0, const int64_t *nnew, const int64_t *lens, int64_t window, float scale,
+                    int o_fmt,
                     const uint8_t *o_qs, const void *o_d, const void *o_m, const float *o_b, const float *post_w,
                     float post_eps, int n_threads) {
     const int QKV = (hq + 2 * hkv) * D, HD = hq * D;
@@ -127,9 +132,9 @@ int kv_q_attn_block(int N, int H, float *x, int64_t ldx, const float *g_in, floa
     float *qkv = (float *)(buf + ((s1 + s2 + 63) & ~(size_t)63)), *att = qkv + (size_t)N * QKV;
     float *y = post_w ? att + (size_t)N * HD : NULL;
     Prep p = {N, hq, hkv, D, rot, S, QKV, qkv, kv, scale, eps, cos, sin, qk_norm, slots};
-    int rc = check_rows(&p, B, ps, max_pages, tables, row0, nnew, lens);
+    int rc = check_rows(&p, B, ps, max_pages, tables, row0, nnew, lens, window);
     CAttn *c = rc ? NULL : cattn_plan(B, hkv, hq / hkv, D, ps, S, qkv, QKV, kv, tables, max_pages, row0, nnew,
-                                      lens, att);
+                                      lens, window, att);
     if (!rc && !c) rc = 4;
     if (rc) {
         free(buf);

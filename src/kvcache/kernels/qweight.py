@@ -262,12 +262,13 @@ def fused_mlp(x: torch.Tensor, gate_up: object, down: object, act: int | None, e
 def attn_block(x: torch.Tensor, weights: tuple, heads: tuple[int, int, int], cos: torch.Tensor, sin: torch.Tensor,
                qk_norm: torch.Tensor | None, eps: float, scale: float, post_norm: torch.Tensor | None,
                flat: torch.Tensor, page_size: int, slots: torch.Tensor,
-               rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
+               rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], window: int = 0) -> bool:
     """One step's attention half for every new token of every sequence, in one native call:
     x [N, H] += o(attend(rope(norm(qkv(rms_norm(x)))))) with the new K/V written into the pool layer
     ``flat`` [2, Hkv, S, D] at ``slots`` [N]; ``rows``: (page tables [B, P], first row, new tokens,
-    lengths [B]) of the sequences. ``weights``: (qkv, qkv bias, o, o bias); False when they are not
-    single-format QWeights or the inputs do not fit the kernel (nothing was done then)."""
+    lengths [B]) of the sequences; ``window``: a sliding window (0: none). ``weights``: (qkv, qkv
+    bias, o, o bias); False when they are not single-format QWeights or the inputs do not fit the
+    kernel (nothing was done then)."""
     qkv, qkv_b, o, o_b = weights
     hq, hkv, d = heads
     tables, row0, nnew, lens = rows
@@ -285,7 +286,7 @@ def attn_block(x: torch.Tensor, weights: tuple, heads: tuple[int, int, int], cos
         None if qkv_b is None else _vector_ptr(qkv_b, qkv.out, "bias"), hq, hkv, d, rot, cos.data_ptr(),
         sin.data_ptr(), None if qk_norm is None else qk_norm.data_ptr(), flat.data_ptr(), page_size,
         flat.shape[2], slots.data_ptr(), tables.data_ptr(), tables.shape[1], tables.shape[0], row0.data_ptr(),
-        nnew.data_ptr(), lens.data_ptr(), scale, o.fmt, *o._ptrs, None if o_b is None else _vector_ptr(o_b, o.out, "bias"),
+        nnew.data_ptr(), lens.data_ptr(), window, scale, o.fmt, *o._ptrs, None if o_b is None else _vector_ptr(o_b, o.out, "bias"),
         None if post_norm is None else _vector_ptr(post_norm, o.out, "norm weight"), eps, torch.get_num_threads())
     if rc == 4 or rc == 2:
         raise MemoryError("the fused attention could not allocate its buffers")

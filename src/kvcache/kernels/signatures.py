@@ -47,8 +47,8 @@ _TABLE = (
         ("ldq", "int64_t"), ("cos", "const float *"), ("sin", "const float *"), ("qk_norm", "const float *"),
         ("eps", "float"), ("kv", "float *"), ("ps", "int"), ("S", "int64_t"), ("slots", "const int64_t *"),
         ("tables", "const int64_t *"), ("max_pages", "int"), ("B", "int"), ("row0", "const int64_t *"),
-        ("nnew", "const int64_t *"), ("lens", "const int64_t *"), ("scale", "float"), ("out", "float *"),
-        ("n_threads", "int"))),
+        ("nnew", "const int64_t *"), ("lens", "const int64_t *"), ("window", "int64_t"), ("scale", "float"),
+        ("out", "float *"), ("n_threads", "int"))),
     Signature("qgemm", "kv_q_attn_block", "int", (
         ("N", "int"), ("H", "int"), ("x", "float *"), ("ldx", "int64_t"), ("g_in", "const float *"),
         ("eps", "float"), ("qkv_fmt", "int"), ("qkv_qs", "const uint8_t *"), ("qkv_d", "const void *"),
@@ -56,15 +56,16 @@ _TABLE = (
         ("rot", "int"), ("cos", "const float *"), ("sin", "const float *"), ("qk_norm", "const float *"),
         ("kv", "float *"), ("ps", "int"), ("S", "int64_t"), ("slots", "const int64_t *"),
         ("tables", "const int64_t *"), ("max_pages", "int"), ("B", "int"), ("row0", "const int64_t *"),
-        ("nnew", "const int64_t *"), ("lens", "const int64_t *"), ("scale", "float"), ("o_fmt", "int"),
+        ("nnew", "const int64_t *"), ("lens", "const int64_t *"), ("window", "int64_t"), ("scale", "float"),
+        ("o_fmt", "int"),
         ("o_qs", "const uint8_t *"), ("o_d", "const void *"), ("o_m", "const void *"), ("o_b", "const float *"),
         ("post_w", "const float *"), ("post_eps", "float"), ("n_threads", "int"))),
     # cattn.c: the canonical float32 paged attention
     Signature("qgemm", "kv_paged_attend", "int", (
         ("B", "int"), ("hkv", "int"), ("g", "int"), ("D", "int"), ("ps", "int"), ("S", "int64_t"),
         ("q", "const float *"), ("kv", "const float *"), ("tables", "const int64_t *"), ("max_pages", "int"),
-        ("row0", "const int64_t *"), ("nnew", "const int64_t *"), ("lens", "const int64_t *"), ("out", "float *"),
-        ("n_rows", "int64_t"), ("n_threads", "int"))),
+        ("row0", "const int64_t *"), ("nnew", "const int64_t *"), ("lens", "const int64_t *"),
+        ("window", "int64_t"), ("out", "float *"), ("n_rows", "int64_t"), ("n_threads", "int"))),
     # membw.c: the benchmarks' probes
     Signature("qgemm", "kv_stream_sum", "float", (
         ("x", "const float *"), ("n", "int64_t"), ("n_threads", "int"))),
