@@ -720,3 +720,50 @@ def test_decode_press_generates_after_scored_text(tiny_dir, press):
     assert max(held) <= int((len(PROMPT) + 3) * 0.5) + 1
     llm.check_integrity()
     llm.runner.free(seq)
+
+
+@pytest.mark.parametrize("press", ["tova", "h2o"])
+def test_decode_press_evicts_while_the_engine_generates(tiny_dir, press):
+    """Through the scheduler, which asks for each step's pages outside any forward: the press's
+    evictions between tokens run there too, and the text is the runner's own greedy decode."""
+    from kvcache import LLM, SamplingParams
+
+    path, _ = tiny_dir("llama")
+    kv = f"dynamic,page_size=4,press={press},ratio=0.5,protect=4"
+    llm = LLM(str(path), kv=kv, prefix=False)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))[0].outputs[0]
+    _, toks, seen, seq = _run_press(LLM(str(path), kv=kv, prefix=False), PROMPT, 12)
+    assert out.token_ids == toks[len(PROMPT):len(PROMPT) + 12]
+    assert max(len(h) for h in seen[-1][0]) < len(PROMPT)  # it did evict
+    llm.check_integrity()
+
+
+def test_a_refused_proposals_attention_never_counts(tiny_dir):
+    """H2O's sums after a verifying forward of four tokens cut back to two are the sums after a
+    verifying forward of those two alone; counting the refused ones would give other sums."""
+    from kvcache import LLM
+
+    path, _ = tiny_dir("llama")
+    llm = LLM(str(path), kv="dynamic,page_size=4,press=h2o,ratio=0.5,protect=4", prefix=False)
+    r = llm.runner
+
+    def acc_after(feed: list[int], keep: int | None) -> torch.Tensor:
+        seq = r.new_sequence()
+        r.step([seq], [PROMPT])
+        r.reserve([seq], [len(feed)], [len(feed)])
+        r.step([seq], [feed], want=[len(feed)])
+        if keep is not None:
+            r.truncate(seq, len(PROMPT) + keep)
+        st = seq.kv.press
+        st.commit(seq.kv.length)
+        acc = st.acc[0][:, :, : st.n[0]].clone()
+        assert not st.observing  # the proposals were read as decodes, not scored as a prompt
+        r.free(seq)
+        return acc
+
+    two = acc_after([5, 6], None)
+    cut = acc_after([5, 6, 7, 8], 2)
+    whole = acc_after([5, 6, 7, 8], None)
+    torch.testing.assert_close(cut, two, atol=1e-5, rtol=1e-5)
+    assert float((whole[:, :, : two.shape[2]] - two).abs().max()) > 1e-3
+    llm.check_integrity()

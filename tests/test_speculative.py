@@ -34,7 +34,8 @@ def _wrong(ids: list[int], every: int = 5) -> list[int]:
     return [t if (i + 1) % every else (t + 7) % 40000 for i, t in enumerate(ids)]
 
 
-@pytest.mark.parametrize("kv", ["dynamic", "static,max_tokens=512", "dynamic,page_size=4", "dynamic,host"])
+@pytest.mark.parametrize("kv", ["dynamic", "static,max_tokens=512", "dynamic,page_size=4", "dynamic,host",
+                                "dynamic,window=96,page_size=4"])
 def test_greedy_text_is_the_text_without_speculation(kv):
     plain_llm, spec_llm = LLM(kv=kv), LLM(kv=kv)
     prompts = PROMPTS * 2  # a batch of 8, each prompt twice: the second of each pair may hit the prefix cache
@@ -71,17 +72,14 @@ def test_the_cache_after_speculation_is_the_cache_without():
     spec_llm.check_integrity()
 
 
-@pytest.mark.parametrize("kv", ["int8", "int4,residual=8", "fp16", "window=96,page_size=4",
-                                "window=96,sinks=4,page_size=4"])
+@pytest.mark.parametrize("kv", ["int8", "int4,residual=8", "fp16", "window=96,sinks=4,page_size=4"])
 def test_lossy_encodings_speculate_and_keep_their_accounting(kv):
     """A lossy encoding takes proposals back too (the residual buffer and sealed pages as a
     sequence that never saw them); its text may differ from one-at-a-time decoding by the
     encoding's rounding, as a prefill chunk's does (the verified tokens attend to each other at
-    full precision), so only the accounting is compared. Windows likewise (their attention takes
-    the per-sequence path, whose sums for a block of tokens are not bitwise those of one token;
-    a step gives back only pages dead before its first new token, so no page a kept token sees is
-    lost), and sinks (a verified block sits at the cache positions of its step, where one-token
-    steps shift them token by token)."""
+    full precision), so only the accounting is compared. Sinks likewise (a verified block sits
+    at the cache positions of its step, where one-token steps shift them token by token). A
+    window without sinks is exact and in the greedy test above."""
     llm = LLM(kv=f"dynamic,{kv}")
     want = _plain(llm, PROMPTS)
     got = llm.generate_batch(PROMPTS, [SamplingParams(max_tokens=48, prediction=_wrong(o.token_ids, 3)) for o in want],
@@ -91,10 +89,37 @@ def test_lossy_encodings_speculate_and_keep_their_accounting(kv):
     assert llm.kv_stats().pages_in_use == 0
 
 
-def test_presses_do_not_speculate():
-    llm = LLM(kv="dynamic,press=snapkv,ratio=0.5")
-    (out,) = llm.generate_batch(PROMPTS[:1], [SamplingParams(max_tokens=8, prompt_lookup=4)], chat=True)
-    assert "spec_forwards" not in out.metrics
+@pytest.mark.parametrize("kv", ["press=snapkv,ratio=0.5", "press=knorm,ratio=0.3", "press=expected,ratio=0.5"])
+def test_prefill_presses_speculate_with_the_text_unchanged(kv):
+    """A press that scores prompts reads a verifying forward as decodes (nothing is scored or
+    evicted between prompts), so greedy text is the text without speculation."""
+    llm = LLM(kv=f"dynamic,{kv}")
+    want = _plain(llm, PROMPTS)
+    for params in ([SamplingParams(max_tokens=48, prompt_lookup=5)] * len(PROMPTS),
+                   [SamplingParams(max_tokens=48, prediction=_wrong(o.token_ids, 3)) for o in want]):
+        got = llm.generate_batch(PROMPTS, params, chat=True)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert sum(o.metrics["spec_accepted"] for o in got) > 0
+    llm.check_integrity()
+    assert llm.kv_stats().pages_in_use == 0
+
+
+@pytest.mark.parametrize("kv", ["dynamic,press=h2o,ratio=0.3", "dynamic,press=tova,ratio=0.3",
+                                "int8,press=h2o,ratio=0.3", "int4,press=snapkv,ratio=0.5",
+                                "dynamic,press=snapkv,ratio=0.5,window=128,page_size=4"])
+def test_lossy_presses_speculate_and_keep_their_accounting(kv):
+    """Decode-time presses (only kept tokens' queries count, press/state.py ``commit``), quantized
+    presses (a verifying forward seals only pages of tokens from before it, so a cut never falls
+    in a sealed page) and a press with a window: proposals are refused and cut, and the cache
+    holds nothing afterwards."""
+    llm = LLM(kv=kv)
+    want = _plain(llm, PROMPTS)
+    got = llm.generate_batch(PROMPTS, [SamplingParams(max_tokens=48, prediction=_wrong(o.token_ids, 3)) for o in want],
+                             chat=True)
+    assert all(o.finish_reason in ("stop", "length") for o in got)
+    assert sum(o.metrics["spec_pred_rejected"] for o in got) > 0
+    llm.check_integrity()
+    assert llm.kv_stats().pages_in_use == 0
 
 
 def test_prediction_equal_to_the_output_needs_few_forwards(smollm_q):
@@ -237,14 +262,25 @@ def test_a_draft_with_another_tokenizer_is_refused(tiny_dir):
 
 
 @pytest.mark.gemma
-def test_gemma3_sliding_layers_do_not_speculate():
-    """Gemma 3's own sliding-window layers: a verifying forward there does not give the bits of
-    one-token decodes, so its requests decode without speculation (and their text is unchanged)."""
+def test_gemma3_speculates_over_its_sliding_layers():
+    """Gemma 3's own sliding-window layers (512 tokens): a document longer than the window, copied
+    with prompt lookup and with a prediction, gives the greedy text of one-token decoding, alone
+    and beside a short request; the window's pages are given back as they leave it."""
     from conftest import gemma_installed
 
     if not gemma_installed():
         pytest.skip("the Gemma 3 270M package is not installed (make gemma)")
-    llm = LLM("gemma3-270m")
-    want = _plain(llm, PROMPTS[:1], 24)
-    got = llm.generate_batch(PROMPTS[:1], [SamplingParams(max_tokens=24, prompt_lookup=5)], chat=True)
-    assert got[0].token_ids == want[0].token_ids and "spec_forwards" not in got[0].metrics
+    llm = LLM("gemma3-270m", kv="dynamic,page_size=16")
+    long_doc = " ".join([DOC] * 14)  # about 700 tokens: the window is full before decoding starts
+    prompts = [[{"role": "user", "content": f"Copy this text exactly:\n{long_doc}"}], PROMPTS[1]]
+    assert len(llm.encode(long_doc)) > 600
+    want = _plain(llm, prompts, 40)
+    for params in ([SamplingParams(max_tokens=40, prompt_lookup=6)] * 2,
+                   [SamplingParams(max_tokens=40, prediction=_wrong(o.token_ids, 4)) for o in want]):
+        got = llm.generate_batch(prompts, params, chat=True)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert got[0].metrics["spec_accepted"] > 0
+        (alone,) = llm.generate_batch(prompts[:1], params[:1], chat=True)
+        assert alone.token_ids == want[0].token_ids
+    llm.check_integrity()
+    assert llm.kv_stats().pages_in_use == 0

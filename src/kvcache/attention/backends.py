@@ -3,12 +3,13 @@
 Per layer group, once per forward (from cache/plan.py's ForwardPlan), then per layer:
 
 - fused (``attend_packed``, ``attend_block``): every new token of every sequence over fp32 pages
-  with full visibility (decodes, extends, prefill chunks): norm, RoPE, the cache write and
+  with full visibility or a sliding window without sinks (the model's own sliding layers, a cache
+  window; decodes, extends, prefill chunks, verifying forwards): norm, RoPE, the cache write and
   attention in one native call (kernels/dattn.c over cattn.c), or the layer's whole attention
   half with quantized weights;
 - cattn: the same attention from q, k, v computed in torch (a press sequence recording its queries);
 - qattn: a lone decode query over quantized pages with everything in view, codes read in place;
-- dense: everything else (windows, sinks, fp16/bf16, offloaded pools, no compiler): each sequence's
+- dense: everything else (sinks, fp16/bf16, offloaded pools, no compiler): each sequence's
   keys gathered (quantized pages dequantized) and attention/dense.py's math.
 
 cattn.c reduces every query row in one canonical order, so the fused path gives a row the same
@@ -61,11 +62,13 @@ class PagedContext:
         self.prefetcher = Prefetcher(self.load_old, cache.placement.compute) if cache.placement.offloaded else None
         if self.prefetcher is not None:
             self.prefetcher.start(0)
-        # per group, the native path every sequence takes (fp32 pages, full visibility): page
-        # tables, each sequence's first row and new tokens, and its length after this forward.
+        # per group, the native path every sequence takes (fp32 pages, full visibility or a window
+        # without sinks): page tables, each sequence's first row and new tokens, and its length
+        # after this forward; ``windows``: the group's window (0: none).
         # cattn.c attends every row in one canonical order, so a row's bits do not depend on the
         # batch, the chunk, a prefix hit or a recompute.
         self.rows: list[tuple[torch.Tensor, ...] | None] = [None] * len(cache.groups)
+        self.windows = [g.window or 0 for g in cache.groups]
         # a press reading a prompt records its queries, which the fused path never exposes
         self.observing = [i for i, seq in enumerate(plan.seqs) if seq.press is not None and seq.press.observing]
         # KVzip's replay scores from every slot's keys: the dense path, where they are at hand
@@ -74,22 +77,22 @@ class PagedContext:
             new = torch.tensor(list(new_tokens), dtype=torch.long)
             row0 = torch.cumsum(new, 0) - new
             for g in cache.groups:
-                if g.window is None and not g.sinks and not any(r[g.index].press for r in plan.reads):
+                if not g.sinks and not any(r[g.index].press for r in plan.reads):
                     self.rows[g.index] = (plan.page_tables(g.index), row0, new, plan.lengths(g.index))
 
     # -- fused paths -----------------------------------------------------------------------------
     def attend_packed(self, layer: int, qkv: torch.Tensor, heads: tuple[int, int, int], cos: torch.Tensor,
                       sin: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, scale: float) -> torch.Tensor | None:
-        """Every new token over fp32 pages with full visibility: norm, RoPE, the cache write and
-        attention in one native call (kernels/dattn.c) from the projection's rows qkv
-        [N, (Hq + 2 Hkv) D] -> [N, Hq D]; None otherwise."""
+        """Every new token over fp32 pages (full visibility or a window without sinks): norm, RoPE,
+        the cache write and attention in one native call (kernels/dattn.c) from the projection's
+        rows qkv [N, (Hq + 2 Hkv) D] -> [N, Hq D]; None otherwise."""
         gi, j = self.cache.where[layer]
         rows = self.rows[gi]
         if rows is None or self.observing:
             return None
         pool = self.cache.pools[gi]
         return kernels.decode_attend(qkv, heads, cos, sin, qk_norm, eps, pool.flat[j], pool.page_size,  # type: ignore[union-attr]
-                                     self.plan.write_slots[gi], rows, scale)  # type: ignore[arg-type]
+                                     self.plan.write_slots[gi], rows, scale, self.windows[gi])  # type: ignore[arg-type]
 
     def attend_block(self, layer: int, x: torch.Tensor, weights: tuple, heads: tuple[int, int, int],
                      cos: torch.Tensor, sin: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, scale: float,
@@ -102,7 +105,7 @@ class PagedContext:
             return False
         pool = self.cache.pools[gi]
         return attn_block(x, weights, heads, cos, sin, qk_norm, eps, scale, post_norm, pool.flat[j],  # type: ignore[union-attr]
-                          pool.page_size, self.plan.write_slots[gi], rows)  # type: ignore[arg-type]
+                          pool.page_size, self.plan.write_slots[gi], rows, self.windows[gi])  # type: ignore[arg-type]
 
     # -- the general call -------------------------------------------------------------------------
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -129,7 +132,8 @@ class PagedContext:
             pool.write(j, plan.write_slots[gi], k, v)  # type: ignore[arg-type]
             rows = self.rows[gi]
             if rows is not None:  # cattn.c, in place through the page tables
-                o = kernels.paged_extend((q * scale).contiguous(), pool.flat[j], *rows, pool.page_size)
+                o = kernels.paged_extend((q * scale).contiguous(), pool.flat[j], *rows, pool.page_size,
+                                         self.windows[gi])
                 if o is not None:
                     return o
         for i, (rows, reads, seq) in enumerate(zip(plan.rows, plan.reads, plan.seqs)):
@@ -229,7 +233,13 @@ class PagedContext:
                 q_sink = rot.rotate(q, -delta).transpose(0, 1)
                 n_sink = int(((k_pos[0] >= 0) & (k_pos[0] < g.sinks)).sum())
         weights = st.press.attention and (st.observing or st.press.decode)
-        out, summed, last = attend_heads(q.transpose(0, 1), kv[0], kv[1], mask, scale, q_sink, n_sink, weights)
+        verifying = weights and not st.observing and t > 1  # proposals: only kept queries may count
+        out, summed, last = attend_heads(q.transpose(0, 1), kv[0], kv[1], mask, scale, q_sink, n_sink, weights,
+                                         rows_per_block=max(t, 256) if verifying else 256, per_query=verifying)
+        if verifying:
+            st.pending[layer] = (gi, j, q_pos, summed, last)  # press/state.py ``commit``
+            st.scale = scale
+            return out.transpose(0, 1)
         acc = st.acc[gi]
         if summed is not None and acc is not None:
             acc[j, :, : summed.shape[1]] += summed

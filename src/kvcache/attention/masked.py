@@ -26,13 +26,16 @@ def press_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, sin
 
 def attend_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                  q_sink: torch.Tensor | None = None, n_sink: int = 0, weights: bool = False,
-                 rows_per_block: int = 256) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                 rows_per_block: int = 256, per_query: bool = False,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """q, q_sink: [Hq, T, D]; k, v: [Hkv, L, D]; mask: bool [Hkv, T, L]. The first ``n_sink`` keys
     are scored against ``q_sink`` (sinks turned to their cache positions) when it is given.
 
     Returns (out [Hq, T, D], summed [Hkv, L], last [Hq, L]): with ``weights``, the attention every
     query gave each slot summed over the queries (the query heads of each KV head averaged), and
-    the latest query's weights per query head; else None, None."""
+    the latest query's weights per query head; else None, None. With ``per_query`` (a verifying
+    forward, whose later queries may be refused) both are kept per query instead: summed
+    [Hkv, T, L] and last [Hq, T, L]."""
     hq, t, d = q.shape
     hkv = k.shape[0]
     g = hq // hkv
@@ -45,7 +48,9 @@ def attend_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
         s = s.view(hkv, g, b - a, -1).mul_(scale).masked_fill_(~mask[:, None, a:b], float("-inf"))
         p = torch.softmax(s, -1).nan_to_num_(0.0)  # [Hkv, g, T', L] (nothing visible: zeros)
         outs.append(torch.matmul(p.view(hkv, g * (b - a), -1), v).view(hq, b - a, d))
-        if weights:
+        if weights and per_query:  # one block: a verifying forward has a few queries
+            summed, last = p.mean(1), p.reshape(hq, b - a, -1)
+        elif weights:
             part = p.mean(1).sum(1)  # [Hkv, L]
             summed = part if summed is None else summed + part
             if b == t:

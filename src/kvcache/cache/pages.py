@@ -197,8 +197,9 @@ class PageManager:
             raise ContextOverflow(
                 f"sequence of {total} tokens exceeds the static cache capacity of {cap} tokens "
                 "(raise it with --kv static,max_tokens=N)")
+        tentative = seq.verifying and seq.press is not None and cache.quantized
         if seq.press is not None:
-            if new_tokens > 1:
+            if new_tokens > 1 and not seq.verifying:
                 seq.press.observing = True  # a prompt (or a chat turn) is being read
             retention.settle(cache, seq)
         self.release_dead(seq)
@@ -206,7 +207,8 @@ class PageManager:
         before = [len(t) for t in seq.tables]
         try:
             for g in cache.groups:
-                need = cache.pages_after(seq, g.index, seq.held(g.index) + new_tokens) - len(seq.tables[g.index])
+                upto = seq.held(g.index) + (0 if tentative else new_tokens)
+                need = cache.pages_after(seq, g.index, upto) - len(seq.tables[g.index])
                 if need > 0:
                     seq.tables[g.index].extend(self.take(g.index, need))
         except ContextOverflow:

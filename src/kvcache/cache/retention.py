@@ -16,6 +16,9 @@ position). Every layer and head of a group holds the same number of slots.
 - ``pack``: the packing itself; pages another sequence shares are copied before they are written.
 - ``cut_point`` / ``truncate``: going back to an earlier length when the tokens after it sit in
   the last slots; ``release_dead``: a window's dead pages leave the table.
+
+Each of these changes the press's tensors in place, which forwards made under inference mode, so
+each runs under it too, whoever calls (the scheduler asks for pages outside any forward).
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ def _view(cache: "PagedKVCache", seq: SeqKV, g: int, j: int, last: bool) -> Laye
                      last=st.last[layer] if last else None, rotary=st.rotary[layer])
 
 
+@torch.inference_mode()
 def end_prompt(cache: "PagedKVCache", seq: SeqKV) -> None:
     """Score the span since the last compression and evict its share (see the module doc)."""
     st, cfg = seq.press, cache.config
@@ -101,12 +105,14 @@ def end_prompt(cache: "PagedKVCache", seq: SeqKV) -> None:
         st.end_replay()
 
 
+@torch.inference_mode()
 def settle(cache: "PagedKVCache", seq: SeqKV) -> None:
     """Before a forward: a decode-time press's evictions from the last step's attention, and
     packing once a page's worth of float slots is marked."""
     st, cfg = seq.press, cache.config
     if st is None:
         return
+    st.commit(seq.length)  # a verifying forward's kept queries
     for g in cache.groups:
         gi = g.index
         if st.press.decode and not st.observing and st.n[gi]:
@@ -137,6 +143,7 @@ def settle(cache: "PagedKVCache", seq: SeqKV) -> None:
             pack(cache, seq, gi, st.pos[gi][:, :, : st.n[gi]] >= 0)
 
 
+@torch.inference_mode()
 def pack(cache: "PagedKVCache", seq: SeqKV, g: int, keep: torch.Tensor) -> None:
     """Keep the slots ``keep`` marks ([n_layers, Hkv, S] bool, the same count everywhere), packed
     to the front in their order; pages past them go back to the pool."""
@@ -199,6 +206,7 @@ def cut_point(cache: "PagedKVCache", seq: SeqKV, length: int) -> list[int] | Non
     return out
 
 
+@torch.inference_mode()
 def truncate(cache: "PagedKVCache", seq: SeqKV, length: int) -> None:
     """Forget the tokens from ``length`` on (``cut_point`` must allow it)."""
     cuts = cut_point(cache, seq, length)
@@ -219,8 +227,10 @@ def truncate(cache: "PagedKVCache", seq: SeqKV, length: int) -> None:
         seq.dropped[gi] = length - c
     seq.length = length
     st.since = min(st.since, length)
+    st.commit(length)  # a verifying forward's kept queries; the refused ones never count
 
 
+@torch.inference_mode()
 def release_dead(cache: "PagedKVCache", seq: SeqKV) -> None:
     """Windowed groups: pages whose every slot holds a token no later query sees leave the table
     (pages holding sinks stay; a quantized group's fp32 tail is not a page)."""

@@ -29,6 +29,10 @@ class SeqKV:
     # per group, the table lengths before pages asked for a step (PageManager.ask) that no forward
     # has used yet; None when nothing is pending
     pending: list[int] | None = None
+    # the step being asked for or run verifies proposals (speculation): its new tokens after the
+    # first are tentative, so a press reads them as decodes (never as a prompt to score) and a
+    # quantized press seals only pages of tokens from before the step (a cut never falls in them)
+    verifying: bool = False
 
     def held(self, group: int = 0) -> int:
         """Slots the sequence uses in a group: its length, less what a press packed away."""

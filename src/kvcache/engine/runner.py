@@ -44,6 +44,14 @@ class Seq:
         self.kv = kv
 
 
+
+def _verifying(seqs: Sequence[Seq], want: Sequence[int] | None) -> None:
+    """Mark the sequences whose step verifies proposals (they want logits after several tokens):
+    the cache reads those tokens as decodes, not a prompt (cache/sequence.py ``verifying``)."""
+    for i, s in enumerate(seqs):
+        if s.kv is not None:
+            s.kv.verifying = want is not None and want[i] > 1
+
 class ModelRunner:
     def __init__(self, model: CausalLM, cache_config: CacheConfig, prefix: PrefixConfig | None = None,
                  fingerprint: str = "") -> None:
@@ -100,14 +108,16 @@ class ModelRunner:
         seq.tokens = list(tokens[:n])
         return seq
 
-    def reserve(self, seqs: Sequence[Seq], counts: Sequence[int]) -> Refusal | None:
+    def reserve(self, seqs: Sequence[Seq], counts: Sequence[int], want: Sequence[int] | None = None) -> Refusal | None:
         """Ask the cache's page manager, before a step runs, for the pages of ``counts[i]`` new
         tokens of every ``seqs[i]``: None when they are in place (the step's forward takes
         nothing more), else the typed Refusal (nothing taken). A windowed prompt chunk longer
         than a forward's chunk reserves as it goes instead (pages leave the window between
-        chunks), and so does recomputation (no cache)."""
+        chunks), and so does recomputation (no cache). ``want`` as in ``step``: a sequence that
+        wants logits after several tokens verifies proposals."""
         if self.cache is None or any(s.kv is None for s in seqs):
             return None
+        _verifying(seqs, want)
         if self.windowed and any(n > WINDOW_CHUNK for n in counts):
             return None
         got = self.cache.pages.ask([s.kv for s in seqs], counts)  # type: ignore[misc]
@@ -163,12 +173,20 @@ class ModelRunner:
             self._check_room(seq, len(toks))
             if end and _replays(seq):
                 self._replay_chunk(len(seq.tokens) + len(toks))  # refused before the prompt is read
-        if want is not None and any(w != 1 for w in want):
+        verifies = want is not None and any(w != 1 for w in want)
+        if not verifies:
+            _verifying(seqs, None)  # a plain step, whatever an earlier ask said
+        if verifies:
+            assert want is not None
             if any(not 1 <= w <= len(t) for w, t in zip(want, new_tokens)) or (
                     self.windowed and any(len(t) > WINDOW_CHUNK for t in new_tokens)):
                 raise ValueError("logits of several rows per sequence need as many new tokens (at most "
                                  f"{WINDOW_CHUNK} a sequence with windows)")
-            logits = self._forward(seqs, new_tokens, want=want)
+            _verifying(seqs, want)
+            try:
+                logits = self._forward(seqs, new_tokens, want=want)
+            finally:
+                _verifying(seqs, None)  # until the next step that verifies says so
         elif self.windowed and any(len(t) > WINDOW_CHUNK for t in new_tokens):
             logits = self._chunked(seqs, new_tokens)
         else:

@@ -117,20 +117,19 @@ class Scheduler:
         self.waiting.append(req)
 
     def _speculator(self, req: Request) -> Speculator | None:
-        """A sample's proposer, when its request speculates, its cache has no press (a press would
-        read a verifying forward of several tokens as a prompt and score it) and its model has no
-        sliding-window layers of its own (Gemma 3's: a verifying forward there does not give the
-        bits of one-token decodes, so the text would change). Cache windows speculate: a step gives
-        back only the pages dead before its first new token, so a refused token never costs the
-        window a page the kept ones still see (their text, like a lossy encoding's, may differ from
-        one-token decoding in the last bits of the sums)."""
-        cache = self.runner.cache
+        """A sample's proposer, when its request speculates. Every cache speculates. Windows (the
+        model's own sliding layers and cache windows): a step gives back only the pages dead before
+        its first new token, so a refused token never costs the window a page the kept ones still
+        see, and the native attention gives a windowed row the bits of one-token decoding. A press
+        reads a verifying forward as decodes, never as a prompt, and a decode-time press (H2O,
+        TOVA) takes in the attention of kept tokens' queries only. With sinks, a lossy encoding or
+        a decode-time press the text may differ from one-token decoding (the verified tokens see
+        each other at full precision, and no eviction falls between them)."""
         p = req.params
         if self.config.prompt_lookup and not p.prompt_lookup:
             p = replace(p, prompt_lookup=self.config.prompt_lookup)
         draft = self.runner.draft
-        if (not speculative(p, draft is not None) or (cache is not None and cache.config.press)
-                or any(w is not None for w in self.runner.config.layer_windows)):
+        if not speculative(p, draft is not None):
             return None
         return Speculator(p, req.prompt_ids, draft if not p.prediction else None)
 
@@ -218,10 +217,10 @@ class Scheduler:
         """The step's pages are asked for first (a refusal raises here, before any forward), then
         the forward runs over them."""
         seqs = [b.sample.seq for b in batch]
-        refusal = self.runner.reserve(seqs, [b.n for b in batch])  # type: ignore[arg-type]
+        want = [b.want for b in batch]
+        refusal = self.runner.reserve(seqs, [b.n for b in batch], want)  # type: ignore[arg-type]
         if refusal is not None:
             raise refusal.error()
-        want = [b.want for b in batch]
         return self.runner.step(seqs, [b.sample.feed[: b.n] for b in batch],  # type: ignore[arg-type]
                                 prompt_end=[b.n == len(b.sample.feed) for b in batch],
                                 want=want if any(w > 1 for w in want) else None)

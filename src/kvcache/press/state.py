@@ -9,7 +9,9 @@ recorded since the last compression (press/observe.py). ``since`` is the positio
 prefill-time compression starts from, ``points`` the lengths at which prompts were compressed;
 ``observing`` is set while a prompt is being read; ``replay`` while the model replays one for
 KVzip: (first, end) of the chunk of positions being scored and the prompt's length, the replayed
-tokens' largest attention per slot gathering in ``acc`` (press/kvzip.py).
+tokens' largest attention per slot gathering in ``acc`` (press/kvzip.py). ``pending[layer]``: a
+verifying forward's attention, per query (speculation): only the queries of tokens kept count,
+taken in by ``commit`` once the sequence's length says which were.
 
 Tensors only: the cache (cache/retention.py) moves the K/V, this follows the slots.
 """
@@ -39,6 +41,9 @@ class PressState:
         self.replay: tuple[int, int, int] | None = None
         self.scale = 1.0
         self.rotary: list[object | None] = [None] * num_layers
+        # per layer: (group, index in it, query positions [T], per-query sums [Hkv, T, S], per-query
+        # weights [Hq, T, S]) of a verifying forward, or None
+        self.pending: list[tuple | None] = [None] * num_layers
 
     # -- slots --------------------------------------------------------------------------------------
     def append(self, g: int, start: int, count: int) -> None:
@@ -93,6 +98,25 @@ class PressState:
         self.pos[g][:, :, m : self.n[g]] = -1
         self.n[g] = m
 
+    @torch.inference_mode()
+    def commit(self, length: int) -> None:
+        """A verifying forward's attention, for the queries of the tokens the sequence kept (its
+        positions below ``length``), in order as one-token decodes would have added it: H2O's sums
+        take each kept query's, TOVA's latest weights are the last kept query's. Refused tokens'
+        queries never count."""
+        for layer, p in enumerate(self.pending):
+            if p is None:
+                continue
+            g, j, q_pos, rows, lasts = p
+            k = int((q_pos < length).sum())
+            acc, s = self.acc[g], min(rows.shape[2], self.n[g])
+            if acc is not None:
+                for r in range(k):
+                    acc[j, :, :s] += rows[:, r, :s]
+            if k and self.press.decode:
+                self.last[layer] = lasts[:, k - 1, : self.n[g]]
+            self.pending[layer] = None
+
     def nbytes(self) -> int:
         """Bytes this state holds beside the K/V (slot positions, accumulated attention)."""
         total = sum(p.numel() * p.element_size() for p in self.pos)
@@ -122,4 +146,5 @@ class PressState:
         out.obs = [o.clone() for o in self.obs]
         out.last = [None if t is None else t.clone() for t in self.last]
         out.scale, out.rotary, out.replay = self.scale, list(self.rotary), self.replay
+        out.pending = list(self.pending)  # read only: commit replaces entries, never writes into them
         return out
