@@ -1,5 +1,6 @@
 """``kvcache bench spec``: a short run in this process writes its rows (speculation gives the text
-without it, the ceiling keeps every proposal); transformers' child process; the suite's refusals."""
+without it, the ceiling keeps every proposal); transformers' child process; llama-server on the
+same file; the suite's refusals."""
 
 from __future__ import annotations
 
@@ -55,6 +56,42 @@ def test_transformers_rows_in_a_child_process():
     assert len(row["token_ids"]) == row["tokens"]
     sb.compare_peer([row], {"free text": list(row["token_ids"])})
     assert row["matches_kvcache"] is True and row["first_difference"] is None and "token_ids" not in row
+
+
+def test_llama_server_rows_on_the_same_file():
+    """llama-server (when `make llamacpp` built it) with and without its n-gram lookup, on the
+    bundled GGUF and kvcache's prompt ids; without the binary, skipped rows that say why."""
+    from kvcache.bench import spec_llama
+    from kvcache.bench.llamabench import tool
+    from kvcache.bench.llamapeer import check_bin
+    from kvcache.models.loading import resolve_model
+    from kvcache.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(resolve_model(None).path)
+    ids = tok.encode_chat([{"role": "user", "content": "Say 'the cat sat on the mat' three times."}])
+    where = check_bin(None)
+    binary = tool(where, "llama-server") if where else None
+    gguf = resolve_model(None).gguf
+    (row,) = spec_llama.rows(binary, gguf, {"free text": ids}, 12, 1, 3, 1, "file (Q4_1)", "n-gram lookup 3")
+    if binary is None:
+        assert row["spec_tok_s"] is None and "llama-server not built" in row["note"]
+        return
+    assert row["system"] == "llama-server" and row["pair"] == "file" and 1 < row["tokens"] <= 12
+    assert row["plain_tok_s"] > 0 and row["spec_tok_s"] > 0 and row["identical"] is True
+    assert row["proposed"] >= row["accepted"] >= 0 and row["forwards"] >= 1 and row["token_ids"]
+    (none,) = spec_llama.rows(None, gguf, {"free text": ids}, 12, 1, 3, 1, "file (Q4_1)", "n-gram lookup 3")
+    assert none["spec_tok_s"] is None and "not built" in none["note"]
+
+
+def test_ratios_pair_each_peer_with_its_weights():
+    rows = [{"system": "kvcache", "pair": "file", "workload": "document", "method": "lookup", "plain_tok_s": 200.0,
+             "spec_tok_s": 400.0},
+            {"system": "kvcache", "pair": "fp32", "workload": "document", "method": "lookup", "plain_tok_s": 100.0,
+             "spec_tok_s": 150.0},
+            {"system": "llama-server", "pair": "file", "workload": "document", "plain_tok_s": 100.0, "spec_tok_s": 100.0},
+            {"system": "transformers", "pair": "fp32", "workload": "document", "plain_tok_s": 50.0, "spec_tok_s": 100.0}]
+    got = {(x["peer"], x["pair"]): (x["plain"], x["lookup"]) for x in sb.ratios(rows)}
+    assert got == {("llama-server", "file"): (2.0, 4.0), ("transformers", "fp32"): (2.0, 1.5)}
 
 
 def test_a_missing_transformers_is_a_skipped_row(monkeypatch):

@@ -42,7 +42,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="decode: peers to run: none,dynamic,static (transformers' caches), llama.cpp (default "
                         "dynamic,static,llama.cpp; '' skips); throughput: sequential,padded,generate_batch "
                         "(default all); structured: grammar engines to compare, llguidance,xgrammar (default "
-                        "both; '' skips); spec: transformers (default; '' skips)")
+                        "both; '' skips); spec: transformers,llama-server (default both; '' skips)")
     b.add_argument("--weights", default=None,
                    help="how kvcache holds the weights (file, fp32, q8, q4), comma-separated: decode (default "
                         "file,q8,fp32), throughput, memory and spec (default file,fp32) run each; context, prefix "
@@ -54,7 +54,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="decode: context of the long-context row, kvcache int8 KV against llama.cpp q8_0 "
                         "(default 8000, --quick 512; 0 skips)")
     b.add_argument("--llama-cpp-bin", default=None, metavar="DIR",
-                   help="decode: folder with llama.cpp's llama-bench and llama-quantize to run as the peer "
+                   help="decode (llama-bench, llama-quantize), serve and spec (llama-server): folder with "
+                        "llama.cpp's tools to run as the peer "
                         "(default $KVCACHE_LLAMA_CPP_BIN, or what `make llamacpp` built; else llama-cpp-python "
                         "when installed)")
     b.add_argument("--contexts", default=None,
@@ -106,7 +107,7 @@ OPTIONS = {
     "serve": ("new_tokens", "requests", "peers", "kv", "weights", "prefill", "streams", "llama_cpp_bin"),
     "hf": ("new_tokens", "repeats", "kv", "peers", "contexts"),
     "structured": ("new_tokens", "repeats", "requests", "peers"),
-    "spec": ("new_tokens", "repeats", "weights", "peers"),
+    "spec": ("new_tokens", "repeats", "weights", "peers", "llama_cpp_bin"),
 }
 _FLAGS = ("new_tokens", "repeats", "kv", "peers", "contexts", "max_context", "system_tokens", "redis", "requests",
           "time_budget", "context", "budget", "weights", "prefill", "depth", "llama_cpp_bin", "replicas",

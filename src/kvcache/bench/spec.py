@@ -1,5 +1,6 @@
 """``kvcache bench spec``: speculative decoding against decoding one token per forward, batch 1,
-greedy, on three workloads, beside transformers' prompt lookup on the same fp32 weights.
+greedy, on three workloads, beside transformers' prompt lookup on the same fp32 weights and
+llama-server's n-gram lookup on the same GGUF file (bench/spec_llama.py).
 
 Workloads (chat prompts, at most ``--new-tokens`` new tokens, EOS ends a text):
 - code edit: a 62-line Python file and an instruction to rename one of its functions. Speculation
@@ -61,7 +62,7 @@ from kvcache.errors import InvalidParams
 DEFAULT_NEW, QUICK_NEW = 128, 32
 DEFAULT_REPEATS, QUICK_REPEATS = 3, 1
 DEFAULT_WEIGHTS = "file,fp32"
-PEERS = ("transformers",)
+PEERS = ("transformers", "llama-server")
 LOOKUP = 6  # prompt lookup: tokens proposed per forward at most (kvcache and transformers alike)
 FREE_COST_LIMIT = 0.03  # what speculation may cost where it finds little to propose
 PEER_TIMEOUT_S = 1800.0
@@ -517,17 +518,17 @@ def compare_peer(rows: list[dict[str, Any]], texts: dict[str, list[int]] | None)
 
 
 def ratios(results: list[dict[str, Any]]) -> list[dict[str, object]]:
-    """kvcache fp32 over transformers on the same workload and weights: without speculation, and
-    with prompt lookup."""
+    """kvcache over each peer on the same workload and weights (transformers: fp32; llama-server:
+    the GGUF file): without speculation, and with prompt lookup."""
     out = []
     for p in results:
-        if p["system"] != "transformers" or not p["plain_tok_s"]:
+        if p["system"] == "kvcache" or not p["plain_tok_s"] or not p["spec_tok_s"]:
             continue
         for r in results:
-            if (r["system"] == "kvcache" and r["pair"] == "fp32" and r["workload"] == p["workload"]
+            if (r["system"] == "kvcache" and r["pair"] == p["pair"] and r["workload"] == p["workload"]
                     and r["method"] == "lookup" and r["plain_tok_s"]):
-                out.append({"workload": p["workload"], "plain": r["plain_tok_s"] / p["plain_tok_s"],
-                            "lookup": r["spec_tok_s"] / p["spec_tok_s"]})
+                out.append({"peer": p["system"], "pair": p["pair"], "workload": p["workload"],
+                            "plain": r["plain_tok_s"] / p["plain_tok_s"], "lookup": r["spec_tok_s"] / p["spec_tok_s"]})
     return out
 
 
@@ -553,6 +554,8 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     prompts: dict[str, list[int]] | None = None
     fp32_texts: dict[str, list[int]] | None = None
+    file_texts: dict[str, list[int]] | None = None
+    file_label = "file"
     name, eos = "", []
     for mode in weights:
         got, prompts, texts, name, eos = bench_kvcache(args.model, mode, args.threads, prompts, new, repeats,
@@ -560,6 +563,8 @@ def run(args: argparse.Namespace) -> int:
         rows += got
         if got and got[0]["pair"] == "fp32":
             fp32_texts = texts
+        elif got and mode == "file":
+            file_texts, file_label = texts, str(got[0]["weights"]).removeprefix("kvcache ")
     threads = torch.get_num_threads()
     if "transformers" in peers and prompts is not None:
         from kvcache.models.loading import fp32_folder
@@ -567,6 +572,9 @@ def run(args: argparse.Namespace) -> int:
         hf = peer_rows(str(fp32_folder(args.model)), prompts, new, repeats, LOOKUP, threads, eos)
         compare_peer(hf, fp32_texts)
         rows += hf
+        bar.update()
+    if "llama-server" in peers and prompts is not None:
+        rows += _llama_rows(args, prompts, new, repeats, threads, file_label, eos, file_texts)
         bar.update()
     bar.close()
     rat = ratios(rows)
@@ -584,15 +592,38 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _llama_rows(args: argparse.Namespace, prompts: dict[str, list[int]], new: int, repeats: int, threads: int,
+                label: str, eos: list[int], texts: dict[str, list[int]] | None) -> list[dict[str, Any]]:
+    """llama-server's rows on the model's GGUF file (bench/spec_llama.py), its texts compared with
+    kvcache's on the same file."""
+    from kvcache.bench import spec_llama
+    from kvcache.bench.llamabench import tool
+    from kvcache.bench.llamapeer import check_bin
+    from kvcache.models.loading import resolve_model
+
+    where = check_bin(getattr(args, "llama_cpp_bin", None))
+    binary = tool(where, "llama-server") if where else None
+    gguf = resolve_model(args.model).gguf
+    got = spec_llama.rows(binary, gguf, prompts, new, repeats, LOOKUP, threads, label,
+                          f"n-gram lookup {LOOKUP}")
+    for r in got:
+        ids = r.get("token_ids")
+        if isinstance(ids, list) and ids and ids[-1] in eos:
+            ids.pop()  # kvcache's texts end before their EOS
+    compare_peer(got, texts)
+    return got
+
+
 def _text_cell(r: dict[str, Any]) -> str:
     if r["identical"] is None:
         return "-"
     own = f"same {r['runs']}/{r['runs']}" if r["identical"] else f"{r['mismatches']}/{r['runs']} DIFFER"
-    if r["system"] != "transformers" or r.get("matches_kvcache") is None:
+    if r["system"] == "kvcache" or r.get("matches_kvcache") is None:
         return own
+    ours = "kvcache fp32" if r["pair"] == "fp32" else "kvcache file"
     if r["matches_kvcache"]:
-        return own + ", = kvcache fp32"
-    return own + f", kvcache fp32 differs from token {r['first_difference']}"
+        return own + f", = {ours}"
+    return own + f", {ours} differs from token {r['first_difference']}"
 
 
 def print_table(rows: list[dict[str, Any]], rat: list[dict[str, Any]], meta: dict[str, Any]) -> None:
@@ -614,10 +645,13 @@ def print_table(rows: list[dict[str, Any]], rat: list[dict[str, Any]], meta: dic
         print(head + f"{r['tokens']:>6} {cell(r['plain_tok_s']):>11} {cell(r['spec_tok_s']):>10} {speed:>8} "
               f"{cell(r['acceptance'], '.2f'):>6} {cell(r['tokens_per_forward'], '.2f'):>7} "
               f"{cell(r['forward_cost'], '.2f'):>8}  {_text_cell(r)}")
-    if rat:
-        print("\nkvcache fp32 / transformers fp32, decode tok/s in this run")
+    for peer in dict.fromkeys(x["peer"] for x in rat):
+        pair = next(x["pair"] for x in rat if x["peer"] == peer)
+        print(f"\nkvcache {pair} / {peer} {pair}, decode tok/s in this run")
         for x in rat:
-            print(f"  {x['workload']:<10} without speculation {x['plain']:.2f}x, prompt lookup {x['lookup']:.2f}x")
+            if x["peer"] == peer:
+                print(f"  {x['workload']:<10} without speculation {x['plain']:.2f}x, prompt lookup "
+                      f"{x['lookup']:.2f}x")
     for r in rows:
         if r["system"] == "kvcache" and r["workload"] == "free text" and r["method"] == "lookup" and r["speedup"]:
             cost = 1 - r["speedup"]
