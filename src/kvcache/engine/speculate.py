@@ -13,11 +13,14 @@ Proposers, in this order of preference:
 - a draft model (``LLM(draft_model=...)``, ``--draft-model``): a smaller or more quantized model
   with the same tokenizer decodes k tokens greedily on its own cache, which is cut back to what
   the target kept, as the target's is;
-- prompt lookup: the longest recent n-gram (4 down to 1 tokens) at the end of the sequence that
-  occurred before in the prompt or the output proposes what followed it.
+- prompt lookup: the longest recent n-gram (4 down to 2 tokens) at the end of the sequence that
+  occurred before in the prompt or the output proposes what followed it. (A single token's match
+  was measured to propose what the model keeps about one time in twenty: less than a verifying
+  forward costs.)
 
 k adapts per sample: it grows after a fully accepted proposal and falls to one more than what was
-accepted otherwise; a lookup that keeps failing rests for a while.
+accepted otherwise; a lookup that keeps failing rests, longer each time it fails again (8, 16, ...
+up to 64 steps) until a proposal is kept.
 
 Verification is exact. Greedy: proposals are kept while each equals the argmax after the one
 before (and batch invariance makes those logits the bits a one-token decode gives), so the text is
@@ -35,8 +38,10 @@ import torch
 from kvcache.engine.params import SamplingParams
 from kvcache.engine.sampler import Row, adjust, is_greedy, warp
 
-MAX_NGRAM, MIN_NGRAM = 4, 1
-REST_AFTER, REST_STEPS = 3, 8  # a lookup refused this many times in a row rests this many steps
+MAX_NGRAM, MIN_NGRAM = 4, 2
+# a lookup refused REST_AFTER times in a row rests REST_STEPS steps, twice as long after each such
+# rest without a kept proposal in between, at most REST_MAX
+REST_AFTER, REST_STEPS, REST_MAX = 3, 8, 64
 SEARCH_LIMIT = 8192  # the last tokens of a sequence searched for an n-gram
 DEFAULT_K = 8  # proposals per forward for a prediction or a draft model
 
@@ -68,6 +73,7 @@ class Speculator:
             self._index(end)
         self.refused = 0
         self.rest = 0
+        self.pause = REST_STEPS  # the next rest's length
         self.proposed = self.accepted = 0  # tokens proposed and kept, all proposers
         self.forwards = 0  # verifying forwards
         self.pred_accepted = self.pred_rejected = 0  # of those, the prediction's
@@ -94,8 +100,9 @@ class Speculator:
             self.at = self._realign()
 
     def _realign(self) -> int | None:
-        """Where the output's last tokens occur in the prediction (the longest n-gram that does)."""
-        for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
+        """Where the output's last tokens occur in the prediction (the longest n-gram that does, down
+        to one token: the caller expects this text, so a single token's match is trusted)."""
+        for n in range(MAX_NGRAM, 0, -1):
             if len(self.history) < n:
                 continue
             tail = self.history[-n:]
@@ -148,9 +155,12 @@ class Speculator:
         if accepted == 0 and not self._from_prediction and self.draft is None:
             self.refused += 1
             if self.refused >= REST_AFTER:
-                self.rest, self.refused = REST_STEPS, 0
+                self.rest, self.refused = self.pause, 0
+                self.pause = min(REST_MAX, 2 * self.pause)
         else:
             self.refused = 0
+            if accepted:
+                self.pause = REST_STEPS
 
 
 
