@@ -29,7 +29,9 @@ def test_a_short_run_writes_positive_rows_and_the_same_texts(tmp_path, capsys):
                     "spec_ms_per_forward", "forward_cost"):
             assert r[key] > 0, key
         assert r["plain_forwards"] == r["tokens"] - 1  # one token a forward without speculation
-        assert r["forwards"] >= r["verifying_forwards"] > 0 and r["proposed"] >= r["accepted"] >= 0
+        assert r["forwards"] >= r["verifying_forwards"] >= 0 and r["proposed"] >= r["accepted"] >= 0
+        if r["workload"] != "free text":  # where little matches, the lookup may propose nothing in 24 tokens
+            assert r["verifying_forwards"] > 0
         assert r["tokens_per_forward"] == (r["tokens"] - 1) / r["forwards"]
         assert r["runs"] == 2 and r["mismatches"] == 0 and r["identical"] is True  # untimed run and timed run
     ceiling = rows[("code edit", "ceiling")]
@@ -46,11 +48,14 @@ def test_transformers_rows_in_a_child_process():
 
     tok = Tokenizer.from_dir(resolve_model(None).path)
     ids = tok.encode_chat([{"role": "user", "content": "Say 'the cat sat on the mat' three times."}])
-    (row,) = sb.peer_rows(str(fp32_folder(None)), {"free text": ids}, 8, 1, 3, 1, sorted(tok.eos_token_ids),
-                          timeout=300)
+    row, draft = sb.peer_rows(str(fp32_folder(None)), {"free text": ids}, 8, 1, 3, 1, sorted(tok.eos_token_ids),
+                              timeout=300)
     if row["spec_tok_s"] is None:  # transformers missing or broken: a skipped row with the reason
         assert row["note"]
         return
+    assert draft["method"] == "draft" and draft["speculation"] == sb.ASSISTANT
+    if draft["spec_tok_s"] is not None:  # the int8 assistant (torch's dynamic quantization) ran
+        assert draft["identical"] is True and draft["proposed"] > 0 and draft["forwards"] >= 1
     assert row["system"] == "transformers" and 1 < row["tokens"] <= 8 and row["identical"] is True
     assert row["plain_tok_s"] > 0 and row["spec_tok_s"] > 0 and row["forwards"] >= 1
     assert len(row["token_ids"]) == row["tokens"]

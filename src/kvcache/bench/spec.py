@@ -37,7 +37,11 @@ time less the time to first token of a one-token generate). Its forwards are cou
 hook and its proposals by wrapping its prompt-lookup candidate generator, in one untimed run of
 each; its first forward reads the prompt and verifies the first proposals together. Its greedy
 text is compared with kvcache's fp32 text (fp32 sums in another order may part them: reported,
-not failed).
+not failed). Its draft row: ``assistant_model`` a copy of the same model with its linear layers
+quantized to int8 by torch's ``quantize_dynamic`` (transformers' cheapest way to a faster draft
+of the same weights on a CPU; several times faster a token than fp32 there), 8 tokens proposed a
+forward (``num_assistant_tokens``), its proposals counted by wrapping the assisted candidate
+generator.
 
 Run as ``python -m kvcache.bench.spec`` with a JSON request on stdin: transformers' rows.
 """
@@ -370,9 +374,15 @@ def peer_rows(model_dir: str, prompts: dict[str, list[int]], new: int, repeats: 
     return [_peer_skipped(w, len(ids), lookup, out.note) for w, ids in prompts.items()]
 
 
-def _peer_skipped(workload: str, prompt_tokens: int, lookup: int, note: str) -> dict[str, object]:
-    return {"system": "transformers", "weights": "fp32", "pair": "fp32", "workload": workload, "method": "lookup",
-            "speculation": method_label("lookup", lookup), "prompt_tokens": prompt_tokens, "tokens": None,
+ASSISTANT = "draft: int8 copy"  # transformers' draft row: the model quantized by torch's quantize_dynamic
+ASSISTANT_TOKENS = 8
+
+
+def _peer_skipped(workload: str, prompt_tokens: int, lookup: int, note: str,
+                  method: str = "lookup") -> dict[str, object]:
+    label = method_label("lookup", lookup) if method == "lookup" else ASSISTANT
+    return {"system": "transformers", "weights": "fp32", "pair": "fp32", "workload": workload, "method": method,
+            "speculation": label, "prompt_tokens": prompt_tokens, "tokens": None,
             "plain_tok_s": None, "spec_tok_s": None, "speedup": None, "proposed": None, "accepted": None,
             "acceptance": None, "forwards": None, "tokens_per_forward": None, "plain_ms_per_forward": None,
             "spec_ms_per_forward": None, "forward_cost": None, "runs": 0, "mismatches": 0, "identical": None,
@@ -395,10 +405,35 @@ def _peer_child(req: dict[str, Any]) -> list[dict[str, object]]:
     gen: dict[str, Any] = {"do_sample": False, "pad_token_id": eos_ids[0] if eos_ids else None}
     if eos_ids:
         gen["eos_token_id"] = eos_ids
+    new, repeats = int(req["new"]), int(req["repeats"])
     with torch.inference_mode():
         model.generate(torch.tensor([next(iter(prompts.values()))[:8]]), max_new_tokens=4, min_new_tokens=4, **gen)
-        return [_peer_workload(model, w, ids, int(req["new"]), int(req["repeats"]), lookup, gen, set(eos_ids))
+        rows = [_peer_workload(model, w, ids, new, repeats, gen, set(eos_ids), "lookup",
+                               {"prompt_lookup_num_tokens": lookup}, method_label("lookup", lookup))
                 for w, ids in prompts.items()]
+        try:
+            assistant = _int8_copy(model)
+        except Exception as e:  # torch without its dynamic quantization: the draft rows say why
+            return rows + [_peer_skipped(w, len(ids), lookup, f"no int8 assistant ({e}): skipped", "draft")
+                           for w, ids in prompts.items()]
+        return rows + [_peer_workload(model, w, ids, new, repeats, gen, set(eos_ids), "draft",
+                                      {"assistant_model": assistant}, ASSISTANT) for w, ids in prompts.items()]
+
+
+def _int8_copy(model: Any) -> Any:
+    """The model with its linear layers quantized to int8 (dynamic activations), as an assistant."""
+    import copy
+    import warnings
+
+    import torch
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear}, dtype=torch.qint8)
+    out.generation_config.num_assistant_tokens = ASSISTANT_TOKENS
+    out.generation_config.num_assistant_tokens_schedule = "constant"
+    return out
 
 
 @dataclass
@@ -409,8 +444,8 @@ class _Counts:
 
 @contextmanager
 def _counting(model: Any) -> Iterator[_Counts]:
-    """Forwards of the model (a forward hook) and tokens proposed by prompt lookup (its candidate
-    generator wrapped) within the block."""
+    """Forwards of the model (a forward hook) and tokens proposed by prompt lookup or an assistant
+    (their candidate generators wrapped) within the block."""
     counts = _Counts()
 
     def forward(*_: object) -> None:
@@ -420,29 +455,31 @@ def _counting(model: Any) -> Iterator[_Counts]:
     try:
         from transformers.generation import candidate_generator as cg
 
-        cls = cg.PromptLookupCandidateGenerator
+        classes = [cg.PromptLookupCandidateGenerator, cg.AssistedCandidateGenerator]
     except (ImportError, AttributeError):
-        cls = None
+        classes = []
         counts.proposed = None
-    orig = cls.get_candidates if cls is not None else None
+    origs = [c.get_candidates for c in classes]
 
-    def get_candidates(gen: Any, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
-        out = orig(gen, input_ids, *args, **kwargs)  # type: ignore[misc]
-        counts.proposed = (counts.proposed or 0) + int(out[0].shape[1] - input_ids.shape[1])
-        return out
+    def wrapped(orig: Any) -> Any:
+        def get_candidates(gen: Any, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
+            out = orig(gen, input_ids, *args, **kwargs)
+            counts.proposed = (counts.proposed or 0) + int(out[0].shape[1] - input_ids.shape[1])
+            return out
+        return get_candidates
 
-    if cls is not None:
-        cls.get_candidates = get_candidates
+    for c, orig in zip(classes, origs):
+        c.get_candidates = wrapped(orig)
     try:
         yield counts
     finally:
         hook.remove()
-        if cls is not None:
-            cls.get_candidates = orig
+        for c, orig in zip(classes, origs):
+            c.get_candidates = orig
 
 
-def _peer_workload(model: Any, workload: str, ids: list[int], new: int, repeats: int, lookup: int,
-                   gen: dict[str, Any], eos: set[int]) -> dict[str, object]:
+def _peer_workload(model: Any, workload: str, ids: list[int], new: int, repeats: int, gen: dict[str, Any],
+                   eos: set[int], method: str, spec: dict[str, Any], label: str) -> dict[str, object]:
     import torch
 
     x = torch.tensor([ids])
@@ -455,7 +492,7 @@ def _peer_workload(model: Any, workload: str, ids: list[int], new: int, repeats:
     def text(toks: list[int]) -> list[int]:
         return toks[:-1] if toks and toks[-1] in eos else toks
 
-    spec_kw = {"max_new_tokens": new, "prompt_lookup_num_tokens": lookup}
+    spec_kw = {"max_new_tokens": new, **spec}
     with _counting(model) as pc:
         plain_toks, _ = generate(max_new_tokens=new)
     with _counting(model) as sc:
@@ -481,8 +518,8 @@ def _peer_workload(model: Any, workload: str, ids: list[int], new: int, repeats:
     plain_best, spec_best = max(plain_tok_s), max(spec_tok_s)
     plain_ms = 1000 / plain_best if plain_best else None  # one token per forward
     spec_ms = (n - 1) / spec_best / fwd * 1000 if spec_best and fwd > 0 else None
-    return {"system": "transformers", "weights": "fp32", "pair": "fp32", "workload": workload, "method": "lookup",
-            "speculation": method_label("lookup", lookup), "prompt_tokens": len(ids), "tokens": n,
+    return {"system": "transformers", "weights": "fp32", "pair": "fp32", "workload": workload, "method": method,
+            "speculation": label, "prompt_tokens": len(ids), "tokens": n,
             "plain_tok_s": plain_best, "spec_tok_s": spec_best,
             "speedup": spec_best / plain_best if plain_best else None,
             "proposed": sc.proposed, "accepted": max(0, made - sc.forwards),
