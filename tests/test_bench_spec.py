@@ -93,10 +93,17 @@ def test_ratios_pair_each_peer_with_its_weights():
              "spec_tok_s": 400.0},
             {"system": "kvcache", "pair": "fp32", "workload": "document", "method": "lookup", "plain_tok_s": 100.0,
              "spec_tok_s": 150.0},
-            {"system": "llama-server", "pair": "file", "workload": "document", "plain_tok_s": 100.0, "spec_tok_s": 100.0},
-            {"system": "transformers", "pair": "fp32", "workload": "document", "plain_tok_s": 50.0, "spec_tok_s": 100.0}]
-    got = {(x["peer"], x["pair"]): (x["plain"], x["lookup"]) for x in sb.ratios(rows)}
-    assert got == {("llama-server", "file"): (2.0, 4.0), ("transformers", "fp32"): (2.0, 1.5)}
+            {"system": "kvcache", "pair": "fp32", "workload": "document", "method": "draft", "plain_tok_s": 100.0,
+             "spec_tok_s": 180.0},
+            {"system": "llama-server", "pair": "file", "workload": "document", "method": "lookup", "plain_tok_s": 100.0,
+             "spec_tok_s": 100.0},
+            {"system": "transformers", "pair": "fp32", "workload": "document", "method": "lookup", "plain_tok_s": 50.0,
+             "spec_tok_s": 100.0},
+            {"system": "transformers", "pair": "fp32", "workload": "document", "method": "draft", "plain_tok_s": 50.0,
+             "spec_tok_s": 60.0}]
+    got = {(x["peer"], x["pair"], x["method"]): (x["plain"], x["spec"]) for x in sb.ratios(rows)}
+    assert got == {("llama-server", "file", "lookup"): (2.0, 4.0), ("transformers", "fp32", "lookup"): (2.0, 1.5),
+                   ("transformers", "fp32", "draft"): (2.0, 3.0)}
 
 
 def test_a_missing_transformers_is_a_skipped_row(monkeypatch):

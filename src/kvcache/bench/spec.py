@@ -555,17 +555,18 @@ def compare_peer(rows: list[dict[str, Any]], texts: dict[str, list[int]] | None)
 
 
 def ratios(results: list[dict[str, Any]]) -> list[dict[str, object]]:
-    """kvcache over each peer on the same workload and weights (transformers: fp32; llama-server:
-    the GGUF file): without speculation, and with prompt lookup."""
+    """kvcache over each peer on the same workload, weights and kind of speculation (transformers:
+    fp32, prompt lookup and a draft; llama-server: the GGUF file, prompt lookup): decode tok/s
+    without speculation (``plain``) and with it (``spec``)."""
     out = []
     for p in results:
         if p["system"] == "kvcache" or not p["plain_tok_s"] or not p["spec_tok_s"]:
             continue
         for r in results:
             if (r["system"] == "kvcache" and r["pair"] == p["pair"] and r["workload"] == p["workload"]
-                    and r["method"] == "lookup" and r["plain_tok_s"]):
-                out.append({"peer": p["system"], "pair": p["pair"], "workload": p["workload"],
-                            "plain": r["plain_tok_s"] / p["plain_tok_s"], "lookup": r["spec_tok_s"] / p["spec_tok_s"]})
+                    and r["method"] == p["method"] and r["plain_tok_s"]):
+                out.append({"peer": p["system"], "pair": p["pair"], "workload": p["workload"], "method": p["method"],
+                            "plain": r["plain_tok_s"] / p["plain_tok_s"], "spec": r["spec_tok_s"] / p["spec_tok_s"]})
     return out
 
 
@@ -685,10 +686,11 @@ def print_table(rows: list[dict[str, Any]], rat: list[dict[str, Any]], meta: dic
     for peer in dict.fromkeys(x["peer"] for x in rat):
         pair = next(x["pair"] for x in rat if x["peer"] == peer)
         print(f"\nkvcache {pair} / {peer} {pair}, decode tok/s in this run")
-        for x in rat:
-            if x["peer"] == peer:
-                print(f"  {x['workload']:<10} without speculation {x['plain']:.2f}x, prompt lookup "
-                      f"{x['lookup']:.2f}x")
+        for w in dict.fromkeys(x["workload"] for x in rat if x["peer"] == peer):
+            mine = [x for x in rat if x["peer"] == peer and x["workload"] == w]
+            spec = ", ".join(f"{'prompt lookup' if x['method'] == 'lookup' else 'a draft'} {x['spec']:.2f}x"
+                             for x in mine)
+            print(f"  {w:<10} without speculation {mine[0]['plain']:.2f}x, {spec}")
     for r in rows:
         if r["system"] == "kvcache" and r["workload"] == "free text" and r["method"] == "lookup" and r["speedup"]:
             cost = 1 - r["speedup"]
