@@ -134,13 +134,45 @@ def test_prediction_equal_to_the_output_needs_few_forwards(smollm_q):
     assert m["spec_forwards"] <= len(want.token_ids) // 4  # 4 or more tokens a forward
 
 
-def test_requests_that_change_logits_per_token_do_not_speculate():
+def test_which_requests_speculate():
+    from kvcache.engine.grammar import Constraint
+
     assert speculative(SamplingParams(prompt_lookup=4))
     assert speculative(SamplingParams(prediction=(1, 2), temperature=0.7))
-    for kw in (dict(repetition_penalty=1.2), dict(logit_bias={3: 1.0}), dict(min_tokens=2), dict(logprobs=2),
-               dict(frequency_penalty=0.5)):
-        assert not speculative(SamplingParams(prompt_lookup=4, **kw)), kw
+    for kw in (dict(repetition_penalty=1.2), dict(logit_bias={3: 1.0}), dict(min_tokens=2),
+               dict(frequency_penalty=0.5), dict(logprobs=2)):
+        assert speculative(SamplingParams(prompt_lookup=4, **kw)), kw
     assert not speculative(SamplingParams())
+    assert not speculative(SamplingParams(prompt_lookup=4, constraint=Constraint.regex("yes|no")))
+
+
+@pytest.mark.parametrize("kw", [dict(repetition_penalty=1.3), dict(frequency_penalty=1.5, presence_penalty=0.2),
+                                dict(logit_bias={13: 2.5, 30: -3.0}), dict(min_tokens=40)])
+def test_penalties_bias_and_min_tokens_speculate_with_the_text_unchanged(smollm_q, kw):
+    """Each verified position sees the penalty state a one-token decode there would see (the
+    proposals before it counted), so greedy text is the text without speculation."""
+    short = [{"role": "user", "content": "Is water wet? Answer with one word."}]  # min_tokens holds its EOS back
+    prompts = [short, PROMPTS[0]] if "min_tokens" in kw else PROMPTS[:2]
+    want = smollm_q.generate_batch(prompts, SamplingParams(max_tokens=40, **kw), chat=True)
+    got = smollm_q.generate_batch(prompts, [SamplingParams(max_tokens=40, prediction=_wrong(o.token_ids, 4), **kw)
+                                            for o in want], chat=True)
+    for a, b in zip(want, got):
+        assert b.token_ids == a.token_ids and b.metrics["spec_accepted"] > 0
+    base = smollm_q.generate_batch(prompts[:1], SamplingParams(max_tokens=40), chat=True)[0]
+    assert base.token_ids != want[0].token_ids  # the setting did change the text
+
+
+def test_logprobs_with_speculation_are_those_without(smollm_q):
+    """Each kept token's log-probability and top alternatives come from its verifying row: the
+    same entries as one-token decoding gives, alone and streamed."""
+    want = smollm_q.generate_batch(PROMPTS[:2], SamplingParams(max_tokens=32, logprobs=3), chat=True)
+    preds = [_wrong(o.token_ids, 4) for o in want]
+    got = smollm_q.generate_batch(PROMPTS[:2], [SamplingParams(max_tokens=32, logprobs=3, prediction=p)
+                                                for p in preds], chat=True)
+    for a, b in zip(want, got):
+        assert b.token_ids == a.token_ids and b.metrics["spec_accepted"] > 0
+        lp_a, lp_b = a.outputs[0].logprobs, b.outputs[0].logprobs
+        assert lp_b == lp_a and len(lp_b) == len(b.token_ids)
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_match():
@@ -284,3 +316,29 @@ def test_gemma3_speculates_over_its_sliding_layers():
         assert alone.token_ids == want[0].token_ids
     llm.check_integrity()
     assert llm.kv_stats().pages_in_use == 0
+
+
+@pytest.mark.parametrize("kw", [dict(frequency_penalty=1.0), dict(presence_penalty=1.0), dict(repetition_penalty=2.0),
+                                dict(min_tokens=3)])
+def test_each_verified_position_sees_the_proposals_before_it(kw):
+    """Token 5 leads token 6 by 0.5 everywhere, token 0 (EOS) leads both at the last position: a
+    proposal of 5 makes the next 5 pay its penalty, so the second proposal is refused; min_tokens
+    holds EOS back at the first three tokens out only."""
+    from kvcache.engine.speculate import verify_rows
+
+    logits = torch.full((3, 10), -5.0)
+    logits[:, 5], logits[:, 6] = 5.0, 4.5
+    params = SamplingParams(**kw)
+    counts = torch.zeros(10) if "frequency_penalty" in kw or "presence_penalty" in kw else None
+    seen = torch.zeros(10, dtype=torch.bool) if "repetition_penalty" in kw else None
+    if "min_tokens" in kw:
+        logits[2, 0] = 9.0
+        rows = verify_rows(params, None, 0, counts, seen, [5, 5])
+        assert verify(logits, [5, 5], params, None, rows, (0,)) == [5, 5, 5]  # 2 tokens out, plus 1: EOS held
+        rows = verify_rows(params, None, 1, counts, seen, [5, 5])
+        assert verify(logits, [5, 5], params, None, rows, (0,)) == [5, 5, 0]  # the third token out may end
+        return
+    rows = verify_rows(params, None, 0, counts, seen, [5, 5])
+    assert verify(logits, [5, 5], params, None, rows) == [5, 6]
+    assert verify(logits, [5, 5], params, None) == [5, 5, 5]  # without the state: nothing is penalized
+    assert counts is None or float(counts.sum()) == 0.0  # the sample's own state is untouched

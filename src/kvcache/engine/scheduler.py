@@ -44,7 +44,7 @@ from kvcache.engine.grammar import Grammars, grammars_for
 from kvcache.engine.params import MAX_LOOKUP
 from kvcache.engine.runner import ModelRunner
 from kvcache.engine.sampler import Row, choose, log_probs, make_generator, token_logprob
-from kvcache.engine.speculate import Speculator, speculative, verify
+from kvcache.engine.speculate import Speculator, speculative, verify, verify_rows
 from kvcache.engine.stops import TextTracker
 from kvcache.errors import CacheFull, InvalidParams, KVCacheError
 from kvcache.models.tokenizer import Tokenizer
@@ -537,7 +537,8 @@ class Scheduler:
         p = req.params
         if faults.ACTIVE:
             faults.check("sample", req.prompt_ids)
-        new = verify(logits, draft, p, x.gen)
+        rows = verify_rows(p, x.gen, len(x.tokens), x.counts, x.seen, draft)
+        new = verify(logits, draft, p, x.gen, rows, tuple(self.eos))
         x.spec.verified(len(draft), len(new) - 1)  # type: ignore[union-attr]
         seq = x.seq
         assert seq is not None
@@ -545,10 +546,12 @@ class Scheduler:
         room = self.runner.capacity - len(req.prompt_ids)
         taken = 0
         for tok in new:
+            # the row after the last fed token is the logits a one-token decode would have seen
+            entry = token_logprob(log_probs(logits[taken]), tok, p.logprobs or 0) if p.logprobs is not None else None
             taken += 1
-            piece = x.take(tok, None, self.eos, p, room)
+            piece = x.take(tok, entry, self.eos, p, room)
             if req.on_delta is not None and (piece or x.reason is not None):
-                req.on_delta(x.delta(piece, tok, False))
+                req.on_delta(x.delta(piece, tok, p.logprobs is not None))
             if x.reason is not None:
                 break
         keep = fed + taken  # a plain decode has fed every taken token but the last

@@ -27,6 +27,9 @@ before (and batch invariance makes those logits the bits a one-token decode give
 the text without speculation. Sampled: a proposal d at a position whose distribution is p is kept
 with probability p(d), else a token is drawn from p without d (renormalized), the standard
 rejection step for a proposal that is a single token; the output keeps the target distribution.
+Penalties, logit_bias and min_tokens apply at each position as a one-token decode there would
+apply them: the position after proposals d1 .. di sees the sample's counts and seen tokens with
+d1 .. di added and i more tokens out (``verify_rows``).
 """
 
 from __future__ import annotations
@@ -48,13 +51,13 @@ DEFAULT_K = 8  # proposals per forward for a prediction or a draft model
 
 def speculative(params: SamplingParams, draft: bool = False) -> bool:
     """Whether a request speculates: a prediction, prompt lookup or a draft model (``draft``), and
-    nothing that changes the logits from token to token or needs each token's log-probability
-    (penalties, bias, grammars, min_tokens, logprobs): those run without speculation."""
+    no grammar (its matcher would have to take the proposals and give them back): a constrained
+    request runs without speculation. Penalties, bias and min_tokens apply per verified position
+    (``verify_rows``); log-probabilities come from the verifying rows, the logits a one-token
+    decode gives."""
     if not (params.prompt_lookup or params.prediction or draft):
         return False
-    return (params.constraint is None and not params.logit_bias and params.repetition_penalty == 1.0
-            and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0 and params.min_tokens == 0
-            and params.logprobs is None)
+    return params.constraint is None
 
 
 class Speculator:
@@ -198,21 +201,43 @@ class DraftProposer:
             self.seq = None
 
 
-def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams,
-           gen: torch.Generator | None) -> list[int]:
+def verify_rows(params: SamplingParams, gen: torch.Generator | None, n_out: int, counts: torch.Tensor | None,
+                seen: torch.Tensor | None, draft: list[int]) -> list[Row]:
+    """The sampler's rows of a verifying forward's k+1 positions: position i as a one-token decode
+    would see it after proposals draft[:i] (``n_out + i`` tokens out; ``counts`` [V] and ``seen``
+    [V], the sample's penalty state, with draft[:i] added; copies, the sample's own are untouched)."""
+    rows = []
+    for i in range(len(draft) + 1):
+        rows.append(Row(params, gen, n_out + i, counts, seen))
+        if i < len(draft):
+            if counts is not None:
+                counts = counts.clone()
+                counts[draft[i]] += 1
+            if seen is not None:
+                seen = seen.clone()
+                seen[draft[i]] = True
+    return rows
+
+
+def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams, gen: torch.Generator | None,
+           rows: list[Row] | None = None, stop_ids: tuple[int, ...] = ()) -> list[int]:
     """The tokens a sample keeps from one verifying forward: ``logits`` [k+1, V] are those after
-    its last token and after each of the k proposals ``draft``. Returns the kept proposals and one
+    its last token and after each of the k proposals ``draft``; ``rows``: the sampler's rows of
+    those positions (``verify_rows``; default: the parameters alone, no penalty state), with the
+    end-of-sequence tokens ``stop_ids`` min_tokens holds back. Returns the kept proposals and one
     more token of the model's own (exact: see the module docstring)."""
     k = len(draft)
+    rows = rows if rows is not None else [Row(params)] * (k + 1)
+    scores = adjust(logits, rows, None, stop_ids)  # [k+1, V]: the logits themselves when nothing applies
     if is_greedy(params):
-        best = torch.argmax(logits.float(), dim=-1).tolist()
+        best = torch.argmax(scores, dim=-1).tolist()
         out = []
         for i in range(k):
             if best[i] != draft[i]:
                 return out + [int(best[i])]
             out.append(draft[i])
         return out + [int(best[k])]
-    probs = warp(adjust(logits, [Row(params)] * (k + 1)), [params] * (k + 1))
+    probs = warp(scores, [params] * (k + 1))
     out = []
     for i in range(k):
         p = probs[i]
