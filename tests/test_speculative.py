@@ -143,7 +143,7 @@ def test_which_requests_speculate():
                dict(frequency_penalty=0.5), dict(logprobs=2)):
         assert speculative(SamplingParams(prompt_lookup=4, **kw)), kw
     assert not speculative(SamplingParams())
-    assert not speculative(SamplingParams(prompt_lookup=4, constraint=Constraint.regex("yes|no")))
+    assert speculative(SamplingParams(prompt_lookup=4, constraint=Constraint.regex("yes|no")))
 
 
 @pytest.mark.parametrize("kw", [dict(repetition_penalty=1.3), dict(frequency_penalty=1.5, presence_penalty=0.2),
@@ -342,3 +342,48 @@ def test_each_verified_position_sees_the_proposals_before_it(kw):
     assert verify(logits, [5, 5], params, None, rows) == [5, 6]
     assert verify(logits, [5, 5], params, None) == [5, 5, 5]  # without the state: nothing is penalized
     assert counts is None or float(counts.sum()) == 0.0  # the sample's own state is untouched
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                           "colours": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                                       "maxItems": 3}},
+          "required": ["name", "colours"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("how", ["schema", "regex"])
+def test_constrained_requests_speculate_with_the_text_unchanged(smollm_q, how):
+    """Under a grammar each verified position's choice is the constrained decode's there (the
+    matcher takes the proposals in turn and gives them back): greedy text unchanged, and the
+    matcher's state after the run is the plain run's (its text still parses)."""
+    from kvcache.engine.grammar import Constraint
+
+    c = Constraint.json_schema(SCHEMA) if how == "schema" else Constraint.regex(r"The (sea|sky) is [a-z]+( and [a-z]+){0,3}\.")
+    prompts = [[{"role": "user", "content": "Describe the sea as JSON with a name and its colours."}],
+               [{"role": "user", "content": "In one sentence: what colour is the sea?"}]]
+    want = smollm_q.generate_batch(prompts, SamplingParams(max_tokens=60, constraint=c), chat=True)
+    got = smollm_q.generate_batch(prompts, [SamplingParams(max_tokens=60, constraint=c, prediction=_wrong(o.token_ids, 4))
+                                            for o in want], chat=True)
+    for a, b in zip(want, got):
+        assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason
+        assert b.metrics["spec_accepted"] > 0 and b.metrics["spec_pred_rejected"] > 0
+    if how == "schema":
+        for o in got:
+            if o.finish_reason == "stop":
+                assert set(json.loads(o.text)) == {"name", "colours"}
+
+
+def test_sampled_constrained_speculation_stays_in_the_grammar(smollm_q):
+    from kvcache.engine.grammar import Constraint
+
+    c = Constraint.json_schema(SCHEMA)
+    prompt = [{"role": "user", "content": "Describe the sea as JSON with a name and its colours."}]
+    (plain,) = smollm_q.generate_batch([prompt], SamplingParams(max_tokens=60, constraint=c), chat=True)
+    outs = smollm_q.generate_batch([prompt] * 12, [SamplingParams(max_tokens=80, constraint=c, temperature=0.9,
+                                                                  seed=s, prediction=plain.token_ids)
+                                                   for s in range(12)], chat=True)
+    assert sum(o.metrics["spec_accepted"] for o in outs) > 0
+    for o in outs:
+        if o.finish_reason == "stop":
+            doc = json.loads(o.text)
+            assert set(doc) == {"name", "colours"} and len(doc["colours"]) <= 3
+    smollm_q.check_integrity()

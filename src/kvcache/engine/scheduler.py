@@ -44,7 +44,7 @@ from kvcache.engine.grammar import Grammars, grammars_for
 from kvcache.engine.params import MAX_LOOKUP
 from kvcache.engine.runner import ModelRunner
 from kvcache.engine.sampler import Row, choose, log_probs, make_generator, token_logprob
-from kvcache.engine.speculate import Speculator, speculative, verify, verify_rows
+from kvcache.engine.speculate import Speculator, speculative, verify, verify_constrained, verify_rows
 from kvcache.engine.stops import TextTracker
 from kvcache.errors import CacheFull, InvalidParams, KVCacheError
 from kvcache.models.tokenizer import Tokenizer
@@ -207,7 +207,8 @@ class Scheduler:
     def _start_masks(self, plan: list[Item]) -> tuple[Any, dict[int, int]]:
         """The grammar masks of the constrained samples that pick a token in this step, as a future
         (None when there are none), and each such sample's row in them (by ``id``)."""
-        masked = [it.sample for it in plan if it.sample.matcher is not None and it.n == len(it.sample.feed)]
+        masked = [it.sample for it in plan
+                  if it.sample.matcher is not None and it.n == len(it.sample.feed) and not it.sample.draft]
         worker = self.grammars.worker() if masked else None
         if worker is None or not worker.spare_core:
             return None, {}  # none, or checked after the choice (``_lazy``)
@@ -538,7 +539,12 @@ class Scheduler:
         if faults.ACTIVE:
             faults.check("sample", req.prompt_ids)
         rows = verify_rows(p, x.gen, len(x.tokens), x.counts, x.seen, draft)
-        new = verify(logits, draft, p, x.gen, rows, tuple(self.eos))
+        if x.matcher is None:
+            new = verify(logits, draft, p, x.gen, rows, tuple(self.eos))
+        else:
+            worker = self.grammars.worker()
+            new = verify_constrained(logits, draft, p, x.gen, rows, tuple(self.eos), x.matcher,
+                                     lambda m: worker.compute([m]), lambda m, t: _allowed(m, t, self.eos))
         x.spec.verified(len(draft), len(new) - 1)  # type: ignore[union-attr]
         seq = x.seq
         assert seq is not None

@@ -29,16 +29,24 @@ with probability p(d), else a token is drawn from p without d (renormalized), th
 rejection step for a proposal that is a single token; the output keeps the target distribution.
 Penalties, logit_bias and min_tokens apply at each position as a one-token decode there would
 apply them: the position after proposals d1 .. di sees the sample's counts and seen tokens with
-d1 .. di added and i more tokens out (``verify_rows``).
+d1 .. di added and i more tokens out (``verify_rows``). Under a grammar (``verify_constrained``)
+position i's choice is the one a constrained decode there makes: the grammar's matcher takes
+d1 .. di in turn (and gives them back at the end); greedy rows check the unmasked argmax against
+the grammar and compute a mask only where it is refused, as the engine's lazy path does; sampled
+rows draw under each position's mask.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from dataclasses import replace
+
 from kvcache.engine.params import SamplingParams
+from kvcache.errors import InvalidParams
 from kvcache.engine.sampler import Row, adjust, is_greedy, warp
 
 MAX_NGRAM, MIN_NGRAM = 4, 2
@@ -50,14 +58,11 @@ DEFAULT_K = 8  # proposals per forward for a prediction or a draft model
 
 
 def speculative(params: SamplingParams, draft: bool = False) -> bool:
-    """Whether a request speculates: a prediction, prompt lookup or a draft model (``draft``), and
-    no grammar (its matcher would have to take the proposals and give them back): a constrained
-    request runs without speculation. Penalties, bias and min_tokens apply per verified position
-    (``verify_rows``); log-probabilities come from the verifying rows, the logits a one-token
-    decode gives."""
-    if not (params.prompt_lookup or params.prediction or draft):
-        return False
-    return params.constraint is None
+    """Whether a request speculates: a prediction, prompt lookup or a draft model (``draft``).
+    Penalties, bias and min_tokens apply per verified position (``verify_rows``), a grammar's mask
+    too (``verify_constrained``); log-probabilities come from the verifying rows, the logits a
+    one-token decode gives."""
+    return bool(params.prompt_lookup or params.prediction or draft)
 
 
 class Speculator:
@@ -253,3 +258,59 @@ def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams, gen: 
             continue
         return out + [int(torch.multinomial(rest / total, 1, generator=gen))]
     return out + [int(torch.multinomial(probs[k], 1, generator=gen))]
+
+
+def verify_constrained(logits: torch.Tensor, draft: list[int], params: SamplingParams,
+                       gen: torch.Generator | None, rows: list[Row], stop_ids: tuple[int, ...], matcher: Any,
+                       mask_of: Callable[[Any], torch.Tensor], allowed: Callable[[Any, int], bool]) -> list[int]:
+    """``verify`` for a sample under a grammar: ``matcher`` is its state after the sample's last
+    token; ``mask_of(matcher)`` gives the grammar's mask there ([1, W] int32), ``allowed(matcher,
+    t)`` whether that mask allows t (engine/scheduler.py's check). The matcher takes each kept
+    proposal to reach the next position and is given them back before this returns. A kept
+    end-of-sequence token, or a grammar that stops, ends the verification there."""
+    k = len(draft)
+    scores = adjust(logits, rows, None, stop_ids)  # [k+1, V], unmasked
+    greedy = is_greedy(params)
+    out: list[int] = []
+    taken = 0
+
+    def masked(i: int) -> torch.Tensor:  # position i's scores under the grammar's mask: [V]
+        mask = mask_of(matcher)
+        if matcher.is_error() or not bool(mask.any()):
+            raise InvalidParams("the constraint allows no token after the text so far")
+        return adjust(logits[i : i + 1], [replace(rows[i], mask=0)], mask, stop_ids)[0]
+
+    try:
+        for i in range(k + 1):
+            d = draft[i] if i < k else None
+            if greedy:
+                t = int(torch.argmax(scores[i]))
+                if not allowed(matcher, t):
+                    t = int(torch.argmax(masked(i)))
+                keep = d is not None and t == d
+            else:
+                p = warp(masked(i)[None], [params])[0]
+                if d is None:
+                    t = int(torch.multinomial(p, 1, generator=gen))
+                    keep = False
+                elif float(torch.rand((), generator=gen)) < float(p[d]):
+                    keep = True
+                else:
+                    rest = p.clone()
+                    rest[d] = 0.0
+                    total = float(rest.sum())
+                    keep = total <= 0.0  # p was all on d: it would have been kept
+                    t = d if keep else int(torch.multinomial(rest / total, 1, generator=gen))
+            if not keep:
+                return out + [t]
+            assert d is not None
+            out.append(d)
+            if not matcher.consume_token(d):
+                raise InvalidParams(f"the constraint refused token {d}: {matcher.get_error()}")
+            taken += 1
+            if d in stop_ids or matcher.is_stopped():
+                return out
+        return out
+    finally:
+        if taken:
+            matcher.rollback(taken)
