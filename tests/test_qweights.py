@@ -143,6 +143,28 @@ def test_products_stay_within_the_activation_rounding_bound(v, t):
 
 
 @pytest.mark.parametrize("v", RUNNABLE, ids=lambda v: v.name)
+@pytest.mark.parametrize("t", ALL, ids=lambda t: t.name)
+def test_a_row_has_the_same_bits_in_any_row_count(v, t):
+    """Batch invariance of the products: each row of a call of 2 (the decode path row by row), 3,
+    5, 9 or 70 rows (partial and whole tiles, a second row chunk) is bitwise the row alone."""
+    lib = variant_lib(v)
+    w, _ = repacked(t, 45, 512, seed=5)
+    qs, d, m = w.parts()
+    x = np.random.default_rng(6).standard_normal((70, 512)).astype(np.float32)
+
+    def run(rows: np.ndarray) -> np.ndarray:
+        rows = np.ascontiguousarray(rows)
+        y = np.zeros((rows.shape[0], 45), np.float32)
+        assert lib.kv_q_linear(w.fmt, rows.shape[0], 512, 45, rows.ctypes.data, 512, None, -1.0, qs.data_ptr(),
+                               d.data_ptr(), None if m is None else m.data_ptr(), None, y.ctypes.data, 45, 0, 2) == 0
+        return y
+
+    alone = np.concatenate([run(x[i : i + 1]) for i in range(70)])
+    for n in (2, 3, 5, 9, 70):
+        assert np.array_equal(run(x[:n]), alone[:n]), f"{v.name} {t.name}: {n} rows"
+
+
+@pytest.mark.parametrize("v", RUNNABLE, ids=lambda v: v.name)
 def test_norm_scale_bias_and_accumulation_are_folded_in(v):
     lib = variant_lib(v)
     w, ref = repacked(T.Q4_1, 24, 256, seed=3)

@@ -232,6 +232,14 @@ static inline __attribute__((always_inline)) void group(const int NIB, const int
             for (int g = 0; g < ng; g++) \
                 row1(NIB, HI, SGN, F16, NS, OFS, 1, a, w + g * gq, gq, (const char *)dv + g * gs, \
                      mv ? (const char *)mv + g * gs : NULL, gs, out[0] + KVQ_NC * g); \
+        else if (nr == 2) /* two rows (a short verifying forward): each as a decode, the group's */ \
+            for (int g = 0; g < ng; g++) /* weights read again from the first level cache */ \
+                for (int r = 0; r < 2; r++) { \
+                    const Acts ar = {a.q + (int64_t)r * a.K, a.da + (int64_t)r * a.nb, a.sa + (int64_t)r * 3 * a.nb, \
+                                     a.is + (int64_t)r * 2 * a.nb, a.K, a.nb}; \
+                    row1(NIB, HI, SGN, F16, NS, OFS, 1, ar, w + g * gq, gq, (const char *)dv + g * gs, \
+                         mv ? (const char *)mv + g * gs : NULL, gs, out[r] + KVQ_NC * g); \
+                } \
         else if (ng == 2) \
             tile(NIB, HI, SGN, F16, NS, OFS, 2, nr, a, w, gq, dv, mv, gs, out); \
         else \
