@@ -39,15 +39,14 @@ rows draw under each position's mask.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from dataclasses import replace
-
 from kvcache.engine.params import SamplingParams
-from kvcache.errors import InvalidParams
 from kvcache.engine.sampler import Row, adjust, is_greedy, warp
+from kvcache.errors import InvalidParams
 
 MAX_NGRAM, MIN_NGRAM = 4, 2
 # a lookup refused REST_AFTER times in a row rests REST_STEPS steps, twice as long after each such
@@ -245,19 +244,24 @@ def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams, gen: 
     probs = warp(scores, [params] * (k + 1))
     out = []
     for i in range(k):
-        p = probs[i]
-        d = draft[i]
-        if float(torch.rand((), generator=gen)) < float(p[d]):
-            out.append(d)
-            continue
-        rest = p.clone()
-        rest[d] = 0.0
-        total = float(rest.sum())
-        if total <= 0.0:  # p was all on d: it would have been kept
-            out.append(d)
-            continue
-        return out + [int(torch.multinomial(rest / total, 1, generator=gen))]
+        t = _judge(probs[i], draft[i], gen)
+        if t is not None:
+            return out + [t]
+        out.append(draft[i])
     return out + [int(torch.multinomial(probs[k], 1, generator=gen))]
+
+
+def _judge(p: torch.Tensor, d: int, gen: torch.Generator | None) -> int | None:
+    """The rejection step for proposal ``d`` where the target's probabilities are ``p`` [V]: None
+    when it is kept (with probability p(d)), else a token drawn from p without d."""
+    if float(torch.rand((), generator=gen)) < float(p[d]):
+        return None
+    rest = p.clone()
+    rest[d] = 0.0
+    total = float(rest.sum())
+    if total <= 0.0:  # p was all on d: it would have been kept
+        return None
+    return int(torch.multinomial(rest / total, 1, generator=gen))
 
 
 def verify_constrained(logits: torch.Tensor, draft: list[int], params: SamplingParams,
@@ -291,16 +295,10 @@ def verify_constrained(logits: torch.Tensor, draft: list[int], params: SamplingP
             else:
                 p = warp(masked(i)[None], [params])[0]
                 if d is None:
-                    t = int(torch.multinomial(p, 1, generator=gen))
-                    keep = False
-                elif float(torch.rand((), generator=gen)) < float(p[d]):
-                    keep = True
+                    t, keep = int(torch.multinomial(p, 1, generator=gen)), False
                 else:
-                    rest = p.clone()
-                    rest[d] = 0.0
-                    total = float(rest.sum())
-                    keep = total <= 0.0  # p was all on d: it would have been kept
-                    t = d if keep else int(torch.multinomial(rest / total, 1, generator=gen))
+                    judged = _judge(p, d, gen)
+                    t, keep = (d, True) if judged is None else (judged, False)
             if not keep:
                 return out + [t]
             assert d is not None
