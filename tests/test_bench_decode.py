@@ -18,7 +18,10 @@ from conftest import run_kvcache
 from kvcache.bench import llamabench
 from kvcache.bench.child import run
 
-LLAMA_BIN = Path("/opt/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin")
+from kvcache.bench.llamapeer import default_bin
+
+# what `make llamacpp` built, else a prebuilt copy
+LLAMA_BIN = default_bin() or Path("/opt/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin")
 
 
 def _script(path: Path, body: str) -> Path:
@@ -67,8 +70,10 @@ def test_a_crashing_llama_bench_is_a_skipped_row_naming_the_signal(tmp_path):
     _script(fake / "llama-bench", "kill -SEGV $$")
     out = tmp_path / "decode.json"
     p = run_kvcache("bench", "decode", "--weights", "file", "--peers", "llama.cpp", "--llama-cpp-bin", str(fake),
-                    "--new-tokens", "2", "--repeats", "1", "--prefill", "32", "--depth", "64", "--json", str(out))
+                    "--new-tokens", "2", "--repeats", "1", "--prefill", "32", "--depth", "64", "--rounds", "2",
+                    "--json", str(out))
     assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(out.read_text())["meta"]["rounds"] == 2 and "2 rounds of every system in turn" in p.stdout
     rows = _results(out)
     assert rows[("kvcache", "file", "decode")]["tok_s"] > 0  # kvcache's rows are all there
     assert rows[("kvcache", "file", "depth")]["tok_s"] > 0 and rows[("kvcache", "file", "depth")]["tokens"] == 64
@@ -97,6 +102,22 @@ def test_a_crashing_llama_cpp_python_is_a_skipped_row_naming_the_signal(tmp_path
     rows = _results(out)
     assert rows[("kvcache", "file", "decode")]["tok_s"] > 0
     assert rows[("llama.cpp", "file", "decode")]["note"] == "llama-cpp-python crashed: SIGSEGV"
+
+
+def test_rounds_pool_each_rows_samples_and_keep_a_note_only_while_nothing_ran():
+    from kvcache.bench.decode import pool_rows
+    from kvcache.bench.rows import Row
+
+    pooled: dict = {}
+    pool_rows(pooled, [Row("kvcache", "file", "dynamic", "file", "decode", 46, tok_s=[50.0], gb_s=[30.0]),
+                       Row("llama.cpp", "Q4_0", "f16", "file", "decode", 46, note="llama-bench crashed: SIGSEGV")])
+    pool_rows(pooled, [Row("kvcache", "file", "dynamic", "file", "decode", 46, tok_s=[60.0, 70.0], gb_s=[36.0, 42.0]),
+                       Row("kvcache", "file", "dynamic", "file", "prefill", 512, tok_s=[400.0]),
+                       Row("llama.cpp", "Q4_0", "f16", "file", "decode", 46, tok_s=[55.0])])
+    rows = {(r.system, r.test): r for r in pooled.values()}
+    assert len(rows) == 3 and rows[("kvcache", "decode")].tok_s == [50.0, 60.0, 70.0]
+    assert rows[("kvcache", "decode")].summary()["tok_s"] == 60.0 and rows[("kvcache", "decode")].gb_s == [30.0, 36.0, 42.0]
+    assert rows[("llama.cpp", "decode")].tok_s == [55.0] and rows[("llama.cpp", "decode")].note == ""
 
 
 def test_child_outcomes_name_what_happened(tmp_path):
@@ -165,6 +186,7 @@ BAD = [
     (("--depth", "8191"), "--depth must be 0"),
     (("--llama-cpp-bin", "/nonexistent/llama"), "--llama-cpp-bin /nonexistent/llama: not a folder"),
     (("--peers", "vllm"), "unknown peer 'vllm'"),
+    (("--rounds", "0"), "--rounds must be >= 1"),
 ]
 
 

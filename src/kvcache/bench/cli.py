@@ -34,6 +34,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="timed runs per system (default: decode 3, context 2, growth 1; structured 3 alternating "
                         "free/constrained runs, the best counts; spec 3 runs without and with speculation, "
                         "taking turns, the best counts)")
+    b.add_argument("--rounds", type=int, default=None,
+                   help="decode: measure every system this many times in turn, pooling the samples (default 1): "
+                        "the host's memory speed drifts over minutes, so one pass can leave one system in a slow "
+                        "stretch")
     b.add_argument("--kv", default=None,
                    help="kvcache specs, comma-separated (default: decode dynamic; "
                         "context dynamic,fp16,int8,int4,sink); in context, key=value items belong to the spec before "
@@ -97,7 +101,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 # options each suite reads (the others are refused when given)
 OPTIONS = {
-    "decode": ("new_tokens", "repeats", "kv", "peers", "weights", "prefill", "depth", "llama_cpp_bin"),
+    "decode": ("new_tokens", "repeats", "rounds", "kv", "peers", "weights", "prefill", "depth", "llama_cpp_bin"),
     "context": ("new_tokens", "repeats", "kv", "contexts", "weights"),
     "growth": ("repeats", "max_context"),
     "prefix": ("repeats", "system_tokens", "redis", "new_tokens", "weights"),
@@ -109,7 +113,7 @@ OPTIONS = {
     "structured": ("new_tokens", "repeats", "requests", "peers"),
     "spec": ("new_tokens", "repeats", "weights", "peers", "llama_cpp_bin"),
 }
-_FLAGS = ("new_tokens", "repeats", "kv", "peers", "contexts", "max_context", "system_tokens", "redis", "requests",
+_FLAGS = ("new_tokens", "repeats", "rounds", "kv", "peers", "contexts", "max_context", "system_tokens", "redis", "requests",
           "time_budget", "context", "budget", "weights", "prefill", "depth", "llama_cpp_bin", "replicas",
           "prefill_replicas", "streams")
 

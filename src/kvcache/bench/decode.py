@@ -132,8 +132,11 @@ def run(args: argparse.Namespace) -> int:
     quick = args.quick
     new = args.new_tokens if args.new_tokens is not None else (16 if quick else 200)
     repeats = args.repeats if args.repeats is not None else (1 if quick else 3)
+    rounds = args.rounds if args.rounds is not None else 1
     if new < 2 or repeats < 1:
         raise InvalidParams("--new-tokens must be >= 2 and --repeats >= 1")
+    if rounds < 1:
+        raise InvalidParams("--rounds must be >= 1")
     strategies = [s for s in (args.kv if args.kv is not None else "dynamic").split(",") if s]
     peers = [p for p in (args.peers if args.peers is not None
                          else "dynamic,llama.cpp" if quick else "dynamic,static,llama.cpp").split(",") if p]
@@ -169,43 +172,50 @@ def run(args: argparse.Namespace) -> int:
 
     per_mode = len(strategies) * repeats + len(prefill) * repeats
     total = len(weights) * per_mode + (repeats if depth else 0) + (len(hf) + len(prefill) * bool(hf)) * repeats
-    bar = tqdm(total=total + len(weights) * ("llama.cpp" in peers), desc="bench decode", file=sys.stderr)
-    rows, ids, prompts, depth_ids, name, kv_f32, macs = [], [], {}, [], "", 0, 0
-    for mode in weights:
-        llm = LLM(args.model, threads=args.threads, weights=mode, prefix=False)
-        if not ids:
-            ids, name, kv_f32 = llm.encode(PROMPT, chat=True), llm.model_name, llm.config.kv_bytes_per_token()
-            macs = projection_macs(llm.config)
-            prompts = {n: english_prompt(llm, n) for n in prefill}
-            depth_ids = english_prompt(llm, depth) if depth else []
-        rows += bench_decode(llm, ids, strategies, new, repeats, bar.update)
-        if prefill:
-            rows += bench_prefill(llm, prompts, repeats, bar.update)
-        if depth and mode == depth_pair:
-            rows.append(bench_depth(llm, depth_ids, DEPTH_KV, depth_new, repeats, bar.update))
-        del llm
-        gc.collect()
-    threads = torch.get_num_threads()
-    if hf:
-        from kvcache.bench import hfpeer
-        from kvcache.models.loading import fp32_folder
+    bar = tqdm(total=rounds * (total + len(weights) * ("llama.cpp" in peers)), desc="bench decode", file=sys.stderr)
+    from kvcache.bench.measure import read_bandwidth
 
-        rows += hfpeer.rows(str(fp32_folder(args.model)), ids, hf, new, repeats, prompts, threads, bar.update)
-    if "llama.cpp" in peers:
-        from kvcache.bench.llamabench import Work
+    pooled: dict[tuple[str, ...], Row] = {}
+    ids, prompts, depth_ids, name, kv_f32, macs, read_gb_s = [], {}, [], "", 0, 0, 0.0
+    for _ in range(rounds):  # every system once a round, in turn: the host's speed drifts over minutes
+        rows: list[Row] = []
+        for mode in weights:
+            llm = LLM(args.model, threads=args.threads, weights=mode, prefix=False)
+            if not ids:
+                ids, name, kv_f32 = llm.encode(PROMPT, chat=True), llm.model_name, llm.config.kv_bytes_per_token()
+                macs = projection_macs(llm.config)
+                prompts = {n: english_prompt(llm, n) for n in prefill}
+                depth_ids = english_prompt(llm, depth) if depth else []
+            rows += bench_decode(llm, ids, strategies, new, repeats, bar.update)
+            if prefill:
+                rows += bench_prefill(llm, prompts, repeats, bar.update)
+            if depth and mode == depth_pair:
+                rows.append(bench_depth(llm, depth_ids, DEPTH_KV, depth_new, repeats, bar.update))
+            del llm
+            gc.collect()
+        threads = torch.get_num_threads()
+        if hf:
+            from kvcache.bench import hfpeer
+            from kvcache.models.loading import fp32_folder
 
-        work = Work(len(ids), ids, new, repeats, threads, prompts, depth_ids, depth_new, kv_f32)
-        src = Path(str(resolved.source)) if resolved.source is not None else None
-        rows += llamapeer.rows(src, weights, work, depth_pair, bin_dir, bar.update)
+            rows += hfpeer.rows(str(fp32_folder(args.model)), ids, hf, new, repeats, prompts, threads, bar.update)
+        if "llama.cpp" in peers:
+            from kvcache.bench.llamabench import Work
+
+            work = Work(len(ids), ids, new, repeats, threads, prompts, depth_ids, depth_new, kv_f32)
+            src = Path(str(resolved.source)) if resolved.source is not None else None
+            rows += llamapeer.rows(src, weights, work, depth_pair, bin_dir, bar.update)
+        read_gb_s = max(read_gb_s, read_bandwidth(threads))  # the best the memory gave in any round
+        pool_rows(pooled, rows)
     bar.close()
+    rows = list(pooled.values())
     results = [r.summary() for r in rows]
     kind = llamapeer.kind(bin_dir) if "llama.cpp" in peers else None
     from kvcache import kernels
-    from kvcache.bench.measure import read_bandwidth
 
     peak = kernels.int8_peak()
-    meta = run_meta(model=name, new_tokens=new, repeats=repeats, prompt_tokens=len(ids), weights=weights,
-                    read_gb_s=round(read_bandwidth(threads), 1), int8_peak_gmacs=round(peak / 1e9) if peak else None,
+    meta = run_meta(model=name, new_tokens=new, repeats=repeats, rounds=rounds, prompt_tokens=len(ids),
+                    weights=weights, read_gb_s=round(read_gb_s, 1), int8_peak_gmacs=round(peak / 1e9) if peak else None,
                     macs_per_token=macs,
                     kv=strategies, prefill=prefill, depth=depth, depth_new_tokens=depth_new, depth_kv=DEPTH_KV,
                     llama_cpp=kind, llama_cpp_bin=str(bin_dir) if bin_dir else None, host=host_line())
@@ -213,6 +223,21 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results, "ratios": rat}, indent=2))
     return 0
+
+
+def pool_rows(pooled: dict[tuple[str, ...], Row], rows: list[Row]) -> None:
+    """Add one round's rows to ``pooled``: a row measured again gets its samples added (a note
+    stays only while no round measured it)."""
+    for r in rows:
+        key = (r.system, r.weights, r.cache, r.pair, r.test, str(r.tokens))
+        have = pooled.get(key)
+        if have is None:
+            pooled[key] = r
+            continue
+        have.tok_s += r.tok_s
+        have.ttft_s += r.ttft_s
+        have.gb_s += r.gb_s
+        have.note = "" if have.tok_s else have.note or r.note
 
 
 def projection_macs(cfg: object) -> int:
@@ -257,13 +282,14 @@ def _line(r: dict[str, object], cols: str) -> None:
 
 def print_tables(results: list[dict[str, object]], meta: dict[str, object]) -> list[dict[str, object]]:
     """Print every table and the ratios; returns the ratios."""
-    rep = meta["repeats"]
+    rep, rounds = meta["repeats"], meta.get("rounds", 1)
+    runs = f"median of {rep}" if rounds == 1 else f"{rounds} rounds of every system in turn, median of {rep * rounds}"
     print(f"\ndecode: {meta['model']}, chat prompt of {meta['prompt_tokens']} tokens, {meta['new_tokens']} new "
-          f"tokens, batch 1, {meta['threads']} threads, median of {rep} (min-max)")
+          f"tokens, batch 1, {meta['threads']} threads, {runs} (min-max)")
     print(f"host: {meta['host']}")
     if meta.get("read_gb_s"):
         print(f"memory read bandwidth measured in this run: {meta['read_gb_s']} GB/s (a streaming read of "
-              f"1 GiB, {meta['threads']} threads); %bw: decode's GB/s as a share of it")
+              f"1 GiB, {meta['threads']} threads, the best of each round's); %bw: decode's GB/s as a share of it")
     if meta.get("int8_peak_gmacs"):
         print(f"int8 multiply-add peak measured in this run: {meta['int8_peak_gmacs']} G/s (the kernel variant's "
               f"dot-product instruction on registers); %peak: a prefill's projection multiply-adds "

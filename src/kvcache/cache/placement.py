@@ -17,6 +17,7 @@ import atexit
 import ctypes
 import ctypes.util
 import itertools
+import math
 import mmap
 import os
 import tempfile
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from kvcache import hugepages
 from kvcache.errors import KVCacheError
 
 _names = itertools.count()
@@ -99,6 +101,9 @@ class Placement:
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.kind == "device":
+            n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            if self.compute.type == "cpu" and hugepages.advise_wanted(n):  # decode streams the pages
+                return torch.frombuffer(hugepages.anon(n), dtype=dtype).view(shape)
             return torch.zeros(shape, dtype=dtype, device=self.compute)
         if self.kind == "host":
             pin = self.compute.type == "cuda"

@@ -19,6 +19,7 @@ Locking: none; models are built on one thread.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 import zlib
@@ -29,6 +30,8 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
+
+from kvcache import hugepages
 
 MAGIC = b"KVQPACK\0"
 VERSION = 3  # bump when kernels/qformat.h's layouts change
@@ -75,8 +78,8 @@ class RepackStore:
             if index.get("version") != VERSION:
                 return
             data = -(-(16 + n) // ALIGN) * ALIGN
-            mapped = np.memmap(self.path, dtype=np.uint8, mode="c")
-            if f"{zlib.crc32(mapped[data:]):010d}" != index["crc"]:
+            mapped = self._checked_map(size, data, index["crc"])
+            if mapped is None:
                 return
             for e in index["entries"].values():
                 for a in e["arrays"]:
@@ -85,6 +88,33 @@ class RepackStore:
             self._map, self.found = mapped, index["entries"]
         except (OSError, ValueError, KeyError, TypeError):
             self._map, self.found = None, {}
+
+    def _map_file(self, size: int) -> np.ndarray:
+        """The file as a private mapping (copy on write, never written) with huge pages asked for."""
+        with open(self.path, "rb") as f:
+            m = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        hugepages.advise(m)
+        return np.frombuffer(m, dtype=np.uint8)
+
+    def _checked_map(self, size: int, data: int, crc: str) -> np.ndarray | None:
+        """The mapped file once its data's CRC checks out (reading it all populates the mapping),
+        else None. Where the page cache held the file in small pages (it was just written, or read
+        without huge pages), the clean cached pages are dropped and the file is read again through
+        the advised mapping, once, so that decode streams it over 2 MiB pages (hugepages.py)."""
+        mapped = self._map_file(size)
+        if f"{zlib.crc32(mapped[data:]):010d}" != crc:
+            return None
+        if (not hugepages.advise_wanted(size) or not hasattr(os, "posix_fadvise")
+                or hugepages.huge_bytes(mapped.ctypes.data, size) >= (size // hugepages.HUGE) * hugepages.HUGE * 9 // 10):
+            return mapped
+        del mapped  # unmapped: the drop below cannot touch another process's mapped pages either
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        mapped = self._map_file(size)
+        return mapped if f"{zlib.crc32(mapped[data:]):010d}" == crc else None
 
     def get(self, key: str, fmt: int, out: int, k: int) -> list[torch.Tensor | None] | None:
         """The arrays (qs, d, m) of ``key`` as views of the mapping, when it holds that weight."""

@@ -1,0 +1,116 @@
+"""Huge pages for what every decode step streams: the mapped weights file and the CPU KV pools ask
+for them (madvise), and where this kernel maps a file's pages whole, a later load gets the weights
+mapped whole even when the page cache held the file in small pages (dropped and read again)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvcache import hugepages
+from kvcache.cache.placement import Placement
+from kvcache.cache.pool import PagePool
+from kvcache.models.repacked import VERSION
+
+pytestmark = pytest.mark.skipif(not hugepages.enabled(), reason="transparent huge pages are off on this kernel")
+
+SCRIPT = """
+from kvcache import LLM, hugepages
+llm = LLM(prefix=False)
+at = llm.model.plan[0][0].qs.data_ptr()
+for line in open("/proc/self/smaps").read().split("\\n"):
+    head = line.split(None, 1)[0] if line.strip() else ""
+    if "-" in head and not head.endswith(":"):
+        lo, hi = (int(x, 16) for x in head.split("-"))
+        inside = lo <= at < hi and line.endswith(".kvq")
+        if inside:
+            start, size = lo, hi - lo
+    elif head == "VmFlags:" and inside:
+        print(size, int("hg" in line.split()), hugepages.huge_bytes(start, size))
+"""
+
+
+def _vm_flags(addr: int) -> list[str]:
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(None, 1)[0] if line.strip() else ""
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    return []
+
+
+def _files_map_whole(tmp_path: Path) -> bool:
+    """This kernel and file system map an advised file's pages 2 MiB at a time (read after a drop)."""
+    f = tmp_path / "probe.bin"
+    f.write_bytes(os.urandom(8 << 20))
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        m = mmap.mmap(fd, 8 << 20, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    m.madvise(mmap.MADV_HUGEPAGE)
+    a = np.frombuffer(m, dtype=np.uint8)
+    int(a[::4096].sum())
+    got = hugepages.huge_bytes(a.ctypes.data, a.nbytes)
+    del a
+    m.close()
+    return got >= 4 << 20
+
+
+def _load(home: Path) -> tuple[int, bool, int]:
+    env = {**os.environ, "KVCACHE_HOME": str(home)}
+    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    size, asked, huge = r.stdout.split()
+    return int(size), asked == "1", int(huge)
+
+
+def test_the_weights_file_is_mapped_with_huge_pages_even_after_a_small_page_read(tmp_path):
+    home = tmp_path / "home"
+    env = {**os.environ, "KVCACHE_HOME": str(home)}
+    first = subprocess.run([sys.executable, "-c", "from kvcache import LLM; LLM(prefix=False)"], env=env,
+                           capture_output=True, text=True, timeout=300)  # repacks and writes the file
+    assert first.returncode == 0, first.stderr[-2000:]
+    (kvq,) = home.glob(f"models/*/repacked-v{VERSION}.kvq")
+    fd = os.open(kvq, os.O_RDONLY)  # the page cache now holds it in 4 KiB pages: dropped, then read plainly
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        m = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    m.madvise(mmap.MADV_NOHUGEPAGE)
+    a = np.frombuffer(m, dtype=np.uint8)
+    int(a[::4096].sum())
+    del a
+    m.close()
+    size, asked, huge = _load(home)
+    assert asked, "the weights' mapping did not ask for huge pages"
+    whole = size // hugepages.HUGE * hugepages.HUGE
+    if _files_map_whole(tmp_path):
+        assert huge >= whole * 9 // 10, f"{huge >> 20} of {whole >> 20} MiB of the weights in huge pages"
+    size2, _, huge2 = _load(home)  # the next load finds the file cached whole: nothing read again
+    assert size2 == size and (huge2 >= whole * 9 // 10 or not _files_map_whole(tmp_path))
+
+
+def test_cpu_kv_pools_ask_for_huge_pages_before_their_first_write():
+    pool = PagePool(2, 4, 64, 16, 512, placement=Placement("device", torch.device("cpu")))  # 8 MiB a layer
+    for t in pool.kv:
+        assert "hg" in _vm_flags(t.data_ptr()) and not t.any()
+        assert t.shape == (2, 4, 512, 16, 64) and t.dtype == torch.float32
+    pool.kv[0][0, 1, 3, 2, 5] = 7.0  # writable, and the flat view is the same storage
+    assert pool.flat[0][0, 1, 3 * 16 + 2, 5] == 7.0
+    small = PagePool(2, 4, 64, 16, 8, placement=Placement("device", torch.device("cpu")))  # 128 KiB: left alone
+    assert "hg" not in _vm_flags(small.kv[0].data_ptr())
