@@ -60,6 +60,9 @@ def test_suites_measure_what_they_say(out):
     assert file["weight_bytes"] < 0.25 * fp32["weight_bytes"] and set(fp32["weight_kinds"]) == {"fp32"}
     assert file["rss_loaded"] < fp32["rss_loaded"]
     assert 0 < memory["meta"]["rss_torch_alone"] < file["rss_loaded"]
+    # the fixed cost beyond weights and KV: torch's own share and a bounded rest (tokenizer, kernels)
+    torch_alone = memory["meta"]["rss_torch_alone"]
+    assert 0.9 * torch_alone < file["overhead"] < torch_alone + (200 << 20), (file["overhead"], torch_alone)
     prefix = _rows(out, "prefix")
     cases = {r["case"]: r for r in prefix["results"]}
     cold, warm = cases["kvcache cold (prefill all)"], cases["kvcache warm (RAM radix)"]

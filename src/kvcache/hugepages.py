@@ -1,4 +1,5 @@
-"""Transparent huge pages for the large buffers every step streams: weights, KV pools, the probe.
+"""The process's memory and the kernel: transparent huge pages for the large buffers every step
+streams (weights, KV pools), and ``trim`` to give freed heap back after a load.
 
 A decode step reads every weight once. With 4 KiB pages each 4 KiB of it costs a TLB miss (a
 two-dimensional page walk in a virtual machine); with 2 MiB pages one miss covers 512 times as
@@ -16,11 +17,16 @@ Linux gives huge pages to memory a process asks for them with ``madvise(MADV_HUG
 Where the kernel has no THP, or ``KVCACHE_HUGEPAGES=0``, every call here does nothing and the
 buffers are plain ones: the same numbers, only slower reads.
 
+A load parses the tokenizer's JSON, the GGUF's metadata and the model's tables, and frees most of
+it; glibc keeps freed heap mapped until asked (``trim``: 10-15 MiB of a 1B model's load measured).
+
 The base layer: imports nothing of kvcache and no torch.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import mmap
 import os
 import sys
@@ -88,3 +94,13 @@ def huge_bytes(addr: int, nbytes: int) -> int:
     except OSError:
         return 0
     return total
+
+
+def trim() -> bool:
+    """Give the heap's free memory back to the kernel (glibc's malloc_trim); False where there is
+    no glibc."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -81,8 +81,14 @@ def probe_kvcache(spec: str, context: int, new: int, model: str | None, weights:
     with PeakRss() as peak:
         r = llm.generate([ids], SamplingParams(max_tokens=new, ignore_eos=True))[0]
     st = r.kv_stats
+    from kvcache import hugepages
+
+    hugepages.trim()  # as the engine does once idle: the request's freed scratch goes back
+    after, kv_alloc = rss_bytes(), llm.kv_stats().bytes_allocated
     return {"rss_loaded": loaded, "rss_peak": peak.peak, "kv_used": st.bytes_used if st else 0,
             "kv_allocated": st.bytes_allocated if st else 0, "tokens": len(ids) + len(r.token_ids),
+            # what the process holds beyond its weights and its KV pools, once the request is done
+            "overhead": after - llm.model.weight_bytes() - kv_alloc,
             "weights_label": weights_label(llm), "weight_kinds": llm.model.weight_kinds(),
             "weight_bytes": llm.model.weight_bytes(), "load_s": llm.load_s}
 
@@ -239,7 +245,8 @@ def _print(name: str, context: int, new: int, budget: float, baseline: int | Non
     print(f"\nmemory: {name}, each run in a fresh process; `python -c \"import torch\"` alone is {base} resident")
     print("\nweights, as each mode holds them (bytes by kind; RSS right after loading, and what that adds to "
           "torch alone)")
-    print(f"{'system':<13} {'weights':<13} {'weights by kind':<46} {'total':>10} {'RSS loaded':>10} {'- torch':>10}")
+    print(f"{'system':<13} {'weights':<13} {'weights by kind':<46} {'total':>10} {'RSS loaded':>10} {'- torch':>10} "
+          f"{'overhead':>10}")
     seen = set()
     for r in results:
         key = (r["system"], r.get("weights"))
@@ -250,8 +257,12 @@ def _print(name: str, context: int, new: int, budget: float, baseline: int | Non
         order = sorted(kinds.items(), key=lambda kv: -kv[1])  # type: ignore[union-attr]
         text = ", ".join(f"{k} {human_bytes(v)}" for k, v in order if v)
         added = "-" if baseline is None else human_bytes(int(r["rss_loaded"]) - baseline)  # type: ignore[call-overload]
+        over = "-" if r.get("overhead") is None else human_bytes(r["overhead"])  # type: ignore[arg-type]
         print(f"{r['system']:<13} {_label(r):<13} {text:<46} {human_bytes(r.get('weight_bytes') or 0):>10} "
-              f"{human_bytes(r['rss_loaded']):>10} {added:>10}")
+              f"{human_bytes(r['rss_loaded']):>10} {added:>10} {over:>10}")
+    print("overhead: resident memory after a request, once idle (freed heap given back, as the engine does), minus "
+          "the weights and the KV pools' allocation: the fixed cost of the process (interpreter, torch, tokenizer, "
+          "kernels)")
     print(f"\nrequests: a prompt of {context} tokens of English text + {new} new tokens, batch 1; request peak = "
           "peak resident memory during the request minus after loading")
     print(f"{'system':<13} {'weights':<13} {'cache':<14} {'RSS loaded':>10} {'RSS peak':>10} {'request peak':>12} "

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from kvcache import hugepages
 from kvcache.engine import faults
 from kvcache.engine.request import Request, Sample, check_prompt, error_kind
 from kvcache.engine.grammar import Grammars, grammars_for
@@ -350,10 +351,13 @@ class Scheduler:
 
     def idle(self) -> int:
         """Nothing runs: dynamic pools give back the pages beyond those in use (the prefix index's
-        cached pages stay). Returns the bytes given back."""
+        cached pages stay), and the heap what the last steps freed (a prefill's scratch: tens of
+        MiB at 1B). Returns the pool bytes given back."""
         if self.has_work or self.runner.cache is None:
             return 0
-        return self.runner.cache.shrink()
+        given = self.runner.cache.shrink()
+        hugepages.trim()
+        return given
 
     def _plan(self) -> list[Item]:
         """Decodes first, one token each (with their proposed tokens when they speculate and the
