@@ -80,7 +80,7 @@ static inline __attribute__((always_inline)) void half(const int NIB, const int 
             }
         }
         __m256 dw[2], mw[2];
-        for (int h = 0; h < NS; h++) {
+        _Pragma("GCC unroll 2") for (int h = 0; h < NS; h++) {
             if (F16 == 3) { /* the file's signed scales per 16 times its fp16 d (exact) */
                 const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB;
                 dw[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sb + (b & 7) * 32 + 16 * h + 8 * hf)))),

@@ -99,7 +99,7 @@ static inline __attribute__((always_inline)) void row1(const int NIB, const int 
             block_w(NIB, HI, SGN, wb, W[g]);
         }
         const int32_t *is = a.is + 2 * b;
-        for (int h = 0; h < NS; h++) {
+        _Pragma("GCC unroll 2") for (int h = 0; h < NS; h++) {
             const __m512i init = _mm512_set1_epi32(-ofs * (NS == 1 ? is[0] + is[1] : is[h]));
             const __m512 da = _mm512_set1_ps(a.da[b]);
 #pragma GCC unroll 2
@@ -138,7 +138,7 @@ static inline __attribute__((always_inline)) void tile(const int NIB, const int 
             _mm_prefetch((const char *)(wb0 + PF + l), _MM_HINT_T0);
             if (NG == 2) _mm_prefetch((const char *)(wb1 + PF + l), _MM_HINT_T0);
         }
-        for (int h = 0; h < NS; h++) {
+        _Pragma("GCC unroll 2") for (int h = 0; h < NS; h++) {
             __m512 dw0, dw1 = _mm512_setzero_ps(), mw0 = _mm512_setzero_ps(), mw1 = _mm512_setzero_ps();
             scales16(F16, !ofs, dv, mv, b, NS, h, &dw0, &mw0);
             if (NG == 2)
