@@ -65,9 +65,13 @@ bench: setup-test
 LLAMA_CPP_VERSION ?= 0.3.36
 LLAMA_DIR ?= $(VENV)/llama.cpp
 LLAMA_SDIST := $(LLAMA_DIR)/src/llama_cpp_python-$(LLAMA_CPP_VERSION)
+# LLAMA_AVX512=OFF builds an AVX2-only llama.cpp on an AVX-512 host (beside kvcache's avx2 kernels:
+#   make llamacpp LLAMA_DIR=.venv/llama.cpp-avx2 LLAMA_AVX512=OFF)
 HAS = $(shell grep -qw $(1) /proc/cpuinfo 2>/dev/null && echo ON || echo OFF)
-LLAMA_CMAKE ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=$(call HAS,avx512f) \
-               -DGGML_AVX512_VNNI=$(call HAS,avx512_vnni) -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_CURL=OFF \
+LLAMA_AVX512 ?= $(call HAS,avx512f)
+LLAMA_AVX512_VNNI ?= $(if $(filter OFF,$(LLAMA_AVX512)),OFF,$(call HAS,avx512_vnni))
+LLAMA_CMAKE ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=$(LLAMA_AVX512) \
+               -DGGML_AVX512_VNNI=$(LLAMA_AVX512_VNNI) -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_CURL=OFF \
                -DCMAKE_BUILD_TYPE=Release
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 

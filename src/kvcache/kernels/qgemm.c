@@ -59,7 +59,9 @@
 /* software prefetch distance in bytes of weights: the hardware's own prefetchers alone left the
  * products well short of the memory's bandwidth (measured: 29 -> 38 GB/s for Q4_1, 38 -> 41+ for
  * Q8_0 with one call over 70-120 MB) */
+#ifndef PF
 #define PF 3072
+#endif
 
 const char *kv_q_isa(void) {
     static const char *names[] = {"generic", "avx2", "avxvnni", "avx512vnni"};
