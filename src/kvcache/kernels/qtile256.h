@@ -39,21 +39,17 @@ static inline __m256i fifth_bits(uint32_t m) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(x, sel), sel), _mm256_set1_epi8(0x10));
 }
 
-/* Columns 8 hf .. 8 hf + 7 of the group. */
-static inline __attribute__((always_inline)) void half(const int NIB, const int HI, const int SGN, const int F16,
-                                                       const int NS, const int OFS, int hf, int nr, Acts a,
-                                                       const uint8_t *w, const void *dv, const void *mv,
-                                                       float out[RT][NGMAX * KVQ_NC]) {
-    __m256 acc[RT];
-    for (int r = 0; r < RT; r++) acc[r] = _mm256_setzero_ps();
+/* Block b of columns 8 hf .. 8 hf + 7 of the group, for nr rows: acc[r] += the block's products. */
+static inline __attribute__((always_inline)) void half_block(const int NIB, const int HI, const int SGN, const int F16,
+                                                             const int NS, const int OFS, int hf, int nr, Acts a,
+                                                             const uint8_t *w, const void *dv, const void *mv, int b,
+                                                             __m256 acc[RT]) {
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
     const int qb = NIB ? 256 + 64 * HI : 512;
     /* AVX-VNNI takes signed weights offset by 128 (u8), AVX2 through the sign trick */
     const int OFF = SGN && ISA == 2, ofs = OFF ? 128 : OFS, MIN = !SGN && !OFS;
-    for (int b = 0; b < a.nb; b++) {
+    {
         const uint8_t *wb = w + (int64_t)b * qb;
-        if (hf == 0) /* the second half reads what the first brought into cache */
-            for (int l = 0; l < qb; l += 64) _mm_prefetch((const char *)(wb + PF + l), _MM_HINT_T0);
         __m256i W[8];
         if (NIB) {
             for (int h = 0; h < 4; h++) {
@@ -131,12 +127,36 @@ static inline __attribute__((always_inline)) void half(const int NIB, const int 
             }
         }
     }
-    for (int r = 0; r < nr; r++) _mm256_storeu_ps(out[r] + 8 * hf, acc[r]);
 }
 
+static inline __attribute__((always_inline)) void prefetch_block(const int NIB, const int HI, const uint8_t *w,
+                                                                 int b) {
+    const int qb = NIB ? 256 + 64 * HI : 512;
+    for (int l = 0; l < qb; l += 64) _mm_prefetch((const char *)(w + (int64_t)b * qb + PF + l), _MM_HINT_T0);
+}
+
+/* Up to RT rows: each half of the group through every block in turn, the second half reading what
+ * the first brought into cache. A single row (a decode) takes both halves block by block instead,
+ * so the weights stream from memory without a pause between the halves; every output element
+ * sees the same steps in the same order either way. */
 static inline __attribute__((always_inline)) void group(const int NIB, const int HI, const int SGN, const int F16,
                                                         const int NS, const int OFS, int nr, Acts a, const uint8_t *w,
                                                         const void *dv, const void *mv, float out[RT][NGMAX * KVQ_NC]) {
-    half(NIB, HI, SGN, F16, NS, OFS, 0, nr, a, w, dv, mv, out);
-    half(NIB, HI, SGN, F16, NS, OFS, 1, nr, a, w, dv, mv, out);
+    __m256 acc[2][RT];
+    for (int r = 0; r < RT; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+    if (nr == 1) {
+        for (int b = 0; b < a.nb; b++) {
+            prefetch_block(NIB, HI, w, b);
+            half_block(NIB, HI, SGN, F16, NS, OFS, 0, 1, a, w, dv, mv, b, acc[0]);
+            half_block(NIB, HI, SGN, F16, NS, OFS, 1, 1, a, w, dv, mv, b, acc[1]);
+        }
+    } else {
+        for (int hf = 0; hf < 2; hf++)
+            for (int b = 0; b < a.nb; b++) {
+                if (hf == 0) prefetch_block(NIB, HI, w, b);
+                half_block(NIB, HI, SGN, F16, NS, OFS, hf, nr, a, w, dv, mv, b, acc[hf]);
+            }
+    }
+    for (int hf = 0; hf < 2; hf++)
+        for (int r = 0; r < nr; r++) _mm256_storeu_ps(out[r] + 8 * hf, acc[hf][r]);
 }
