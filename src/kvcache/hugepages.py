@@ -96,11 +96,20 @@ def huge_bytes(addr: int, nbytes: int) -> int:
     return total
 
 
+@lru_cache(maxsize=1)
+def libc() -> ctypes.CDLL | None:
+    """The C library (loaded once: finding it runs ldconfig), with madvise's argument types set;
+    None where there is none to load."""
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
 def trim() -> bool:
     """Give the heap's free memory back to the kernel (glibc's malloc_trim); False where there is
     no glibc."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
+    lib = libc()
+    return lib is not None and hasattr(lib, "malloc_trim") and bool(lib.malloc_trim(0))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import ctypes.util
 import itertools
 import math
 import mmap
@@ -31,11 +30,7 @@ from kvcache.errors import KVCacheError
 _names = itertools.count()
 _PAGE = mmap.PAGESIZE
 _MADV_WILLNEED = 3
-try:
-    _LIBC: ctypes.CDLL | None = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-except (OSError, AttributeError):  # pragma: no cover - not Linux
-    _LIBC = None
+_LIBC = hugepages.libc()  # for madvise; None where there is no C library to load
 
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
