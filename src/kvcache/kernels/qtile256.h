@@ -48,81 +48,79 @@ static inline __attribute__((always_inline)) void half_block(const int NIB, cons
     const int qb = NIB ? 256 + 64 * HI : 512;
     /* AVX-VNNI takes signed weights offset by 128 (u8), AVX2 through the sign trick */
     const int OFF = SGN && ISA == 2, ofs = OFF ? 128 : OFS, MIN = !SGN && !OFS;
-    {
-        const uint8_t *wb = w + (int64_t)b * qb;
-        __m256i W[8];
-        if (NIB) {
-            for (int h = 0; h < 4; h++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * h + 32 * hf));
-                W[h] = _mm256_and_si256(v, lo4);
-                W[h + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
-            }
-            if (HI == 2) { /* bits 4 and 5: the pair of step s at bits 2 (s & 3) of its byte */
-                for (int s = 0; s < 8; s++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 256 + 64 * (s >> 2) + 32 * hf));
-                    const int k = s & 3;
-                    const __m256i t = k == 2 ? v : k < 2 ? _mm256_slli_epi16(v, 4 - 2 * k) : _mm256_srli_epi16(v, 2 * k - 4);
-                    W[s] = _mm256_or_si256(W[s], _mm256_and_si256(t, _mm256_set1_epi8(0x30)));
-                }
-            } else if (HI) {
-                uint64_t hm[8];
-                memcpy(hm, wb + 256, 64);
-                for (int s = 0; s < 8; s++) W[s] = _mm256_or_si256(W[s], fifth_bits((uint32_t)(hm[s] >> (32 * hf))));
-            }
-        } else {
+    const uint8_t *wb = w + (int64_t)b * qb;
+    __m256i W[8];
+    if (NIB) {
+        for (int h = 0; h < 4; h++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * h + 32 * hf));
+            W[h] = _mm256_and_si256(v, lo4);
+            W[h + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+        }
+        if (HI == 2) { /* bits 4 and 5: the pair of step s at bits 2 (s & 3) of its byte */
             for (int s = 0; s < 8; s++) {
-                W[s] = _mm256_loadu_si256((const __m256i *)(wb + 64 * s + 32 * hf));
-                if (OFF) W[s] = _mm256_xor_si256(W[s], _mm256_set1_epi8((char)0x80));
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 256 + 64 * (s >> 2) + 32 * hf));
+                const int k = s & 3;
+                const __m256i t = k == 2 ? v : k < 2 ? _mm256_slli_epi16(v, 4 - 2 * k) : _mm256_srli_epi16(v, 2 * k - 4);
+                W[s] = _mm256_or_si256(W[s], _mm256_and_si256(t, _mm256_set1_epi8(0x30)));
             }
+        } else if (HI) {
+            uint64_t hm[8];
+            memcpy(hm, wb + 256, 64);
+            for (int s = 0; s < 8; s++) W[s] = _mm256_or_si256(W[s], fifth_bits((uint32_t)(hm[s] >> (32 * hf))));
         }
-        __m256 dw[2], mw[2];
-        _Pragma("GCC unroll 2") for (int h = 0; h < NS; h++) {
-            if (F16 == 3) { /* the file's signed scales per 16 times its fp16 d (exact) */
-                const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB;
-                dw[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sb + (b & 7) * 32 + 16 * h + 8 * hf)))),
-                                      _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 256 + 16 * hf))));
-                continue;
-            }
-            if (F16 == 2) { /* the file's K-quant integers times its fp16 d and dmin (exact) */
-                const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB, *sj = sb + (b & 7) * 32 + 8 * hf;
-                dw[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sj))),
-                                      _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 256 + 16 * hf))));
-                mw[h] = _mm256_sub_ps(_mm256_setzero_ps(),
-                                      _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sj + 16)))),
-                                                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 288 + 16 * hf)))));
-                continue;
-            }
-            const int64_t at = ((int64_t)b * NS + h) * KVQ_NC + 8 * hf;
-            dw[h] = F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)dv + at)))
-                        : _mm256_loadu_ps((const float *)dv + at);
-            if (MIN)
-                mw[h] = F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)mv + at)))
-                            : _mm256_loadu_ps((const float *)mv + at);
+    } else {
+        for (int s = 0; s < 8; s++) {
+            W[s] = _mm256_loadu_si256((const __m256i *)(wb + 64 * s + 32 * hf));
+            if (OFF) W[s] = _mm256_xor_si256(W[s], _mm256_set1_epi8((char)0x80));
         }
+    }
+    __m256 dw[2], mw[2];
+    _Pragma("GCC unroll 2") for (int h = 0; h < NS; h++) {
+        if (F16 == 3) { /* the file's signed scales per 16 times its fp16 d (exact) */
+            const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB;
+            dw[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sb + (b & 7) * 32 + 16 * h + 8 * hf)))),
+                                  _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 256 + 16 * hf))));
+            continue;
+        }
+        if (F16 == 2) { /* the file's K-quant integers times its fp16 d and dmin (exact) */
+            const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB, *sj = sb + (b & 7) * 32 + 8 * hf;
+            dw[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sj))),
+                                  _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 256 + 16 * hf))));
+            mw[h] = _mm256_sub_ps(_mm256_setzero_ps(),
+                                  _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sj + 16)))),
+                                                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 288 + 16 * hf)))));
+            continue;
+        }
+        const int64_t at = ((int64_t)b * NS + h) * KVQ_NC + 8 * hf;
+        dw[h] = F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)dv + at)))
+                    : _mm256_loadu_ps((const float *)dv + at);
+        if (MIN)
+            mw[h] = F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)mv + at)))
+                        : _mm256_loadu_ps((const float *)mv + at);
+    }
 #pragma GCC unroll 16
-        for (int r = 0; r < RT; r++) {
-            if (r < nr) {
-                const int64_t at = (int64_t)r * a.nb + b;
-                const int8_t *ar = a.q + (int64_t)r * a.K + 32 * b;
-                const int32_t *is = a.is + 2 * at;
-                const float *sa = a.sa + 3 * at;
-                if (NS == 1) {
-                    __m256i s = _mm256_set1_epi32(-ofs * (is[0] + is[1]));
-                    s = dot4(SGN && !OFF, dot4(SGN && !OFF, s, W, ar), W + 4, ar + 16);
-                    const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a.da[at]));
-                    acc[r] = _mm256_fmadd_ps(p, dw[0], acc[r]);
-                    if (MIN) acc[r] = _mm256_fmadd_ps(mw[0], _mm256_set1_ps(sa[0]), acc[r]);
-                } else {
-                    __m256i s0 = _mm256_set1_epi32(-ofs * is[0]), s1 = _mm256_set1_epi32(-ofs * is[1]);
-                    s0 = dot4(SGN && !OFF, s0, W, ar);
-                    s1 = dot4(SGN && !OFF, s1, W + 4, ar + 16);
-                    const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), dw[1],
-                                                     _mm256_mul_ps(_mm256_cvtepi32_ps(s0), dw[0]));
-                    acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(a.da[at]), acc[r]);
-                    if (MIN) {
-                        acc[r] = _mm256_fmadd_ps(mw[0], _mm256_set1_ps(sa[1]), acc[r]);
-                        acc[r] = _mm256_fmadd_ps(mw[1], _mm256_set1_ps(sa[2]), acc[r]);
-                    }
+    for (int r = 0; r < RT; r++) {
+        if (r < nr) {
+            const int64_t at = (int64_t)r * a.nb + b;
+            const int8_t *ar = a.q + (int64_t)r * a.K + 32 * b;
+            const int32_t *is = a.is + 2 * at;
+            const float *sa = a.sa + 3 * at;
+            if (NS == 1) {
+                __m256i s = _mm256_set1_epi32(-ofs * (is[0] + is[1]));
+                s = dot4(SGN && !OFF, dot4(SGN && !OFF, s, W, ar), W + 4, ar + 16);
+                const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a.da[at]));
+                acc[r] = _mm256_fmadd_ps(p, dw[0], acc[r]);
+                if (MIN) acc[r] = _mm256_fmadd_ps(mw[0], _mm256_set1_ps(sa[0]), acc[r]);
+            } else {
+                __m256i s0 = _mm256_set1_epi32(-ofs * is[0]), s1 = _mm256_set1_epi32(-ofs * is[1]);
+                s0 = dot4(SGN && !OFF, s0, W, ar);
+                s1 = dot4(SGN && !OFF, s1, W + 4, ar + 16);
+                const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), dw[1],
+                                                 _mm256_mul_ps(_mm256_cvtepi32_ps(s0), dw[0]));
+                acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(a.da[at]), acc[r]);
+                if (MIN) {
+                    acc[r] = _mm256_fmadd_ps(mw[0], _mm256_set1_ps(sa[1]), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(mw[1], _mm256_set1_ps(sa[2]), acc[r]);
                 }
             }
         }
