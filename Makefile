@@ -54,7 +54,7 @@ test: setup-test
 	$(BIN)/python -m pytest -q -m "not slow" -n 2
 
 test-all: setup-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 bench: setup-test
 	$(BIN)/kvcache bench decode

@@ -119,5 +119,7 @@ def test_cpu_kv_pools_ask_for_huge_pages_before_their_first_write():
         assert t.shape == (2, 4, 512, 16, 64) and t.dtype == torch.float32
     pool.kv[0][0, 1, 3, 2, 5] = 7.0  # writable, and the flat view is the same storage
     assert pool.flat[0][0, 1, 3 * 16 + 2, 5] == 7.0
-    small = PagePool(2, 4, 64, 16, 8, placement=Placement("device", torch.device("cpu")))  # 128 KiB: left alone
-    assert "hg" not in _vm_flags(small.kv[0].data_ptr())
+    small = PagePool(2, 4, 64, 16, 8, placement=Placement("device", torch.device("cpu")))  # 128 KiB: left alone,
+    plain = torch.zeros(small.kv[0].shape)  # like any tensor (the heap's flags are the process's business)
+    assert ("hg" in _vm_flags(small.kv[0].data_ptr())) == ("hg" in _vm_flags(plain.data_ptr()))
+    assert not hugepages.advise_wanted(small.kv[0].numel() * 4)

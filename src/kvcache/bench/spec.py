@@ -607,7 +607,9 @@ def run(args: argparse.Namespace) -> int:
     if "transformers" in peers and prompts is not None:
         from kvcache.models.loading import fp32_folder
 
-        hf = peer_rows(str(fp32_folder(args.model)), prompts, new, repeats, LOOKUP, threads, eos)
+        # --quick: transformers on the first workload only (its int8 copy and generate loop are the slow part)
+        theirs = dict(list(prompts.items())[:1]) if quick else prompts
+        hf = peer_rows(str(fp32_folder(args.model)), theirs, new, repeats, LOOKUP, threads, eos)
         compare_peer(hf, fp32_texts)
         rows += hf
         bar.update()
