@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Union
 
 import torch
 
-from kvcache import hugepages
+from kvcache import hugepages, kernels
 from kvcache.cache.paged import CacheStats
 from kvcache.cache.config import CacheConfig, parse_kv_spec
 from kvcache.engine.generate import RequestRun
@@ -177,6 +177,7 @@ class LLM:
         finally:
             for req in reqs:
                 sched.abort(req.request_id)  # pages of anything left behind by an error go back
+            kernels.release_scratch()  # the kernels' scratch of these steps (this thread's)
         failed = [r for r in reqs if r.error]
         if failed:
             from kvcache.errors import CacheFull

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from kvcache import hugepages
+from kvcache import hugepages, kernels
 from kvcache.engine import faults
 from kvcache.engine.request import Request, Sample, check_prompt, error_kind
 from kvcache.engine.grammar import Grammars, grammars_for
@@ -356,6 +356,7 @@ class Scheduler:
         if self.has_work or self.runner.cache is None:
             return 0
         given = self.runner.cache.shrink()
+        kernels.release_scratch()  # this thread ran the steps: their scratch goes back
         hugepages.trim()
         return given
 

@@ -207,6 +207,14 @@ def mask_logits(x: torch.Tensor, mask: torch.Tensor) -> bool:
     return lib.kv_mask_logits(x.shape[0], x.shape[1], x.data_ptr(), x.stride(0), mask.data_ptr(), mask.shape[1]) == 0
 
 
+def release_scratch() -> None:
+    """Give back the calling thread's kernel scratch memory, which the quantized products keep from
+    call to call (a 1B prefill chunk's takes tens of MiB); the next call allocates it again."""
+    lib = _LIBS.get("qgemm")  # only a library already loaded: never builds or loads one for this
+    if lib:
+        lib.kv_scratch_release()
+
+
 def int8_peak(seconds: float = 0.3) -> float | None:
     """Int8 multiply-adds per second this CPU's kernel variant can do on the torch threads
     (kernels/membw.c: independent chains of its dot-product instruction on registers; the best of

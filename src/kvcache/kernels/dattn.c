@@ -126,7 +126,7 @@ int kv_q_attn_block(int N, int H, float *x, int64_t ldx, const float *g_in, floa
     if (N < 1 || B < 1 || n_threads < 1 || ldx < H || !qw_valid(&wqkv) || !qw_valid(&wo)) return 1;
     const size_t s1 = scratch_bytes(N, H), s2 = scratch_bytes(N, HD);
     const size_t fl = ((size_t)N * QKV + (size_t)N * HD + (post_w ? (size_t)N * H : 0)) * sizeof(float);
-    char *buf = malloc(s1 + s2 + fl + 128);
+    char *buf = scratch_take(s1 + s2 + fl + 128);
     if (!buf) return 4;
     const Scratch sx = scratch_at(buf, N, H), so = scratch_at(buf + s1, N, HD);
     float *qkv = (float *)(buf + ((s1 + s2 + 63) & ~(size_t)63)), *att = qkv + (size_t)N * QKV;
@@ -136,10 +136,7 @@ int kv_q_attn_block(int N, int H, float *x, int64_t ldx, const float *g_in, floa
     CAttn *c = rc ? NULL : cattn_plan(B, hkv, hq / hkv, D, ps, S, qkv, QKV, kv, tables, max_pages, row0, nnew,
                                       lens, window, att);
     if (!rc && !c) rc = 4;
-    if (rc) {
-        free(buf);
-        return rc;
-    }
+    if (rc) return rc;
     int bad = 0;
 #pragma omp parallel num_threads(n_threads)
     {
@@ -152,6 +149,5 @@ int kv_q_attn_block(int N, int H, float *x, int64_t ldx, const float *g_in, floa
         mm_residual(&wo, N, &so, o_b, x, ldx, y, post_w, post_eps);
     }
     cattn_free(c);
-    free(buf);
     return bad ? 2 : 0;
 }

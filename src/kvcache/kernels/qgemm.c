@@ -41,8 +41,12 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define ISA 3
+#ifndef RT
 #define RT 4
+#endif
+#ifndef NGMAX
 #define NGMAX 2 /* column groups in a tile */
+#endif
 #elif defined(__AVXVNNI__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define ISA 2
 #define RT 4
@@ -274,11 +278,50 @@ GROUP_FN(g_q5o_f16, 1, 1, 0, 1, 1, 16)
 GROUP_FN(g_q4_ks, 1, 0, 0, 2, 1, 0)
 GROUP_FN(g_q5_ks, 1, 1, 0, 2, 1, 0)
 GROUP_FN(g_q6_ks, 1, 2, 0, 3, 2, 32)
+GROUP_FN(g_q6_f32, 1, 2, 0, 0, 2, 32) /* Q6_KS with its scales expanded to fp32 (below) */
 typedef void (*GroupFn)(int, int, Acts, const uint8_t *, int64_t, const void *, const void *, int64_t,
                         float[RT][NGMAX * KVQ_NC]);
 static const GroupFn GROUPS[KVQ_NFMT] = {g_q4_f16, g_q4_f32, g_s8_f16, g_s8_f32_16, g_u8_f16, g_u8_f32, g_u8_f32_16,
                                          g_q5_f16, g_q5_f32, g_q4o_f16, g_q5o_f16, g_q4_ks, g_q5_ks,
                                          g_q6_ks};
+
+#if ISA >= 1
+/* The K-quant formats' scales of ng groups as fp32 (d, and m for Q4_KS, Q5_KS: [ng, nb, NS, 16],
+ * the layout of the fp32-scale formats), computed once for all the rows of a call instead of in
+ * every tile: the file's integer scale times its fp16 d (and dmin), exact in fp32, so the products
+ * are the same bits as with the scales computed in place (as a decode's single row does).
+ * kd, km hold ng * nb * NS * 16 floats. */
+static void expand_ks(int fmt, int ng, int nb, const uint8_t *dv, int64_t gs, float *kd, float *km) {
+    const int NS = KVQ_NS[fmt];
+    for (int g = 0; g < ng; g++) {
+        const uint8_t *dg = dv + g * gs;
+        float *dd = kd + (int64_t)g * nb * NS * KVQ_NC, *mm = km + (int64_t)g * nb * KVQ_NC;
+        for (int sb = 0; sb < nb / 8; sb++) {
+            const uint8_t *sp = dg + (int64_t)sb * KVQ_KSB;
+            float D[KVQ_NC], M[KVQ_NC];
+            _mm256_storeu_ps(D, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 256))));
+            _mm256_storeu_ps(D + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 272))));
+            _mm256_storeu_ps(M, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 288))));
+            _mm256_storeu_ps(M + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 304))));
+            for (int j = 0; j < 8; j++) {
+                const uint8_t *sj = sp + 32 * j;
+                const int b = 8 * sb + j;
+                if (NS == 2) {
+                    for (int i = 0; i < 2 * KVQ_NC; i++) dd[(int64_t)b * 2 * KVQ_NC + i] = (float)(int8_t)sj[i] * D[i % KVQ_NC];
+                } else {
+                    for (int c = 0; c < KVQ_NC; c++) {
+                        dd[(int64_t)b * KVQ_NC + c] = (float)sj[c] * D[c];
+                        mm[(int64_t)b * KVQ_NC + c] = 0.f - (float)sj[KVQ_NC + c] * M[c];
+                    }
+                }
+            }
+        }
+    }
+}
+
+static __thread float *tl_ks; /* a worker thread's expanded scales, kept (grown) from call to call */
+static __thread size_t tl_ks_n;
+#endif
 
 /* Column groups NGMAX t .. (the tile column t) of rows r0 .. r1 - 1: y (+)= products * rscale + bias. */
 KV_HIDDEN void mm_group(const QW *wt, int t, int r0, int r1, const Scratch *s, const float *bias,
@@ -289,12 +332,30 @@ KV_HIDDEN void mm_group(const QW *wt, int t, int r0, int r1, const Scratch *s, c
     const uint8_t *w = wt->qs + g * gq;
     const void *dv = (const char *)wt->d + sc, *mv = wt->m ? (const char *)wt->m + sc : NULL;
     const int c0 = KVQ_NC * g, cols = wt->out - c0 < KVQ_NC * ng ? wt->out - c0 : KVQ_NC * ng;
+    GroupFn fn = GROUPS[wt->fmt];
+    int64_t gstep = gs;
+#if ISA >= 1
+    if (KVQ_KS[wt->fmt] && r1 - r0 > 1) { /* several rows: each tile would compute the scales again */
+        const int NS = KVQ_NS[wt->fmt];
+        const size_t need = (size_t)ng * nb * KVQ_NC * (NS + 1);
+        if (need > tl_ks_n) {
+            float *p = realloc(tl_ks, need * sizeof(float));
+            if (p) tl_ks = p, tl_ks_n = need;
+        }
+        if (need <= tl_ks_n) {
+            float *kd = tl_ks, *km = tl_ks + (size_t)ng * nb * NS * KVQ_NC;
+            expand_ks(wt->fmt, ng, nb, (const uint8_t *)dv, gs, kd, km);
+            fn = wt->fmt == KVQ_Q4_KS ? g_q4_f32 : wt->fmt == KVQ_Q5_KS ? g_q5_f32 : g_q6_f32;
+            dv = kd, mv = NS == 1 ? km : NULL, gstep = (int64_t)nb * NS * KVQ_NC * sizeof(float);
+        }
+    }
+#endif
     for (int r = r0; r < r1; r += RT) {
         const int nr = r1 - r < RT ? r1 - r : RT;
         float res[RT][NGMAX * KVQ_NC];
         const Acts a = {s->q + (int64_t)r * K, s->da + (int64_t)r * nb, s->sa + (int64_t)r * 3 * nb,
                         s->is + (int64_t)r * 2 * nb, K, nb};
-        GROUPS[wt->fmt](ng, nr, a, w, gq, dv, mv, gs, res);
+        fn(ng, nr, a, w, gq, dv, mv, gstep, res);
         for (int i = 0; i < nr; i++) {
             float *yr = y + (int64_t)(r + i) * ldy + c0;
             const float rs = rscale ? rscale[r + i] : 1.f;
@@ -317,6 +378,31 @@ KV_HIDDEN size_t scratch_bytes(int n, int K) {
            (size_t)n * sizeof(float);
 }
 
+/* The calling thread's scratch memory, kept from call to call: each chunk of a prefill (tens of MiB
+ * at 1B) would otherwise map fresh pages and fault them in again (measured: ~4% of a 1B prefill's
+ * time in page faults and page clearing). kv_scratch_release gives it back (the engine calls it
+ * once idle, and after an offline generate). Calls do not nest: each exported entry point takes it
+ * once. Returns NULL when the memory cannot be had. */
+static __thread char *tl_buf;
+static __thread size_t tl_cap;
+
+KV_HIDDEN char *scratch_take(size_t n) {
+    if (n > tl_cap) {
+        free(tl_buf);
+        tl_cap = n + n / 8; /* some room: chunk sizes vary from step to step */
+        tl_buf = malloc(tl_cap);
+        if (tl_buf == NULL) tl_cap = 0;
+    }
+    return tl_buf;
+}
+
+/* Frees the calling thread's scratch memory (the next call allocates it again). */
+void kv_scratch_release(void) {
+    free(tl_buf);
+    tl_buf = NULL;
+    tl_cap = 0;
+}
+
 KV_HIDDEN Scratch scratch_at(char *p, int n, int K) {
     Scratch s;
     const size_t nb = (size_t)n * (K / 32);
@@ -336,7 +422,7 @@ int kv_q_linear(int fmt, int n, int K, int out, const float *x, int64_t ldx, con
                 int accumulate, int n_threads) {
     const QW wt = {fmt, out, K, qs, d, m};
     if (n < 1 || !qw_valid(&wt) || ldx < K || ldy < out) return 1;
-    char *buf = malloc(scratch_bytes(n, K));
+    char *buf = scratch_take(scratch_bytes(n, K));
     if (buf == NULL) return 4;
     const Scratch a = scratch_at(buf, n, K);
 #pragma omp parallel num_threads(n_threads)
@@ -345,7 +431,6 @@ int kv_q_linear(int fmt, int n, int K, int out, const float *x, int64_t ldx, con
         for (int r = 0; r < n; r++) act_row(&a, r, K, x, ldx, g, eps);
         mm_rows(&wt, n, &a, bias, eps >= 0.f ? a.inv : NULL, y, ldy, accumulate);
     }
-    free(buf);
     return 0;
 }
 
@@ -409,7 +494,7 @@ int kv_q_mlp(int n, int H, int I, float *x, int64_t ldx, const float *g_in, floa
     if (n < 1 || !qw_valid(&gu) || !qw_valid(&dn) || ldx < H || (act != 0 && act != 1) || I % VL) return 1;
     const size_t s1 = scratch_bytes(n, H), s2 = scratch_bytes(n, I);
     const size_t hb = (size_t)n * 2 * I * sizeof(float), yb = post_w ? (size_t)n * H * sizeof(float) : 0;
-    char *buf = malloc(s1 + s2 + hb + yb + 64);
+    char *buf = scratch_take(s1 + s2 + hb + yb + 64);
     if (buf == NULL) return 4;
     const Scratch a = scratch_at(buf, n, H), b = scratch_at(buf + s1, n, I);
     float *h = (float *)(buf + ((s1 + s2 + 63) & ~(size_t)63)), *y = post_w ? h + (size_t)n * 2 * I : NULL;
@@ -426,6 +511,5 @@ int kv_q_mlp(int n, int H, int I, float *x, int64_t ldx, const float *g_in, floa
         }
         mm_residual(&dn, n, &b, dn_b, x, ldx, y, post_w, post_eps);
     }
-    free(buf);
     return 0;
 }

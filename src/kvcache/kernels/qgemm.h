@@ -28,6 +28,8 @@ typedef struct { /* int8 activations of n rows of K inputs, nb = K / 32 blocks a
 KV_HIDDEN int qw_valid(const QW *w);
 KV_HIDDEN size_t scratch_bytes(int n, int K);
 KV_HIDDEN Scratch scratch_at(char *p, int n, int K);
+/* the calling thread's scratch memory of at least n bytes, kept for its next call (qgemm.c), or NULL */
+KV_HIDDEN char *scratch_take(size_t n);
 /* row r of x [., K] (times g; 1 / rms into s->inv[r] when eps >= 0) -> row r of s's activations */
 KV_HIDDEN void act_row(const Scratch *s, int r, int K, const float *x, int64_t ldx, const float *g, float eps);
 /* tile column t (the column groups a tile covers: one, or two with AVX-512), rows r0 .. r1 - 1:

@@ -22,6 +22,7 @@ class Signature(NamedTuple):
 _TABLE = (
     # qgemm.c: quantized projections
     Signature("qgemm", "kv_q_isa", "const char *", ()),
+    Signature("qgemm", "kv_scratch_release", "void", ()),
     Signature("qgemm", "kv_q_linear", "int", (
         ("fmt", "int"), ("n", "int"), ("K", "int"), ("out", "int"), ("x", "const float *"), ("ldx", "int64_t"),
         ("g", "const float *"), ("eps", "float"), ("qs", "const uint8_t *"), ("d", "const void *"),
