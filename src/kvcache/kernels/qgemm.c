@@ -305,13 +305,20 @@ static void expand_ks(int fmt, int ng, int nb, const uint8_t *dv, int64_t gs, fl
             _mm256_storeu_ps(M + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 304))));
             for (int j = 0; j < 8; j++) {
                 const uint8_t *sj = sp + 32 * j;
-                const int b = 8 * sb + j;
-                if (NS == 2) {
-                    for (int i = 0; i < 2 * KVQ_NC; i++) dd[(int64_t)b * 2 * KVQ_NC + i] = (float)(int8_t)sj[i] * D[i % KVQ_NC];
-                } else {
-                    for (int c = 0; c < KVQ_NC; c++) {
-                        dd[(int64_t)b * KVQ_NC + c] = (float)sj[c] * D[c];
-                        mm[(int64_t)b * KVQ_NC + c] = 0.f - (float)sj[KVQ_NC + c] * M[c];
+                const int64_t b = 8 * sb + j;
+                for (int i = 0; i < 2 * KVQ_NC; i += 8) { /* 8 scales at a time: the file's bytes, then d */
+                    const __m128i v = _mm_loadl_epi64((const __m128i *)(sj + i));
+                    const int c = i % KVQ_NC;
+                    if (NS == 2) {
+                        _mm256_storeu_ps(dd + b * 2 * KVQ_NC + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)),
+                                                                               _mm256_loadu_ps(D + c)));
+                    } else if (i < KVQ_NC) {
+                        _mm256_storeu_ps(dd + b * KVQ_NC + c, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)),
+                                                                           _mm256_loadu_ps(D + c)));
+                    } else {
+                        _mm256_storeu_ps(mm + b * KVQ_NC + c,
+                                         _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)),
+                                                                                          _mm256_loadu_ps(M + c))));
                     }
                 }
             }
