@@ -33,6 +33,7 @@
 #include "vmath.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -326,6 +327,7 @@ static void expand_ks(int fmt, int ng, int nb, const uint8_t *dv, int64_t gs, fl
     }
 }
 
+static void tl_keep(int k, void *p);
 static __thread float *tl_ks; /* a worker thread's expanded scales, kept (grown) from call to call */
 static __thread size_t tl_ks_n;
 #endif
@@ -347,7 +349,7 @@ KV_HIDDEN void mm_group(const QW *wt, int t, int r0, int r1, const Scratch *s, c
         const size_t need = (size_t)ng * nb * KVQ_NC * (NS + 1);
         if (need > tl_ks_n) {
             float *p = realloc(tl_ks, need * sizeof(float));
-            if (p) tl_ks = p, tl_ks_n = need;
+            if (p) tl_ks = p, tl_ks_n = need, tl_keep(1, p);
         }
         if (need <= tl_ks_n) {
             float *kd = tl_ks, *km = tl_ks + (size_t)ng * nb * NS * KVQ_NC;
@@ -392,6 +394,19 @@ KV_HIDDEN size_t scratch_bytes(int n, int K) {
  * once. Returns NULL when the memory cannot be had. */
 static __thread char *tl_buf;
 static __thread size_t tl_cap;
+/* keys whose destructor frees a thread's kept memory when the thread ends */
+static pthread_key_t tl_keys[2];
+static pthread_once_t tl_once = PTHREAD_ONCE_INIT;
+static void tl_make_keys(void) {
+    pthread_key_create(&tl_keys[0], free);
+    pthread_key_create(&tl_keys[1], free);
+}
+
+/* p as the calling thread's kept memory number k (0: scratch, 1: expanded scales) */
+static void tl_keep(int k, void *p) {
+    pthread_once(&tl_once, tl_make_keys);
+    pthread_setspecific(tl_keys[k], p);
+}
 
 KV_HIDDEN char *scratch_take(size_t n) {
     if (n > tl_cap) {
@@ -399,6 +414,7 @@ KV_HIDDEN char *scratch_take(size_t n) {
         tl_cap = n + n / 8; /* some room: chunk sizes vary from step to step */
         tl_buf = malloc(tl_cap);
         if (tl_buf == NULL) tl_cap = 0;
+        tl_keep(0, tl_buf);
     }
     return tl_buf;
 }
@@ -408,6 +424,7 @@ void kv_scratch_release(void) {
     free(tl_buf);
     tl_buf = NULL;
     tl_cap = 0;
+    tl_keep(0, NULL);
 }
 
 KV_HIDDEN Scratch scratch_at(char *p, int n, int K) {
