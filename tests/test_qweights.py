@@ -8,6 +8,7 @@ import os
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -291,3 +292,35 @@ def test_fused_decode_layers_equal_their_steps(v, family, tiny_dir):
                        env={**os.environ, "KVCACHE_KERNEL_VARIANT": v.name})
     assert p.returncode == 0, p.stderr[-2000:]
     assert float(p.stdout.split()[-1]) < 2e-2  # int8 activations: the q8 matrix's bound for path noise
+
+
+def _rss_mib() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_kernel_scratch_is_kept_between_calls_and_given_back():
+    """The products keep their scratch (here 56 MiB of int8 activations) for the calling thread's
+    next call instead of mapping it afresh; release_scratch and the thread's end give it back."""
+    import threading
+    import time
+
+    from kvcache.kernels import release_scratch
+
+    w = QWeight(FORMAT_OF[int(T.Q4_0)], 16, 4096).seal()
+    x = torch.randn(8192, 4096)
+    release_scratch()
+    base = _rss_mib()
+    w.forward(x)
+    kept = _rss_mib()
+    assert kept - base > 40  # the scratch stays resident after the call
+    w.forward(x)
+    assert _rss_mib() - kept < 4  # the second call reuses it
+    release_scratch()
+    assert kept - _rss_mib() > 40
+    t = threading.Thread(target=w.forward, args=(x,))
+    t.start()
+    t.join()  # returns before the OS thread has run its destructors: wait for them a little
+    deadline = time.monotonic() + 5
+    while _rss_mib() - base >= 8 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _rss_mib() - base < 8  # the thread's own scratch went with the thread
