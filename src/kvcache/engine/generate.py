@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from kvcache import kernels
 from kvcache.engine.params import Delta, RequestOutput, SamplingParams
 from kvcache.engine.request import Request, check_prompt
 from kvcache.engine.runner import ModelRunner, Seq
@@ -61,6 +62,7 @@ class RequestRun:
                 deltas.clear()
         finally:
             sched.abort(req.request_id)  # left early (or failed): its pages go back
+            kernels.release_scratch()  # the kernels' scratch of these steps (this thread's)
         if req.exception is not None:
             raise req.exception
         self.result = req.output()
