@@ -99,9 +99,10 @@ static inline __attribute__((always_inline)) void row1(const int NIB, const int 
             block_w(NIB, HI, SGN, wb, W[g]);
         }
         const int32_t *is = a.is + 2 * b;
+        const __m512 da = _mm512_set1_ps(a.da[b]);
+        __m512 t[2], mws[2][2];
         _Pragma("GCC unroll 2") for (int h = 0; h < NS; h++) {
             const __m512i init = _mm512_set1_epi32(-ofs * (NS == 1 ? is[0] + is[1] : is[h]));
-            const __m512 da = _mm512_set1_ps(a.da[b]);
 #pragma GCC unroll 2
             for (int g = 0; g < NG; g++) {
                 __m512i s0 = init, s1 = _mm512_setzero_si512();
@@ -113,10 +114,24 @@ static inline __attribute__((always_inline)) void row1(const int NIB, const int 
                 }
                 __m512 dw, mw = _mm512_setzero_ps();
                 scales16(F16, !ofs, (const char *)dv + g * gs, mv ? (const char *)mv + g * gs : NULL, b, NS, h, &dw, &mw);
-                acc[g] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), da), dw, acc[g]);
-                if (!ofs) acc[g] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.sa[3 * b + (NS == 1 ? 0 : 1 + h)]), acc[g]);
+                const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                if (NS == 1) {
+                    acc[g] = _mm512_fmadd_ps(_mm512_mul_ps(f, da), dw, acc[g]);
+                    if (!ofs) acc[g] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.sa[3 * b]), acc[g]);
+                } else { /* the two halves' sums combined, then one activation step (closed below) */
+                    t[g] = h == 0 ? _mm512_mul_ps(f, dw) : _mm512_fmadd_ps(f, dw, t[g]);
+                    mws[g][h] = mw;
+                }
             }
         }
+        if (NS == 2)
+            for (int g = 0; g < NG; g++) {
+                acc[g] = _mm512_fmadd_ps(t[g], da, acc[g]);
+                if (!ofs) {
+                    acc[g] = _mm512_fmadd_ps(mws[g][0], _mm512_set1_ps(a.sa[3 * b + 1]), acc[g]);
+                    acc[g] = _mm512_fmadd_ps(mws[g][1], _mm512_set1_ps(a.sa[3 * b + 2]), acc[g]);
+                }
+            }
     }
     for (int g = 0; g < NG; g++) _mm512_storeu_ps(out + KVQ_NC * g, acc[g]);
 }
@@ -138,6 +153,7 @@ static inline __attribute__((always_inline)) void tile(const int NIB, const int 
             _mm_prefetch((const char *)(wb0 + PF + l), _MM_HINT_T0);
             if (NG == 2) _mm_prefetch((const char *)(wb1 + PF + l), _MM_HINT_T0);
         }
+        __m512 t0[RT], t1[RT], mh0[2], mh1[2]; /* NS 2: the halves' sums combined, and their minimums */
         _Pragma("GCC unroll 2") for (int h = 0; h < NS; h++) {
             __m512 dw0, dw1 = _mm512_setzero_ps(), mw0 = _mm512_setzero_ps(), mw1 = _mm512_setzero_ps();
             scales16(F16, !ofs, dv, mv, b, NS, h, &dw0, &mw0);
@@ -165,6 +181,18 @@ static inline __attribute__((always_inline)) void tile(const int NIB, const int 
                     }
                 }
             }
+            if (NS == 2) { /* row1's order: t = s_0 dw_0, t += s_1 dw_1, then one activation step */
+                mh0[h] = mw0, mh1[h] = mw1;
+#pragma GCC unroll 16
+                for (int r = 0; r < RT; r++) {
+                    if (r < nr) {
+                        const __m512 f0 = _mm512_cvtepi32_ps(s0[r]), f1 = _mm512_cvtepi32_ps(s1[r]);
+                        t0[r] = h == 0 ? _mm512_mul_ps(f0, dw0) : _mm512_fmadd_ps(f0, dw0, t0[r]);
+                        if (NG == 2) t1[r] = h == 0 ? _mm512_mul_ps(f1, dw1) : _mm512_fmadd_ps(f1, dw1, t1[r]);
+                    }
+                }
+                continue;
+            }
 #pragma GCC unroll 16
             for (int r = 0; r < RT; r++) {
                 if (r < nr) {
@@ -173,10 +201,27 @@ static inline __attribute__((always_inline)) void tile(const int NIB, const int 
                     acc0[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s0[r]), da), dw0, acc0[r]);
                     if (NG == 2) acc1[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s1[r]), da), dw1, acc1[r]);
                     if (!ofs) {
-                        const __m512 sa = _mm512_set1_ps(a.sa[3 * at + (NS == 1 ? 0 : 1 + h)]);
+                        const __m512 sa = _mm512_set1_ps(a.sa[3 * at]);
                         acc0[r] = _mm512_fmadd_ps(mw0, sa, acc0[r]);
                         if (NG == 2) acc1[r] = _mm512_fmadd_ps(mw1, sa, acc1[r]);
                     }
+                }
+            }
+        }
+        if (NS == 2) {
+#pragma GCC unroll 16
+            for (int r = 0; r < RT; r++) {
+                if (r < nr) {
+                    const int64_t at = (int64_t)r * a.nb + b;
+                    const __m512 da = _mm512_set1_ps(a.da[at]);
+                    acc0[r] = _mm512_fmadd_ps(t0[r], da, acc0[r]);
+                    if (NG == 2) acc1[r] = _mm512_fmadd_ps(t1[r], da, acc1[r]);
+                    if (!ofs)
+                        for (int h = 0; h < 2; h++) {
+                            const __m512 sa = _mm512_set1_ps(a.sa[3 * at + 1 + h]);
+                            acc0[r] = _mm512_fmadd_ps(mh0[h], sa, acc0[r]);
+                            if (NG == 2) acc1[r] = _mm512_fmadd_ps(mh1[h], sa, acc1[r]);
+                        }
                 }
             }
         }
