@@ -62,6 +62,22 @@ def test_quick_gives_file_q8_and_fp32_rows(tmp_path):
     assert {r["pair"] for r in lcpp} == {"file", "q8", "fp32"}  # measured, or skipped with the reason
     assert all(r["tok_s"] or r["note"] for r in lcpp)
     assert "kvcache / peer" in p.stdout and "host: " in p.stdout and data["meta"]["kernel_variant"]
+    # the products' own read of the weights, for the modes that have quantized weights
+    assert set(data["meta"]["products_gb_s"]) == {"file", "q8"} and "the products alone" in p.stdout
+    assert all(v > 0 for v in data["meta"]["products_gb_s"].values())
+
+
+def test_products_alone_read_every_quantized_weight_a_step_multiplies_by():
+    from kvcache import LLM
+    from kvcache.bench.measure import products_bandwidth
+
+    llm = LLM(weights="q8", prefix=False)
+    ws = llm.model.quantized_weights()
+    assert ws and len({id(w) for w in ws}) == len(ws)  # each once
+    assert sum(w.nbytes for w in ws) == llm.model.weight_bytes() - llm.model.weight_kinds().get("fp32", 0)
+    gb_s = products_bandwidth(llm.model, repeats=2)
+    assert gb_s is not None and 0.1 < gb_s < 10_000
+    assert products_bandwidth(LLM(weights="fp32", prefix=False).model) is None  # nothing quantized
 
 
 def test_a_crashing_llama_bench_is_a_skipped_row_naming_the_signal(tmp_path):

@@ -173,9 +173,10 @@ def run(args: argparse.Namespace) -> int:
     per_mode = len(strategies) * repeats + len(prefill) * repeats
     total = len(weights) * per_mode + (repeats if depth else 0) + (len(hf) + len(prefill) * bool(hf)) * repeats
     bar = tqdm(total=rounds * (total + len(weights) * ("llama.cpp" in peers)), desc="bench decode", file=sys.stderr)
-    from kvcache.bench.measure import read_bandwidth
+    from kvcache.bench.measure import products_bandwidth, read_bandwidth
 
     pooled: dict[tuple[str, ...], Row] = {}
+    products: dict[str, float] = {}  # weights mode -> the products' best read of its weights, GB/s
     ids, prompts, depth_ids, name, kv_f32, macs, read_gb_s = [], {}, [], "", 0, 0, 0.0
     for _ in range(rounds):  # every system once a round, in turn: the host's speed drifts over minutes
         rows: list[Row] = []
@@ -187,6 +188,9 @@ def run(args: argparse.Namespace) -> int:
                 prompts = {n: english_prompt(llm, n) for n in prefill}
                 depth_ids = english_prompt(llm, depth) if depth else []
             rows += bench_decode(llm, ids, strategies, new, repeats, bar.update)
+            prod = products_bandwidth(llm.model)
+            if prod is not None:
+                products[mode] = max(products.get(mode, 0.0), prod)
             if prefill:
                 rows += bench_prefill(llm, prompts, repeats, bar.update)
             if depth and mode == depth_pair:
@@ -216,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
     peak = kernels.int8_peak()
     meta = run_meta(model=name, new_tokens=new, repeats=repeats, rounds=rounds, prompt_tokens=len(ids),
                     weights=weights, read_gb_s=round(read_gb_s, 1), int8_peak_gmacs=round(peak / 1e9) if peak else None,
+                    products_gb_s={m: round(v, 1) for m, v in products.items()},
                     macs_per_token=macs,
                     kv=strategies, prefill=prefill, depth=depth, depth_new_tokens=depth_new, depth_kv=DEPTH_KV,
                     llama_cpp=kind, llama_cpp_bin=str(bin_dir) if bin_dir else None, host=host_line())
@@ -290,6 +295,11 @@ def print_tables(results: list[dict[str, object]], meta: dict[str, object]) -> l
     if meta.get("read_gb_s"):
         print(f"memory read bandwidth measured in this run: {meta['read_gb_s']} GB/s (a streaming read of "
               f"1 GiB, {meta['threads']} threads, the best of each round's); %bw: decode's GB/s as a share of it")
+    if meta.get("products_gb_s"):
+        share = (lambda v: f" ({100 * v / meta['read_gb_s']:.0f}%)") if meta.get("read_gb_s") else (lambda v: "")
+        each = ", ".join(f"{m} {v} GB/s{share(v)}" for m, v in meta["products_gb_s"].items())  # type: ignore[union-attr]
+        print(f"the products alone, one row through every quantized weight in turn (a decode step without "
+              f"its attention, norms or Python), the best of each round's: {each}")
     if meta.get("int8_peak_gmacs"):
         print(f"int8 multiply-add peak measured in this run: {meta['int8_peak_gmacs']} G/s (the kernel variant's "
               f"dot-product instruction on registers); %peak: a prefill's projection multiply-adds "

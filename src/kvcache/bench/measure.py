@@ -96,6 +96,36 @@ def pregrow(runner: ModelRunner, tokens: int) -> None:
         runner.free(seq)
 
 
+def products_bandwidth(model: object, repeats: int = 3) -> float | None:
+    """GB/s at which the quantized products alone read a model's weights: one row through every
+    quantized weight a decode step multiplies by, in turn (a step's products without its attention,
+    norms, sampling or Python), the best of ``repeats``. The ceiling a decode can reach on this
+    machine's memory with these kernels, beside ``read_bandwidth``'s plain read. None for a model
+    without quantized weights."""
+    import time
+
+    import torch
+
+    tables = {id(getattr(model, n, None)) for n in ("embed", "wpe")}  # looked up, not multiplied
+    ws = [w for w in model.quantized_weights() if id(w) not in tables]  # type: ignore[attr-defined]
+    if not ws:
+        return None
+    xs = {w.k: torch.randn(1, w.k) for w in ws}
+    nbytes = sum(w.nbytes for w in ws)
+
+    def products() -> None:
+        for w in ws:
+            w.forward(xs[w.k])
+
+    products()  # pages and the kernels' scratch in place, not timed
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        products()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
+
+
 def read_bandwidth(threads: int | None = None, gib: float = 1.0, repeats: int = 5) -> float:
     """This machine's memory read bandwidth in GB/s, measured now: the best of ``repeats`` reads of
     a ``gib`` GiB float32 vector (every byte once, far larger than any cache) on ``threads`` torch

@@ -52,19 +52,27 @@ class CausalLM(nn.Module):
                 total -= table.nbytes if not isinstance(table, torch.Tensor) else table.numel() * table.element_size()
         return total
 
-    def weight_kinds(self) -> dict[str, int]:
-        """Bytes per kind of weight: ``fp32`` and each quantized format name."""
+    def quantized_weights(self) -> list:
+        """The quantized weights (``QWeight``, ``QStack``) the model holds, each once."""
         from kvcache.kernels.qweight import QStack, QWeight
 
+        out: list = []
+        seen: set[int] = set()
+        for v in self.modules():
+            for w in vars(v).values():
+                if isinstance(w, (QWeight, QStack)) and id(w) not in seen:
+                    seen.add(id(w))
+                    out.append(w)
+        return out
+
+    def weight_kinds(self) -> dict[str, int]:
+        """Bytes per kind of weight: ``fp32`` and each quantized format name."""
         out: dict[str, int] = {}
         seen: set[int] = set()
         for p in self.parameters():
             if id(p) not in seen:
                 seen.add(id(p))
                 out["fp32"] = out.get("fp32", 0) + p.numel() * p.element_size()
-        for v in self.modules():
-            for w in vars(v).values():
-                if isinstance(w, (QWeight, QStack)) and id(w) not in seen:
-                    seen.add(id(w))
-                    out[w.format_name] = out.get(w.format_name, 0) + w.nbytes
+        for w in self.quantized_weights():
+            out[w.format_name] = out.get(w.format_name, 0) + w.nbytes
         return out
