@@ -106,7 +106,7 @@ def products_bandwidth(model: object, repeats: int = 3) -> float | None:
 
     import torch
 
-    tables = {id(getattr(model, n, None)) for n in ("embed", "wpe")}  # looked up, not multiplied
+    tables = {id(t) for t in model.lookup_tables()}  # type: ignore[attr-defined]
     ws = [w for w in model.quantized_weights() if id(w) not in tables]  # type: ignore[attr-defined]
     if not ws:
         return None

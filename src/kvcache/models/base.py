@@ -42,14 +42,17 @@ class CausalLM(nn.Module):
         """Bytes the model's weights hold in memory (fp32 parameters and quantized weights)."""
         return sum(self.weight_kinds().values())
 
+    def lookup_tables(self) -> list:
+        """The input embedding tables a step reads a few rows of, never multiplies by (an untied
+        token table, GPT-2's position table)."""
+        return [t for t in (getattr(self, name, None) for name in ("embed", "wpe")) if t is not None]
+
     def step_weight_bytes(self) -> int:
-        """Bytes of weights one decode step reads: all of them but the rows of input embedding
-        tables it does not look up (an untied token table, GPT-2's position table)."""
+        """Bytes of weights one decode step reads: all of them but the rows of its lookup tables
+        it does not look up."""
         total = self.weight_bytes()
-        for name in ("embed", "wpe"):
-            table = getattr(self, name, None)
-            if table is not None:
-                total -= table.nbytes if not isinstance(table, torch.Tensor) else table.numel() * table.element_size()
+        for table in self.lookup_tables():
+            total -= table.nbytes if not isinstance(table, torch.Tensor) else table.numel() * table.element_size()
         return total
 
     def quantized_weights(self) -> list:
