@@ -296,8 +296,9 @@ def print_tables(results: list[dict[str, object]], meta: dict[str, object]) -> l
         print(f"memory read bandwidth measured in this run: {meta['read_gb_s']} GB/s (a streaming read of "
               f"1 GiB, {meta['threads']} threads, the best of each round's); %bw: decode's GB/s as a share of it")
     if meta.get("products_gb_s"):
-        share = (lambda v: f" ({100 * v / meta['read_gb_s']:.0f}%)") if meta.get("read_gb_s") else (lambda v: "")
-        each = ", ".join(f"{m} {v} GB/s{share(v)}" for m, v in meta["products_gb_s"].items())  # type: ignore[union-attr]
+        read = meta.get("read_gb_s")
+        each = ", ".join(f"{m} {v} GB/s" + (f" ({100 * v / read:.0f}%)" if read else "")  # type: ignore[operator]
+                         for m, v in meta["products_gb_s"].items())  # type: ignore[union-attr]
         print(f"the products alone, one row through every quantized weight in turn (a decode step without "
               f"its attention, norms or Python), the best of each round's: {each}")
     if meta.get("int8_peak_gmacs"):
