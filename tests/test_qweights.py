@@ -261,7 +261,17 @@ def run():
     r.free(seq)
     return torch.stack(out)
 
-fused = run()
+fused = run()  # every layer in one call a step (the layer stack)
+stack = llm.model.stack
+assert stack is not None
+runs = {{"stack": 0}}
+real_run = type(stack).run
+def count_run(self, *a):
+    runs["stack"] += 1
+    return real_run(self, *a)
+type(stack).run = count_run
+assert torch.equal(fused, run()) and runs["stack"] >= 5, runs
+llm.model.stack = None  # a call per layer half
 calls = {{"block": 0, "mlp": 0}}
 real_block, real_mlp = qweight.attn_block, qweight.fused_mlp
 def count_block(*a):
@@ -284,13 +294,54 @@ print(float((fused - steps).abs().max()))
 @pytest.mark.parametrize("v", RUNNABLE, ids=lambda v: v.name)
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_fused_decode_layers_equal_their_steps(v, family, tiny_dir):
-    """The attention half and the MLP of a decode step in one call each (kernels/dattn.c,
-    kv_q_mlp) give the logits of the same steps taken one kernel at a time, on every variant."""
+    """Every layer of a step in one call (kernels/dattn.c kv_q_layers) gives the very logits of a
+    call per layer half (kv_q_attn_block, kv_q_mlp), and both those of the same steps taken one
+    kernel at a time, on every variant."""
     code = FUSED_CHECK.format(tests=str(os.path.dirname(__file__)), variant=v.name, path=str(tiny_dir(family)[0]))
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "KVCACHE_KERNEL_VARIANT": v.name})
     assert p.returncode == 0, p.stderr[-2000:]
     assert float(p.stdout.split()[-1]) < 2e-2  # int8 activations: the q8 matrix's bound for path noise
+
+
+def test_layer_stack_refuses_bad_tables_before_touching_anything(tiny_dir):
+    """kv_q_layers checks every layer's weights, pool and group before it computes: a bad format, a
+    group index outside the groups, too many groups or no pool layer is refused (1) with the
+    hidden state, the pool and the caller's arrays as they were; the wrapper says so in one line."""
+    from kvcache import LLM
+    from kvcache.kernels.qweight import LayerStack, _lib
+
+    llm = LLM(str(tiny_dir("llama")[0]), weights="q8", prefix=False)
+    stack = llm.model.stack
+    assert isinstance(stack, LayerStack)
+    hq, hkv, d = stack.heads
+    n_layers = stack.table.shape[0]
+    pool = torch.randn(2, hkv, 16, d)
+    x = torch.randn(1, stack.hidden)
+    cos, sin = torch.ones(1, d), torch.zeros(1, d)
+    slots, tables, lens = torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    row0, nnew = torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    groups = torch.tensor([[slots.data_ptr(), tables.data_ptr(), 1, lens.data_ptr(), 0, 16, 16]])
+
+    def call(table, kvs, groups):
+        return _lib().kv_q_layers(1, stack.hidden, x.data_ptr(), x.stride(0), n_layers, table.data_ptr(),
+                                  kvs.data_ptr(), hq, hkv, d, d, stack.inter, stack.act, cos.data_ptr(),
+                                  sin.data_ptr(), None, None, 1e-6, 1.0, groups.shape[0], groups.data_ptr(), 1,
+                                  row0.data_ptr(), nnew.data_ptr(), 1)
+
+    kvs = torch.tensor([[pool.data_ptr(), 0]] * n_layers)
+    x0, pool0 = x.clone(), pool.clone()
+    bad_fmt = stack.table.clone()
+    bad_fmt[-1, 0] = 99
+    bad_group, no_pool = kvs.clone(), kvs.clone()
+    bad_group[-1, 1] = 1
+    no_pool[0, 0] = 0
+    for table, k, g in ((bad_fmt, kvs, groups), (stack.table, bad_group, groups), (stack.table, no_pool, groups),
+                        (stack.table, kvs, groups.repeat(5, 1))):
+        assert call(table, k, g) == 1
+        assert torch.equal(x, x0) and torch.equal(pool, pool0)
+    assert call(stack.table, kvs, groups) == 0 and not torch.equal(x, x0)  # the same call, well formed, runs
+    assert torch.equal(pool[:, :, 1:], pool0[:, :, 1:])  # and writes the new K/V at its slot only
 
 
 SCRATCH_CHECK = """

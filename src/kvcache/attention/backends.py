@@ -29,6 +29,7 @@ import torch
 
 from kvcache import kernels
 from kvcache.attention.dense import attend, attend_with_sinks
+from kvcache.attention.interface import LayerPages
 from kvcache.attention.masked import attend_heads, press_mask
 from kvcache.cache import retention
 from kvcache.cache.paged import PagedKVCache
@@ -106,6 +107,25 @@ class PagedContext:
         pool = self.cache.pools[gi]
         return attn_block(x, weights, heads, cos, sin, qk_norm, eps, scale, post_norm, pool.flat[j],  # type: ignore[union-attr]
                           pool.page_size, self.plan.write_slots[gi], rows, self.windows[gi])  # type: ignore[arg-type]
+
+    def layer_pages(self) -> LayerPages | None:
+        """Every layer's pool layer and its group's pages, when every layer takes the fused path
+        (fp32 pages, no press recording queries, not offloaded); None otherwise."""
+        if self.observing or any(r is None for r in self.rows):
+            return None
+        cache, plan = self.cache, self.plan
+        groups = []
+        for g in cache.groups:
+            tables, row0, new, lens = self.rows[g.index]  # type: ignore[misc]
+            pool = cache.pools[g.index]
+            slots = plan.write_slots[g.index]
+            if not isinstance(pool, PagePool) or slots is None:
+                return None
+            groups.append([slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+                           self.windows[g.index], pool.flat[0].shape[2], pool.page_size])
+        flats = [cache.pools[gi].flat[j] for gi, j in cache.where]  # type: ignore[union-attr]
+        kvs = torch.tensor([[f.data_ptr(), gi] for f, (gi, _) in zip(flats, cache.where)], dtype=torch.long)
+        return LayerPages(flats, kvs, torch.tensor(groups, dtype=torch.long), len(plan.seqs), row0, new)
 
     # -- the general call -------------------------------------------------------------------------
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -11,9 +11,24 @@ Owns the protocol only. Implementations: ``RecomputeContext`` (attention/dense.p
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
+
+
+class LayerPages(NamedTuple):
+    """Where every layer of one forward attends when all of them take the fused path over fp32 pages
+    (kernels/qweight.py LayerStack): ``flats`` [L] each layer's pool layer [2, Hkv, S, D];
+    ``kvs`` [L, 2] int64: its address and group; ``groups`` [G, 7] int64 per layer group: the new
+    tokens' slots, the page tables, the lengths (addresses), max pages a table, window, slots in
+    the pool, page size; ``batch`` sequences whose first rows ``row0`` and new tokens ``nnew`` [B]
+    int64 the groups share. The tensors behind the addresses live as long as the context."""
+    flats: list[torch.Tensor]
+    kvs: torch.Tensor
+    groups: torch.Tensor
+    batch: int
+    row0: torch.Tensor
+    nnew: torch.Tensor
 
 
 class AttentionContext(Protocol):
@@ -39,4 +54,9 @@ class AttentionContext(Protocol):
         """The attention half of a layer in place, x [N, H] += o(attention(qkv(rms_norm(x)))), with
         weights (qkv, qkv_bias, o, o_bias) and the output through ``post_norm`` when given; False
         when this context has no fused way for it (the model then calls the steps one by one)."""
+        ...
+
+    def layer_pages(self) -> LayerPages | None:
+        """Every layer's pages for one native call through all layers, when every layer's attention
+        takes the fused path; None otherwise (the model then goes layer by layer)."""
         ...

@@ -68,6 +68,11 @@ class RecomputeContext:
         return attn_block(x, weights, heads, cos, sin, qk_norm, eps, scale, post_norm, self._scratch(hkv, d), PAGE,
                           self.slots, self.rows, self.layer_windows[layer] or 0)
 
+    def layer_pages(self) -> None:
+        """None: a recompute goes layer by layer (attend_block), every layer over the same scratch
+        pages."""
+        return None
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q: [N, Hq, D]; k, v: [N, Hkv, D] -> [N, Hq, D], dense, per sequence."""
         outs = []

@@ -39,6 +39,9 @@ class CaptureContext:
     def attend_block(self, *args: object) -> bool:
         return False
 
+    def layer_pages(self) -> None:
+        return None  # layer by layer, through attend
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         out = self.inner.attend(layer, q, k, v, scale)
         if self.layers is None or layer in self.layers:

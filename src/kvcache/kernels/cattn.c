@@ -211,12 +211,12 @@ int cattn_check(int B, int hkv, int g, int D, int ps, int64_t S, const int64_t *
     return 0;
 }
 
-CAttn *cattn_plan(int B, int hkv, int g, int D, int ps, int64_t S, const float *q, int64_t ldq, const float *kv,
+CAttn *cattn_plan(int B, int hkv, int g, int D, int ps, int64_t S, const float *q, int64_t ldq,
                   const int64_t *tables, int max_pages, const int64_t *row0, const int64_t *nnew,
                   const int64_t *lens, int64_t W, float *out) {
     CAttn *a = calloc(1, sizeof(CAttn));
     if (!a) return NULL;
-    *a = (CAttn){B, hkv, g, D, ps, max_pages, S, ldq, W, q, kv, tables, row0, nnew, lens, out, 0, VL,
+    *a = (CAttn){B, hkv, g, D, ps, max_pages, S, ldq, W, q, NULL, tables, row0, nnew, lens, out, 0, VL,
                  NULL, NULL, NULL, NULL};
     int64_t items = 0, parts = 0;
     for (int b = 0; b < B; b++) {
@@ -329,7 +329,10 @@ static void merge_split(const CAttn *a, int b, int h, float *st8) {
     finish(G, D, nt, g, h, Ls, O, a->out + a->row0[b] * (int64_t)a->hkv * g * D, (int64_t)a->hkv * g * D);
 }
 
-void cattn_in_region(const CAttn *a, int *bad) {
+void cattn_in_region(const CAttn *plan, const float *kv, int *bad) {
+    CAttn c = *plan; /* this call's pool layer; the rest is the plan's */
+    c.kv = kv;
+    const CAttn *a = &c;
     const int64_t gp = a->scratch_gp, D = a->D;
     float *qt = malloc(sizeof(float) * (size_t)(D * gp + (KV_CH + NK) * gp + 2 * gp * (D + 2)));
     if (!qt) {
@@ -354,12 +357,12 @@ int kv_paged_attend(int B, int hkv, int g, int D, int ps, int64_t S, const float
     if (n_threads < 1) return 1;
     int rc = cattn_check(B, hkv, g, D, ps, S, tables, max_pages, row0, nnew, lens, window, n_rows);
     if (rc) return rc;
-    CAttn *a = cattn_plan(B, hkv, g, D, ps, S, q, (int64_t)hkv * g * D, kv, tables, max_pages, row0, nnew, lens,
+    CAttn *a = cattn_plan(B, hkv, g, D, ps, S, q, (int64_t)hkv * g * D, tables, max_pages, row0, nnew, lens,
                           window, out);
     if (!a) return 2;
     int bad = 0;
 #pragma omp parallel num_threads(n_threads)
-    cattn_in_region(a, &bad);
+    cattn_in_region(a, kv, &bad);
     cattn_free(a);
     return bad ? 2 : 0;
 }

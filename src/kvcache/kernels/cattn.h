@@ -17,12 +17,14 @@ typedef struct CAttn CAttn;
 KV_HIDDEN int cattn_check(int B, int hkv, int g, int D, int ps, int64_t S, const int64_t *tables, int max_pages,
                           const int64_t *row0, const int64_t *nnew, const int64_t *lens, int64_t W,
                           int64_t n_rows);
-/* The work items of one call (NULL when memory runs out); q rows ldq apart (pre-scaled), out [N, hkv * g * D]. */
+/* The work items of one call (NULL when memory runs out); q rows ldq apart (pre-scaled), out [N, hkv * g * D].
+ * A plan serves every pool layer of the same shape (the layers of a group). */
 KV_HIDDEN CAttn *cattn_plan(int B, int hkv, int g, int D, int ps, int64_t S, const float *q, int64_t ldq,
-                            const float *kv, const int64_t *tables, int max_pages, const int64_t *row0,
+                            const int64_t *tables, int max_pages, const int64_t *row0,
                             const int64_t *nnew, const int64_t *lens, int64_t W, float *out);
-/* Every thread of a parallel region calls it; *bad = 1 when a thread's scratch cannot be had. */
-KV_HIDDEN void cattn_in_region(const CAttn *a, int *bad);
+/* Attention over the pool layer kv [2, hkv, S, D] as planned; every thread of a parallel region calls
+ * it; *bad = 1 when a thread's scratch cannot be had. */
+KV_HIDDEN void cattn_in_region(const CAttn *a, const float *kv, int *bad);
 KV_HIDDEN void cattn_free(CAttn *a);
 
 #endif

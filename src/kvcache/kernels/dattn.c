@@ -88,7 +88,7 @@ static void prepare(const Prep *a, int n) {
 static void attend_in_region(const Prep *p, const CAttn *c, int *bad) {
 #pragma omp for schedule(static)
     for (int n = 0; n < p->N; n++) prepare(p, n);
-    cattn_in_region(c, bad);
+    cattn_in_region(c, p->kv, bad);
 }
 
 int kv_decode_attend(int N, int hq, int hkv, int D, int rot, float *qkv, int64_t ldq, const float *cos,
@@ -100,7 +100,7 @@ int kv_decode_attend(int N, int hq, int hkv, int D, int rot, float *qkv, int64_t
     if (n_threads < 1 || B < 1) return 1;
     int rc = check_rows(&p, B, ps, max_pages, tables, row0, nnew, lens, window);
     if (rc) return rc;
-    CAttn *c = cattn_plan(B, hkv, hq / hkv, D, ps, S, qkv, ldq, kv, tables, max_pages, row0, nnew, lens, window,
+    CAttn *c = cattn_plan(B, hkv, hq / hkv, D, ps, S, qkv, ldq, tables, max_pages, row0, nnew, lens, window,
                           out);
     if (!c) return 2;
     int bad = 0;
@@ -108,6 +108,48 @@ int kv_decode_attend(int N, int hq, int hkv, int D, int rot, float *qkv, int64_t
     attend_in_region(&p, c, &bad);
     cattn_free(c);
     return bad ? 2 : 0;
+}
+
+/* The attention half of a layer with quantized weights (see the top of the file) for N rows: its
+ * weights, scratch and attention steps. */
+typedef struct {
+    QW wqkv, wo;
+    int N, H;
+    const float *g_in, *qkv_b, *o_b, *post_w;
+    float eps, post_eps;
+    Scratch sx, so;
+    float *att, *y;
+} AttnHalf;
+
+static size_t attn_bytes(int N, int H, int QKV, int HD, int post) {
+    return scratch_bytes(N, H) + scratch_bytes(N, HD) +
+           ((size_t)N * QKV + (size_t)N * HD + (post ? (size_t)N * H : 0)) * sizeof(float) + 128;
+}
+
+/* The half's scratch laid out in buf for weights [QKV, H] and [H, HD] (the output's staging rows y
+ * when post); *qkv: where the projection's rows go (the attention's q rows). The weights, norms and
+ * biases are the caller's to fill in. */
+static AttnHalf attn_at(char *buf, int N, int H, int QKV, int HD, int post, float **qkv) {
+    const size_t s1 = scratch_bytes(N, H), s2 = scratch_bytes(N, HD);
+    AttnHalf a = {{0}, {0}, N, H, NULL, NULL, NULL, NULL, -1.f, -1.f, scratch_at(buf, N, H),
+                  scratch_at(buf + s1, N, HD), NULL, NULL};
+    *qkv = (float *)(buf + ((s1 + s2 + 63) & ~(size_t)63));
+    a.att = *qkv + (size_t)N * QKV;
+    a.y = post ? a.att + (size_t)N * HD : NULL;
+    return a;
+}
+
+/* x [N, H] += o_proj(attention(qkv_proj(x * g_in / rms(x)))), inside a parallel region; p holds the
+ * q|k|v rows (p->qkv) and the pool layer (p->kv), c the attention's plan over them. */
+static void attn_in_region(const AttnHalf *a, const Prep *p, const CAttn *c, float *x, int64_t ldx, int *bad) {
+    const int N = a->N, HD = a->wo.K;
+#pragma omp for schedule(static)
+    for (int r = 0; r < N; r++) act_row(&a->sx, r, a->H, x, ldx, a->g_in, a->eps);
+    mm_rows(&a->wqkv, N, &a->sx, a->qkv_b, a->eps >= 0.f ? a->sx.inv : NULL, p->qkv, a->wqkv.out, 0);
+    attend_in_region(p, c, bad);
+#pragma omp for schedule(static)
+    for (int r = 0; r < N; r++) act_row(&a->so, r, HD, a->att, HD, NULL, -1.f);
+    mm_residual(&a->wo, N, &a->so, a->o_b, x, ldx, a->y, a->post_w, a->post_eps);
 }
 
 /* The attention half of a layer with quantized weights (see the top of the file), N rows:
@@ -124,30 +166,108 @@ int kv_q_attn_block(int N, int H, float *x, int64_t ldx, const float *g_in, floa
     const int QKV = (hq + 2 * hkv) * D, HD = hq * D;
     const QW wqkv = {qkv_fmt, QKV, H, qkv_qs, qkv_d, qkv_m}, wo = {o_fmt, H, HD, o_qs, o_d, o_m};
     if (N < 1 || B < 1 || n_threads < 1 || ldx < H || !qw_valid(&wqkv) || !qw_valid(&wo)) return 1;
-    const size_t s1 = scratch_bytes(N, H), s2 = scratch_bytes(N, HD);
-    const size_t fl = ((size_t)N * QKV + (size_t)N * HD + (post_w ? (size_t)N * H : 0)) * sizeof(float);
-    char *buf = scratch_take(s1 + s2 + fl + 128);
+    char *buf = scratch_take(attn_bytes(N, H, QKV, HD, post_w != NULL));
     if (!buf) return 4;
-    const Scratch sx = scratch_at(buf, N, H), so = scratch_at(buf + s1, N, HD);
-    float *qkv = (float *)(buf + ((s1 + s2 + 63) & ~(size_t)63)), *att = qkv + (size_t)N * QKV;
-    float *y = post_w ? att + (size_t)N * HD : NULL;
+    float *qkv;
+    AttnHalf a = attn_at(buf, N, H, QKV, HD, post_w != NULL, &qkv);
+    a.wqkv = wqkv, a.wo = wo, a.g_in = g_in, a.eps = eps, a.qkv_b = qkv_b, a.o_b = o_b;
+    a.post_w = post_w, a.post_eps = post_eps;
     Prep p = {N, hq, hkv, D, rot, S, QKV, qkv, kv, scale, eps, cos, sin, qk_norm, slots};
     int rc = check_rows(&p, B, ps, max_pages, tables, row0, nnew, lens, window);
-    CAttn *c = rc ? NULL : cattn_plan(B, hkv, hq / hkv, D, ps, S, qkv, QKV, kv, tables, max_pages, row0, nnew,
-                                      lens, window, att);
+    CAttn *c = rc ? NULL : cattn_plan(B, hkv, hq / hkv, D, ps, S, qkv, QKV, tables, max_pages, row0, nnew,
+                                      lens, window, a.att);
     if (!rc && !c) rc = 4;
     if (rc) return rc;
     int bad = 0;
 #pragma omp parallel num_threads(n_threads)
-    {
-#pragma omp for schedule(static)
-        for (int r = 0; r < N; r++) act_row(&sx, r, H, x, ldx, g_in, eps);
-        mm_rows(&wqkv, N, &sx, qkv_b, eps >= 0.f ? sx.inv : NULL, qkv, QKV, 0);
-        attend_in_region(&p, c, &bad);
-#pragma omp for schedule(static)
-        for (int r = 0; r < N; r++) act_row(&so, r, HD, att, HD, NULL, -1.f);
-        mm_residual(&wo, N, &so, o_b, x, ldx, y, post_w, post_eps);
-    }
+    attn_in_region(&a, &p, c, x, ldx, &bad);
     cattn_free(c);
     return bad ? 2 : 0;
+}
+
+/* kv_q_layers: every layer of a model with quantized weights over fp32 pages, in one parallel
+ * region (no thread leaves it between layers; the same steps as kv_q_attn_block then kv_q_mlp per
+ * layer, so the same bits). layers [L, KVL_N] int64: each layer's weights (see the KVL_ fields:
+ * a pointer, a format or an index in each); kvs [L, 2] int64: each layer's pool layer [2, hkv, S, D]
+ * and group; groups [G, KVG_N] int64: each layer group's slots, page tables, lengths, window and
+ * pool shape (the layers of a group share them); cos0/sin0 (and cos1/sin1: a second rotary table, Gemma 3's
+ * local layers) [N, rot]. Returns as kv_q_attn_block. */
+enum {
+    KVL_QKV = 0, /* fmt, qs, d, m, bias: the fused q|k|v projection */
+    KVL_G_ATTN = 5, /* the input norm's weight (the projection's input scale) or 0 */
+    KVL_QK_NORM, /* [hq + hkv, D] or 0 */
+    KVL_O, /* fmt, qs, d, m, bias: the output projection */
+    KVL_POST_ATTN = 12, /* the output's RMSNorm weight or 0 */
+    KVL_GU, /* fmt, qs, d, m, bias: gate|up */
+    KVL_G_MLP = 18, /* the MLP's input norm weight or 0 */
+    KVL_DN, /* fmt, qs, d, m, bias: down */
+    KVL_POST_FF = 24, /* the MLP output's RMSNorm weight or 0 */
+    KVL_ROPE, /* 0: cos0/sin0, 1: cos1/sin1 */
+    KVL_N
+};
+enum { KVG_SLOTS = 0, KVG_TABLES, KVG_MAX_PAGES, KVG_LENS, KVG_WINDOW, KVG_S, KVG_PS, KVG_N };
+
+#define P(v) ((const void *)(intptr_t)(v))
+static QW qw_of(const int64_t *f, int out, int K) {
+    return (QW){(int)f[0], out, K, (const uint8_t *)P(f[1]), P(f[2]), P(f[3])};
+}
+
+int kv_q_layers(int N, int H, float *x, int64_t ldx, int L, const int64_t *layers, const int64_t *kvs, int hq,
+                int hkv, int D, int rot, int I, int act, const float *cos0, const float *sin0, const float *cos1,
+                const float *sin1, float eps, float scale, int G, const int64_t *groups, int B,
+                const int64_t *row0, const int64_t *nnew, int n_threads) {
+    enum { MAXG = 4 };
+    const int QKV = (hq + 2 * hkv) * D, HD = hq * D;
+    if (N < 1 || B < 1 || L < 1 || G < 1 || G > MAXG || n_threads < 1 || ldx < H || hkv < 1 || hq % hkv) return 1;
+    int post = 0;
+    for (int l = 0; l < L; l++) {
+        const int64_t *f = layers + (int64_t)l * KVL_N;
+        const QW wqkv = qw_of(f + KVL_QKV, QKV, H), wo = qw_of(f + KVL_O, H, HD);
+        const QW gu = qw_of(f + KVL_GU, 2 * I, H), dn = qw_of(f + KVL_DN, H, I);
+        if (!qw_valid(&wqkv) || !qw_valid(&wo) || !mlp_valid(&gu, &dn, H, I, act) || !kvs[2 * l] ||
+            kvs[2 * l + 1] < 0 || kvs[2 * l + 1] >= G || f[KVL_ROPE] < 0 || f[KVL_ROPE] > 1 ||
+            (f[KVL_ROPE] && rot && (!cos1 || !sin1)))
+            return 1;
+        post |= f[KVL_POST_ATTN] != 0 || f[KVL_POST_FF] != 0;
+    }
+    const size_t ab = attn_bytes(N, H, QKV, HD, post), mb = mlp_bytes(N, H, I, post);
+    char *buf = scratch_take(ab > mb ? ab : mb);
+    if (!buf) return 4;
+    float *qkv;
+    AttnHalf a0 = attn_at(buf, N, H, QKV, HD, post, &qkv);
+    a0.eps = eps, a0.post_eps = eps;
+    /* each group's rows checked and its attention planned once, for all its layers */
+    Prep pg[MAXG];
+    CAttn *plan[MAXG] = {NULL};
+    int rc = 0;
+    for (int g = 0; g < G && !rc; g++) {
+        const int64_t *q = groups + (int64_t)g * KVG_N;
+        pg[g] = (Prep){N, hq, hkv, D, rot, q[KVG_S], QKV, qkv, NULL, scale, eps, cos0, sin0, NULL, P(q[KVG_SLOTS])};
+        rc = check_rows(&pg[g], B, (int)q[KVG_PS], (int)q[KVG_MAX_PAGES], P(q[KVG_TABLES]), row0, nnew,
+                        P(q[KVG_LENS]), q[KVG_WINDOW]);
+        if (!rc && !(plan[g] = cattn_plan(B, hkv, hq / hkv, D, (int)q[KVG_PS], q[KVG_S], qkv, QKV, P(q[KVG_TABLES]),
+                                          (int)q[KVG_MAX_PAGES], row0, nnew, P(q[KVG_LENS]), q[KVG_WINDOW], a0.att)))
+            rc = 4;
+    }
+    int bad = 0;
+    if (!rc) {
+#pragma omp parallel num_threads(n_threads)
+        for (int l = 0; l < L; l++) {
+            const int64_t *f = layers + (int64_t)l * KVL_N;
+            AttnHalf a = a0;
+            a.wqkv = qw_of(f + KVL_QKV, QKV, H), a.wo = qw_of(f + KVL_O, H, HD);
+            a.g_in = P(f[KVL_G_ATTN]), a.qkv_b = P(f[KVL_QKV + 4]), a.o_b = P(f[KVL_O + 4]);
+            a.post_w = P(f[KVL_POST_ATTN]);
+            Prep p = pg[kvs[2 * l + 1]];
+            p.kv = (float *)(intptr_t)kvs[2 * l], p.qk_norm = P(f[KVL_QK_NORM]);
+            if (f[KVL_ROPE]) p.cos = cos1, p.sin = sin1;
+            attn_in_region(&a, &p, plan[kvs[2 * l + 1]], x, ldx, &bad);
+            const QW gu = qw_of(f + KVL_GU, 2 * I, H), dn = qw_of(f + KVL_DN, H, I);
+            const Mlp m = mlp_at(buf, N, H, I, &gu, &dn, P(f[KVL_G_MLP]), eps, P(f[KVL_GU + 4]), P(f[KVL_DN + 4]),
+                                 act, P(f[KVL_POST_FF]), eps);
+            mlp_in_region(&m, x, ldx);
+        }
+    }
+    for (int g = 0; g < G; g++) cattn_free(plan[g]);
+    return rc ? rc : bad ? 2 : 0;
 }

@@ -506,6 +506,41 @@ static void glu_row(int act, int I, float *h) {
     }
 }
 
+/* The scratch a gated MLP of n rows needs (kv_q_mlp, kv_q_layers), and its parts laid out in buf. */
+KV_HIDDEN size_t mlp_bytes(int n, int H, int I, int post) {
+    return scratch_bytes(n, H) + scratch_bytes(n, I) + (size_t)n * 2 * I * sizeof(float) +
+           (post ? (size_t)n * H * sizeof(float) : 0) + 64;
+}
+
+KV_HIDDEN Mlp mlp_at(char *buf, int n, int H, int I, const QW *gu, const QW *dn, const float *g_in, float eps,
+                     const float *gu_b, const float *dn_b, int act, const float *post_w, float post_eps) {
+    const size_t s1 = scratch_bytes(n, H), s2 = scratch_bytes(n, I);
+    Mlp m = {*gu, *dn, n, H, I, act, g_in, eps, gu_b, dn_b, post_w, post_eps, scratch_at(buf, n, H),
+             scratch_at(buf + s1, n, I), NULL, NULL};
+    m.h = (float *)(buf + ((s1 + s2 + 63) & ~(size_t)63));
+    m.y = post_w ? m.h + (size_t)n * 2 * I : NULL;
+    return m;
+}
+
+KV_HIDDEN void mlp_in_region(const Mlp *m, float *x, int64_t ldx) {
+    const int n = m->n, H = m->H, I = m->I;
+#pragma omp for schedule(static)
+    for (int r = 0; r < n; r++) act_row(&m->a, r, H, x, ldx, m->g_in, m->eps);
+    mm_rows(&m->gu, n, &m->a, m->gu_b, m->eps >= 0.f ? m->a.inv : NULL, m->h, 2 * I, 0);
+#pragma omp for schedule(static)
+    for (int r = 0; r < n; r++) { /* act(gate) * up into the gate half, then its int8 activations */
+        float *hr = m->h + (size_t)r * 2 * I;
+        glu_row(m->act, I, hr);
+        act_row(&m->b, r, I, m->h, 2 * I, NULL, -1.f);
+    }
+    mm_residual(&m->dn, n, &m->b, m->dn_b, x, ldx, m->y, m->post_w, m->post_eps);
+}
+
+KV_HIDDEN int mlp_valid(const QW *gu, const QW *dn, int H, int I, int act) {
+    return qw_valid(gu) && qw_valid(dn) && gu->K == H && gu->out == 2 * I && dn->K == I && dn->out == H &&
+           (act == 0 || act == 1) && I % VL == 0;
+}
+
 /* A gated MLP in one call: x (+)= post_norm(down(act(gate) * up)), where [gate | up] = the gate_up
  * projection of (x * g_in / rms(x)) (eps >= 0; a folded RMSNorm) and post_norm is an RMSNorm with
  * weight post_w (Gemma 3's post-feedforward norm) or nothing (post_w NULL). x [n, H], rows ldx apart.
@@ -515,25 +550,11 @@ int kv_q_mlp(int n, int H, int I, float *x, int64_t ldx, const float *g_in, floa
              const uint8_t *dn_qs, const void *dn_d, const void *dn_m, const float *dn_b, int act,
              const float *post_w, float post_eps, int n_threads) {
     const QW gu = {gu_fmt, 2 * I, H, gu_qs, gu_d, gu_m}, dn = {dn_fmt, H, I, dn_qs, dn_d, dn_m};
-    if (n < 1 || !qw_valid(&gu) || !qw_valid(&dn) || ldx < H || (act != 0 && act != 1) || I % VL) return 1;
-    const size_t s1 = scratch_bytes(n, H), s2 = scratch_bytes(n, I);
-    const size_t hb = (size_t)n * 2 * I * sizeof(float), yb = post_w ? (size_t)n * H * sizeof(float) : 0;
-    char *buf = scratch_take(s1 + s2 + hb + yb + 64);
+    if (n < 1 || !mlp_valid(&gu, &dn, H, I, act) || ldx < H) return 1;
+    char *buf = scratch_take(mlp_bytes(n, H, I, post_w != NULL));
     if (buf == NULL) return 4;
-    const Scratch a = scratch_at(buf, n, H), b = scratch_at(buf + s1, n, I);
-    float *h = (float *)(buf + ((s1 + s2 + 63) & ~(size_t)63)), *y = post_w ? h + (size_t)n * 2 * I : NULL;
+    const Mlp m = mlp_at(buf, n, H, I, &gu, &dn, g_in, eps, gu_b, dn_b, act, post_w, post_eps);
 #pragma omp parallel num_threads(n_threads)
-    {
-#pragma omp for schedule(static)
-        for (int r = 0; r < n; r++) act_row(&a, r, H, x, ldx, g_in, eps);
-        mm_rows(&gu, n, &a, gu_b, eps >= 0.f ? a.inv : NULL, h, 2 * I, 0);
-#pragma omp for schedule(static)
-        for (int r = 0; r < n; r++) { /* act(gate) * up into the gate half, then its int8 activations */
-            float *hr = h + (size_t)r * 2 * I;
-            glu_row(act, I, hr);
-            act_row(&b, r, I, h, 2 * I, NULL, -1.f);
-        }
-        mm_residual(&dn, n, &b, dn_b, x, ldx, y, post_w, post_eps);
-    }
+    mlp_in_region(&m, x, ldx);
     return 0;
 }

@@ -47,4 +47,23 @@ KV_HIDDEN void mm_rows(const QW *wt, int n, const Scratch *s, const float *bias,
 KV_HIDDEN void mm_residual(const QW *wt, int n, const Scratch *s, const float *bias, float *x, int64_t ldx, float *y,
                            const float *post_w, float post_eps);
 
+/* A gated MLP of n rows (kv_q_mlp): its weights, steps and scratch. mlp_bytes: the scratch it needs;
+ * mlp_at: laid out in buf; mlp_in_region: x (+)= post_norm(down(act(gate) * up)), every thread of a
+ * parallel region calls it; mlp_valid: the weights fit H and I, act is 0 (silu) or 1 (tanh GELU). */
+typedef struct {
+    QW gu, dn;
+    int n, H, I, act;
+    const float *g_in;
+    float eps;
+    const float *gu_b, *dn_b, *post_w;
+    float post_eps;
+    Scratch a, b;
+    float *h, *y;
+} Mlp;
+KV_HIDDEN size_t mlp_bytes(int n, int H, int I, int post);
+KV_HIDDEN Mlp mlp_at(char *buf, int n, int H, int I, const QW *gu, const QW *dn, const float *g_in, float eps,
+                     const float *gu_b, const float *dn_b, int act, const float *post_w, float post_eps);
+KV_HIDDEN void mlp_in_region(const Mlp *m, float *x, int64_t ldx);
+KV_HIDDEN int mlp_valid(const QW *gu, const QW *dn, int H, int I, int act);
+
 #endif

@@ -295,6 +295,85 @@ def attn_block(x: torch.Tensor, weights: tuple, heads: tuple[int, int, int], cos
     return True
 
 
+class LayerStack:
+    """Every layer of a model whose four projections are single-format QWeights, run in one native
+    call a forward (kernels/dattn.c kv_q_layers): the same steps as ``attn_block`` then
+    ``fused_mlp`` layer by layer (so the same bits), without leaving the threads' parallel region
+    or coming back to Python between layers. The weights' addresses sit in one int64 table
+    [L, 26] built once; ``of`` gives None when a layer does not fit."""
+
+    MAX_GROUPS = 4  # dattn.c's MAXG: layer groups (windows) one call takes
+
+    def __init__(self, table: torch.Tensor, keep: list, heads: tuple[int, int, int], hidden: int,
+                 inter: int, act: int) -> None:
+        self.table, self._keep = table, keep  # keep: the tensors whose addresses the table holds
+        self.heads, self.hidden, self.inter, self.act = heads, hidden, inter, act
+
+    @classmethod
+    def of(cls, layers: Sequence[tuple], heads: tuple[int, int, int], act: int | None) -> "LayerStack | None":
+        """``layers``: per layer (qkv, qkv bias, q/k norm, o, o bias, post-attention norm, gate_up,
+        gate_up bias, down, down bias, post-feedforward norm, rotary table 0 or 1)."""
+        hq, hkv, d = heads
+        if (act is None or not layers or type(layers[0][0]) is not QWeight or type(layers[0][8]) is not QWeight
+                or not kernels_available()):
+            return None
+        rows, keep = [], []
+        hidden, inter = layers[0][0].k, layers[0][8].k
+        for qkv, qkv_b, qk_norm, o, o_b, post_attn, gu, gu_b, dn, dn_b, post_ff, rope in layers:
+            if (any(type(w) is not QWeight for w in (qkv, o, gu, dn)) or qkv.k != hidden or o.out != hidden
+                    or qkv.out != (hq + 2 * hkv) * d or o.k != hq * d or gu.k != hidden or gu.out != 2 * inter
+                    or dn.k != inter or dn.out != hidden or rope not in (0, 1)):
+                return None
+            if qk_norm is not None and (qk_norm.dtype != torch.float32 or not qk_norm.is_contiguous()
+                                        or qk_norm.numel() != (hq + hkv) * d):
+                return None
+            vec = [(qkv_b, qkv.out, "bias"), (o_b, hidden, "bias"), (post_attn, hidden, "norm weight"),
+                   (gu_b, gu.out, "bias"), (dn_b, hidden, "bias"), (post_ff, hidden, "norm weight")]
+            addr = [0 if t is None else _vector_ptr(t, n, what) for t, n, what in vec]
+            keep += [t for t in (qkv_b, o_b, post_attn, gu_b, dn_b, post_ff, qk_norm) if t is not None]
+            row = []
+            for w, bias in ((qkv, addr[0]), (o, addr[1]), (gu, addr[3]), (dn, addr[4])):
+                row += [w.fmt, *(a or 0 for a in w._ptrs), bias]
+            # the fields in dattn.c's KVL_ order
+            rows.append([*row[0:5], qkv._scale_ptr or 0, 0 if qk_norm is None else qk_norm.data_ptr(), *row[5:10],
+                         addr[2], *row[10:15], gu._scale_ptr or 0, *row[15:20], addr[5], rope])
+        return cls(torch.tensor(rows, dtype=torch.int64), keep, heads, hidden, inter, act)
+
+    def run(self, ctx: object, x: torch.Tensor, ropes: Sequence[tuple[torch.Tensor, torch.Tensor]], eps: float,
+            scale: float) -> bool:
+        """x [N, H] through every layer in place, over the pages ``ctx`` names for them
+        (``ctx.layer_pages()``); ``ropes``: the (cos, sin) tables [N, ...] of rotary table 0 (and
+        1). False when the context has no such pages or the inputs do not fit (nothing done)."""
+        pages = getattr(ctx, "layer_pages", None)
+        pages = pages() if pages is not None else None
+        n = x.shape[0]
+        if (pages is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1
+                or x.shape[1] != self.hidden or len(pages.kvs) != self.table.shape[0]
+                or not 1 <= pages.groups.shape[0] <= self.MAX_GROUPS):
+            return False
+        hq, hkv, d = self.heads
+        for flat in pages.flats:
+            if (flat.dtype != torch.float32 or not flat.is_contiguous() or flat.dim() != 4 or flat.shape[1] != hkv
+                    or flat.shape[3] != d):
+                return False
+        cs = [(c.reshape(n, -1), s_.reshape(n, -1)) for c, s_ in ropes]
+        if any(not c.is_contiguous() or not s_.is_contiguous() or c.shape != s_.shape or c.shape != cs[0][0].shape
+               for c, s_ in cs):
+            return False
+        cos1, sin1 = cs[1] if len(cs) > 1 else (None, None)
+        rc = _lib().kv_q_layers(
+            n, self.hidden, x.data_ptr(), x.stride(0), self.table.shape[0], self.table.data_ptr(),
+            pages.kvs.data_ptr(), hq, hkv, d, cs[0][0].shape[1], self.inter, self.act, cs[0][0].data_ptr(),
+            cs[0][1].data_ptr(), None if cos1 is None else cos1.data_ptr(), None if sin1 is None else sin1.data_ptr(),
+            eps, scale, pages.groups.shape[0], pages.groups.data_ptr(), pages.batch, pages.row0.data_ptr(),
+            pages.nnew.data_ptr(), torch.get_num_threads())
+        if rc == 4 or rc == 2:
+            raise MemoryError("the fused layers could not allocate their buffers")
+        if rc:
+            raise RuntimeError(f"the fused layers kernel refused its inputs ({rc})")
+        return True
+
+
 def _vector_ptr(t: torch.Tensor, n: int, what: str) -> int:
     """The address of a contiguous fp32 CPU vector of n values (a norm weight or a bias)."""
     if t.dtype != torch.float32 or t.dim() != 1 or t.shape[0] != n or not t.is_contiguous() or t.device.type != "cpu":

@@ -61,6 +61,13 @@ _TABLE = (
         ("o_fmt", "int"),
         ("o_qs", "const uint8_t *"), ("o_d", "const void *"), ("o_m", "const void *"), ("o_b", "const float *"),
         ("post_w", "const float *"), ("post_eps", "float"), ("n_threads", "int"))),
+    Signature("qgemm", "kv_q_layers", "int", (
+        ("N", "int"), ("H", "int"), ("x", "float *"), ("ldx", "int64_t"), ("L", "int"), ("layers", "const int64_t *"),
+        ("kvs", "const int64_t *"), ("hq", "int"), ("hkv", "int"), ("D", "int"), ("rot", "int"), ("I", "int"),
+        ("act", "int"), ("cos0", "const float *"), ("sin0", "const float *"), ("cos1", "const float *"),
+        ("sin1", "const float *"), ("eps", "float"), ("scale", "float"), ("G", "int"),
+        ("groups", "const int64_t *"), ("B", "int"), ("row0", "const int64_t *"), ("nnew", "const int64_t *"),
+        ("n_threads", "int"))),
     # cattn.c: the canonical float32 paged attention
     Signature("qgemm", "kv_paged_attend", "int", (
         ("B", "int"), ("hkv", "int"), ("g", "int"), ("D", "int"), ("ps", "int"), ("S", "int64_t"),

@@ -13,6 +13,7 @@ from torch import nn
 
 from kvcache.attention.interface import AttentionContext
 from kvcache.errors import ModelLoadError, UnsupportedArchitecture
+from kvcache.kernels.qweight import LayerStack
 from kvcache.kernels.rotary import Rotary
 from kvcache.models.base import CausalLM
 from kvcache.models.config import ModelConfig
@@ -80,6 +81,12 @@ class Gemma3ForCausalLM(CausalLM):
             (ly.qkv, ly.qkv_b, ly.qk_norm, ly.o, ly.ln_post_attn, ly.gate_up, ly.down, ly.ln_post_ff)
             for ly in self.layers
         ]
+        # quantized weights: every layer in one native call a forward when the context allows it
+        # (rotary table 0 the global one, 1 the local one of the sliding layers)
+        self.stack = LayerStack.of(
+            [(qkv, qkv_b, qkn, o, None, post_attn, gu, None, dn, None, post_ff, int(window is not None))
+             for (qkv, qkv_b, qkn, o, post_attn, gu, dn, post_ff), window in zip(self.plan, config.layer_windows)],
+            (config.num_heads, config.num_kv_heads, config.head_dim), self.act_kernel)
 
     def rotary_for_layer(self, layer: int) -> Rotary:
         return self.rope_local if self.config.layer_windows[layer] is not None else self.rope_global
@@ -98,15 +105,22 @@ class Gemma3ForCausalLM(CausalLM):
         x.mul_(self.embed_scale)
         local = self.rope_local.tables(positions)  # (cos, sin): [N, 1, D] each
         full = self.rope_global.tables(positions)
+        if self.stack is not None and self.stack.run(ctx, x, [full, local], eps, scale):
+            return self.head(x, logits_rows)
         for i, (qkv_w, qkv_b, qk_norm, o_w, post_attn, gu_w, down_w, post_ff) in enumerate(self.plan):
             cos, sin = local if cfg.layer_windows[i] is not None else full
             attention_block(ctx, i, x, (qkv_w, qkv_b, o_w, None), heads, cos, sin, qk_norm, eps, scale, post_attn)
             mlp(x, gu_w, None, down_w, None, act, self.act_kernel, eps, post_ff)
+        return self.head(x, logits_rows)
+
+    def head(self, x: torch.Tensor, logits_rows: torch.Tensor | None) -> torch.Tensor:
+        """The final norm, the output head and the soft cap over rows ``logits_rows`` of x (None:
+        all) -> [R, V]."""
         if logits_rows is not None:
             x = x[logits_rows]
-        logits = norm_linear(x, self.lm_head, None, eps, self.norm)  # [R, k * V / k]
-        if logits.shape[1] != cfg.vocab_size:
-            logits = logits[:, : cfg.vocab_size].contiguous()
+        logits = norm_linear(x, self.lm_head, None, self.config.norm_eps, self.norm)  # [R, k * V / k]
+        if logits.shape[1] != self.config.vocab_size:
+            logits = logits[:, : self.config.vocab_size].contiguous()
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

@@ -14,6 +14,7 @@ from torch import nn
 
 from kvcache.attention.interface import AttentionContext
 from kvcache.errors import ModelLoadError
+from kvcache.kernels.qweight import LayerStack
 from kvcache.kernels.rotary import Rotary
 from kvcache.models.base import CausalLM
 from kvcache.models.config import ModelConfig
@@ -92,6 +93,11 @@ class LlamaForCausalLM(CausalLM):
             (ly.qkv, ly.qkv_b, ly.qk_norm, ly.o, ly.o_b, ly.gate_up, ly.gate_up_b, ly.down, ly.down_b)
             for ly in self.layers
         ]
+        # quantized weights: every layer in one native call a forward when the context allows it
+        self.stack = LayerStack.of(
+            [(qkv, qkv_b, qkn, o, o_b, None, gu, gu_b, dn, dn_b, None, 0)
+             for qkv, qkv_b, qkn, o, o_b, gu, gu_b, dn, dn_b in self.plan],
+            (config.num_heads, config.num_kv_heads, config.head_dim), self.act_kernel)
 
     def rotary_for_layer(self, layer: int) -> Rotary:
         return self.rope
@@ -108,10 +114,17 @@ class LlamaForCausalLM(CausalLM):
         scale, act, heads = cfg.scale, self.act, (hq, hkv, d)
         x = packed_rows(self.lm_head if self.embed is None else self.embed, input_ids)  # [N, H]
         cos, sin = self.rope.tables(positions)  # [N, 1, R] each
+        if self.stack is not None and self.stack.run(ctx, x, [(cos, sin)], eps, scale):
+            return self.head(x, logits_rows)
         for i, (qkv_w, qkv_b, qk_norm, o_w, o_b, gu_w, gu_b, down_w, down_b) in enumerate(self.plan):
             attention_block(ctx, i, x, (qkv_w, qkv_b, o_w, o_b), heads, cos, sin, qk_norm, eps, scale)
             mlp(x, gu_w, gu_b, down_w, down_b, act, self.act_kernel, eps)
+        return self.head(x, logits_rows)
+
+    def head(self, x: torch.Tensor, logits_rows: torch.Tensor | None) -> torch.Tensor:
+        """The final norm and the output head over rows ``logits_rows`` of x (None: all) -> [R, V]."""
         if logits_rows is not None:
             x = x[logits_rows]
-        logits = norm_linear(x, self.lm_head, None, eps, self.norm)  # [R, k * V / k]
-        return logits if logits.shape[1] == cfg.vocab_size else logits[:, : cfg.vocab_size].contiguous()
+        logits = norm_linear(x, self.lm_head, None, self.config.norm_eps, self.norm)  # [R, k * V / k]
+        vocab = self.config.vocab_size
+        return logits if logits.shape[1] == vocab else logits[:, :vocab].contiguous()
