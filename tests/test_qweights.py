@@ -306,7 +306,8 @@ def test_fused_decode_layers_equal_their_steps(v, family, tiny_dir):
 
 def test_layer_stack_refuses_bad_tables_before_touching_anything(tiny_dir):
     """kv_q_layers checks every layer's weights, pool and group before it computes: a bad format, a
-    group index outside the groups, too many groups or no pool layer is refused (1) with the
+    projection in too many parts, a group index outside the groups, too many groups or no pool
+    layer is refused (1) with the
     hidden state, the pool and the caller's arrays as they were; the wrapper says so in one line."""
     from kvcache import LLM
     from kvcache.kernels.qweight import LayerStack, _lib
@@ -331,12 +332,14 @@ def test_layer_stack_refuses_bad_tables_before_touching_anything(tiny_dir):
 
     kvs = torch.tensor([[pool.data_ptr(), 0]] * n_layers)
     x0, pool0 = x.clone(), pool.clone()
-    bad_fmt = stack.table.clone()
-    bad_fmt[-1, 0] = 99
+    bad_fmt, bad_parts = stack.table.clone(), stack.table.clone()
+    bad_fmt[-1, 1] = 99  # the last layer's q|k|v: its first part's format
+    bad_parts[0, 0] = 4  # the first layer's q|k|v in more parts than a projection holds
     bad_group, no_pool = kvs.clone(), kvs.clone()
     bad_group[-1, 1] = 1
     no_pool[0, 0] = 0
-    for table, k, g in ((bad_fmt, kvs, groups), (stack.table, bad_group, groups), (stack.table, no_pool, groups),
+    for table, k, g in ((bad_fmt, kvs, groups), (bad_parts, kvs, groups), (stack.table, bad_group, groups),
+                        (stack.table, no_pool, groups),
                         (stack.table, kvs, groups.repeat(5, 1))):
         assert call(table, k, g) == 1
         assert torch.equal(x, x0) and torch.equal(pool, pool0)

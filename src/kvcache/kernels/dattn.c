@@ -113,7 +113,8 @@ int kv_decode_attend(int N, int hq, int hkv, int D, int rot, float *qkv, int64_t
 /* The attention half of a layer with quantized weights (see the top of the file) for N rows: its
  * weights, scratch and attention steps. */
 typedef struct {
-    QW wqkv, wo;
+    QProj wqkv;
+    QW wo;
     int N, H;
     const float *g_in, *qkv_b, *o_b, *post_w;
     float eps, post_eps;
@@ -145,7 +146,7 @@ static void attn_in_region(const AttnHalf *a, const Prep *p, const CAttn *c, flo
     const int N = a->N, HD = a->wo.K;
 #pragma omp for schedule(static)
     for (int r = 0; r < N; r++) act_row(&a->sx, r, a->H, x, ldx, a->g_in, a->eps);
-    mm_rows(&a->wqkv, N, &a->sx, a->qkv_b, a->eps >= 0.f ? a->sx.inv : NULL, p->qkv, a->wqkv.out, 0);
+    mm_proj(&a->wqkv, N, &a->sx, a->qkv_b, a->eps >= 0.f ? a->sx.inv : NULL, p->qkv, a->wqkv.out, 0);
     attend_in_region(p, c, bad);
 #pragma omp for schedule(static)
     for (int r = 0; r < N; r++) act_row(&a->so, r, HD, a->att, HD, NULL, -1.f);
@@ -154,23 +155,23 @@ static void attn_in_region(const AttnHalf *a, const Prep *p, const CAttn *c, flo
 
 /* The attention half of a layer with quantized weights (see the top of the file), N rows:
  * x [N, H] += o_proj(attention(qkv_proj(x * g_in / rms(x)))), the output through an RMSNorm of
- * weight post_w first when given. Returns as kv_decode_attend, or 4 when scratch cannot be had. */
-int kv_q_attn_block(int N, int H, float *x, int64_t ldx, const float *g_in, float eps, int qkv_fmt,
-                    const uint8_t *qkv_qs, const void *qkv_d, const void *qkv_m, const float *qkv_b, int hq,
-                    int hkv, int D, int rot, const float *cos, const float *sin, const float *qk_norm, float *kv,
-                    int ps, int64_t S, const int64_t *slots, const int64_t *tables, int max_pages, int B,
+ * weight post_w first when given; qkv_w and o_w: the projections' fields (qgemm.h's KVP_; o in one
+ * part). Returns as kv_decode_attend, or 4 when scratch cannot be had. */
+int kv_q_attn_block(int N, int H, float *x, int64_t ldx, const float *g_in, float eps, const int64_t *qkv_w,
+                    int hq, int hkv, int D, int rot, const float *cos, const float *sin, const float *qk_norm,
+                    float *kv, int ps, int64_t S, const int64_t *slots, const int64_t *tables, int max_pages, int B,
                     const int64_t *row0, const int64_t *nnew, const int64_t *lens, int64_t window, float scale,
-                    int o_fmt,
-                    const uint8_t *o_qs, const void *o_d, const void *o_m, const float *o_b, const float *post_w,
-                    float post_eps, int n_threads) {
+                    const int64_t *o_w, const float *post_w, float post_eps, int n_threads) {
     const int QKV = (hq + 2 * hkv) * D, HD = hq * D;
-    const QW wqkv = {qkv_fmt, QKV, H, qkv_qs, qkv_d, qkv_m}, wo = {o_fmt, H, HD, o_qs, o_d, o_m};
-    if (N < 1 || B < 1 || n_threads < 1 || ldx < H || !qw_valid(&wqkv) || !qw_valid(&wo)) return 1;
+    const QProj wqkv = proj_of(qkv_w, H), wo = proj_of(o_w, HD);
+    if (N < 1 || B < 1 || n_threads < 1 || ldx < H || !qproj_valid(&wqkv) || wqkv.out != QKV || wo.n != 1 ||
+        !qw_valid(&wo.p[0]) || wo.out != H)
+        return 1;
     char *buf = scratch_take(attn_bytes(N, H, QKV, HD, post_w != NULL));
     if (!buf) return 4;
     float *qkv;
     AttnHalf a = attn_at(buf, N, H, QKV, HD, post_w != NULL, &qkv);
-    a.wqkv = wqkv, a.wo = wo, a.g_in = g_in, a.eps = eps, a.qkv_b = qkv_b, a.o_b = o_b;
+    a.wqkv = wqkv, a.wo = wo.p[0], a.g_in = g_in, a.eps = eps, a.qkv_b = proj_bias(qkv_w), a.o_b = proj_bias(o_w);
     a.post_w = post_w, a.post_eps = post_eps;
     Prep p = {N, hq, hkv, D, rot, S, QKV, qkv, kv, scale, eps, cos, sin, qk_norm, slots};
     int rc = check_rows(&p, B, ps, max_pages, tables, row0, nnew, lens, window);
@@ -187,30 +188,28 @@ int kv_q_attn_block(int N, int H, float *x, int64_t ldx, const float *g_in, floa
 
 /* kv_q_layers: every layer of a model with quantized weights over fp32 pages, in one parallel
  * region (no thread leaves it between layers; the same steps as kv_q_attn_block then kv_q_mlp per
- * layer, so the same bits). layers [L, KVL_N] int64: each layer's weights (see the KVL_ fields:
- * a pointer, a format or an index in each); kvs [L, 2] int64: each layer's pool layer [2, hkv, S, D]
- * and group; groups [G, KVG_N] int64: each layer group's slots, page tables, lengths, window and
- * pool shape (the layers of a group share them); cos0/sin0 (and cos1/sin1: a second rotary table, Gemma 3's
- * local layers) [N, rot]. Returns as kv_q_attn_block. */
+ * layer, so the same bits). layers [L, KVL_N] int64: each layer's weights (the KVL_ fields below:
+ * a pointer, a format, a size or an index in each); a projection is qgemm.h's KVP_N fields (parts
+ * side by side: a fused q|k|v or gate|up whose tensors came in different types). kvs [L, 2] int64: each layer's pool layer
+ * [2, hkv, S, D] and group; groups [G, KVG_N] int64: each layer group's slots, page tables,
+ * lengths, window and pool shape (the layers of a group share them); cos0/sin0 (and cos1/sin1: a
+ * second rotary table, Gemma 3's local layers) [N, rot]. Returns as kv_q_attn_block. */
 enum {
-    KVL_QKV = 0, /* fmt, qs, d, m, bias: the fused q|k|v projection */
-    KVL_G_ATTN = 5, /* the input norm's weight (the projection's input scale) or 0 */
+    KVL_QKV = 0, /* the fused q|k|v projection */
+    KVL_O = KVP_N, /* the output projection (one part) */
+    KVL_GU = 2 * KVP_N, /* gate|up */
+    KVL_DN = 3 * KVP_N, /* down (one part) */
+    KVL_G_ATTN = 4 * KVP_N, /* the input norm's weight (the q|k|v product's input scale) or 0 */
     KVL_QK_NORM, /* [hq + hkv, D] or 0 */
-    KVL_O, /* fmt, qs, d, m, bias: the output projection */
-    KVL_POST_ATTN = 12, /* the output's RMSNorm weight or 0 */
-    KVL_GU, /* fmt, qs, d, m, bias: gate|up */
-    KVL_G_MLP = 18, /* the MLP's input norm weight or 0 */
-    KVL_DN, /* fmt, qs, d, m, bias: down */
-    KVL_POST_FF = 24, /* the MLP output's RMSNorm weight or 0 */
+    KVL_POST_ATTN, /* the attention output's RMSNorm weight or 0 */
+    KVL_G_MLP, /* the MLP's input norm weight or 0 */
+    KVL_POST_FF, /* the MLP output's RMSNorm weight or 0 */
     KVL_ROPE, /* 0: cos0/sin0, 1: cos1/sin1 */
     KVL_N
 };
 enum { KVG_SLOTS = 0, KVG_TABLES, KVG_MAX_PAGES, KVG_LENS, KVG_WINDOW, KVG_S, KVG_PS, KVG_N };
 
 #define P(v) ((const void *)(intptr_t)(v))
-static QW qw_of(const int64_t *f, int out, int K) {
-    return (QW){(int)f[0], out, K, (const uint8_t *)P(f[1]), P(f[2]), P(f[3])};
-}
 
 int kv_q_layers(int N, int H, float *x, int64_t ldx, int L, const int64_t *layers, const int64_t *kvs, int hq,
                 int hkv, int D, int rot, int I, int act, const float *cos0, const float *sin0, const float *cos1,
@@ -222,9 +221,10 @@ int kv_q_layers(int N, int H, float *x, int64_t ldx, int L, const int64_t *layer
     int post = 0;
     for (int l = 0; l < L; l++) {
         const int64_t *f = layers + (int64_t)l * KVL_N;
-        const QW wqkv = qw_of(f + KVL_QKV, QKV, H), wo = qw_of(f + KVL_O, H, HD);
-        const QW gu = qw_of(f + KVL_GU, 2 * I, H), dn = qw_of(f + KVL_DN, H, I);
-        if (!qw_valid(&wqkv) || !qw_valid(&wo) || !mlp_valid(&gu, &dn, H, I, act) || !kvs[2 * l] ||
+        const QProj wqkv = proj_of(f + KVL_QKV, H), wo = proj_of(f + KVL_O, HD), gu = proj_of(f + KVL_GU, H),
+                    dn = proj_of(f + KVL_DN, I);
+        if (!qproj_valid(&wqkv) || wqkv.out != QKV || wo.n != 1 || !qw_valid(&wo.p[0]) || wo.out != H ||
+            dn.n != 1 || !mlp_valid(&gu, &dn.p[0], H, I, act) || !kvs[2 * l] ||
             kvs[2 * l + 1] < 0 || kvs[2 * l + 1] >= G || f[KVL_ROPE] < 0 || f[KVL_ROPE] > 1 ||
             (f[KVL_ROPE] && rot && (!cos1 || !sin1)))
             return 1;
@@ -255,16 +255,16 @@ int kv_q_layers(int N, int H, float *x, int64_t ldx, int L, const int64_t *layer
         for (int l = 0; l < L; l++) {
             const int64_t *f = layers + (int64_t)l * KVL_N;
             AttnHalf a = a0;
-            a.wqkv = qw_of(f + KVL_QKV, QKV, H), a.wo = qw_of(f + KVL_O, H, HD);
-            a.g_in = P(f[KVL_G_ATTN]), a.qkv_b = P(f[KVL_QKV + 4]), a.o_b = P(f[KVL_O + 4]);
+            a.wqkv = proj_of(f + KVL_QKV, H), a.wo = proj_of(f + KVL_O, HD).p[0];
+            a.g_in = P(f[KVL_G_ATTN]), a.qkv_b = proj_bias(f + KVL_QKV), a.o_b = proj_bias(f + KVL_O);
             a.post_w = P(f[KVL_POST_ATTN]);
             Prep p = pg[kvs[2 * l + 1]];
             p.kv = (float *)(intptr_t)kvs[2 * l], p.qk_norm = P(f[KVL_QK_NORM]);
             if (f[KVL_ROPE]) p.cos = cos1, p.sin = sin1;
             attn_in_region(&a, &p, plan[kvs[2 * l + 1]], x, ldx, &bad);
-            const QW gu = qw_of(f + KVL_GU, 2 * I, H), dn = qw_of(f + KVL_DN, H, I);
-            const Mlp m = mlp_at(buf, N, H, I, &gu, &dn, P(f[KVL_G_MLP]), eps, P(f[KVL_GU + 4]), P(f[KVL_DN + 4]),
-                                 act, P(f[KVL_POST_FF]), eps);
+            const QProj gu = proj_of(f + KVL_GU, H), dn = proj_of(f + KVL_DN, I);
+            const Mlp m = mlp_at(buf, N, H, I, &gu, &dn.p[0], P(f[KVL_G_MLP]), eps, proj_bias(f + KVL_GU),
+                                 proj_bias(f + KVL_DN), act, P(f[KVL_POST_FF]), eps);
             mlp_in_region(&m, x, ldx);
         }
     }

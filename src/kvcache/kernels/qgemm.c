@@ -466,14 +466,58 @@ KV_HIDDEN void add_normed(int H, const float *y, const float *w, float eps, floa
     for (int k = 0; k < H; k++) x[k] += y[k] * inv * w[k];
 }
 
-KV_HIDDEN void mm_rows(const QW *wt, int n, const Scratch *s, const float *bias, const float *rscale, float *y,
+KV_HIDDEN QProj qproj1(const QW *w) {
+    QProj p = {1, w->out, w->K, {*w}, {0}};
+    return p;
+}
+
+KV_HIDDEN int qproj_valid(const QProj *w) {
+    if (w->n < 1 || w->n > KV_MAXPARTS) return 0;
+    int at = 0;
+    for (int i = 0; i < w->n; i++) {
+        if (!qw_valid(&w->p[i]) || w->p[i].K != w->K || w->off[i] != at) return 0;
+        at += w->p[i].out;
+    }
+    return at == w->out;
+}
+
+KV_HIDDEN QProj proj_of(const int64_t *f, int K) {
+    QProj w = {0};
+    if (f[KVP_PARTS] < 1 || f[KVP_PARTS] > KV_MAXPARTS) return w;
+    w.n = (int)f[KVP_PARTS], w.K = K;
+    for (int i = 0; i < w.n; i++) {
+        const int64_t *q = f + KVP_PART + 5 * i;
+        w.p[i] = (QW){(int)q[0], (int)q[4], K, (const uint8_t *)(intptr_t)q[1], (const void *)(intptr_t)q[2],
+                      (const void *)(intptr_t)q[3]};
+        w.off[i] = w.out;
+        w.out += (int)q[4];
+    }
+    return w;
+}
+
+KV_HIDDEN const float *proj_bias(const int64_t *f) { return (const float *)(intptr_t)f[KVP_BIAS]; }
+
+KV_HIDDEN void mm_proj(const QProj *w, int n, const Scratch *s, const float *bias, const float *rscale, float *y,
                        int64_t ldy, int accumulate) {
-    const int T = (wt->out + NGMAX * KVQ_NC - 1) / (NGMAX * KVQ_NC); /* tile columns */
+    int first[KV_MAXPARTS + 1] = {0}; /* part i's tile columns are first[i] .. first[i + 1] - 1 */
+    for (int i = 0; i < w->n; i++) first[i + 1] = first[i] + (w->p[i].out + NGMAX * KVQ_NC - 1) / (NGMAX * KVQ_NC);
+    const int T = first[w->n];
     for (int r0 = 0; r0 < n; r0 += RCHUNK) {
         const int r1 = n - r0 < RCHUNK ? n : r0 + RCHUNK;
 #pragma omp for schedule(static)
-        for (int t = 0; t < T; t++) mm_group(wt, t, r0, r1, s, bias, rscale, y, ldy, accumulate);
+        for (int t = 0; t < T; t++) {
+            int i = 0;
+            while (t >= first[i + 1]) i++;
+            const int o = w->off[i];
+            mm_group(&w->p[i], t - first[i], r0, r1, s, bias ? bias + o : NULL, rscale, y + o, ldy, accumulate);
+        }
     }
+}
+
+KV_HIDDEN void mm_rows(const QW *wt, int n, const Scratch *s, const float *bias, const float *rscale, float *y,
+                       int64_t ldy, int accumulate) {
+    const QProj p = qproj1(wt);
+    mm_proj(&p, n, s, bias, rscale, y, ldy, accumulate);
 }
 
 KV_HIDDEN void mm_residual(const QW *wt, int n, const Scratch *s, const float *bias, float *x, int64_t ldx, float *y,
@@ -512,7 +556,7 @@ KV_HIDDEN size_t mlp_bytes(int n, int H, int I, int post) {
            (post ? (size_t)n * H * sizeof(float) : 0) + 64;
 }
 
-KV_HIDDEN Mlp mlp_at(char *buf, int n, int H, int I, const QW *gu, const QW *dn, const float *g_in, float eps,
+KV_HIDDEN Mlp mlp_at(char *buf, int n, int H, int I, const QProj *gu, const QW *dn, const float *g_in, float eps,
                      const float *gu_b, const float *dn_b, int act, const float *post_w, float post_eps) {
     const size_t s1 = scratch_bytes(n, H), s2 = scratch_bytes(n, I);
     Mlp m = {*gu, *dn, n, H, I, act, g_in, eps, gu_b, dn_b, post_w, post_eps, scratch_at(buf, n, H),
@@ -526,7 +570,7 @@ KV_HIDDEN void mlp_in_region(const Mlp *m, float *x, int64_t ldx) {
     const int n = m->n, H = m->H, I = m->I;
 #pragma omp for schedule(static)
     for (int r = 0; r < n; r++) act_row(&m->a, r, H, x, ldx, m->g_in, m->eps);
-    mm_rows(&m->gu, n, &m->a, m->gu_b, m->eps >= 0.f ? m->a.inv : NULL, m->h, 2 * I, 0);
+    mm_proj(&m->gu, n, &m->a, m->gu_b, m->eps >= 0.f ? m->a.inv : NULL, m->h, 2 * I, 0);
 #pragma omp for schedule(static)
     for (int r = 0; r < n; r++) { /* act(gate) * up into the gate half, then its int8 activations */
         float *hr = m->h + (size_t)r * 2 * I;
@@ -536,24 +580,23 @@ KV_HIDDEN void mlp_in_region(const Mlp *m, float *x, int64_t ldx) {
     mm_residual(&m->dn, n, &m->b, m->dn_b, x, ldx, m->y, m->post_w, m->post_eps);
 }
 
-KV_HIDDEN int mlp_valid(const QW *gu, const QW *dn, int H, int I, int act) {
-    return qw_valid(gu) && qw_valid(dn) && gu->K == H && gu->out == 2 * I && dn->K == I && dn->out == H &&
+KV_HIDDEN int mlp_valid(const QProj *gu, const QW *dn, int H, int I, int act) {
+    return qproj_valid(gu) && qw_valid(dn) && gu->K == H && gu->out == 2 * I && dn->K == I && dn->out == H &&
            (act == 0 || act == 1) && I % VL == 0;
 }
 
 /* A gated MLP in one call: x (+)= post_norm(down(act(gate) * up)), where [gate | up] = the gate_up
  * projection of (x * g_in / rms(x)) (eps >= 0; a folded RMSNorm) and post_norm is an RMSNorm with
- * weight post_w (Gemma 3's post-feedforward norm) or nothing (post_w NULL). x [n, H], rows ldx apart.
+ * weight post_w (Gemma 3's post-feedforward norm) or nothing (post_w NULL). x [n, H], rows ldx apart;
+ * gu and dn: the projections' fields (qgemm.h's KVP_; down in one part).
  * Returns 0, 1 for bad arguments, 4 when scratch memory cannot be had. */
-int kv_q_mlp(int n, int H, int I, float *x, int64_t ldx, const float *g_in, float eps, int gu_fmt,
-             const uint8_t *gu_qs, const void *gu_d, const void *gu_m, const float *gu_b, int dn_fmt,
-             const uint8_t *dn_qs, const void *dn_d, const void *dn_m, const float *dn_b, int act,
-             const float *post_w, float post_eps, int n_threads) {
-    const QW gu = {gu_fmt, 2 * I, H, gu_qs, gu_d, gu_m}, dn = {dn_fmt, H, I, dn_qs, dn_d, dn_m};
-    if (n < 1 || !mlp_valid(&gu, &dn, H, I, act) || ldx < H) return 1;
+int kv_q_mlp(int n, int H, int I, float *x, int64_t ldx, const float *g_in, float eps, const int64_t *gu,
+             const int64_t *dn, int act, const float *post_w, float post_eps, int n_threads) {
+    const QProj g = proj_of(gu, H), d = proj_of(dn, I);
+    if (n < 1 || d.n != 1 || !mlp_valid(&g, &d.p[0], H, I, act) || ldx < H || n_threads < 1) return 1;
     char *buf = scratch_take(mlp_bytes(n, H, I, post_w != NULL));
     if (buf == NULL) return 4;
-    const Mlp m = mlp_at(buf, n, H, I, &gu, &dn, g_in, eps, gu_b, dn_b, act, post_w, post_eps);
+    const Mlp m = mlp_at(buf, n, H, I, &g, &d.p[0], g_in, eps, proj_bias(gu), proj_bias(dn), act, post_w, post_eps);
 #pragma omp parallel num_threads(n_threads)
     mlp_in_region(&m, x, ldx);
     return 0;

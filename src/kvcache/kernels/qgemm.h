@@ -16,6 +16,15 @@ typedef struct { /* a repacked weight [out, K] (qformat.h) */
     const void *d, *m;
 } QW;
 
+/* A projection of up to KV_MAXPARTS weights side by side (a fused q|k|v or gate|up whose tensors have
+ * different formats): part i's out columns start at column off[i] of the product; all take K inputs. */
+#define KV_MAXPARTS 3
+typedef struct {
+    int n, out, K;
+    QW p[KV_MAXPARTS];
+    int off[KV_MAXPARTS];
+} QProj;
+
 typedef struct { /* int8 activations of n rows of K inputs, nb = K / 32 blocks a row: q [n, K] values,
                   da [n, nb] steps, sa [n, nb, 3] step * (sum of a block's values, of its first 16, of its
                   last 16), is [n, nb, 2] the integer sums of the two halves, inv [n] row scales */
@@ -25,7 +34,19 @@ typedef struct { /* int8 activations of n rows of K inputs, nb = K / 32 blocks a
     float *inv;
 } Scratch;
 
+/* A projection as the fused calls take it from Python, KVP_N int64 fields: its number of parts (1 to
+ * KV_MAXPARTS), each part's format, arrays (qs, d, m: addresses) and columns, then its bias
+ * (an address or 0). */
+enum { KVP_PARTS = 0, KVP_PART = 1 /* fmt, qs, d, m, out: 5 a part */, KVP_BIAS = 1 + 5 * KV_MAXPARTS, KVP_N };
+
 KV_HIDDEN int qw_valid(const QW *w);
+/* qproj1: a projection of one weight; qproj_valid: 1 when every part is valid, of the same K, and
+ * the parts fill out side by side; proj_of: the projection in fields f taking K inputs (n 0, invalid,
+ * when its part count is out of range), proj_bias its bias */
+KV_HIDDEN QProj qproj1(const QW *w);
+KV_HIDDEN int qproj_valid(const QProj *w);
+KV_HIDDEN QProj proj_of(const int64_t *f, int K);
+KV_HIDDEN const float *proj_bias(const int64_t *f);
 KV_HIDDEN size_t scratch_bytes(int n, int K);
 KV_HIDDEN Scratch scratch_at(char *p, int n, int K);
 /* the calling thread's scratch memory of at least n bytes, kept for its next call (qgemm.c), or NULL */
@@ -44,6 +65,9 @@ KV_HIDDEN void add_normed(int H, const float *y, const float *w, float eps, floa
  * where o is wt times s's activations: an output projection and its residual. */
 KV_HIDDEN void mm_rows(const QW *wt, int n, const Scratch *s, const float *bias, const float *rscale, float *y,
                        int64_t ldy, int accumulate);
+/* mm_rows over every part of a projection, the parts' column groups shared out as one loop */
+KV_HIDDEN void mm_proj(const QProj *w, int n, const Scratch *s, const float *bias, const float *rscale, float *y,
+                       int64_t ldy, int accumulate);
 KV_HIDDEN void mm_residual(const QW *wt, int n, const Scratch *s, const float *bias, float *x, int64_t ldx, float *y,
                            const float *post_w, float post_eps);
 
@@ -51,7 +75,8 @@ KV_HIDDEN void mm_residual(const QW *wt, int n, const Scratch *s, const float *b
  * mlp_at: laid out in buf; mlp_in_region: x (+)= post_norm(down(act(gate) * up)), every thread of a
  * parallel region calls it; mlp_valid: the weights fit H and I, act is 0 (silu) or 1 (tanh GELU). */
 typedef struct {
-    QW gu, dn;
+    QProj gu;
+    QW dn;
     int n, H, I, act;
     const float *g_in;
     float eps;
@@ -61,9 +86,9 @@ typedef struct {
     float *h, *y;
 } Mlp;
 KV_HIDDEN size_t mlp_bytes(int n, int H, int I, int post);
-KV_HIDDEN Mlp mlp_at(char *buf, int n, int H, int I, const QW *gu, const QW *dn, const float *g_in, float eps,
+KV_HIDDEN Mlp mlp_at(char *buf, int n, int H, int I, const QProj *gu, const QW *dn, const float *g_in, float eps,
                      const float *gu_b, const float *dn_b, int act, const float *post_w, float post_eps);
 KV_HIDDEN void mlp_in_region(const Mlp *m, float *x, int64_t ldx);
-KV_HIDDEN int mlp_valid(const QW *gu, const QW *dn, int H, int I, int act);
+KV_HIDDEN int mlp_valid(const QProj *gu, const QW *dn, int H, int I, int act);
 
 #endif

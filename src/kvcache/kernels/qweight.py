@@ -235,22 +235,52 @@ class QStack:
         return y
 
 
+MAX_PARTS = 3  # qgemm.h's KV_MAXPARTS: weights side by side in one fused projection
+
+
+def proj_parts(w: object) -> list[QWeight]:
+    """The weights a projection is made of, side by side (a QWeight, or a QStack's parts: a fused
+    q|k|v or gate|up whose tensors came in different types); [] when it is neither, has more parts
+    than the fused kernels take, or its parts do not share one input scale (the norm folded in)."""
+    parts = [w] if type(w) is QWeight else list(w.parts_) if type(w) is QStack else []  # type: ignore[attr-defined]
+    if not 1 <= len(parts) <= MAX_PARTS or any(type(p) is not QWeight for p in parts):
+        return []
+    first = parts[0].in_scale
+    if any((p.in_scale is None) != (first is None) or (first is not None and not torch.equal(p.in_scale, first))
+           for p in parts[1:]):
+        return []
+    return parts
+
+
+def proj_fields(parts: list[QWeight], bias: int) -> list[int]:
+    """qgemm.h's KVP_ fields of a projection: its parts, each one's format, arrays and columns, then
+    its bias's address (0: none)."""
+    f = [len(parts)]
+    for p in parts:
+        f += [p.fmt, *(a or 0 for a in p._ptrs), p.out]
+    return f + [0] * (5 * (MAX_PARTS - len(parts))) + [bias]
+
+
+def _fields(parts: list[QWeight], bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    return torch.tensor(proj_fields(parts, 0 if bias is None else _vector_ptr(bias, n, "bias")), dtype=torch.int64)
+
+
 def fused_mlp(x: torch.Tensor, gate_up: object, down: object, act: int | None, eps: float,
               gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
               post_norm: torch.Tensor | None = None, post_eps: float = 0.0) -> bool:
     """x [N, H] += post_norm(down(act(gate) * up)) with [gate | up] = gate_up(rms_norm(x)) in one
-    native call (kernels/qgemm.c kv_q_mlp), when both weights are single-format QWeights and the
-    activation has a kernel (``act``: 0 silu, 1 tanh GELU; None: none). False: not done here."""
-    if (act is None or type(gate_up) is not QWeight or type(down) is not QWeight or x.dtype != torch.float32
-            or x.dim() != 2 or not x.is_cpu or x.stride(1) != 1 or x.shape[1] != gate_up.k  # type: ignore[union-attr]
-            or down.out != gate_up.k or 2 * down.k != gate_up.out):  # type: ignore[union-attr]
+    native call (kernels/qgemm.c kv_q_mlp), when both weights are quantized (gate_up may be a QStack,
+    see ``proj_parts``) and the activation has a kernel (``act``: 0 silu, 1 tanh GELU; None: none).
+    False: not done here."""
+    pg, pd = proj_parts(gate_up), proj_parts(down)
+    if (act is None or not pg or len(pd) != 1 or x.dtype != torch.float32 or x.dim() != 2 or not x.is_cpu
+            or x.stride(1) != 1 or x.shape[1] != gate_up.k  # type: ignore[attr-defined]
+            or down.out != gate_up.k or 2 * down.k != gate_up.out):  # type: ignore[attr-defined]
         return False
-    gu, dn = gate_up, down
+    gu, dn = _fields(pg, gate_up_bias, gate_up.out), _fields(pd, down_bias, down.out)  # type: ignore[attr-defined]
     rc = _lib().kv_q_mlp(
-        x.shape[0], gu.k, dn.k, x.data_ptr(), x.stride(0), gu._scale_ptr, eps, gu.fmt, *gu._ptrs,  # type: ignore[union-attr]
-        None if gate_up_bias is None else _vector_ptr(gate_up_bias, gu.out, "bias"), dn.fmt, *dn._ptrs,  # type: ignore[union-attr]
-        None if down_bias is None else _vector_ptr(down_bias, dn.out, "bias"), act,  # type: ignore[union-attr]
-        None if post_norm is None else _vector_ptr(post_norm, dn.out, "norm weight"), post_eps,  # type: ignore[union-attr]
+        x.shape[0], pg[0].k, pd[0].k, x.data_ptr(), x.stride(0), pg[0]._scale_ptr, eps, gu.data_ptr(), dn.data_ptr(),
+        act, None if post_norm is None else _vector_ptr(post_norm, pd[0].out, "norm weight"), post_eps,
         torch.get_num_threads())
     if rc == 4:
         raise MemoryError("the quantized MLP could not allocate its activation buffers")
@@ -267,13 +297,14 @@ def attn_block(x: torch.Tensor, weights: tuple, heads: tuple[int, int, int], cos
     x [N, H] += o(attend(rope(norm(qkv(rms_norm(x)))))) with the new K/V written into the pool layer
     ``flat`` [2, Hkv, S, D] at ``slots`` [N]; ``rows``: (page tables [B, P], first row, new tokens,
     lengths [B]) of the sequences; ``window``: a sliding window (0: none). ``weights``: (qkv, qkv
-    bias, o, o bias); False when they are not single-format QWeights or the inputs do not fit the
-    kernel (nothing was done then)."""
+    bias, o, o bias); False when they are not quantized (qkv may be a QStack, see ``proj_parts``)
+    or the inputs do not fit the kernel (nothing was done then)."""
     qkv, qkv_b, o, o_b = weights
     hq, hkv, d = heads
     tables, row0, nnew, lens = rows
     n = x.shape[0]
-    if (type(qkv) is not QWeight or type(o) is not QWeight or x.dtype != torch.float32 or x.dim() != 2
+    pq, po = proj_parts(qkv), proj_parts(o)
+    if (not pq or len(po) != 1 or x.dtype != torch.float32 or x.dim() != 2
             or not x.is_cpu or x.stride(1) != 1 or x.shape[1] != qkv.k or o.out != qkv.k or o.k != hq * d
             or qkv.out != (hq + 2 * hkv) * d or flat.dtype != torch.float32 or not flat.is_contiguous()
             or flat.shape[1] != hkv or flat.shape[3] != d or cos.shape[0] != n or not cos.is_contiguous()
@@ -281,12 +312,12 @@ def attn_block(x: torch.Tensor, weights: tuple, heads: tuple[int, int, int], cos
             or slots.shape[0] != n):
         return False
     rot = cos.numel() // n
+    wq, wo = _fields(pq, qkv_b, qkv.out), _fields(po, o_b, o.out)
     rc = _lib().kv_q_attn_block(
-        n, qkv.k, x.data_ptr(), x.stride(0), qkv._scale_ptr, eps, qkv.fmt, *qkv._ptrs,
-        None if qkv_b is None else _vector_ptr(qkv_b, qkv.out, "bias"), hq, hkv, d, rot, cos.data_ptr(),
+        n, qkv.k, x.data_ptr(), x.stride(0), pq[0]._scale_ptr, eps, wq.data_ptr(), hq, hkv, d, rot, cos.data_ptr(),
         sin.data_ptr(), None if qk_norm is None else qk_norm.data_ptr(), flat.data_ptr(), page_size,
         flat.shape[2], slots.data_ptr(), tables.data_ptr(), tables.shape[1], tables.shape[0], row0.data_ptr(),
-        nnew.data_ptr(), lens.data_ptr(), window, scale, o.fmt, *o._ptrs, None if o_b is None else _vector_ptr(o_b, o.out, "bias"),
+        nnew.data_ptr(), lens.data_ptr(), window, scale, wo.data_ptr(),
         None if post_norm is None else _vector_ptr(post_norm, o.out, "norm weight"), eps, torch.get_num_threads())
     if rc == 4 or rc == 2:
         raise MemoryError("the fused attention could not allocate its buffers")
@@ -296,11 +327,11 @@ def attn_block(x: torch.Tensor, weights: tuple, heads: tuple[int, int, int], cos
 
 
 class LayerStack:
-    """Every layer of a model whose four projections are single-format QWeights, run in one native
-    call a forward (kernels/dattn.c kv_q_layers): the same steps as ``attn_block`` then
-    ``fused_mlp`` layer by layer (so the same bits), without leaving the threads' parallel region
-    or coming back to Python between layers. The weights' addresses sit in one int64 table
-    [L, 26] built once; ``of`` gives None when a layer does not fit."""
+    """Every layer of a model whose projections are quantized (``proj_parts``), run in one native
+    call a forward (kernels/dattn.c kv_q_layers): the steps of ``attn_block`` then ``fused_mlp``
+    layer by layer (so the same bits), without leaving the threads' parallel region or coming back
+    to Python between layers. The weights' addresses sit in one int64 table [L, 74] built once; ``of``
+    gives None when a layer does not fit."""
 
     MAX_GROUPS = 4  # dattn.c's MAXG: layer groups (windows) one call takes
 
@@ -314,13 +345,13 @@ class LayerStack:
         """``layers``: per layer (qkv, qkv bias, q/k norm, o, o bias, post-attention norm, gate_up,
         gate_up bias, down, down bias, post-feedforward norm, rotary table 0 or 1)."""
         hq, hkv, d = heads
-        if (act is None or not layers or type(layers[0][0]) is not QWeight or type(layers[0][8]) is not QWeight
-                or not kernels_available()):
+        if act is None or not layers or not kernels_available():
             return None
         rows, keep = [], []
-        hidden, inter = layers[0][0].k, layers[0][8].k
+        hidden, inter = getattr(layers[0][0], "k", 0), getattr(layers[0][8], "k", 0)
         for qkv, qkv_b, qk_norm, o, o_b, post_attn, gu, gu_b, dn, dn_b, post_ff, rope in layers:
-            if (any(type(w) is not QWeight for w in (qkv, o, gu, dn)) or qkv.k != hidden or o.out != hidden
+            pq, po, pg, pd = (proj_parts(w) for w in (qkv, o, gu, dn))
+            if (not pq or not pg or len(po) != 1 or len(pd) != 1 or qkv.k != hidden or o.out != hidden
                     or qkv.out != (hq + 2 * hkv) * d or o.k != hq * d or gu.k != hidden or gu.out != 2 * inter
                     or dn.k != inter or dn.out != hidden or rope not in (0, 1)):
                 return None
@@ -331,12 +362,11 @@ class LayerStack:
                    (gu_b, gu.out, "bias"), (dn_b, hidden, "bias"), (post_ff, hidden, "norm weight")]
             addr = [0 if t is None else _vector_ptr(t, n, what) for t, n, what in vec]
             keep += [t for t in (qkv_b, o_b, post_attn, gu_b, dn_b, post_ff, qk_norm) if t is not None]
-            row = []
-            for w, bias in ((qkv, addr[0]), (o, addr[1]), (gu, addr[3]), (dn, addr[4])):
-                row += [w.fmt, *(a or 0 for a in w._ptrs), bias]
-            # the fields in dattn.c's KVL_ order
-            rows.append([*row[0:5], qkv._scale_ptr or 0, 0 if qk_norm is None else qk_norm.data_ptr(), *row[5:10],
-                         addr[2], *row[10:15], gu._scale_ptr or 0, *row[15:20], addr[5], rope])
+            # dattn.c's KVL_ order: the four projections, then the norms and the rotary table
+            rows.append([*proj_fields(pq, addr[0]), *proj_fields(po, addr[1]), *proj_fields(pg, addr[3]),
+                         *proj_fields(pd, addr[4]), pq[0]._scale_ptr or 0,
+                         0 if qk_norm is None else qk_norm.data_ptr(), addr[2], pg[0]._scale_ptr or 0, addr[5],
+                         rope])
         return cls(torch.tensor(rows, dtype=torch.int64), keep, heads, hidden, inter, act)
 
     def run(self, ctx: object, x: torch.Tensor, ropes: Sequence[tuple[torch.Tensor, torch.Tensor]], eps: float,

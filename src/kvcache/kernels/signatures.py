@@ -30,9 +30,7 @@ _TABLE = (
         ("accumulate", "int"), ("n_threads", "int"))),
     Signature("qgemm", "kv_q_mlp", "int", (
         ("n", "int"), ("H", "int"), ("I", "int"), ("x", "float *"), ("ldx", "int64_t"), ("g_in", "const float *"),
-        ("eps", "float"), ("gu_fmt", "int"), ("gu_qs", "const uint8_t *"), ("gu_d", "const void *"),
-        ("gu_m", "const void *"), ("gu_b", "const float *"), ("dn_fmt", "int"), ("dn_qs", "const uint8_t *"),
-        ("dn_d", "const void *"), ("dn_m", "const void *"), ("dn_b", "const float *"), ("act", "int"),
+        ("eps", "float"), ("gu", "const int64_t *"), ("dn", "const int64_t *"), ("act", "int"),
         ("post_w", "const float *"), ("post_eps", "float"), ("n_threads", "int"))),
     # qpack.c: repacking GGUF blocks, dequantizing rows
     Signature("qgemm", "kv_q_repack", "int", (
@@ -52,15 +50,12 @@ _TABLE = (
         ("out", "float *"), ("n_threads", "int"))),
     Signature("qgemm", "kv_q_attn_block", "int", (
         ("N", "int"), ("H", "int"), ("x", "float *"), ("ldx", "int64_t"), ("g_in", "const float *"),
-        ("eps", "float"), ("qkv_fmt", "int"), ("qkv_qs", "const uint8_t *"), ("qkv_d", "const void *"),
-        ("qkv_m", "const void *"), ("qkv_b", "const float *"), ("hq", "int"), ("hkv", "int"), ("D", "int"),
+        ("eps", "float"), ("qkv_w", "const int64_t *"), ("hq", "int"), ("hkv", "int"), ("D", "int"),
         ("rot", "int"), ("cos", "const float *"), ("sin", "const float *"), ("qk_norm", "const float *"),
         ("kv", "float *"), ("ps", "int"), ("S", "int64_t"), ("slots", "const int64_t *"),
         ("tables", "const int64_t *"), ("max_pages", "int"), ("B", "int"), ("row0", "const int64_t *"),
         ("nnew", "const int64_t *"), ("lens", "const int64_t *"), ("window", "int64_t"), ("scale", "float"),
-        ("o_fmt", "int"),
-        ("o_qs", "const uint8_t *"), ("o_d", "const void *"), ("o_m", "const void *"), ("o_b", "const float *"),
-        ("post_w", "const float *"), ("post_eps", "float"), ("n_threads", "int"))),
+        ("o_w", "const int64_t *"), ("post_w", "const float *"), ("post_eps", "float"), ("n_threads", "int"))),
     Signature("qgemm", "kv_q_layers", "int", (
         ("N", "int"), ("H", "int"), ("x", "float *"), ("ldx", "int64_t"), ("L", "int"), ("layers", "const int64_t *"),
         ("kvs", "const int64_t *"), ("hq", "int"), ("hkv", "int"), ("D", "int"), ("rot", "int"), ("I", "int"),
