@@ -258,6 +258,32 @@ def test_windowed_rows_have_the_same_bits_however_they_are_fed(spec):
     assert holes > 0  # pages left every window and went back: the kernel skipped them
 
 
+@pytest.mark.parametrize("g,d", [(1, 64), (3, 64), (4, 64), (4, 128), (8, 32), (16, 64)])
+def test_a_decode_row_has_the_bits_of_the_same_row_in_a_prefill(g, d):
+    """A decode's few query rows (g of a KV head) may take narrower vectors than a prefill's many;
+    each row's chain is the same, so the last token decoded alone and as the last row of a 40-token
+    extend over the same 300 keys give the same bits, for every group size, and the math's answer."""
+    if kernels.xattn() is None:
+        pytest.skip("no C compiler here")
+    torch.manual_seed(g * 1000 + d)
+    hkv, ps, L, T = 2, 16, 300, 40
+    pages = (L + ps - 1) // ps
+    flat = torch.randn(2, hkv, pages * ps, d)
+    tables = torch.randperm(pages)[None, :].contiguous()  # pages out of order
+    q = torch.randn(T, hkv * g, d) * 0.2
+    one, zero = torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    alone = kernels.paged_extend(q[-1:].contiguous(), flat, tables, zero, one, torch.tensor([L]), ps)
+    block = kernels.paged_extend(q, flat, tables, zero, torch.tensor([T]), torch.tensor([L]), ps)
+    assert alone is not None and block is not None
+    assert torch.equal(alone[0], block[-1])
+    slots = (tables[0, torch.arange(L) // ps] * ps + torch.arange(L) % ps)
+    k, v = flat[0][:, slots], flat[1][:, slots]  # [hkv, L, d]
+    kq = k.repeat_interleave(g, 0)  # [hkv g, L, d]
+    ref = torch.softmax(torch.einsum("hd,hld->hl", q[-1], kq), -1)
+    want = torch.einsum("hl,hld->hd", ref, v.repeat_interleave(g, 0))
+    assert torch.allclose(alone[0], want, atol=1e-5, rtol=1e-4)
+
+
 def test_extend_kernel_declines_a_head_size_it_does_not_tile(monkeypatch):
     """head_dim 20 is no multiple of a vector: the kernel says no and the torch path answers."""
     if kernels.xattn() is None:

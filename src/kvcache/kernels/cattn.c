@@ -18,7 +18,9 @@
  * tokens (decodes) splits its chunks over the threads and merges the stored partials in order; one
  * with many (prefill) gives each thread blocks of RB rows that run their chunks in order. Both
  * sides tile like a GEMM: the g * rows query rows sharing a KV head are the columns of a transposed
- * query block QT [D, Gp]; each key row is loaded once for them, each value row once per tile.
+ * query block QT [D, Gp]; each key row is loaded once for them, each value row once per tile. A
+ * block of at most 8 rows (a decode's GQA group) scores with 8-lane vectors on AVX-512 and its value
+ * tiles hold 4 rows where they can: a lane's chain is the same at any vector width, so the bits are.
  * With a window, keys before the window of a call's first new row are never read (their pages may
  * have gone back to the pool: holes in the table).
  *
@@ -71,19 +73,47 @@ static inline __attribute__((always_inline)) void score_cols(int nv, const float
     }
 }
 
-/* o[r][d0 .. d0 + nv * VL) = sum_j p[j][r] V[j][d0 ..) for rows r0 .. r0 + nr - 1 (nv constant). */
-static inline __attribute__((always_inline)) void value_cols(int nv, const float *V, const int64_t *table, int ps,
-                                                             int D, int64_t j0, int64_t j1, const float *p,
+#if VL == 16
+/* score_cols for at most 8 query rows (a decode's GQA group): half-width vectors, the same chain
+ * per lane (a lane's score does not depend on the vector width), half the work on CPUs that split
+ * 512-bit operations; the upper 8 lanes of st are written as zeros. */
+typedef float vec8 __attribute__((vector_size(32), aligned(4), may_alias));
+static NOINLINE void score_cols8(const float *K, const int64_t *table, int ps, int D, int64_t j0, int64_t j1,
+                                 const float *qt, int Gp, float *st) {
+    for (int64_t j = j0; j < j1; j += NK) {
+        const int nk = j1 - j < NK ? (int)(j1 - j) : NK;
+        const float *kr[NK];
+        for (int kk = 0; kk < NK; kk++) kr[kk] = K + slot(table, ps, kk < nk ? j + kk : j) * D;
+
+        vec8 acc[NK];
+        for (int kk = 0; kk < NK; kk++) acc[kk] = (vec8){0};
+        for (int c = 0; c < D; c++) {
+            const vec8 w = *(const vec8 *)(qt + (int64_t)c * Gp);
+            for (int kk = 0; kk < NK; kk++) acc[kk] += kr[kk][c] * w;
+        }
+        for (int kk = 0; kk < nk; kk++) {
+            float *o = st + (j - j0 + kk) * Gp;
+            *(vec8 *)o = acc[kk];
+            *(vec8 *)(o + 8) = (vec8){0};
+        }
+    }
+}
+#endif
+
+/* o[r][d0 .. d0 + nv * VL) = sum_j p[j][r] V[j][d0 ..) for rows r0 .. r0 + nr - 1, NR >= nr of them
+ * computed (nv and NR constant). */
+static inline __attribute__((always_inline)) void value_cols(int nv, int NR, const float *V, const int64_t *table,
+                                                             int ps, int D, int64_t j0, int64_t j1, const float *p,
                                                              int Gp, int r0, int nr, int d0, float *o) {
     vec acc[NRV][CV];
-    for (int r = 0; r < NRV; r++)
+    for (int r = 0; r < NR; r++)
         for (int v = 0; v < nv; v++) acc[r][v] = (vec){0};
     for (int64_t j = j0; j < j1; j++) {
         const float *vr = V + slot(table, ps, j) * D + d0;
         const float *pj = p + (j - j0) * Gp + r0;
         vec w[CV];
         for (int v = 0; v < nv; v++) w[v] = *(const vec *)(vr + VL * v);
-        for (int r = 0; r < NRV; r++) {
+        for (int r = 0; r < NR; r++) {
             const float x = pj[r]; /* rows past nr read other columns of p: their sums are never stored */
             for (int v = 0; v < nv; v++) acc[r][v] += x * w[v];
         }
@@ -99,14 +129,19 @@ static inline __attribute__((always_inline)) void value_cols(int nv, const float
 static NOINLINE void chunk_partial(const float *K, const float *V, const int64_t *table, int ps, int D, int64_t j0,
                                    int64_t j1, const float *qt, int Gp, int G, int nt, int64_t first, int64_t W,
                                    float *st, float *m, float *l, float *acc) {
-    for (int v0 = 0; v0 < Gp; v0 += VL * CV) {
-        switch ((Gp - v0) / VL < CV ? (Gp - v0) / VL : CV) {
-        case 1: score_cols(1, K, table, ps, D, j0, j1, qt, Gp, v0, st); break;
-        case 2: score_cols(2, K, table, ps, D, j0, j1, qt, Gp, v0, st); break;
-        case 3: score_cols(3, K, table, ps, D, j0, j1, qt, Gp, v0, st); break;
-        default: score_cols(CV, K, table, ps, D, j0, j1, qt, Gp, v0, st); break;
+#if VL == 16
+    if (G <= 8)
+        score_cols8(K, table, ps, D, j0, j1, qt, Gp, st);
+    else
+#endif
+        for (int v0 = 0; v0 < Gp; v0 += VL * CV) {
+            switch ((Gp - v0) / VL < CV ? (Gp - v0) / VL : CV) {
+            case 1: score_cols(1, K, table, ps, D, j0, j1, qt, Gp, v0, st); break;
+            case 2: score_cols(2, K, table, ps, D, j0, j1, qt, Gp, v0, st); break;
+            case 3: score_cols(3, K, table, ps, D, j0, j1, qt, Gp, v0, st); break;
+            default: score_cols(CV, K, table, ps, D, j0, j1, qt, Gp, v0, st); break;
+            }
         }
-    }
     for (int r = 0; r < Gp; r++) m[r] = -INFINITY;
     for (int64_t j = j0; j < j1; j++) {
         float *sj = st + (j - j0) * Gp;
@@ -131,11 +166,21 @@ static NOINLINE void chunk_partial(const float *K, const float *V, const int64_t
     for (int r0 = 0; r0 < G; r0 += NRV) {
         const int nr = G - r0 < NRV ? G - r0 : NRV;
         for (int d0 = 0; d0 < D; d0 += VL * CV) {
-            switch ((D - d0) / VL < CV ? (D - d0) / VL : CV) {
-            case 1: value_cols(1, V, table, ps, D, j0, j1, st, Gp, r0, nr, d0, acc); break;
-            case 2: value_cols(2, V, table, ps, D, j0, j1, st, Gp, r0, nr, d0, acc); break;
-            case 3: value_cols(3, V, table, ps, D, j0, j1, st, Gp, r0, nr, d0, acc); break;
-            default: value_cols(CV, V, table, ps, D, j0, j1, st, Gp, r0, nr, d0, acc); break;
+            const int nv = (D - d0) / VL < CV ? (D - d0) / VL : CV;
+            if (nr <= 4) { /* a decode's group of 4 (GQA): no tile rows past it */
+                switch (nv) {
+                case 1: value_cols(1, 4, V, table, ps, D, j0, j1, st, Gp, r0, nr, d0, acc); break;
+                case 2: value_cols(2, 4, V, table, ps, D, j0, j1, st, Gp, r0, nr, d0, acc); break;
+                case 3: value_cols(3, 4, V, table, ps, D, j0, j1, st, Gp, r0, nr, d0, acc); break;
+                default: value_cols(CV, 4, V, table, ps, D, j0, j1, st, Gp, r0, nr, d0, acc); break;
+                }
+                continue;
+            }
+            switch (nv) {
+            case 1: value_cols(1, NRV, V, table, ps, D, j0, j1, st, Gp, r0, nr, d0, acc); break;
+            case 2: value_cols(2, NRV, V, table, ps, D, j0, j1, st, Gp, r0, nr, d0, acc); break;
+            case 3: value_cols(3, NRV, V, table, ps, D, j0, j1, st, Gp, r0, nr, d0, acc); break;
+            default: value_cols(CV, NRV, V, table, ps, D, j0, j1, st, Gp, r0, nr, d0, acc); break;
             }
         }
     }
