@@ -345,7 +345,7 @@ class LayerStack:
         """``layers``: per layer (qkv, qkv bias, q/k norm, o, o bias, post-attention norm, gate_up,
         gate_up bias, down, down bias, post-feedforward norm, rotary table 0 or 1)."""
         hq, hkv, d = heads
-        if act is None or not layers or not kernels_available():
+        if act is None or not layers:
             return None
         rows, keep = [], []
         hidden, inter = getattr(layers[0][0], "k", 0), getattr(layers[0][8], "k", 0)
@@ -367,6 +367,8 @@ class LayerStack:
                          *proj_fields(pd, addr[4]), pq[0]._scale_ptr or 0,
                          0 if qk_norm is None else qk_norm.data_ptr(), addr[2], pg[0]._scale_ptr or 0, addr[5],
                          rope])
+        if not kernels_available():  # asked last: fp32 weights never load the library for it
+            return None
         return cls(torch.tensor(rows, dtype=torch.int64), keep, heads, hidden, inter, act)
 
     def run(self, ctx: object, x: torch.Tensor, ropes: Sequence[tuple[torch.Tensor, torch.Tensor]], eps: float,
