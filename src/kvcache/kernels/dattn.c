@@ -11,6 +11,8 @@
  * kv_q_attn_block: the whole attention half of a layer with quantized weights: the input norm and
  * the q|k|v projection, the above, the output projection and the residual (through Gemma 3's
  * post-attention norm when it has one), in one parallel region.
+ * kv_q_layers: every layer of a forward (kv_q_attn_block's steps, then kv_q_mlp's) in one parallel
+ * region, the threads never leaving it between layers.
  *
  * Layouts (N rows in all; S = slots in the pool = pages * ps):
  *   qkv    [N, (hq + 2 hkv) * D] float, rows ldq apart (q and k heads are rotated in place)
