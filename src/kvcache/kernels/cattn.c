@@ -84,7 +84,6 @@ static NOINLINE void score_cols8(const float *K, const int64_t *table, int ps, i
         const int nk = j1 - j < NK ? (int)(j1 - j) : NK;
         const float *kr[NK];
         for (int kk = 0; kk < NK; kk++) kr[kk] = K + slot(table, ps, kk < nk ? j + kk : j) * D;
-
         vec8 acc[NK];
         for (int kk = 0; kk < NK; kk++) acc[kk] = (vec8){0};
         for (int c = 0; c < D; c++) {
@@ -120,6 +119,18 @@ static inline __attribute__((always_inline)) void value_cols(int nv, int NR, con
     }
     for (int r = 0; r < nr; r++)
         for (int v = 0; v < nv; v++) *(vec *)(o + (int64_t)(r0 + r) * D + d0 + VL * v) = acc[r][v];
+}
+
+/* value_cols with nv made a constant (1 .. CV vectors of the head dimension) for NR tile rows. */
+static inline __attribute__((always_inline)) void value_tile(int nv, int NR, const float *V, const int64_t *table,
+                                                             int ps, int D, int64_t j0, int64_t j1, const float *p,
+                                                             int Gp, int r0, int nr, int d0, float *o) {
+    switch (nv) {
+    case 1: value_cols(1, NR, V, table, ps, D, j0, j1, p, Gp, r0, nr, d0, o); break;
+    case 2: value_cols(2, NR, V, table, ps, D, j0, j1, p, Gp, r0, nr, d0, o); break;
+    case 3: value_cols(3, NR, V, table, ps, D, j0, j1, p, Gp, r0, nr, d0, o); break;
+    default: value_cols(CV, NR, V, table, ps, D, j0, j1, p, Gp, r0, nr, d0, o); break;
+    }
 }
 
 /* One chunk (keys j0 .. j1 - 1) for the G query rows in qt [D, Gp]: row r is new token r % nt,
@@ -167,21 +178,10 @@ static NOINLINE void chunk_partial(const float *K, const float *V, const int64_t
         const int nr = G - r0 < NRV ? G - r0 : NRV;
         for (int d0 = 0; d0 < D; d0 += VL * CV) {
             const int nv = (D - d0) / VL < CV ? (D - d0) / VL : CV;
-            if (nr <= 4) { /* a decode's group of 4 (GQA): no tile rows past it */
-                switch (nv) {
-                case 1: value_cols(1, 4, V, table, ps, D, j0, j1, st, Gp, r0, nr, d0, acc); break;
-                case 2: value_cols(2, 4, V, table, ps, D, j0, j1, st, Gp, r0, nr, d0, acc); break;
-                case 3: value_cols(3, 4, V, table, ps, D, j0, j1, st, Gp, r0, nr, d0, acc); break;
-                default: value_cols(CV, 4, V, table, ps, D, j0, j1, st, Gp, r0, nr, d0, acc); break;
-                }
-                continue;
-            }
-            switch (nv) {
-            case 1: value_cols(1, NRV, V, table, ps, D, j0, j1, st, Gp, r0, nr, d0, acc); break;
-            case 2: value_cols(2, NRV, V, table, ps, D, j0, j1, st, Gp, r0, nr, d0, acc); break;
-            case 3: value_cols(3, NRV, V, table, ps, D, j0, j1, st, Gp, r0, nr, d0, acc); break;
-            default: value_cols(CV, NRV, V, table, ps, D, j0, j1, st, Gp, r0, nr, d0, acc); break;
-            }
+            if (nr <= 4) /* a decode's group of 4 (GQA): no tile rows past it */
+                value_tile(nv, 4, V, table, ps, D, j0, j1, st, Gp, r0, nr, d0, acc);
+            else
+                value_tile(nv, NRV, V, table, ps, D, j0, j1, st, Gp, r0, nr, d0, acc);
         }
     }
 }
