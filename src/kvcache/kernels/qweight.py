@@ -261,8 +261,19 @@ def proj_fields(parts: list[QWeight], bias: int) -> list[int]:
     return f + [0] * (5 * (MAX_PARTS - len(parts))) + [bias]
 
 
-def _fields(parts: list[QWeight], bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    return torch.tensor(proj_fields(parts, 0 if bias is None else _vector_ptr(bias, n, "bias")), dtype=torch.int64)
+def _projection(w: object, bias: torch.Tensor | None) -> tuple[list[QWeight], torch.Tensor | None]:
+    """``proj_parts(w)`` and its fields with ``bias`` as a tensor for the per-half calls, kept on the
+    weight from call to call (a recompute makes those calls for every layer of every step);
+    ([], None) for anything but a QWeight or a QStack."""
+    if type(w) is not QWeight and type(w) is not QStack:
+        return [], None
+    key = 0 if bias is None else _vector_ptr(bias, w.out, "bias")  # type: ignore[attr-defined]
+    kept = w.__dict__.setdefault("_projections", {})
+    hit = kept.get(key)
+    if hit is None:
+        parts = proj_parts(w)
+        hit = kept[key] = (parts, torch.tensor(proj_fields(parts, key), dtype=torch.int64) if parts else None)
+    return hit
 
 
 def fused_mlp(x: torch.Tensor, gate_up: object, down: object, act: int | None, eps: float,
@@ -272,12 +283,13 @@ def fused_mlp(x: torch.Tensor, gate_up: object, down: object, act: int | None, e
     native call (kernels/qgemm.c kv_q_mlp), when both weights are quantized (gate_up may be a QStack,
     see ``proj_parts``) and the activation has a kernel (``act``: 0 silu, 1 tanh GELU; None: none).
     False: not done here."""
-    pg, pd = proj_parts(gate_up), proj_parts(down)
-    if (act is None or not pg or len(pd) != 1 or x.dtype != torch.float32 or x.dim() != 2 or not x.is_cpu
+    if act is None:
+        return False
+    (pg, gu), (pd, dn) = _projection(gate_up, gate_up_bias), _projection(down, down_bias)
+    if (gu is None or dn is None or len(pd) != 1 or x.dtype != torch.float32 or x.dim() != 2 or not x.is_cpu
             or x.stride(1) != 1 or x.shape[1] != gate_up.k  # type: ignore[attr-defined]
             or down.out != gate_up.k or 2 * down.k != gate_up.out):  # type: ignore[attr-defined]
         return False
-    gu, dn = _fields(pg, gate_up_bias, gate_up.out), _fields(pd, down_bias, down.out)  # type: ignore[attr-defined]
     rc = _lib().kv_q_mlp(
         x.shape[0], pg[0].k, pd[0].k, x.data_ptr(), x.stride(0), pg[0]._scale_ptr, eps, gu.data_ptr(), dn.data_ptr(),
         act, None if post_norm is None else _vector_ptr(post_norm, pd[0].out, "norm weight"), post_eps,
@@ -303,8 +315,8 @@ def attn_block(x: torch.Tensor, weights: tuple, heads: tuple[int, int, int], cos
     hq, hkv, d = heads
     tables, row0, nnew, lens = rows
     n = x.shape[0]
-    pq, po = proj_parts(qkv), proj_parts(o)
-    if (not pq or len(po) != 1 or x.dtype != torch.float32 or x.dim() != 2
+    (pq, wq), (po, wo) = _projection(qkv, qkv_b), _projection(o, o_b)
+    if (wq is None or wo is None or len(po) != 1 or x.dtype != torch.float32 or x.dim() != 2
             or not x.is_cpu or x.stride(1) != 1 or x.shape[1] != qkv.k or o.out != qkv.k or o.k != hq * d
             or qkv.out != (hq + 2 * hkv) * d or flat.dtype != torch.float32 or not flat.is_contiguous()
             or flat.shape[1] != hkv or flat.shape[3] != d or cos.shape[0] != n or not cos.is_contiguous()
@@ -312,7 +324,6 @@ def attn_block(x: torch.Tensor, weights: tuple, heads: tuple[int, int, int], cos
             or slots.shape[0] != n):
         return False
     rot = cos.numel() // n
-    wq, wo = _fields(pq, qkv_b, qkv.out), _fields(po, o_b, o.out)
     rc = _lib().kv_q_attn_block(
         n, qkv.k, x.data_ptr(), x.stride(0), pq[0]._scale_ptr, eps, wq.data_ptr(), hq, hkv, d, rot, cos.data_ptr(),
         sin.data_ptr(), None if qk_norm is None else qk_norm.data_ptr(), flat.data_ptr(), page_size,
