@@ -84,6 +84,7 @@ def test_forged_entries_are_misses_and_removed(tiny_dir, tmp_path, forger):
     assert got.cached_tokens == 0 and got.token_ids == want.token_ids
     assert victim.prefix_stats().rejected == 10  # every page the lookup asked for, each removed
     assert victim.runner.prefix.tiers.stats.rejected == 10
+    victim.close()  # the rewrites are on disk once it returns (its writer thread drains first)
     again = LLM(path, kv="dynamic,page_size=4", prefix=PrefixConfig(disk=str(tmp_path), secret="s3cret"))
     assert again.generate([PROMPT[:-1] + [9]], params)[0].cached_tokens == 40  # rewritten by the victim
 

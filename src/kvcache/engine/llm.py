@@ -287,6 +287,24 @@ class LLM:
         """Assert the page accounting: every page free, referenced or cached (see PagedKVCache)."""
         self.runner.check_integrity()
 
+    # -- stopping ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Write every page queued for the disk/Redis tiers, stop their writer thread and close
+        them (a write still queued after ``CLOSE_TIMEOUT_S`` is dropped whole: an entry is on disk
+        complete or not at all). Idempotent; leaving a ``with LLM(...)`` block calls it, and the
+        interpreter's exit does when nobody did. Pages cached in RAM stay usable; later tier
+        writes happen at once on the caller's thread."""
+        if self.runner.prefix is not None:
+            self.runner.prefix.close()
+        if self.draft is not None:
+            self.draft.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def _check_messages(messages: list) -> Messages:
     if not messages:

@@ -28,11 +28,14 @@ lock.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
+from functools import partial
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -42,6 +45,17 @@ from kvcache.prefix.tier_disk import DiskTier
 from kvcache.prefix.tier_redis import RedisTier
 
 __all__ = ["DiskTier", "RedisTier", "Tier", "TierChain", "TierStats", "TierUnavailable"]
+
+CLOSE_TIMEOUT_S = 30.0  # close() waits this long for queued writes; what is left then is dropped
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    """The interpreter is exiting with a chain nobody closed: drain it now, while threads still
+    run (a writer thread left in the middle of encoding a page when the interpreter finalizes
+    would abort the process)."""
+    chain = ref()
+    if chain is not None:
+        chain.close()
 
 
 def _in_thread(fn: Callable[[], Any]) -> Future:
@@ -63,7 +77,9 @@ class TierChain:
 
     ``put_async`` queues a write (at most ``queue_size``; beyond that writes are dropped and
     counted, never waited for) for the writer thread, the only other thread here. ``flush`` waits
-    for the queue to drain; ``close`` flushes and stops the thread.
+    for the queue to drain; ``close`` flushes (at most ``CLOSE_TIMEOUT_S``, then drops what is
+    left, each write whole or not at all) and stops the thread. A chain still open when the
+    interpreter exits is closed then (an ``atexit`` hook), so every stop drains its writes.
     """
 
     def __init__(self, tiers: list[Tier], queue_size: int = 1024, read_timeout_s: float = 2.0,
@@ -80,9 +96,12 @@ class TierChain:
         self._lock = threading.Lock()
         self._warned: set[str] = set()
         self._closed = False
+        self._cancel = False  # set by a close that ran out of time: the writer drops what is left
         self._q: queue.Queue = queue.Queue(maxsize=queue_size)
         self._writer = threading.Thread(target=self._write_loop, name="kvcache-tiers", daemon=True)
         self._writer.start()
+        self._at_exit = partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
 
     # -- reading ----------------------------------------------------------------------------------
     def get(self, key: bytes) -> bytes | None:
@@ -196,6 +215,10 @@ class TierChain:
             try:
                 if item is None:
                     return
+                if self._cancel:
+                    with self._lock:
+                        self._stats.dropped += 1
+                    continue
                 self.put(*item)
             except Exception:  # put counts its own failures; the thread must outlive anything
                 pass
@@ -215,14 +238,32 @@ class TierChain:
         if not self._closed:
             self._q.join()
 
-    def close(self) -> None:
-        """Finish the queued writes, stop the writer thread and close the tiers. Idempotent."""
+    def _drained(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for every queued write to be done; whether they are."""
+        deadline = time.monotonic() + timeout_s
+        done = self._q.all_tasks_done
+        with done:
+            while self._q.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                done.wait(left)
+        return True
+
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Finish the queued writes (for at most ``timeout_s``; the writes still queued then are
+        dropped and counted, and the one being written finishes), stop the writer thread and
+        close the tiers. Idempotent."""
         if self._closed:
             return
-        self.flush()
-        self._closed = True
-        self._q.put(None)
-        self._writer.join(timeout=30)
+        atexit.unregister(self._at_exit)
+        self._cancel = not self._drained(timeout_s)
+        self._closed = True  # put_async writes at once from now on
+        try:
+            self._q.put(None, timeout=5)
+        except queue.Full:  # a writer stuck in a tier: it is a daemon, left behind
+            pass
+        self._writer.join(timeout=5 if self._cancel else timeout_s)
         for tier in self.tiers:
             close = getattr(tier, "close", None)
             if close is not None:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from kvcache.cliargs import add_model_args, add_prefix_args, load_llm
 from kvcache.errors import InvalidParams
@@ -91,6 +94,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvcache.fmt import human_bytes
     from kvcache.server.app import build_app
 
+    # SIGTERM while the model loads stops like Ctrl-C (nothing is written yet); once serving,
+    # both are a graceful shutdown (_signals_recorded)
+    signal.signal(signal.SIGTERM, _interrupt)
     llm = load_llm(args, SERVE_BUDGET)
     app = build_app(llm, args.served_model_name, scheduler=sched, auth=auth, limits=limits)
     name = app.state.kv.model_name
@@ -102,5 +108,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvcache.server.guard import GuardedH11
 
     GuardedH11.head_timeout_s = args.head_timeout
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=GuardedH11)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           http=GuardedH11))
+    with _signals_recorded():
+        try:
+            server.run()  # returns after a graceful shutdown; the app's lifespan stops the engine
+        finally:
+            llm.close()  # every queued tier write done (or dropped whole) before the interpreter exits
     return 0
+
+
+@contextmanager
+def _signals_recorded() -> Iterator[None]:
+    """SIGINT and SIGTERM only noted while uvicorn runs. uvicorn handles both (a graceful
+    shutdown), then restores the handlers it found and raises each signal again: with Python's
+    defaults that is a KeyboardInterrupt (SIGINT) or the process killed where it stands
+    (SIGTERM), before the prefix cache's tiers could drain. With these, the stop goes on to
+    ``LLM.close`` and exits 0."""
+    seen: list[int] = []
+    handled = (signal.SIGINT, signal.SIGTERM)
+    before = {sig: signal.signal(sig, lambda signum, _frame: seen.append(signum)) for sig in handled}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")

@@ -1,0 +1,149 @@
+"""Every stop of `kvcache serve` with the disk tier is clean: SIGINT and SIGTERM, while the tier's
+writer is still encoding a long prompt's pages or after it is done, beside a stream that is still
+running. Each stop exits 0 with no traceback or abort, the stream gets its whole answer, and the
+folder holds exactly the entries a stop after a flush holds, each one complete and valid (no
+temporary file left). ``LLM.close`` and a ``with`` block drain the writer the same way.
+
+KVCACHE_STOP_ROUNDS=50 runs fifty stops (RELIABILITY.md); the suite runs four."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvcache import LLM, SamplingParams
+from kvcache.prefix.config import PrefixConfig
+from kvcache.prefix.entry import decode_entry, mac_key
+from test_server import Server, _model
+
+SECRET = "stop-test-secret"
+# about 1,000 tokens of the bundled model's tokenizer, the same text every round
+PROMPT = " ".join(f"Paragraph {i}: the river keeps its course past mill number {i * 7} and the old bridge."
+                  for i in range(60))
+ROUNDS = int(os.environ.get("KVCACHE_STOP_ROUNDS", "4"))
+
+
+def _entries(folder: Path) -> tuple[int, list[str]]:
+    """How many entries ``folder`` holds, and what is wrong with it (left-over temporary files,
+    entries that do not decode under their key)."""
+    problems = [f"temporary file left: {f.name}" for f in folder.rglob("*.tmp")]
+    count = 0
+    for f in folder.rglob("*.kv"):
+        count += 1
+        if decode_entry(f.read_bytes(), bytes.fromhex(f.stem), mac_key(SECRET)) is None:
+            problems.append(f"invalid entry: {f.name}")
+    return count, problems
+
+
+def _serve(folder: Path, secret_file: Path) -> Server:
+    from kvcache.models.bundled import default_gguf
+
+    return Server(str(default_gguf()), "--prefix-dir", str(folder), "--tier-secret-file", str(secret_file))
+
+
+def _stream(server: Server, out: dict, started: threading.Event) -> None:
+    """A healthy stream running while the server is told to stop: it must get its whole answer."""
+    client = server.client()
+    try:
+        chunks = client.chat.completions.create(model=_model(server), stream=True, max_tokens=48, temperature=0,
+                                                messages=[{"role": "user", "content": "Name three rivers."}])
+        for c in chunks:
+            started.set()
+            if c.choices and c.choices[0].finish_reason:
+                out["finish"] = c.choices[0].finish_reason
+    finally:
+        started.set()
+
+
+def _stop(server: Server, sig: int, in_flight: bool) -> tuple[int, str, dict]:
+    """One long prompt, then ``sig``: at once (the writer still encoding its pages) or once the
+    tier has taken every write; a stream runs beside it."""
+    client = server.client()
+    done = client.completions.create(model=_model(server), prompt=PROMPT, max_tokens=1, temperature=0)
+    assert done.usage.prompt_tokens > 900
+    stream: dict = {}
+    started = threading.Event()
+    t = threading.Thread(target=_stream, args=(server, stream, started))
+    if not in_flight:
+        _settle(server)
+    t.start()
+    started.wait(60)  # the stream's first chunk is out: the stop comes in the middle of it
+    server.proc.send_signal(sig)
+    out, _ = server.proc.communicate(timeout=120)
+    t.join(timeout=60)
+    return server.proc.returncode, out, stream
+
+
+def _settle(server: Server) -> None:
+    """Wait until the tier's write counter stops moving."""
+    last, still = -1, 0
+    while still < 3:
+        writes = json.loads(server.get("/v1/cache/stats")[1])["prefix"]["tiers"]["writes"]
+        still = still + 1 if writes == last else 0
+        last = writes
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_every_stop_drains_the_disk_tier(tmp_path):
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(SECRET + "\n")
+    secret_file.chmod(0o600)
+    want = None
+    for r in range(ROUNDS):
+        sig = signal.SIGINT if r % 2 == 0 else signal.SIGTERM
+        in_flight = r % 4 < 2
+        folder = tmp_path / f"round{r}"
+        code, log, stream = _stop(_serve(folder, secret_file), sig, in_flight)
+        where = f"round {r} ({signal.Signals(sig).name}, {'writes in flight' if in_flight else 'writes done'})"
+        assert code == 0, f"{where}: exit {code}\n{log[-3000:]}"
+        for bad in ("Traceback", "FATAL", "terminate called"):
+            assert bad not in log, f"{where}: {bad!r} in the log\n{log[-3000:]}"
+        assert stream.get("finish") in ("stop", "length"), f"{where}: the running stream was cut: {stream}"
+        count, problems = _entries(folder)
+        assert not problems, f"{where}: {problems[:5]}"
+        want = count if want is None else want
+        assert count == want > 0, f"{where}: {count} entries, a drained stop leaves {want}"
+
+
+def test_close_and_with_drain_the_writer(tiny_dir, tmp_path):
+    path = str(tiny_dir("llama")[0])
+    prompt = list(range(2, 120))
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    counts = []
+    for how in ("close", "with"):
+        folder = tmp_path / how
+        prefix = PrefixConfig(disk=str(folder), secret=SECRET)
+        if how == "close":
+            llm = LLM(path, kv="dynamic,page_size=4", prefix=prefix)
+            llm.generate([prompt], params)
+            llm.close()
+            llm.close()  # idempotent
+        else:
+            with LLM(path, kv="dynamic,page_size=4", prefix=prefix) as llm:
+                llm.generate([prompt], params)
+        count, problems = _entries(folder)
+        assert not problems
+        counts.append(count)
+    assert counts[0] == counts[1] == 29  # 118 tokens and one generated, pages of 4: every full page
+
+
+def test_the_interpreters_exit_drains_an_unclosed_llm(tiny_dir, tmp_path):
+    """A script that never closes its LLM still leaves every page it cached, and exits 0."""
+    path = str(tiny_dir("llama")[0])
+    script = (
+        "import sys\nfrom kvcache import LLM, SamplingParams\nfrom kvcache.prefix.config import PrefixConfig\n"
+        f"llm = LLM({path!r}, kv='dynamic,page_size=4', prefix=PrefixConfig(disk={str(tmp_path)!r}, secret={SECRET!r}))\n"
+        "llm.generate([list(range(2, 120))], SamplingParams(max_tokens=2, ignore_eos=True))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    count, problems = _entries(tmp_path)
+    assert not problems and count == 29
