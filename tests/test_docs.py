@@ -31,3 +31,23 @@ def test_architecture_and_readme_cite_only_files_that_exist():
 
 def test_a_missing_file_is_reported():
     assert missing("see cache/pages.py and cache/nowhere.py", [Path("src/kvcache/cache/pages.py")]) == ["cache/nowhere.py"]
+
+
+def _backticked(text: str) -> set[str]:
+    return set(re.findall(r"`([a-z_]+)`", text))
+
+
+def test_the_documented_refused_parameters_are_the_servers():
+    """README and RELIABILITY.md name exactly the parameters the server refuses as not implemented
+    (server/intake.py's UNSUPPORTED, and best_of), no fewer and none that works."""
+    from kvcache.server.intake import UNSUPPORTED
+
+    refused = set(UNSUPPORTED) | {"best_of"}
+    readme = (ROOT / "README.md").read_text()
+    lists = re.findall(r"does not implement \(([^)]*)\)", readme, flags=re.S)
+    assert len(lists) == 2, "README names the refused parameters in its serving and sampling paragraphs"
+    for found in lists:
+        assert _backticked(found) - {"n"} == refused, found
+    rows = [line for line in (ROOT / "RELIABILITY.md").read_text().splitlines() if "unsupported_parameter" in line]
+    assert len(rows) == 1
+    assert _backticked(rows[0].split("|")[1]) - {"n"} == refused, rows[0]
