@@ -241,10 +241,10 @@ def test_damaged_disk_entries_are_misses_never_wrong_output(tiny_path, disk_serv
     prompt = _long_prompts(1, 60)[0]
     want = _reference(tiny_path, [prompt], 6)[0]
     ids, _ = _complete(s, prompt, 6)  # written through to disk (the RAM index keeps nothing)
-    time.sleep(0.3)
+    s.flush()  # the tier writes are done
     ids, cached = _complete(s, prompt, 6)
     assert ids == want and cached == 56  # restored from disk
-    time.sleep(0.3)
+    s.flush()  # the tier writes are done
     for f in s.dir.rglob("*.kv"):
         damage(f)
 
@@ -253,7 +253,7 @@ def test_damaged_disk_entries_are_misses_never_wrong_output(tiny_path, disk_serv
 
     ids, cached = _beside_streams(s, again, streams=2, tokens=40)
     assert ids == want and cached == 0  # every damaged entry refused: recomputed
-    time.sleep(0.3)
+    s.flush()  # the tier writes are done
     ids, cached = _complete(s, prompt, 6)
     assert ids == want and cached == 56  # rewritten by the request that recomputed them
     _settled(s)

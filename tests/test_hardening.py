@@ -196,15 +196,15 @@ def test_fifos_and_devices_in_the_disk_tier_never_stop_the_engine(tiny_path, dis
     prompt = _long_prompts(1, 60)[0]
     want = _reference(tiny_path, [prompt], 6)[0]
     _complete(s, prompt, 6)  # written through to disk (the RAM index keeps nothing)
-    time.sleep(0.3)
+    s.flush()  # the tier writes are done
     assert _complete(s, prompt, 6) == (want, 56)  # restored from disk
-    time.sleep(0.3)
+    s.flush()  # the tier writes are done
     for f in list(s.dir.rglob("*.kv")):
         _plant(f, kind)
     assert s.get("/health")[0] == 200
     ids, cached = _beside_streams(s, lambda: _complete(s, prompt, 6), streams=2, tokens=40)
     assert ids == want and cached == 0  # every planted entry refused: recomputed
-    time.sleep(0.3)
+    s.flush()  # the tier writes are done
     assert _complete(s, prompt, 6) == (want, 56)  # rewritten as plain files
     _settled(s)
 
@@ -229,6 +229,20 @@ def _redis_with_debug() -> tuple[subprocess.Popen, int]:
         time.sleep(0.05)
 
 
+def _until_asleep(port: int) -> None:
+    """Return once the Redis on ``port`` no longer answers a PING within 0.2 s."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as c:
+                c.sendall(b"PING\r\n")
+                c.recv(16)
+        except OSError:  # a timeout: it sleeps
+            return
+        time.sleep(0.05)
+    raise AssertionError("redis-server never went to sleep")
+
+
 def test_a_redis_that_sleeps_ten_seconds_never_stops_the_engine(tiny_path, tmp_path):
     proc, port = _redis_with_debug()
     s = Server(tiny_path, "--kv", "dynamic,page_size=4", "--redis", f"redis://127.0.0.1:{port}/0",
@@ -237,12 +251,12 @@ def test_a_redis_that_sleeps_ten_seconds_never_stops_the_engine(tiny_path, tmp_p
         prompt = _long_prompts(1, 60)[0]
         want = _reference(tiny_path, [prompt], 6)[0]
         _complete(s, prompt, 6)
-        time.sleep(0.3)
+        s.flush()  # the tier writes are done
         assert _complete(s, prompt, 6) == (want, 56)  # restored from Redis
         sleeper = threading.Thread(target=lambda: subprocess.run(
             ["redis-cli", "-p", str(port), "DEBUG", "SLEEP", "10"], capture_output=True, timeout=30), daemon=True)
         sleeper.start()
-        time.sleep(0.3)
+        _until_asleep(port)
         t0 = time.monotonic()
         ids, cached = _beside_streams(s, lambda: _complete(s, prompt, 6), streams=2, tokens=40)
         assert ids == want and cached == 0 and time.monotonic() - t0 < 8.0
@@ -284,7 +298,7 @@ def test_default_tiers_carry_a_mac_with_the_installations_secret(tiny_path, disk
     prompt = _long_prompts(1, 48)[0]
     want = _reference(tiny_path, [prompt], 6)[0]
     _complete(s, prompt, 6)
-    time.sleep(0.3)
+    s.flush()  # the tier writes are done
     secret_file = s.home / "tier-secret"
     assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600
     key = mac_key(secret_file.read_text().strip())
@@ -306,7 +320,7 @@ def test_unsigned_tiers_are_an_explicit_choice(tiny_path, tmp_path):
                "--tier-unsigned", env={"KVCACHE_HOME": str(tmp_path / "home")})
     try:
         _complete(s, prompt, 6)
-        time.sleep(0.3)
+        s.flush()  # the tier writes are done
         assert not (tmp_path / "home" / "tier-secret").exists()
         for f in (tmp_path / "d").rglob("*.kv"):
             assert decode_entry(f.read_bytes(), bytes.fromhex(f.stem)) is not None  # a CRC: forgeable, as chosen

@@ -62,6 +62,11 @@ class Server:
         """The whole cache report with the integrity check (an admin's view)."""
         return json.loads(self.get("/v1/cache/stats?check=true", self.admin)[1])
 
+    def flush(self) -> None:
+        """Wait until every page queued for the server's disk/Redis tiers is written."""
+        code, text = self.get("/v1/cache/stats?flush=true", self.admin)
+        assert code == 200, text
+
     def close(self) -> None:
         self.proc.terminate()
         try:

@@ -145,12 +145,17 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
         return PlainTextResponse(state.metrics.render(gauges), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/cache/stats")
-    async def cache_stats(http: HttpRequest, check: bool = False) -> dict[str, Any]:
+    async def cache_stats(http: HttpRequest, check: bool = False, flush: bool = False) -> dict[str, Any]:
         """Admins (everyone on an open server): the whole cache, and with ``?check=true`` the page
-        accounting's integrity check. Other keys: their own tenant's share of the prefix cache."""
+        accounting's integrity check; ``?flush=true`` first waits until every page queued for the
+        disk/Redis tiers is written (what a finished request left is then readable by another
+        process). Other keys: their own tenant's share of the prefix cache."""
         caller = state.caller(http)
-        if check and not caller.admin:
-            raise ApiError(403, "the integrity check needs an admin key", "permission_error", param="check")
+        for asked, what in ((check, "check"), (flush, "flush")):
+            if asked and not caller.admin:
+                raise ApiError(403, f"?{what}=true needs an admin key", "permission_error", param=what)
+        if flush:
+            await asyncio.to_thread(state.llm.flush)
         report = (lambda: _cache_report(state, check)) if caller.admin else (lambda: _tenant_report(state, caller))
         return await asyncio.to_thread(state.engine.call, report)
 
