@@ -2,7 +2,10 @@
 `openai` client: ``.parse()`` with a Pydantic model, json_object and the guided_* parameters on
 both endpoints, a tool round trip (call -> tool message -> answer), ``required`` and a named
 function forced by the grammar, streamed tool-call deltas that reassemble into the non-streamed
-call, and bad constraints refused with a 400 naming them beside healthy streams."""
+call, and bad constraints refused with a 400 naming them beside healthy streams. A forced call ends
+the turn (one call, "tool_calls") with parallel calls allowed or not, streamed or not; the openai
+package's ``chat.completions.stream`` helper parses a pydantic tool; a tool message must answer an
+earlier call."""
 
 from __future__ import annotations
 
@@ -211,3 +214,109 @@ def _token_id(text: str) -> int:
 
     (tid,) = Tokenizer.from_dir(resolve_model(None).path).encode(text, add_special_tokens=False)
     return tid
+
+
+# --- forced calls end; the openai package's stream helper; tool messages answer earlier calls -------
+
+class User(BaseModel):
+    """A person (the shape instructor's examples extract)."""
+
+    name: str
+    age: int
+
+
+USER_TOOL = {"type": "function", "function": {
+    "name": "User", "description": "Correctly extracted `User` with all the required parameters with correct types",
+    "parameters": User.model_json_schema()}}
+EXTRACT = [{"role": "user", "content": "Extract: Jason is 25 years old"}]
+
+
+def _calls_of(client, model, stream: bool, **kw) -> tuple[str | None, list[tuple[str, str]]]:
+    """finish_reason and (name, arguments) of each call, from a whole reply or reassembled from a stream."""
+    if not stream:
+        c = client.chat.completions.create(model=model, **kw).choices[0]
+        return c.finish_reason, [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(model=model, stream=True, **kw):
+        for ch in chunk.choices:
+            assert not (ch.delta.content or "").strip(), ch.delta  # a forced turn has no content
+            finish = ch.finish_reason or finish
+            for d in ch.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, ["", ""])
+                if d.function is not None:
+                    entry[0] += d.function.name or ""
+                    entry[1] += d.function.arguments or ""
+    return finish, [(n, a) for _, (n, a) in sorted(calls.items())]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("parallel", [None, False], ids=["parallel-default", "parallel-false"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "User"}}],
+                         ids=["required", "named"])
+def test_a_forced_call_ends_the_turn_after_the_call(server, client, choice, parallel, stream):
+    """After a complete call the turn may end; the model ends it rather than writing the same call again
+    (it prefers prose to another call, and prose is not allowed): one call, finish_reason "tool_calls"."""
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    finish, calls = _calls_of(client, _model(server), stream, messages=EXTRACT, tools=[USER_TOOL],
+                              tool_choice=choice, max_tokens=200, temperature=0, **extra)
+    assert finish == "tool_calls" and len(calls) == 1, (finish, calls)
+    assert calls[0][0] == "User"
+    User.model_validate_json(calls[0][1])
+
+
+def test_sampled_forced_calls_end_with_tool_calls(server, client):
+    """Sampled at temperature 1: no reply runs to max_tokens for the grammar's sake, every call is valid,
+    and most replies hold one call (a second one only where the model sampled ``<`` after a newline)."""
+    model = _model(server)
+    counts = []
+    for seed in range(6):
+        finish, calls = _calls_of(client, model, seed % 2 == 1, messages=EXTRACT, tools=[USER_TOOL],
+                                  tool_choice="required", max_tokens=200, temperature=1.0, seed=seed)
+        assert finish == "tool_calls" and calls, (seed, finish, calls)
+        for _, arguments in calls:
+            User.model_validate_json(arguments)
+        counts.append(len(calls))
+    assert counts.count(1) >= 4, counts
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "User"}}],
+                         ids=["required", "named"])
+def test_the_openai_stream_helper_parses_a_pydantic_tool(server, client, choice):
+    """``client.chat.completions.stream`` with ``openai.pydantic_function_tool``: argument delta and done
+    events, and the final completion's ``parsed_arguments`` is the model instance."""
+    events = []
+    with client.chat.completions.stream(model=_model(server), messages=EXTRACT, max_tokens=200, temperature=0,
+                                        tools=[openai.pydantic_function_tool(User)], tool_choice=choice) as stream:
+        for event in stream:
+            events.append(event)
+        final = stream.get_final_completion()
+    kinds = [e.type for e in events]
+    assert "tool_calls.function.arguments.delta" in kinds and kinds.count("tool_calls.function.arguments.done") == 1
+    done = next(e for e in events if e.type == "tool_calls.function.arguments.done")
+    assert done.name == "User" and done.index == 0 and isinstance(done.parsed_arguments, User)
+    deltas = "".join(e.arguments_delta for e in events if e.type == "tool_calls.function.arguments.delta")
+    assert deltas == done.arguments
+    c = final.choices[0]
+    assert c.finish_reason == "tool_calls" and not c.message.content
+    (call,) = c.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "User"
+    assert isinstance(call.function.parsed_arguments, User) and call.function.parsed_arguments.name
+    assert json.loads(call.function.arguments) == call.function.parsed_arguments.model_dump()
+
+
+def test_a_tool_message_must_answer_an_earlier_call(server, client):
+    """A tool message whose tool_call_id names no earlier call gets 400 naming it, as from OpenAI."""
+    model = _model(server)
+    calls = [{"id": "call_1", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
+    msgs = [{"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "call_1", "content": "4 C, rain"},
+            {"role": "tool", "tool_call_id": "call_x", "content": "sunny"}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=msgs, tools=[WEATHER], max_tokens=4)
+    err = info.value.body
+    assert err["param"] == "messages.3.tool_call_id" and "'call_x'" in err["message"], err
+    answered = client.chat.completions.create(model=model, messages=msgs[:3], tools=[WEATHER], max_tokens=4)
+    assert answered.choices[0].finish_reason in ("stop", "length", "tool_calls")

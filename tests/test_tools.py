@@ -13,6 +13,7 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvcache.server.protocol import ApiError
+from kvcache.server.tool_messages import check_messages
 from kvcache.server.tools import (
     CLOSE,
     OPEN,
@@ -21,7 +22,6 @@ from kvcache.server.tools import (
     ToolStream,
     assemble,
     calls_text,
-    check_messages,
     check_tools,
     parse_output,
     render,
@@ -205,6 +205,12 @@ def with_message(i: int, message: dict) -> list[dict]:
     (with_message(3, {"role": "tool", "content": "sunny"}), "messages.3.tool_call_id", "non-empty string"),
     (with_message(1, {"role": "user", "content": "x", "tool_call_id": "call_1"}), "messages.1.tool_call_id",
      "tool messages only"),
+    # a tool message answers a call of an earlier assistant message (OpenAI answers 400 otherwise)
+    (with_message(4, {"role": "tool", "tool_call_id": "call_x", "content": "12:00"}), "messages.4.tool_call_id",
+     "'call_x' matches no tool call of an earlier assistant message"),
+    ([CONVERSATION[1], CONVERSATION[3], CONVERSATION[2]], "messages.1.tool_call_id", "'call_1' matches no tool call"),
+    ([CONVERSATION[1], {"role": "assistant", "content": "Let me look."}, CONVERSATION[3]], "messages.2.tool_call_id",
+     "'call_1' matches no tool call"),
 ])
 def test_check_messages_refuses_with_400_naming_the_field(messages, param, words):
     err = api_error(check_messages, messages)
@@ -373,7 +379,35 @@ def test_required_grammar_takes_any_tool_and_parallel_blocks(lltok):
     assert not accepts(lltok, grammar, calls_text([("nope", {})]))
     assert not accepts(lltok, grammar, calls_text([("route", {"to": {"town": "Rome"}})]))  # through the $ref
     assert not accepts(lltok, grammar, calls_text([("route", {"to": "Rome"})]))
-    assert not accepts(lltok, grammar, calls_text([("get_time", {})]) + "\nand more")
+    assert not accepts(lltok, grammar, calls_text([("get_time", {})]) + "\nand then some more words")
+
+
+def allowed_after(tok, grammar: str, text: str) -> set[int]:
+    """The token ids the grammar admits after ``text``."""
+    matcher = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+    assert matcher.consume_tokens(tok.tokenize_str(text)), text
+    return {t for t, ok in enumerate(matcher.compute_logit_bias()) if ok}
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_a_forced_turn_may_end_after_each_call(lltok, choice):
+    """After ``</tool_call>`` the end of the turn, and any text but ``\n<`` (two tokens at most, the tail),
+    are allowed beside another block, so a model that would go on in prose ends the turn instead of being
+    led through ``\n`` to ``<`` and another call; ``\n<`` is a block."""
+    grammar = tool_grammar(spec_of(choice=choice))
+    one = calls_text([("get_weather", {"city": "Paris"})])
+    eos, you, lt = lltok.eos_token, *lltok.tokenize_str("You"), *lltok.tokenize_str("<")
+    for text in (one, one + "\n"):
+        assert {eos, you, lt} <= allowed_after(lltok, grammar, text), repr(text)
+    for tail in ("\n", "\n\n", "You", "\nYou", " Done"):
+        assert accepts(lltok, grammar, one + tail), repr(tail)
+    assert allowed_after(lltok, grammar, one + "\nYou") == {eos}  # two tokens: only the end is left
+    assert eos not in allowed_after(lltok, grammar, one + "\n<")  # a newline and "<" open a block
+    assert accepts(lltok, grammar, one + "\n" + calls_text([("get_weather", {"city": "Rome"})]) + "\nOK")
+    content, calls = parse_output(one + "\nYou", spec_of(choice=choice))
+    assert content is None and [c.name for c in calls] == ["get_weather"]
+    # without parallel calls nothing follows the one call
+    assert allowed_after(lltok, tool_grammar(spec_of(choice=choice, parallel=False)), one) == {eos}
 
 
 # --- parsing -------------------------------------------------------------------------------------
@@ -538,9 +572,10 @@ def check_events(events: list) -> None:
     assert len(set(ids.values())) == len(ids)
 
 
+@pytest.mark.parametrize("choice", [None, "required"], ids=["auto", "forced"])
 @pytest.mark.parametrize("text", OUTPUTS)
-def test_streaming_in_any_chunks_adds_up_to_parse_output(text):
-    spec = spec_of()
+def test_streaming_in_any_chunks_adds_up_to_parse_output(text, choice):
+    spec = spec_of(choice=choice)
     whole = summary(parse_output(text, spec))
     rng = random.Random(text)
     chunkings = [[text], list(text)] + [random_chunks(text, rng) for _ in range(25)]
@@ -562,3 +597,7 @@ def test_parse_output_of_the_sample_outputs():
     assert got[9] == ("x" + blk("get_weather", {"city": "</tool_call>"}) + "y", [])
     assert got[10] == ("  \n ", [])
     assert got[12] == ("emoji 🌧️ and ünïcödé ", [("get_weather", '{"city": "東京"}')])
+    forced = spec_of(choice="required")  # after the first call, what is not a call is dropped
+    assert summary(parse_output(OUTPUTS[1], forced)) == ("Let me check.\n", [("get_weather", '{"city": "Paris"}')])
+    assert summary(parse_output(OUTPUTS[6], forced)) == ("A <tool_cal> B <tool_call>{broken</tool_call> C ",
+                                                         [("get_time", "{}")])

@@ -39,7 +39,8 @@ from kvcache.server.protocol import ApiError, ChatRequest, CompletionRequest, er
 from kvcache.server.responses import chat_response, completion_response
 from kvcache.server.streams import DISCONNECT_POLL_S, collect, exception_reply, sse, stream_chat, stream_completion
 from kvcache.server.tokens import encode_messages, encode_text
-from kvcache.server.tools import check_messages, check_tools, render, tool_grammar
+from kvcache.server.tool_messages import check_messages
+from kvcache.server.tools import check_tools, render, tool_grammar
 
 __all__ = ["ApiError", "DISCONNECT_POLL_S", "ServerState", "build_app"]
 

@@ -2,8 +2,6 @@
 
 - ``check_tools``: validates ``tools``, ``tool_choice`` and ``parallel_tool_calls`` into a ``ToolSpec``
   (None when no tool can be called: no tools, or ``tool_choice: "none"``).
-- ``check_messages``: validates the tool fields of chat messages (``tool_calls`` on assistant messages,
-  ``tool_call_id`` on tool messages).
 - ``render``: the messages and template arguments for the chat template. A template that knows tools
   (it names a ``tools`` variable) gets them as ``tools=[...]`` and the messages in Hugging Face's shape;
   any other template gets the default format, described in ``tools_prompt``: a system turn listing the
@@ -29,7 +27,6 @@ from kvcache.server.protocol import ApiError
 MAX_TOOLS = 128
 MAX_SCHEMA_BYTES = 64 << 10  # a function's parameters schema, as JSON
 NAME_RE = re.compile(r"[a-zA-Z0-9_-]{1,64}")
-ROLES = ("system", "developer", "user", "assistant", "tool")
 CHOICES = ("none", "auto", "required")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # forced calls are written as json.dumps writes them by default (the format the prompts show)
@@ -37,6 +34,8 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 VALUE_KEYWORDS = ("const", "enum", "default", "examples", "required", "dependentRequired")
 JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# after the last call: text that cannot open another block (no "\n<" at its start), two tokens at most
+TAIL = r"tail[max_tokens=2]: /(?s:[^\n].{0,31}|\n|\n[^<].{0,30})/"
 
 Event = tuple[str, str] | tuple[str, int, str, str] | tuple[str, int, str]
 
@@ -53,8 +52,14 @@ class ToolSpec:
     def names(self) -> frozenset[str]:
         return frozenset(f["name"] for f in self.tools)
 
+    @property
+    def forced(self) -> bool:
+        """Whether the output must be calls (``tool_grammar`` gives a grammar): "required" or named."""
+        return self.choice != "auto"
+
 
 def bad(param: str, message: str) -> ApiError:
+    """A 400 refusal: ``message`` on one line, ``param`` the field it names."""
     return ApiError(400, message, param=param)
 
 
@@ -175,71 +180,11 @@ def _check_choice(choice: Any, functions: tuple[dict, ...]) -> tuple[str, str | 
     return "named", name
 
 
-def check_messages(messages: list[dict]) -> None:
-    """400 naming ``messages.<i>.<field>`` for a message whose role, content or tool fields are malformed."""
-    if not isinstance(messages, list):
-        raise bad("messages", f"messages must be a list, got {type(messages).__name__}")
-    for i, m in enumerate(messages):
-        _check_message(f"messages.{i}", m)
-
-
-def _check_message(where: str, m: Any) -> None:
-    if not isinstance(m, dict):
-        raise bad(where, f"{where} must be an object, got {type(m).__name__}")
-    role = m.get("role")
-    if role not in ROLES:
-        raise bad(f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}")
-    _check_content(f"{where}.content", m.get("content"))
-    if m.get("tool_calls") is not None:
-        if role != "assistant":
-            raise bad(f"{where}.tool_calls", f"{where}.tool_calls is allowed on assistant messages only")
-        _check_calls(f"{where}.tool_calls", m["tool_calls"])
-    call_id = m.get("tool_call_id")
-    if role == "tool" and (not isinstance(call_id, str) or not call_id):
-        raise bad(f"{where}.tool_call_id", f"{where}.tool_call_id must be a non-empty string on a tool message")
-    if role != "tool" and call_id is not None:
-        raise bad(f"{where}.tool_call_id", f"{where}.tool_call_id is allowed on tool messages only")
-
-
-def _check_content(where: str, content: Any) -> None:
-    if content is None or isinstance(content, str):
-        return
-    if isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
-        return
-    raise bad(where, f"{where} must be a string, null or a list of text parts")
-
-
-def _check_calls(where: str, calls: Any) -> None:
-    if not isinstance(calls, list):
-        raise bad(where, f"{where} must be a list, got {type(calls).__name__}")
-    for j, call in enumerate(calls):
-        _check_call(f"{where}.{j}", call)
-
-
-def _check_call(where: str, call: Any) -> None:
-    if not isinstance(call, dict):
-        raise bad(where, f"{where} must be an object, got {type(call).__name__}")
-    if not isinstance(call.get("id"), str) or not call["id"]:
-        raise bad(f"{where}.id", f"{where}.id must be a non-empty string")
-    if call.get("type", "function") != "function":
-        raise bad(f"{where}.type", f"{where}.type must be 'function', got {call.get('type')!r}")
-    fn = call.get("function")
-    if not isinstance(fn, dict):
-        raise bad(f"{where}.function", f"{where}.function must be an object")
-    if not isinstance(fn.get("name"), str) or not fn["name"]:
-        raise bad(f"{where}.function.name", f"{where}.function.name must be a non-empty string")
-    args = fn.get("arguments")
-    if not isinstance(args, str):
-        raise bad(f"{where}.function.arguments", f"{where}.function.arguments must be a string of JSON")
-    if not isinstance(_json_object(args), dict):
-        raise bad(f"{where}.function.arguments", f"{where}.function.arguments is not a JSON object")
-
-
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _json_object(text: str) -> dict | None:
+def json_object(text: str) -> dict | None:
     """The JSON object ``text`` holds (strict JSON: no NaN or Infinity), or None."""
     try:
         value = json.loads(text, parse_constant=_reject_constant)
@@ -262,7 +207,7 @@ def render(messages: list[dict], spec: ToolSpec | None, template: str | None) ->
     A template that knows tools gets ``tools=[{"type": "function", "function": f}, ...]`` and messages in
     Hugging Face's shape (tool call arguments as dicts). Any other template gets messages of ``role``
     and ``content`` only, in the default format: see ``tools_prompt`` and ``calls_text``. The messages
-    must have passed ``check_messages``.
+    must have passed ``check_messages`` (server/tool_messages.py).
     """
     if template_knows_tools(template):
         kwargs = {"tools": [{"type": "function", "function": f} for f in spec.tools]} if spec else {}
@@ -278,7 +223,7 @@ def _text(content: Any) -> str:
 
 
 def _call_args(call: dict) -> dict:
-    return _json_object(call["function"]["arguments"]) or {}
+    return json_object(call["function"]["arguments"]) or {}
 
 
 def _hf_messages(messages: list[dict]) -> list[dict]:
@@ -393,6 +338,13 @@ def tool_grammar(spec: ToolSpec) -> str | None:
     The output is one ``<tool_call>`` block (one or more, a newline apart, when calls may be parallel)
     whose JSON is ``{"name": <an allowed function>, "arguments": <an object its parameters admit>}``,
     written with json.dumps's default separators. None for "auto".
+
+    With parallel calls, the turn may end after every complete block, and another one comes only when
+    the model opens it: after ``</tool_call>`` the grammar admits the end, ``\n<tool_call>``, or ``tail``
+    (any text that does not start with ``\n<``, two tokens at most, then only the end). A model that
+    would go on in prose after its call (a newline first, then words) thus ends the turn. Without the
+    tail its choice of a newline would leave ``<`` as the only way on, and it would write call after call
+    until max_tokens. ToolStream drops the tail.
     """
     if spec.choice == "auto":
         return None
@@ -402,9 +354,9 @@ def tool_grammar(spec: ToolSpec) -> str | None:
     else:
         schema = {"anyOf": [_call_schema(f, f"#/anyOf/{i}/properties/arguments") for i, f in enumerate(allowed)]}
     schema["x-guidance"] = JSON_FORMAT
-    start = 'start: block ("\\n" block)*' if spec.parallel else "start: block"
-    return "\n".join([start, f'block: "{OPEN}\\n" call "\\n{CLOSE}"',
-                      f"call: %json {json.dumps(schema, ensure_ascii=False)}", ""])
+    start = ['start: block ("\\n" block)* tail?', TAIL] if spec.parallel else ["start: block"]
+    return "\n".join([*start, f'block: "{OPEN}\\n" call "\\n{CLOSE}"',
+                       f"call: %json {json.dumps(schema, ensure_ascii=False)}", ""])
 
 
 def _call_schema(fn: dict, at: str) -> dict:
@@ -460,7 +412,7 @@ def read_call(value: Any, names: frozenset[str]) -> tuple[str, str] | None:
         return None
     args = value.get("arguments", value.get("parameters", {}))
     if isinstance(args, str):
-        args = _json_object(args)
+        args = json_object(args)
     if not isinstance(args, dict):
         return None
     return value["name"], json.dumps(args, ensure_ascii=False)
@@ -506,10 +458,13 @@ class ToolStream:
     A ``<tool_call>`` block is given out when it closes (or at the end, unclosed), as a call when its JSON
     names a known function and as content, untouched, otherwise. An output starting (after whitespace)
     with ``{`` or ``[`` is held to the end: it may be, whole, a bare JSON call or a list of calls.
+    For a forced spec, what follows the first call and is not a call (the grammar's ``TAIL``, or a block
+    cut short) is dropped: a forced turn is calls only.
     """
 
     def __init__(self, spec: ToolSpec) -> None:
         self.names = spec.names()
+        self._forced = spec.forced
         self._buf = ""
         self._mode = "start"  # "start" | "bare" | "text" | "block"
         self._scan = 0  # in a block, where the search for its closing tag resumes
@@ -584,7 +539,7 @@ class ToolStream:
         return end >= 0
 
     def _content(self, text: str, events: list[Event]) -> None:
-        if not text:
+        if not text or (self._forced and self._count):
             return
         if self._has_text:
             events.append(("content", text))
