@@ -7,7 +7,8 @@ parameters kvcache does not implement, and the server's limits on prompts, choic
   when large), and
   refused with 400 when it is not JSON: invalid UTF-8, NaN or Infinity, nesting deeper than the
   parser allows, an integer of more than 4300 digits, or text holding a lone surrogate (which
-  cannot be encoded, so no tokenizer can take it).
+  cannot be encoded, so no tokenizer can take it); and when a field nests deeper than 64 levels
+  (server/depth.py: schemas, grammars, tool parameters, content parts, any field).
 - ``check_unsupported``: a parameter kvcache does not implement, set to anything but its "off"
   value, gets 400 naming it, rather than being ignored.
 - ``unknown_fields``: fields no OpenAI-style server knows (``"foo": 1``). By default they are
@@ -33,6 +34,7 @@ from fastapi import Request as HttpRequest
 from starlette.requests import ClientDisconnect
 
 from kvcache.errors import InvalidParams
+from kvcache.server.depth import check_depth, remember
 from kvcache.server.protocol import ApiError
 
 log = logging.getLogger("kvcache.server")
@@ -80,9 +82,15 @@ async def read_json(http: HttpRequest, limits: Limits) -> Any:
     if size > limit:  # read to the end (dropped), so that a client still sending gets the answer
         raise _too_large(size, limit)
     raw = b"".join(chunks)
-    if len(raw) > PARSE_INLINE:
-        return await asyncio.to_thread(parse_json, raw)
-    return parse_json(raw)
+    body, deepest = await asyncio.to_thread(_checked, raw) if len(raw) > PARSE_INLINE else _checked(raw)
+    remember(http, deepest)
+    return body
+
+
+def _checked(raw: bytes) -> tuple[Any, tuple[str, int] | None]:
+    """The parsed body and its deepest field (400 for one nested too deeply)."""
+    body = parse_json(raw)
+    return body, check_depth(body)
 
 
 class ClientGone(Exception):
@@ -142,8 +150,8 @@ def check_text(body: Any) -> None:
             for k, v in value.items():
                 _check_str(k, where)
                 stack.append((v, f"{where}.{k}" if where else str(k)))
-        elif isinstance(value, list):
-            stack.extend((v, f"{where}.{i}") for i, v in enumerate(value))
+        elif isinstance(value, list):  # (numbers need no check: a prompt of token ids can be a million)
+            stack.extend((v, f"{where}.{i}") for i, v in enumerate(value) if isinstance(v, (str, dict, list)))
 
 
 def _check_str(s: str, where: str) -> None:

@@ -38,11 +38,16 @@ def error_reply(kind: str, message: str, param: str | None = None) -> ApiError:
 
 
 def engine_error(r: Request, param: str | None = None) -> ApiError:
+    if isinstance(r.exception, RecursionError):
+        return exception_reply(r.exception, param)
     return error_reply(r.error_kind or "internal", r.error or "the request failed", param)
 
 
 def exception_reply(e: Exception, param: str | None = None) -> ApiError:
-    """An exception raised for one request on the engine thread, as a reply."""
+    """An exception raised for one request on the engine thread, as a reply (a RecursionError:
+    400 naming ``param``, since only a request's own structure nests that deeply)."""
+    if isinstance(e, RecursionError):
+        return error_reply("invalid", f"{param or 'the request'} is nested too deeply to be handled", param)
     kind = error_kind(e)
     return error_reply(kind, str(e) if kind != "internal" else f"internal error: {type(e).__name__}: {e}", param)
 
