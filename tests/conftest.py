@@ -154,6 +154,9 @@ SLOW = {
     "test_eval.py::test_eval_command_on_the_default_model", "test_cli.py::test_bench_decode_smoke",
     "test_grammar.py::test_two_hundred_varied_strict_outputs_all_validate",
     "test_grammar.py::test_forced_tool_calls_all_validate",
+    # the client conformance suite (tests/clients/, kvcache[clients]): real client libraries on a real server
+    "test_clients_openai.py", "test_clients_instructor.py", "test_clients_langchain.py", "test_clients_agents.py",
+    "test_clients_pydantic_ai.py", "test_clients_speculation.py",
 }
 
 
