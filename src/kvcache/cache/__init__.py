@@ -7,9 +7,15 @@
 - evictor.py     Evictor: the contract with whatever else holds pages (the prefix index)
 - plan.py        ForwardPlan / ReadPlan: what a forward writes where and what each sequence reads
 - pool.py, qpool.py, quant.py   float pages; quantized pages (KIVI) and their codes
-- allocator.py, groups.py, sequence.py, placement.py, prefetch.py, budget.py, accounting.py,
-  persist.py, config.py   free lists, layer groups, page tables, device/host/disk, layer-ahead
-  fetching, the memory budget, stats and the integrity check, cache files, CacheConfig
+- allocator.py, groups.py, sequence.py, placement.py, prefetch.py, budget.py, capacity.py,
+  accounting.py, persist.py, config.py   free lists, layer groups, page tables, device/host/disk,
+  layer-ahead fetching, a budget's text, room and capacity, stats and the integrity check, cache
+  files, CacheConfig
+- parts.py       CacheParts / PageOps: the protocols through which the modules below paged.py read it
+
+The folder is a stack: each module imports only modules below it. Bottom to top: budget, prefetch,
+sequence, allocator, evictor, placement, quant, visibility; config, pool, qpool; groups;
+capacity, parts; retention, accounting; pages; paged; plan, persist.
 
 Owns pages (through its page manager alone), page tables, lengths and the cache's configuration. May not compute attention
 (attention/) or know what a prefix index keeps beyond the Evictor contract (prefix/).

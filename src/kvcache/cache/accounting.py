@@ -1,14 +1,15 @@
-"""Memory accounting and the page-integrity check of a PagedKVCache."""
+"""Memory accounting and the page-integrity check of a PagedKVCache (read through CacheParts).
+
+Owns CacheStats and LayerStats (bytes and pages per layer) and ``check_integrity``: free +
+referenced + cached == total, every reference with a holder.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from kvcache.cache.parts import CacheParts
 from kvcache.cache.sequence import HOLE
-
-if TYPE_CHECKING:
-    from kvcache.cache.paged import PagedKVCache
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class CacheStats:
         return out
 
 
-def _tail_bytes(cache: "PagedKVCache", group: int, j: int) -> int:
+def _tail_bytes(cache: CacheParts, group: int, j: int) -> int:
     total = 0
     for s in cache.sequences.values():
         tails = s.tails[group] if s.tails else None
@@ -59,7 +60,7 @@ def _tail_bytes(cache: "PagedKVCache", group: int, j: int) -> int:
     return total
 
 
-def cache_stats(cache: "PagedKVCache") -> CacheStats:
+def cache_stats(cache: CacheParts) -> CacheStats:
     ps = cache.page_size
     layers: list[LayerStats] = []
     for g in cache.groups:
@@ -69,7 +70,7 @@ def cache_stats(cache: "PagedKVCache") -> CacheStats:
             table = s.tables[g.index]
             for i, p in enumerate(table):
                 if p != HOLE:
-                    tokens_in_pages += min(ps, s.held(g.index) - i * ps) if not cache.quantized else ps
+                    tokens_in_pages += min(ps, s.held(g.index) - i * ps) if not cache.config.quantized else ps
         per_tok = pool.token_bytes
         share = pool.nbytes // len(g.layers)
         # a press's record of the token each slot holds, per layer and head (cache/retention.py)
@@ -96,13 +97,13 @@ def cache_stats(cache: "PagedKVCache") -> CacheStats:
     )
 
 
-def cached_pages(cache: "PagedKVCache") -> dict[int, int]:
+def cached_pages(cache: CacheParts) -> dict[int, int]:
     """Per group, pages only the prefix index holds (cached, evictable)."""
     held = cache.evictor.held_pages() if cache.evictor is not None else {}
     return {g: sum(1 for p in pages if cache.pages.refcount(g, p) == 1) for g, pages in held.items()}
 
 
-def check_integrity(cache: "PagedKVCache") -> None:
+def check_integrity(cache: CacheParts) -> None:
     """Each group's allocator is consistent; every page's ref count equals the number of holders
     (page tables of live sequences, plus the prefix index); every table covers its sequence's
     length; free + referenced by sequences + cached only by the index == total."""
@@ -119,8 +120,9 @@ def check_integrity(cache: "PagedKVCache") -> None:
         for s in cache.sequences.values():
             table = s.tables[g.index]
             slots = s.held(g.index)
-            covered = len(table) * ps + s.tail_len(g.index) if cache.quantized else -(-slots // ps)
-            if (cache.quantized and covered != slots) or (not cache.quantized and len(table) != covered):
+            quantized = cache.config.quantized
+            covered = len(table) * ps + s.tail_len(g.index) if quantized else -(-slots // ps)
+            if (quantized and covered != slots) or (not quantized and len(table) != covered):
                 raise AssertionError(f"sequence {s.seq_id}, group {g.index}: {len(table)} pages for {slots} tokens")
             if s.press is not None and s.press.n[g.index] != slots:
                 raise AssertionError(f"sequence {s.seq_id}, group {g.index}: {s.press.n[g.index]} slot positions "

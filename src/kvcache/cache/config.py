@@ -17,7 +17,7 @@ the config is built, with the list of what works):
   rescore while generating.
 
 A dynamic pool may be given a memory ``budget`` (``budget=2GiB``, ``budget=25%`` of RAM): it never
-grows past it (see cache/budget.py).
+grows past it (see cache/capacity.py; the text is read by cache/budget.py).
 
 A spec is a comma-separated list of a preset or axis value and ``key=value`` options, e.g.
 ``static,int4,sinks=4,window=1024``. Later items override earlier ones.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from kvcache.cache.budget import parse_budget
 from kvcache.errors import InvalidParams
 
 CAPACITIES = ("dynamic", "static", "none")
@@ -259,8 +260,6 @@ def parse_kv_spec(spec: str | CacheConfig | None) -> CacheConfig:
                     raise InvalidParams(f"--kv option ratio needs a number between 0 and 1, got {raw!r}") from None
                 continue
             if key == "budget":
-                from kvcache.cache.budget import parse_budget
-
                 put(key, parse_budget(raw), part)
                 continue
             try:

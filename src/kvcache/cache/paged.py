@@ -1,7 +1,7 @@
 """PagedKVCache: per layer group a pool; per sequence a page table per group; its page manager.
 
 dynamic: every pool starts with room for ``initial_tokens`` and doubles when it runs out, within
-its ``budget`` when it has one (cache/budget.py), and gives pages back when ``shrink`` is called.
+its ``budget`` when it has one (cache/capacity.py), and gives pages back when ``shrink`` is called.
 static: room for ``max_seqs`` x ``max_tokens`` preallocated; a request beyond it is refused
 (ContextOverflow) before anything is written.
 Windows: pages whose tokens no query can see again go back to their group's pool (sink pages stay).
@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvcache.cache import budget as _budget
-from kvcache.cache import retention
+from kvcache.cache import capacity, retention
 from kvcache.cache.accounting import CacheStats, cache_stats, check_integrity
 from kvcache.cache.evictor import Evictor
 from kvcache.cache.groups import LayerGroup, plan_groups
@@ -62,7 +61,7 @@ class PagedKVCache:
             pages = config.max_seqs * -(-config.max_tokens // ps)
         else:
             pages = -(-config.initial_tokens // ps)
-        _budget.check_preallocation(config, model, model.num_layers, pages)
+        capacity.check_preallocation(config, model, model.num_layers, pages)
         self.placement = Placement(config.placement, torch.device(device), config.dir)
         self.where: list[tuple[int, int]] = [(0, 0)] * model.num_layers  # layer -> (group, index)
         self.pools: list[PagePool | QuantPool] = []
@@ -78,7 +77,7 @@ class PagedKVCache:
             self.pools.append(pool)
         self.pages = PageManager(self, pages)  # the only owner of the pools' pages
         if config.capacity == "dynamic" and config.budget is not None:
-            fit = _budget.initial_pages(self, pages)
+            fit = capacity.initial_pages(config, self.pools, pages)
             if fit < pages:
                 self.pages.fit(fit)
         self.initial_pages = self.pools[0].num_pages
@@ -118,11 +117,7 @@ class PagedKVCache:
 
     def capacity_per_sequence(self) -> int | None:
         """Most tokens one sequence can hold (None: unbounded, every group has a window)."""
-        if self.config.capacity == "dynamic":
-            return _budget.tokens_per_sequence(self)
-        if all(g.window is not None for g in self.groups):
-            return None
-        return self.config.max_tokens
+        return capacity.capacity_per_sequence(self.config, self.groups, self.pools)
 
     def capacity_reason(self) -> str | None:
         """What bounds a sequence besides the model's context, in words (None: nothing)."""
@@ -136,24 +131,22 @@ class PagedKVCache:
 
     def room(self, group: int) -> int | None:
         """Pages the group's pool may still grow by (None: unbounded; static: 0)."""
-        return _budget.room(self, group)
+        return capacity.room(self.config, self.pools, group)
 
     def shrink(self) -> int:
         """Give back the pages of dynamic pools beyond those in use (never below their initial
-        size); returns the bytes given back."""
-        return _budget.shrink(self, self.initial_pages)
+        size); returns the bytes given back. Pages in use above the cut move below it first."""
+        if self.config.capacity != "dynamic":
+            return 0
+        before = capacity.pool_bytes(self.pools)
+        self.pages.shrink(self.initial_pages)
+        return before - capacity.pool_bytes(self.pools)
 
     def pages_after(self, seq: SeqKV, group: int, length: int) -> int:
         """Logical pages the group's table holds once the sequence has ``length`` tokens (slots,
         with a press). A quantized press sequence reading a prompt seals nothing until the press
         has chosen (evict, then quantize what stays)."""
-        ps = self.page_size
-        if not self.quantized:
-            return -(-length // ps)
-        if seq.press is not None and seq.press.observing:
-            return len(seq.tables[group])
-        sealed = len(seq.tables[group]) * ps
-        return len(seq.tables[group]) + max(0, (length - sealed - self.config.residual) // ps)
+        return capacity.pages_after(self.config, seq, group, length)
 
     def reserve(self, seq: SeqKV, new_tokens: int) -> None:
         """Give ``seq`` the pages for ``new_tokens`` more tokens (the page manager's ``reserve``)."""

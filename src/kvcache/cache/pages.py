@@ -1,10 +1,12 @@
 """PageManager: the one owner of a cache's pages.
 
 Every page of every pool is allocated, shared, given back, evicted, moved and counted here and
-nowhere else: the cache's sequences, its retention (cache/retention.py), its budget
-(cache/budget.py), the prefix index (prefix/) and the scheduler all go through this interface. It
-holds one ``PageAllocator`` (free list and reference counts) per layer group; no other code sees
-them.
+nowhere else: the cache's sequences, its retention (cache/retention.py), the prefix index
+(prefix/) and the scheduler all go through this interface. It holds one ``PageAllocator`` (free
+list and reference counts) per layer group; no other code sees them. It reads the cache's pools,
+groups and sequences through the ``CacheParts`` protocol (cache/parts.py) and its page arithmetic
+(room under a budget, capacity, pages a length needs) from cache/capacity.py, so it imports
+nothing above it.
 
 The interface:
 
@@ -26,16 +28,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from kvcache.cache import retention
 from kvcache.cache.allocator import PageAllocator
+from kvcache.cache.capacity import capacity_per_sequence, pages_after, room
+from kvcache.cache.parts import CacheParts
+from kvcache.cache.qpool import QuantPool
 from kvcache.cache.sequence import HOLE, SeqKV
 from kvcache.errors import CacheFull, ContextOverflow, KVCacheError
-
-if TYPE_CHECKING:
-    from kvcache.cache.paged import PagedKVCache
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class Reservation:
 
 
 class PageManager:
-    def __init__(self, cache: "PagedKVCache", pages: int) -> None:
+    def __init__(self, cache: CacheParts, pages: int) -> None:
         self.cache = cache
         self._allocs = [PageAllocator(pages) for _ in cache.groups]
 
@@ -110,15 +112,15 @@ class PageManager:
         if n > alloc.num_free and cache.evictor is not None:
             cache.evictor.reclaim(group, n - alloc.num_free)
         if n > alloc.num_free and cache.config.capacity == "dynamic":
-            short, room = n - alloc.num_free, cache.room(group)
+            short, grow = n - alloc.num_free, room(cache.config, cache.pools, group)
             extra = max(alloc.total, short)
-            if room is not None:
-                if room < short:
+            if grow is not None:
+                if grow < short:
                     from kvcache.fmt import human_bytes
 
                     raise CacheFull(f"KV cache budget of {human_bytes(cache.config.budget or 0)} is used up "
-                                    f"(--kv-budget): need {short} more pages, room for {room}")
-                extra = min(extra, room)
+                                    f"(--kv-budget): need {short} more pages, room for {grow}")
+                extra = min(extra, grow)
             cache.pools[group].resize(cache.pools[group].num_pages + extra)
             alloc.grow(extra)
         return alloc.allocate(n)
@@ -188,16 +190,14 @@ class PageManager:
     def reserve(self, seq: SeqKV, new_tokens: int) -> None:
         """Give ``seq`` the pages for ``new_tokens`` more tokens (all groups, or none on overflow).
         Asking again for the same tokens takes nothing more."""
-        from kvcache.cache import retention
-
         cache = self.cache
         total = seq.length + new_tokens
-        cap = cache.capacity_per_sequence()
+        cap = capacity_per_sequence(cache.config, cache.groups, cache.pools)
         if cap is not None and total > cap:
             raise ContextOverflow(
                 f"sequence of {total} tokens exceeds the static cache capacity of {cap} tokens "
                 "(raise it with --kv static,max_tokens=N)")
-        tentative = seq.verifying and seq.press is not None and cache.quantized
+        tentative = seq.verifying and seq.press is not None and cache.config.quantized
         if seq.press is not None:
             if new_tokens > 1 and not seq.verifying:
                 seq.press.observing = True  # a prompt (or a chat turn) is being read
@@ -208,7 +208,7 @@ class PageManager:
         try:
             for g in cache.groups:
                 upto = seq.held(g.index) + (0 if tentative else new_tokens)
-                need = cache.pages_after(seq, g.index, upto) - len(seq.tables[g.index])
+                need = pages_after(cache.config, seq, g.index, upto) - len(seq.tables[g.index])
                 if need > 0:
                     seq.tables[g.index].extend(self.take(g.index, need))
         except ContextOverflow:
@@ -255,8 +255,6 @@ class PageManager:
 
     def release_dead(self, seq: SeqKV) -> None:
         """Windowed groups: give back pages no query at ``seq.length`` or later can see."""
-        from kvcache.cache import retention
-
         if seq.press is not None:
             retention.release_dead(self.cache, seq)
             return
@@ -273,7 +271,7 @@ class PageManager:
     def _own_last_page(self, seq: SeqKV) -> None:
         """Copy-on-write: before new tokens go into a partly filled page that another sequence
         also holds, give this sequence its own copy."""
-        if self.cache.quantized:
+        if self.cache.config.quantized:
             return
         ps = self.cache.page_size
         for g in self.cache.groups:
@@ -298,9 +296,6 @@ class PageManager:
         partial page stays shared until written). Quantized: pages a sequence of ``length`` tokens
         would not have sealed yet are unsealed, their kept part back in the fp32 tail as it was
         dequantized, so the pages held are those of a sequence that never saw the tokens."""
-        from kvcache.cache import retention
-        from kvcache.cache.qpool import QuantPool
-
         cache = self.cache
         if not 0 <= length <= seq.length:
             raise ValueError(f"cannot truncate a sequence of {seq.length} tokens to {length}")
@@ -310,7 +305,7 @@ class PageManager:
         ps, model = cache.page_size, cache.model
         for g in cache.groups:
             table, pool = seq.tables[g.index], cache.pools[g.index]
-            if cache.quantized:
+            if cache.config.quantized:
                 tails = seq.tails[g.index]
                 assert tails is not None
                 sealed = len(table)

@@ -19,22 +19,22 @@ position). Every layer and head of a group holds the same number of slots.
 
 Each of these changes the press's tensors in place, which forwards made under inference mode, so
 each runs under it too, whoever calls (the scheduler asks for pages outside any forward).
+
+The cache comes in as CacheParts (cache/parts.py) and pages move only through its page manager
+(``cache.pages``), which calls ``settle``, ``release_dead`` and ``truncate`` itself: this module
+sits below pages.py and paged.py and imports neither.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from kvcache.cache.parts import CacheParts
 from kvcache.cache.pool import PagePool
 from kvcache.cache.qpool import QuantPool
 from kvcache.cache.sequence import SeqKV
 from kvcache.press.base import LayerView
 from kvcache.press.select import candidates, decode_evictions, evict_mask, span_evictions
-
-if TYPE_CHECKING:
-    from kvcache.cache.paged import PagedKVCache
 
 
 def held(seq: SeqKV, g: int) -> int:
@@ -42,14 +42,14 @@ def held(seq: SeqKV, g: int) -> int:
     return seq.length - seq.dropped[g]
 
 
-def slot_ids(cache: "PagedKVCache", seq: SeqKV, g: int, n: int) -> torch.Tensor:
+def slot_ids(cache: CacheParts, seq: SeqKV, g: int, n: int) -> torch.Tensor:
     """Pool slots of the sequence's first n slots of group g: [n] int64."""
     ps = cache.page_size
     i = torch.arange(n)
     return torch.tensor(seq.tables[g], dtype=torch.long)[i // ps] * ps + i % ps
 
 
-def read_layer(cache: "PagedKVCache", seq: SeqKV, g: int, j: int) -> torch.Tensor:
+def read_layer(cache: CacheParts, seq: SeqKV, g: int, j: int) -> torch.Tensor:
     """Every slot of layer j (index in group g): [2, Hkv, S, D] fp32 (quantized pages dequantized,
     then the fp32 tail)."""
     pool, s = cache.pools[g], held(seq, g)
@@ -63,12 +63,12 @@ def read_layer(cache: "PagedKVCache", seq: SeqKV, g: int, j: int) -> torch.Tenso
     return buf
 
 
-def _frozen(cache: "PagedKVCache", seq: SeqKV, g: int) -> int:
+def _frozen(cache: CacheParts, seq: SeqKV, g: int) -> int:
     """Slots that may not move: a quantized group's sealed pages."""
-    return len(seq.tables[g]) * cache.page_size if cache.quantized else 0
+    return len(seq.tables[g]) * cache.page_size if cache.config.quantized else 0
 
 
-def _view(cache: "PagedKVCache", seq: SeqKV, g: int, j: int, last: bool) -> LayerView:
+def _view(cache: CacheParts, seq: SeqKV, g: int, j: int, last: bool) -> LayerView:
     st = seq.press
     assert st is not None
     layer = cache.groups[g].layers[j]
@@ -80,7 +80,7 @@ def _view(cache: "PagedKVCache", seq: SeqKV, g: int, j: int, last: bool) -> Laye
 
 
 @torch.inference_mode()
-def end_prompt(cache: "PagedKVCache", seq: SeqKV) -> None:
+def end_prompt(cache: CacheParts, seq: SeqKV) -> None:
     """Score the span since the last compression and evict its share (see the module doc)."""
     st, cfg = seq.press, cache.config
     if st is None or not st.observing:
@@ -106,7 +106,7 @@ def end_prompt(cache: "PagedKVCache", seq: SeqKV) -> None:
 
 
 @torch.inference_mode()
-def settle(cache: "PagedKVCache", seq: SeqKV) -> None:
+def settle(cache: CacheParts, seq: SeqKV) -> None:
     """Before a forward: a decode-time press's evictions from the last step's attention, and
     packing once a page's worth of float slots is marked."""
     st, cfg = seq.press, cache.config
@@ -133,18 +133,18 @@ def settle(cache: "PagedKVCache", seq: SeqKV) -> None:
                 keep.append((pos >= 0) & ~ev)
                 marked = marked or bool(ev.any())
             if marked:
-                if cache.quantized:
+                if cache.config.quantized:
                     pack(cache, seq, gi, torch.stack(keep))
                 else:
                     for j, k in enumerate(keep):
                         st.pos[gi][j, :, : st.n[gi]][~k] = -1
             st.last = [None] * len(st.last)
-        if not cache.quantized and st.masked(gi) >= cache.page_size:
+        if not cache.config.quantized and st.masked(gi) >= cache.page_size:
             pack(cache, seq, gi, st.pos[gi][:, :, : st.n[gi]] >= 0)
 
 
 @torch.inference_mode()
-def pack(cache: "PagedKVCache", seq: SeqKV, g: int, keep: torch.Tensor) -> None:
+def pack(cache: CacheParts, seq: SeqKV, g: int, keep: torch.Tensor) -> None:
     """Keep the slots ``keep`` marks ([n_layers, Hkv, S] bool, the same count everywhere), packed
     to the front in their order; pages past them go back to the pool."""
     st = seq.press
@@ -185,7 +185,7 @@ def pack(cache: "PagedKVCache", seq: SeqKV, g: int, keep: torch.Tensor) -> None:
     st.keep(g, idx)
 
 
-def cut_point(cache: "PagedKVCache", seq: SeqKV, length: int) -> list[int] | None:
+def cut_point(cache: CacheParts, seq: SeqKV, length: int) -> list[int] | None:
     """Per group, the slot count that holds exactly the tokens before ``length`` (every later one in
     the slots after it), or None when the tokens are mixed (or a quantized cut would fall inside
     sealed pages)."""
@@ -207,7 +207,7 @@ def cut_point(cache: "PagedKVCache", seq: SeqKV, length: int) -> list[int] | Non
 
 
 @torch.inference_mode()
-def truncate(cache: "PagedKVCache", seq: SeqKV, length: int) -> None:
+def truncate(cache: CacheParts, seq: SeqKV, length: int) -> None:
     """Forget the tokens from ``length`` on (``cut_point`` must allow it)."""
     cuts = cut_point(cache, seq, length)
     if cuts is None:
@@ -216,7 +216,7 @@ def truncate(cache: "PagedKVCache", seq: SeqKV, length: int) -> None:
     assert st is not None
     for g, c in zip(cache.groups, cuts):
         gi = g.index
-        if cache.quantized:
+        if cache.config.quantized:
             sealed = len(seq.tables[gi]) * ps
             seq.tails[gi] = [t[:, :, : c - sealed] for t in seq.tails[gi]]  # type: ignore[union-attr]
         else:
@@ -231,7 +231,7 @@ def truncate(cache: "PagedKVCache", seq: SeqKV, length: int) -> None:
 
 
 @torch.inference_mode()
-def release_dead(cache: "PagedKVCache", seq: SeqKV) -> None:
+def release_dead(cache: CacheParts, seq: SeqKV) -> None:
     """Windowed groups: pages whose every slot holds a token no later query sees leave the table
     (pages holding sinks stay; a quantized group's fp32 tail is not a page)."""
     st, ps = seq.press, cache.page_size
