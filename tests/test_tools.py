@@ -601,3 +601,8 @@ def test_parse_output_of_the_sample_outputs():
     assert summary(parse_output(OUTPUTS[1], forced)) == ("Let me check.\n", [("get_weather", '{"city": "Paris"}')])
     assert summary(parse_output(OUTPUTS[6], forced)) == ("A <tool_cal> B <tool_call>{broken</tool_call> C ",
                                                          [("get_time", "{}")])
+    # max_tokens cut the forced call: the call as far as it got (OpenAI's way), never markup as text
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    assert summary(parse_output(cut, forced)) == (None, [("get_weather", '{"city": "Par')])
+    assert summary(parse_output(cut, spec)) == (cut, [])  # a call the model chose to write stays its text
+    assert summary(parse_output('<tool_call>\n{"na', forced)) == ('', [])

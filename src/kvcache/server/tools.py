@@ -439,6 +439,18 @@ def _block_call(body: str, names: frozenset[str]) -> tuple[str, str] | None:
     return read_call(value, names)
 
 
+_CUT_HEAD = re.compile(r'\s*\{"name": "([^"\\]+)", "arguments": ')
+
+
+def _cut_call(body: str, names: frozenset[str]) -> tuple[str, str] | None:
+    """A forced call that max_tokens cut short (the grammar writes it with json.dumps's separators):
+    its function's name and the arguments' JSON as far as it got, or None when the name is not out."""
+    head = _CUT_HEAD.match(body)
+    if head is None or head.group(1) not in names:
+        return None
+    return head.group(1), body[head.end():]
+
+
 def _partial_tag(text: str) -> int:
     """Length of the longest end of ``text`` that could begin the opening tag."""
     for n in range(min(len(text), len(OPEN) - 1), 0, -1):
@@ -532,8 +544,11 @@ class ToolStream:
         self._buf = "" if end < 0 else self._buf[end + len(CLOSE):]
         self._mode = "text"
         call = _block_call(body, self.names)
+        if call is None and end < 0 and self._forced:
+            call = _cut_call(body, self.names)  # max_tokens cut the forced call: OpenAI gives it as it stands
         if call is None:
-            self._content(raw, events)
+            if not (self._forced and end < 0):  # a forced call cut before its name: no markup as text
+                self._content(raw, events)
         else:
             self._emit_call(*call, events)
         return end >= 0
