@@ -90,6 +90,30 @@ def test_bad_constraints_are_refused_before_any_work(smollm_q, make, words):
         _gen(smollm_q, ["x"], make())
 
 
+def test_an_open_pydantic_schema_gives_its_declared_keys_only(smollm_q):
+    """Pydantic's schema says nothing of additionalProperties (as instructor sends it); the model
+    wrote "location" and more until the schema was closed (engine/schema.py)."""
+    user = {"properties": {"name": {"title": "Name", "type": "string"}, "age": {"title": "Age", "type": "integer"}},
+            "required": ["name", "age"], "title": "User", "type": "object"}
+    prompt = "Extract the user: John is 30 years old and lives in Paris with his dog Rex.\nJSON:"
+    outs = _gen(smollm_q, [prompt] * 3, Constraint.json_schema(user), max_tokens=120)
+    outs += _gen(smollm_q, [prompt] * 3, Constraint.json_schema(user), max_tokens=120, temperature=0.8, seed=3)
+    for out in outs:
+        assert out.finish_reason == "stop" and set(json.loads(out.text)) == {"name", "age"}, out.text
+    (free,) = _gen(smollm_q, [prompt], Constraint.json_schema({**user, "additionalProperties": True}), max_tokens=120)
+    assert set(json.loads(free.text)) > {"name", "age"}, free.text  # explicitly open: the model may add keys
+
+
+def test_deep_constraints_are_refused_by_name():
+    for make, noun in ((lambda: Constraint.grammar("root ::= " + "(" * 65 + '"a"' + ")" * 65), "grammar"),
+                       (lambda: Constraint.grammar("start: " + "[" * 65 + '"a"' + "]" * 65), "grammar"),
+                       (lambda: Constraint.regex("(" * 65 + "a" + ")" * 65), "regex"),
+                       (lambda: Constraint.json_schema({"default": json.loads("[" * 65 + "]" * 65)}), "JSON schema")):
+        with pytest.raises(InvalidParams, match=f"the {noun} is nested deeper than 64 levels"):
+            make()
+    assert Constraint.grammar("root ::= " + "(" * 64 + '"a"' + ")" * 64).kind == "gbnf"
+
+
 def test_a_cut_text_ends_with_length(smollm_q):
     (out,) = _gen(smollm_q, ["Describe a person as JSON:"], Constraint.json_schema(PERSON), max_tokens=5)
     assert out.finish_reason == "length" and len(out.token_ids) == 5

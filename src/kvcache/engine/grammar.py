@@ -7,8 +7,10 @@ once, checks it (a bad schema or grammar, one that matches no text, one over the
 ``InvalidParams`` naming the problem) and keeps it by the constraint's hash; every sample then
 starts from a copy of that first matcher, so a cached constraint costs a copy, not a compile.
 
-``MaskWorker`` computes the next token's masks for a step's constrained samples on a worker thread
-while the forward pass runs (llguidance releases the GIL while it computes a mask).
+``MaskWorker`` (engine/masks.py) computes the next token's masks for a step's constrained samples on
+a worker thread while the forward pass runs (llguidance releases the GIL while it computes a mask).
+JSON schemas are read as engine/schema.py closes them (declared properties only, bounded
+whitespace); schemas, grammars and regexes nested deeper than ``MAX_DEPTH`` levels are refused.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ import json
 import threading
 import weakref
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kvcache.engine.masks import MaskWorker
+from kvcache.engine.nesting import MAX_DEPTH, grammar_syntax, text_depth
+from kvcache.engine.schema import bounded_whitespace, closed_schema
 from kvcache.errors import InvalidParams
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "gbnf")
@@ -53,17 +57,16 @@ class Constraint:
 
     @classmethod
     def json_schema(cls, schema: Any) -> "Constraint":
-        """Text that is JSON valid under ``schema`` (a dict, or its JSON text)."""
+        """Text that is JSON valid under ``schema`` (a dict, or its JSON text), with objects closed to
+        their declared properties and whitespace bounded (engine/schema.py)."""
         if isinstance(schema, str):
             try:
-                schema = json.loads(schema)
+                schema = json.loads(_shallow(schema, "json", "JSON schema"))
             except json.JSONDecodeError as e:
                 raise InvalidParams(f"the JSON schema is not valid JSON: {e.msg} at character {e.pos}") from None
         if isinstance(schema, bool):
             schema = {} if schema else {"not": {}}
-        if not isinstance(schema, dict):
-            raise InvalidParams(f"a JSON schema must be an object, got {type(schema).__name__}")
-        return cls("json_schema", json.dumps(schema, ensure_ascii=False))
+        return cls("json_schema", json.dumps(bounded_whitespace(closed_schema(schema)), ensure_ascii=False))
 
     @classmethod
     def json_object(cls) -> "Constraint":
@@ -74,7 +77,7 @@ class Constraint:
     def regex(cls, pattern: str) -> "Constraint":
         if not isinstance(pattern, str) or not pattern:
             raise InvalidParams("a regex constraint must be a non-empty string")
-        return cls("regex", pattern)
+        return cls("regex", _shallow(pattern, "regex", "regex"))
 
     @classmethod
     def choice(cls, choices: Any) -> "Constraint":
@@ -91,7 +94,7 @@ class Constraint:
         """A grammar: GBNF (llama.cpp's, rules written ``name ::= ...``) or Lark (llguidance's)."""
         if not isinstance(text, str) or not text.strip():
             raise InvalidParams("a grammar must be a non-empty string")
-        return cls("gbnf" if "::=" in text else "lark", text)
+        return cls(grammar_syntax(text), _shallow(text, grammar_syntax(text), "grammar"))
 
     @property
     def key(self) -> str:
@@ -120,11 +123,17 @@ class Constraint:
         return m.grammar_from_lark(self.text)
 
 
+def _shallow(text: str, syntax: str, noun: str) -> str:
+    if text_depth(text, syntax) > MAX_DEPTH:
+        raise InvalidParams(f"the {noun} is nested deeper than {MAX_DEPTH} levels")
+    return text
+
+
 def _noun(kind: str) -> str:
     return {"json_schema": "JSON schema", "regex": "regex", "choice": "choice list"}.get(kind, "grammar")
 
 
-def _line(e: Exception) -> str:
+def _line(e: object) -> str:
     return " ".join(str(e).split())[:300] or type(e).__name__
 
 
@@ -208,11 +217,11 @@ class Grammars:
         except Exception as e:  # llguidance raises ValueError for some bad inputs, and others
             raise InvalidParams(f"the {_noun(constraint.kind)} cannot be used: {_line(e)}") from None
         if m.is_error():
-            raise InvalidParams(f"the {_noun(constraint.kind)} cannot be used: {_clean(m.get_error())}")
+            raise InvalidParams(f"the {_noun(constraint.kind)} cannot be used: {_line(m.get_error())}")
         mask = torch.zeros(self.words, dtype=torch.int32)
         m.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
         if m.is_error():
-            raise InvalidParams(f"the {_noun(constraint.kind)} cannot be used: {_clean(m.get_error())}")
+            raise InvalidParams(f"the {_noun(constraint.kind)} cannot be used: {_line(m.get_error())}")
         if not bool(mask.any()):
             raise InvalidParams(f"the {_noun(constraint.kind)} matches no text: no token can start it")
         return Compiled(constraint, m, time.perf_counter() - t0)
@@ -243,10 +252,6 @@ def _limits() -> Any:
     return llguidance.LLParserLimits(max_grammar_size=200_000, max_lexer_states=100_000, verbose_errors=False)
 
 
-def _clean(error: str) -> str:
-    return " ".join(str(error).split())[:300]
-
-
 def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
     """llguidance's view of the model's tokenizer (``kvcache.models.tokenizer.Tokenizer``)."""
     import llguidance
@@ -273,63 +278,3 @@ def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
         words = words.byteswap()
     bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")
     return torch.from_numpy(bits).view(torch.bool)[:, :vocab]
-
-
-def _background() -> None:
-    """The mask thread runs at the lowest priority (Linux: a thread's nice value is its own, and the
-    threads it starts inherit it): on a machine whose cores all run the forward it takes the CPU
-    only where the forward leaves it idle, and at the latest when the step waits for the masks."""
-    import os
-
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):  # not Linux, or not permitted: normal priority
-        pass
-
-
-class MaskWorker:
-    """Next-token masks for a step's constrained samples. With a core to spare (more cores than
-    torch threads), ``start`` computes them on a worker thread while the forward runs: it takes
-    the matchers (each in the state after its last token) and returns a future of their masks
-    [len(matchers), W] (int32), row i for matcher i. Without one, the mask thread could only take
-    CPU from the forward (measured by `kvcache bench structured`), so the scheduler checks each
-    sample's choice against its grammar instead and calls ``compute`` (on its own thread) only for
-    the samples whose choice the grammar refuses. The worker thread runs at the lowest priority;
-    masks for several samples go through llguidance's executor (``threads`` threads)."""
-
-    def __init__(self, words: int, threads: int = 2) -> None:
-        import os
-
-        self.words = words
-        self.spare_core = (os.cpu_count() or 1) > torch.get_num_threads()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvcache-masks", initializer=_background)
-        self._executor: Any = None  # the worker thread's
-        self._executor_here: Any = None  # the engine thread's
-        self._threads = threads
-        self.mask_s = 0.0  # time spent computing masks (on the worker)
-        self.masks = 0
-
-    def start(self, matchers: list[Any]) -> Future:
-        return self._pool.submit(self._compute, list(matchers), "_executor")
-
-    def compute(self, matchers: list[Any]) -> torch.Tensor:
-        """The masks, on the calling thread (its own executor: the worker's threads run at the lowest priority)."""
-        return self._compute(list(matchers), "_executor_here")
-
-    def _compute(self, matchers: list[Any], executor: str) -> torch.Tensor:
-        import time
-
-        import llguidance
-
-        t0 = time.perf_counter()
-        out = torch.zeros(len(matchers), self.words, dtype=torch.int32)
-        if len(matchers) == 1:
-            matchers[0].unsafe_compute_mask_ptr(out.data_ptr(), self.words * 4)
-        elif matchers:
-            if getattr(self, executor) is None:
-                setattr(self, executor, llguidance.LLExecutor(num_threads=self._threads))
-            getattr(self, executor).unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], out.data_ptr(),
-                                                            self.words * 4, len(matchers))
-        self.mask_s += time.perf_counter() - t0
-        self.masks += len(matchers)
-        return out
