@@ -320,3 +320,65 @@ def test_a_tool_message_must_answer_an_earlier_call(server, client):
     assert err["param"] == "messages.3.tool_call_id" and "'call_x'" in err["message"], err
     answered = client.chat.completions.create(model=model, messages=msgs[:3], tools=[WEATHER], max_tokens=4)
     assert answered.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+class Ticket(BaseModel):  # Pydantic's schema as instructor's TOOLS mode sends it: no additionalProperties
+    title: str = Field(max_length=40)
+    priority: int = Field(ge=1, le=5)
+
+
+def test_tool_parameters_hold_only_their_declared_properties(server, client):
+    """A forced call of a tool whose parameters do not say additionalProperties: only the declared keys
+    (as response_format's schemas), so the model cannot fill max_tokens with invented ones."""
+    tool = {"type": "function", "function": {"name": "Ticket", "parameters": Ticket.model_json_schema()}}
+    for seed in range(4):
+        finish, calls = _calls_of(client, _model(server), seed % 2 == 1, tools=[tool], tool_choice="required",
+                                  messages=[{"role": "user", "content": "File a ticket: the printer on floor 3 "
+                                             "is jammed again, fairly urgent."}],
+                                  max_tokens=120, temperature=0.8, seed=seed)
+        assert finish == "tool_calls" and calls, (seed, finish, calls)
+        for _, arguments in calls:
+            assert set(json.loads(arguments)) <= {"title", "priority"}, arguments
+            Ticket.model_validate_json(arguments)
+
+
+TIME_PARAMS = TIME["function"]["parameters"]
+ANSWER = {"type": "json_schema", "json_schema": {"name": "final_output", "strict": True, "schema": {
+    "type": "object", "properties": {"answer": {"type": "string", "maxLength": 60}},
+    "required": ["answer"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_forced_call_beside_a_response_format_is_a_call(server, client, stream):
+    """What the Agents SDK sends for an agent with tools, tool_choice="required" and an output_type:
+    accepted; the turn is the call (the response format is for a text answer, which a forced turn has none of)."""
+    finish, calls = _calls_of(client, _model(server), stream, tools=[TIME], tool_choice="required",
+                              response_format=ANSWER, max_tokens=120, temperature=0,
+                              messages=[{"role": "user", "content": "What time is it in Lima?"}])
+    assert finish == "tool_calls" and [n for n, _ in calls] == ["get_time"] * len(calls) and calls
+    jsonschema.validate(json.loads(calls[0][1]), TIME_PARAMS)
+
+
+def test_auto_tools_beside_a_response_format_call_or_answer_in_it(server, client):
+    """tool_choice auto with a JSON response_format: each reply is calls (valid) or an answer valid under
+    the format, never free text; a regex beside auto tools is a 400 naming it."""
+    model = _model(server)
+    prompts = ["What time is it in Lima?", "Say hello in French.", "Get the time in Oslo, please.",
+               "What is the capital of Peru?"]
+    for i, text in enumerate(prompts):
+        c = client.chat.completions.create(model=model, tools=[TIME], response_format=ANSWER, max_tokens=80,
+                                           temperature=0.7, seed=i, messages=[{"role": "user", "content": text}]
+                                           ).choices[0]
+        if c.message.tool_calls:
+            assert c.finish_reason == "tool_calls" and not (c.message.content or "").strip()
+            for t in c.message.tool_calls:
+                assert t.function.name == "get_time"
+                jsonschema.validate(json.loads(t.function.arguments), TIME_PARAMS)
+        elif c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.message.content), ANSWER["json_schema"]["schema"])
+        else:
+            assert c.finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, tools=[TIME], max_tokens=4, extra_body={"guided_regex": "a+"},
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert info.value.body["param"] == "guided_regex" and "tool_choice 'auto'" in info.value.body["message"]

@@ -31,6 +31,7 @@ from kvcache.engine.scheduler import Scheduler, SchedulerConfig
 from kvcache.engine.scoring import prompt_logprobs
 from kvcache.errors import KVCacheError
 from kvcache.server.auth import Auth, Caller
+from kvcache.server.depth import recursion_reply
 from kvcache.server.intake import (ClientGone, Limits, check_limits, check_unsupported, ignored_header, read_json,
                                    unknown_fields)
 from kvcache.server.logprobs import TokenText, completion_logprobs
@@ -40,7 +41,7 @@ from kvcache.server.responses import chat_response, completion_response
 from kvcache.server.streams import DISCONNECT_POLL_S, collect, exception_reply, sse, stream_chat, stream_completion
 from kvcache.server.tokens import encode_messages, encode_text
 from kvcache.server.tool_messages import check_messages
-from kvcache.server.tools import check_tools, render, tool_grammar
+from kvcache.server.tools import check_tools, render, tool_grammar, with_answer
 
 __all__ = ["ApiError", "DISCONNECT_POLL_S", "ServerState", "build_app"]
 
@@ -119,6 +120,8 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
     async def _http_error(_: HttpRequest, e: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(error_body(str(e.detail), "invalid_request_error"), status_code=e.status_code)
 
+    app.add_exception_handler(RecursionError, recursion_reply)  # a 400 naming the deepest field, no traceback
+
     @app.exception_handler(Exception)
     async def _internal(_: HttpRequest, e: Exception) -> JSONResponse:
         return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)
@@ -173,7 +176,7 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
         check_limits(state.limits, len(prompts), body.n, body.stop)
         _no_tools(raw)
         params = body.sampling(16, prediction=await _prediction(state, body))
-        await _check_params(state, params)
+        await _check_params(state, params, body.constraint_field())
         ids = await asyncio.to_thread(lambda: [_encode(state, p) for p in prompts])
         reqs = [_request(state, i, body, params, caller, p if isinstance(p, str) else None, "prompt")
                 for i, p in zip(ids, prompts)]
@@ -198,10 +201,15 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
         messages = [m.as_dict() for m in body.messages]
         check_messages(messages)
         messages, extra = render(messages, spec, llm.tokenizer.chat_template)
+        source = body.constraint_field()
+        if spec is not None:  # tools beside a text constraint: one grammar for the turn, or a 400
+            joined = with_answer(spec, body.constraint())
+            if joined is None:
+                raise ApiError(400, f"{source} cannot be combined with tools under tool_choice 'auto' (a JSON "
+                                    "response_format or guided_json can: the model calls tools or answers in it)",
+                               param=source)
+            spec = joined
         forced = tool_grammar(spec) if spec is not None else None
-        if forced is not None and body.constraint() is not None:
-            raise ApiError(400, f"tool_choice {body.tool_choice!r} forces a tool call: it cannot be combined with "
-                                "response_format or guided_*", param="tool_choice")
         try:  # template and tokens off the event loop
             ids = await asyncio.to_thread(encode_messages, llm, messages, extra)
         except KVCacheError as e:
@@ -210,7 +218,7 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
         body.max_tokens = body.max_completion_tokens or body.max_tokens
         params = body.sampling(min(1024, room), Constraint("lark", forced) if forced is not None else None,
                                await _prediction(state, body))
-        await _check_params(state, params, "tool_choice" if forced is not None else None)
+        await _check_params(state, params, "tool_choice" if spec is not None and spec.forced else source)
         req = _request(state, ids, body, params, caller, None, "messages")
         rid = new_id("chatcmpl")
         if body.stream:

@@ -58,7 +58,8 @@ class _Common(BaseModel):
     guided_regex: Optional[StrictStr] = None
     guided_choice: Optional[list[StrictStr]] = None
     guided_grammar: Optional[StrictStr] = None
-    # speculative decoding: OpenAI's predicted outputs, and prompt lookup (kvcache: proposed tokens per forward)
+    # speculative decoding: OpenAI's predicted outputs, and prompt lookup (kvcache: proposed tokens per forward;
+    # absent: the server's --prompt-lookup; 0: off for this request)
     prediction: Optional[dict[str, Any]] = None
     prompt_lookup: Optional[StrictInt] = Field(default=None, ge=0, le=32)
 
@@ -89,9 +90,17 @@ class _Common(BaseModel):
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
                 stop_token_ids=tuple(self.stop_token_ids or ()), constraint=constraint or self.constraint(),
-                prompt_lookup=self.prompt_lookup or 0, prediction=tuple(prediction or ()))
+                prompt_lookup=self.prompt_lookup, prediction=tuple(prediction or ()))
         except InvalidParams as e:
             raise ApiError(400, str(e), param=_param_of(str(e))) from None
+
+    def constraint_field(self) -> str | None:
+        """The parameter that asked for the structured output (None: none did)."""
+        for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            value = getattr(self, name, None)
+            if value is not None and not (name == "response_format" and value.get("type") == "text"):
+                return name
+        return None
 
     def constraint(self) -> Constraint | None:
         """The structured output asked for: at most one of response_format (json_object or
@@ -239,6 +248,8 @@ def _checked_schema(schema: Any, where: str) -> Any:
 
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
+    except RecursionError:
+        raise ApiError(400, f"{where} is nested too deeply", param=where) from None
     except jsonschema.SchemaError as e:
         path = "/".join(str(p) for p in e.path)
         raise ApiError(400, f"{where} is not a valid JSON Schema: {e.message}" + (f" (at {path})" if path else ""),

@@ -19,9 +19,10 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from kvcache.engine.schema import closed_schema
 from kvcache.server.protocol import ApiError
 
 MAX_TOOLS = 128
@@ -48,6 +49,8 @@ class ToolSpec:
     choice: str  # "auto" | "required" | "named"
     name: str | None  # the forced function for choice "named"
     parallel: bool
+    # "auto" beside a JSON response_format or guided_json: the schema (JSON text) a text answer follows
+    answer: str | None = None
 
     def names(self) -> frozenset[str]:
         return frozenset(f["name"] for f in self.tools)
@@ -56,6 +59,12 @@ class ToolSpec:
     def forced(self) -> bool:
         """Whether the output must be calls (``tool_grammar`` gives a grammar): "required" or named."""
         return self.choice != "auto"
+
+    @property
+    def shaped(self) -> bool:
+        """Whether ``tool_grammar`` shapes the turn (forced, or "auto" with a JSON answer): after a call
+        comes only another call or the grammar's tail, which the parser drops."""
+        return self.forced or self.answer is not None
 
 
 def bad(param: str, message: str) -> ApiError:
@@ -346,22 +355,46 @@ def tool_grammar(spec: ToolSpec) -> str | None:
     tail its choice of a newline would leave ``<`` as the only way on, and it would write call after call
     until max_tokens. ToolStream drops the tail.
     """
-    if spec.choice == "auto":
+    if not spec.shaped:
         return None
-    allowed = [f for f in spec.tools if spec.choice == "required" or f["name"] == spec.name]
+    allowed = [f for f in spec.tools if spec.choice != "named" or f["name"] == spec.name]
     if len(allowed) == 1:
         schema = _call_schema(allowed[0], "#/properties/arguments")
     else:
         schema = {"anyOf": [_call_schema(f, f"#/anyOf/{i}/properties/arguments") for i, f in enumerate(allowed)]}
     schema["x-guidance"] = JSON_FORMAT
-    start = ['start: block ("\\n" block)* tail?', TAIL] if spec.parallel else ["start: block"]
+    calls = ['block ("\\n" block)* tail?', TAIL] if spec.parallel else ["block"]
+    if spec.forced:
+        start = [f"start: {calls[0]}", *calls[1:]]
+    else:  # "auto" with a JSON answer: calls, or the answer alone
+        start = ["start: calls | answer", f"calls: {calls[0]}", *calls[1:], f"answer: %json {spec.answer}"]
     return "\n".join([*start, f'block: "{OPEN}\\n" call "\\n{CLOSE}"',
                        f"call: %json {json.dumps(schema, ensure_ascii=False)}", ""])
 
 
+def with_answer(spec: ToolSpec, constraint: Any) -> ToolSpec | None:
+    """``spec`` for a request that also constrains its text answer: under "auto", a JSON constraint
+    (response_format json_schema or json_object, guided_json) becomes the grammar's other branch (the
+    model calls tools or answers in that JSON, as OpenAI's models do); a forced turn is calls only, so
+    its text constraint has nothing to apply to. None when the pair cannot be joined (a regex, a
+    choice or a grammar beside "auto" tools)."""
+    if spec.forced or constraint is None:
+        return spec
+    if constraint.kind == "json_schema":
+        schema = json.loads(constraint.text)
+    elif constraint.kind == "json_object":
+        schema = {"type": "object"}
+    else:
+        return None
+    options = schema.get("x-guidance") if isinstance(schema.get("x-guidance"), dict) else {}
+    schema = {**schema, "x-guidance": {**JSON_FORMAT, **options}}
+    return replace(spec, answer=json.dumps(schema, ensure_ascii=False))
+
+
 def _call_schema(fn: dict, at: str) -> dict:
-    """The schema of one call of ``fn``; its parameters sit at JSON pointer ``at``, where local $refs now point."""
-    params = _rebase_refs(fn.get("parameters") or {"type": "object"}, at)
+    """The schema of one call of ``fn``; its parameters (closed to their declared properties, as
+    response_format's schemas are: engine/schema.py) sit at JSON pointer ``at``, where local $refs now point."""
+    params = _rebase_refs(closed_schema(fn.get("parameters") or {"type": "object"}), at)
     return {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
             "required": ["name", "arguments"], "additionalProperties": False}
 
@@ -476,7 +509,7 @@ class ToolStream:
 
     def __init__(self, spec: ToolSpec) -> None:
         self.names = spec.names()
-        self._forced = spec.forced
+        self._forced = spec.shaped
         self._buf = ""
         self._mode = "start"  # "start" | "bare" | "text" | "block"
         self._scan = 0  # in a block, where the search for its closing tag resumes
