@@ -382,3 +382,28 @@ def test_auto_tools_beside_a_response_format_call_or_answer_in_it(server, client
         client.chat.completions.create(model=model, tools=[TIME], max_tokens=4, extra_body={"guided_regex": "a+"},
                                        messages=[{"role": "user", "content": "hi"}])
     assert info.value.body["param"] == "guided_regex" and "tool_choice 'auto'" in info.value.body["message"]
+
+
+def test_a_turn_after_tool_results_answers_in_the_response_format(server, client):
+    """An agent's last step (tools offered under auto, the conversation ending with their results, a JSON
+    response_format): the answer, in the format, whole or streamed; no call of the same tool again, and
+    an answer whose "name" is a function's name is still the answer, not a call."""
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Lima"}'}}]
+    msgs = [{"role": "user", "content": "What time is it in Lima?"},
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "call_1", "content": "10:42"}]
+    named = {"type": "json_schema", "json_schema": {"name": "final", "schema": {
+        "type": "object", "properties": {"name": {"const": "get_time"}, "time": {"type": "string", "maxLength": 8}},
+        "required": ["name", "time"]}}}
+    for fmt in (ANSWER, named):
+        kw = dict(model=_model(server), tools=[TIME], response_format=fmt, max_tokens=60, temperature=0, messages=msgs)
+        c = client.chat.completions.create(**kw).choices[0]
+        assert not c.message.tool_calls and c.finish_reason in ("stop", "length"), c
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.message.content), fmt["json_schema"]["schema"])
+        text, finish = "", None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for ch in chunk.choices:
+                assert not ch.delta.tool_calls
+                text, finish = text + (ch.delta.content or ""), ch.finish_reason or finish
+        assert (text, finish) == (c.message.content, c.finish_reason)

@@ -203,7 +203,7 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
         messages, extra = render(messages, spec, llm.tokenizer.chat_template)
         source = body.constraint_field()
         if spec is not None:  # tools beside a text constraint: one grammar for the turn, or a 400
-            joined = with_answer(spec, body.constraint())
+            joined = with_answer(spec, body.constraint(), after_results=body.messages[-1].role == "tool")
             if joined is None:
                 raise ApiError(400, f"{source} cannot be combined with tools under tool_choice 'auto' (a JSON "
                                     "response_format or guided_json can: the model calls tools or answers in it)",

@@ -51,6 +51,9 @@ class ToolSpec:
     parallel: bool
     # "auto" beside a JSON response_format or guided_json: the schema (JSON text) a text answer follows
     answer: str | None = None
+    # the text answer is JSON under a constraint: a call is only ever a <tool_call> block, and JSON
+    # such as {"name": "get_time", ...} is the answer, never read as a bare call
+    json_text: bool = False
 
     def names(self) -> frozenset[str]:
         return frozenset(f["name"] for f in self.tools)
@@ -372,14 +375,20 @@ def tool_grammar(spec: ToolSpec) -> str | None:
                        f"call: %json {json.dumps(schema, ensure_ascii=False)}", ""])
 
 
-def with_answer(spec: ToolSpec, constraint: Any) -> ToolSpec | None:
+def with_answer(spec: ToolSpec, constraint: Any, after_results: bool = False) -> ToolSpec | None:
     """``spec`` for a request that also constrains its text answer: under "auto", a JSON constraint
     (response_format json_schema or json_object, guided_json) becomes the grammar's other branch (the
-    model calls tools or answers in that JSON, as OpenAI's models do); a forced turn is calls only, so
-    its text constraint has nothing to apply to. None when the pair cannot be joined (a regex, a
-    choice or a grammar beside "auto" tools)."""
+    model calls tools or answers in that JSON, as OpenAI's models do), except in a turn that follows
+    tool results (``after_results``: the conversation ends with them), which answers in the JSON, as
+    an agent's last step does: a small model would otherwise call the same tool again and again. A
+    forced turn is calls only, so its text constraint has nothing to apply to. None when the pair
+    cannot be joined (a regex, a choice or a grammar beside "auto" tools)."""
     if spec.forced or constraint is None:
         return spec
+    if constraint.kind in ("json_schema", "json_object"):
+        spec = replace(spec, json_text=True)
+        if after_results:
+            return spec
     if constraint.kind == "json_schema":
         schema = json.loads(constraint.text)
     elif constraint.kind == "json_object":
@@ -510,6 +519,7 @@ class ToolStream:
     def __init__(self, spec: ToolSpec) -> None:
         self.names = spec.names()
         self._forced = spec.shaped
+        self._bare = not spec.json_text  # whether an output opening with { or [ may be bare calls
         self._buf = ""
         self._mode = "start"  # "start" | "bare" | "text" | "block"
         self._scan = 0  # in a block, where the search for its closing tag resumes
@@ -541,7 +551,7 @@ class ToolStream:
             head = self._buf.lstrip()
             if not head and not final:
                 return events
-            self._mode = "bare" if head[:1] in ("{", "[") else "text"
+            self._mode = "bare" if self._bare and head[:1] in ("{", "[") else "text"
         if self._mode == "bare":
             if not final:
                 return events
