@@ -24,6 +24,12 @@ for _name in ("LANGSMITH_API_KEY", "LANGCHAIN_API_KEY", "LANGSMITH_ENDPOINT", "O
               "OPENAI_API_BASE", "LOGFIRE_TOKEN"):
     os.environ.pop(_name, None)
 
+# tests/clients is a package (its __init__.py), so this file is clients.conftest and never hides the
+# suite's own tests/conftest.py; its helper modules are imported by their plain names from here
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 from client_wire import KEY, Wire  # noqa: E402
 from client_server import LoggedServer  # noqa: E402
 

@@ -1,0 +1,1 @@
+"""The client conformance suite (docs/clients.md)."""
