@@ -1,6 +1,6 @@
 """``kvcache bench spec``: a short run in this process writes its rows (speculation gives the text
-without it, the ceiling keeps every proposal); transformers' child process; llama-server on the
-same file; the suite's refusals."""
+without it, the ceiling keeps every proposal, a prediction that misses rests); transformers' child
+process; llama-server on the same file; the suite's refusals."""
 
 from __future__ import annotations
 
@@ -38,8 +38,12 @@ def test_a_short_run_writes_positive_rows_and_the_same_texts(tmp_path, capsys):
     assert ceiling["acceptance"] == 1.0 and ceiling["tokens_per_forward"] > 1.5
     assert ceiling["prediction_tokens"] == ceiling["tokens"]
     assert rows[("code edit", "prediction")]["accepted"] > 0 and data["ratios"] == []
+    miss = rows[("code edit", "miss")]  # another file: a few probes, then it rests
+    assert 0 < miss["verifying_forwards"] <= miss["tokens"] // 3 and miss["speedup_median"] > 0
+    assert miss["prediction_tokens"] > 100 and miss["speculation"] == "prediction: another file"
     assert "prediction: its output" in printed and "prompt lookup" in printed and "same 2/2" in printed
     assert "DIFFERS" not in printed and "free text, file" in printed
+    assert "code edit, file" in printed and "a prediction that misses" in printed
 
 
 def test_transformers_rows_in_a_child_process():

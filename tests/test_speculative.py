@@ -192,7 +192,91 @@ def test_prediction_follows_the_output_and_realigns():
     sp.took([99, 14])  # departs, then "14" is found again in the prediction
     assert sp.propose(2) == [15, 16]
     sp.verified(2, 1)
-    assert sp.k == 2 and sp.pred_accepted == 1 and sp.pred_rejected == 1
+    assert sp.prediction.pace.k == 2 and sp.pred_accepted == 1 and sp.pred_rejected == 1
+
+
+def test_a_proposer_that_keeps_failing_rests():
+    """Three refused proposals in a row rest a proposer 8 steps; after that one refusal rests it
+    again, twice as long, until a proposal is kept (2 tokens for a prediction: one may be luck);
+    a prediction's k starts at 4."""
+    from kvcache.engine.proposers import Pace
+
+    pace = Pace(8, first=4, enough=2)
+    assert pace.k == 4
+    for _ in range(3):
+        assert pace.step()
+        pace.verified(1, 0)
+    assert [pace.step() for _ in range(9)] == [False] * 8 + [True]
+    pace.verified(1, 1)  # one token kept: neither refused nor kept
+    pace.verified(1, 0)
+    assert [pace.step() for _ in range(17)] == [False] * 16 + [True]
+    pace.verified(3, 2)  # kept: the rests start over
+    assert pace.pause == 8 and pace.refused == 0 and pace.k == 3
+    pace.verified(1, 0)
+    pace.verified(1, 0)
+    assert pace.step()
+    pace.verified(1, 0)
+    assert not pace.step() and pace.rest == 7
+
+
+def test_the_proposer_with_more_evidence_proposes():
+    """A prediction just realigned on 2 tokens gives way to a lookup's 3-gram; one the output has
+    followed for longer does not."""
+    sp = Speculator(SamplingParams(prompt_lookup=4, prediction=(50, 51, 6, 7, 60, 61, 62, 63, 64, 65)),
+                    [5, 6, 7, 8, 9, 5, 6, 7, 1, 60, 61, 62, 2])
+    sp.took([5, 6, 7])  # departs from the prediction; "6 7" realigns it; "5 6 7" was last followed by 1
+    assert sp.propose(4) == [1, 60, 61, 62] and sp._source is sp.lookup
+    sp.verified(4, 0)
+    sp.took([60, 61, 62])  # the output follows the prediction for 5 tokens; "60 61 62" was followed by 2
+    assert sp.lookup.propose(sp.history, 4) == ([2, 5, 6, 7], 3)
+    assert sp.propose(4) == [63, 64, 65] and sp._source is sp.prediction
+
+
+def _edit_runs(llm, **kw):
+    """The bench's code edit (128 tokens) without speculation and with ``kw`` each (a list of dicts)."""
+    from kvcache.bench.spec_texts import EDIT
+
+    prompt = [{"role": "user", "content": EDIT}]
+    (plain,) = llm.generate_batch([prompt], SamplingParams(max_tokens=128), chat=True)
+    return plain, {name: llm.generate_batch([prompt], SamplingParams(max_tokens=128, **p), chat=True)[0]
+                   for name, p in kw.items()}
+
+
+def test_prompt_lookup_0_turns_the_default_off(smollm_q):
+    """`serve --prompt-lookup 6` (the scheduler's default): a request that leaves prompt_lookup
+    unset (None) speculates, one that sends 0 does not; the server's body keeps the difference."""
+    from kvcache.engine.scheduler import SchedulerConfig
+    from kvcache.server.protocol import ChatRequest
+
+    msgs = [{"role": "user", "content": f"Copy this text exactly:\n{DOC}"}]
+    runs = {lk: smollm_q.generate_batch([msgs], SamplingParams(max_tokens=48, **kw), chat=True,
+                                        scheduler=SchedulerConfig(prompt_lookup=6))[0]
+            for lk, kw in ((None, {}), (0, dict(prompt_lookup=0)))}
+    assert runs[None].metrics["spec_proposed"] > 0 and runs[None].metrics["spec_accepted"] > 0
+    assert "spec_proposed" not in runs[0].metrics, runs[0].metrics and "spec_forwards" not in runs[0].metrics
+    assert runs[0].token_ids == runs[None].token_ids
+    assert SamplingParams().prompt_lookup is None
+    assert ChatRequest(model="m", messages=msgs).sampling(16).prompt_lookup is None
+    assert ChatRequest(model="m", messages=msgs, prompt_lookup=0).sampling(16).prompt_lookup == 0
+
+
+def test_a_wrong_prediction_rests_and_leaves_the_steps_to_the_lookup(smollm_q):
+    """A prediction that is all wrong (the file's tokens backwards: every token realigns it, every
+    proposal is refused) proposes a few times and rests; with prompt lookup too, the lookup
+    proposes as it does alone. The text is the text without speculation throughout."""
+    from kvcache.bench.spec_texts import EDIT_PREDICTION
+
+    wrong = tuple(reversed(smollm_q.tokenizer.encode(EDIT_PREDICTION, add_special_tokens=False)))
+    plain, got = _edit_runs(smollm_q, wrong=dict(prediction=wrong), lookup=dict(prompt_lookup=6),
+                            both=dict(prediction=wrong, prompt_lookup=6))
+    assert len(plain.token_ids) == 128
+    for o in got.values():
+        assert o.token_ids == plain.token_ids
+    m = got["wrong"].metrics
+    assert m["spec_proposed"] <= 24 and m["spec_forwards"] <= 16 and m["spec_pred_rejected"] > 0
+    alone, both = got["lookup"].metrics, got["both"].metrics
+    assert both["spec_accepted"] - both["spec_pred_accepted"] >= 0.9 * alone["spec_accepted"] > 60
+    assert both["spec_forwards"] <= alone["spec_forwards"] + 6
 
 
 def test_sampled_verification_keeps_the_target_distribution():
@@ -238,8 +322,10 @@ def test_predicted_outputs_through_the_openai_client():
         details = same.usage.completion_tokens_details
         assert details.accepted_prediction_tokens > 0.5 * same.usage.completion_tokens
         assert details.rejected_prediction_tokens == 0
+        half = len(text) // 2  # a prediction that departs from the text halfway and comes back
         off = client.chat.completions.create(model=model, messages=msgs, max_tokens=60, temperature=0,
-                                             prediction={"type": "content", "content": "Something else. " + text})
+                                             prediction={"type": "content",
+                                                         "content": text[:half] + " Something else. " + text[half:]})
         assert off.choices[0].message.content == text
         assert off.usage.completion_tokens_details.rejected_prediction_tokens > 0
         comp = client.completions.create(model=model, prompt=DOC, max_tokens=30, temperature=0)
@@ -282,6 +368,13 @@ def test_a_draft_model_proposes_and_the_text_is_unchanged(smollm):
     m = [o.metrics for o in got]
     assert sum(x["spec_accepted"] for x in m) > 0.5 * sum(x["spec_proposed"] for x in m)
     assert sum(x["spec_forwards"] for x in m) < 0.5 * sum(len(o.token_ids) for o in got)
+    # with a prediction too: each step the one with more evidence proposes, the text unchanged
+    got = target.generate_batch(PROMPTS, [SamplingParams(max_tokens=40, prediction=_wrong(o.token_ids, 4))
+                                          for o in want], chat=True)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    m = [o.metrics for o in got]
+    assert sum(x["spec_pred_accepted"] for x in m) > 0
+    assert sum(x["spec_accepted"] - x["spec_pred_accepted"] for x in m) > 0  # the draft's
     assert target.draft.kv_stats().pages_in_use == 0
     target.check_integrity()
 

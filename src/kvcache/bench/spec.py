@@ -4,9 +4,11 @@ llama-server's n-gram lookup on the same GGUF file (bench/spec_llama.py).
 
 Workloads (chat prompts, at most ``--new-tokens`` new tokens, EOS ends a text):
 - code edit: a 62-line Python file and an instruction to rename one of its functions. Speculation
-  by a prediction (OpenAI's predicted outputs: the file as the answer would write it), by prompt
-  lookup, and the ceiling: a prediction that is the greedy output itself (taken from the run
-  without speculation), where every proposal is right and only the cost of verifying remains;
+  by a prediction (OpenAI's predicted outputs: the file as the answer would write it), by a
+  prediction that misses (another Python file: what a wrong prediction costs, which should be at
+  most 3%), by prompt lookup, and the ceiling: a prediction that is the greedy output itself (taken
+  from the run without speculation), where every proposal is right and only the cost of verifying
+  remains;
 - document: a question about a document of about 1050 tokens whose answer quotes it, by prompt
   lookup;
 - free text: a short story, where little of the output repeats the prompt, by prompt lookup: what
@@ -18,7 +20,8 @@ its prefill of the prompt among them, count in the decode time.
 kvcache's side runs in this process, one loaded model per ``--weights`` mode. For each workload
 the run without speculation and each speculating run take turns (the order rotates from repeat to
 repeat), after one untimed run of each; the best of ``--repeats`` counts (the machine may be
-shared). Decode tok/s is ``RequestOutput.decode_tok_s``: the tokens after the first over the time
+shared), and the median over the rounds of each round's ratio to the run without speculation
+beside it (``speedup_median``). Decode tok/s is ``RequestOutput.decode_tok_s``: the tokens after the first over the time
 after the first. Each row reports:
 - acceptance: proposed tokens the model kept / tokens proposed (``spec_accepted`` /
   ``spec_proposed`` of the request's metrics);
@@ -51,6 +54,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -61,6 +65,7 @@ from typing import Any
 
 from kvcache.bench.child import child_main, run_module
 from kvcache.bench.report import cell, run_meta
+from kvcache.bench.spec_texts import EDIT, EDIT_PREDICTION, MISS, QUESTION, STORY
 from kvcache.errors import InvalidParams
 
 DEFAULT_NEW, QUICK_NEW = 128, 32
@@ -71,145 +76,17 @@ LOOKUP = 6  # prompt lookup: tokens proposed per forward at most (kvcache and tr
 FREE_COST_LIMIT = 0.03  # what speculation may cost where it finds little to propose
 PEER_TIMEOUT_S = 1800.0
 
-CODE = '''"""Read a CSV file of orders and print a summary per customer."""
-
-import csv
-import sys
-from collections import defaultdict
-from dataclasses import dataclass
-
-
-@dataclass
-class Order:
-    customer: str
-    item: str
-    quantity: int
-    price: float
-
-    @property
-    def total(self) -> float:
-        return self.quantity * self.price
-
-
-def parse_line(row: list[str]) -> Order:
-    customer, item, quantity, price = row
-    return Order(customer.strip(), item.strip(), int(quantity), float(price))
-
-
-def read_orders(path: str) -> list[Order]:
-    orders = []
-    with open(path, newline="") as f:
-        reader = csv.reader(f)
-        next(reader)  # skip the header
-        for row in reader:
-            if not row:
-                continue
-            orders.append(parse_line(row))
-    return orders
-
-
-def summarize(orders: list[Order]) -> dict[str, float]:
-    totals: dict[str, float] = defaultdict(float)
-    for order in orders:
-        totals[order.customer] += order.total
-    return dict(totals)
-
-
-def print_summary(totals: dict[str, float]) -> None:
-    width = max((len(name) for name in totals), default=8)
-    for name, total in sorted(totals.items(), key=lambda kv: -kv[1]):
-        print(f"{name:<{width}}  {total:>10.2f}")
-    print(f"{'all':<{width}}  {sum(totals.values()):>10.2f}")
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: orders.py FILE", file=sys.stderr)
-        return 2
-    orders = read_orders(argv[1])
-    print_summary(summarize(orders))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv))
-'''
-EDIT = ("Here is a Python file:\n\n```python\n" + CODE + "```\n\nRename the function `parse_line` to `parse_row` "
-        "everywhere it appears. Reply with the complete updated file and nothing else.")
-EDIT_PREDICTION = "```python\n" + CODE + "```"  # the file as the answer writes it
-
-DOCUMENT = """\
-The Eastport Harbor Museum opened in 1921 in the old customs house on Water Street, a granite building that once \
-collected duties on every cargo landed in the town. For its first thirty years the museum was run entirely by \
-volunteers, most of them retired sailors and fishermen who donated their own charts, tools and logbooks. In 1954 the \
-town council bought the neighbouring sail loft and joined the two buildings with a glass corridor, which doubled the \
-space for exhibitions. Today the museum holds more than twelve thousand objects and welcomes about ninety thousand \
-visitors a year, a third of them school children.
-
-The lighthouse on Gull Point is the museum's best-known property. It was built in 1868 from brick and painted white \
-with a single red band, and its light could be seen twenty-two miles out to sea. The original Fresnel lens, made in \
-Paris and shipped across the Atlantic in eleven wooden crates, was replaced by an electric beacon in 1962 and is now \
-displayed in the main hall of the museum. Visitors can climb the one hundred and twelve steps of the tower from May \
-to September, when the weather allows, and the keeper's cottage at its foot has been restored to look as it did in \
-1900.
-
-The boat collection fills the former sail loft. It includes a dory built in 1890 for cod fishing on the Grand Banks, \
-a racing sloop that won the Eastport regatta nine years in a row, and a steam launch whose engine still runs on the \
-first Saturday of every month. Each boat is shown with the tools that were used to build it, and a workshop at the \
-back of the hall lets visitors watch the museum's two boatbuilders repair planks, caulk seams and carve new oars by \
-hand.
-
-The map room on the second floor holds charts of the coast from 1702 to the present day. The oldest chart was drawn \
-by a French navigator who spent a winter in the harbor after his ship lost its mast in a storm. Later charts show how \
-the sandbar at the mouth of the river moved north by almost half a mile over two centuries, and how the town built \
-the long breakwater in 1887 to protect the fishing fleet. Researchers may ask to see the charts that are not on \
-display by writing to the curator at least two weeks before their visit.
-
-The museum is open every day from ten in the morning to five in the afternoon, except on Mondays from November to \
-March, when it is closed for cleaning and repairs. On Thursdays in July and August it stays open until eight in the \
-evening, and a local band plays sea shanties on the terrace. The museum is also closed on the first of January and \
-the twenty-fifth of December. The last admission is forty-five minutes before closing time, and the lighthouse tower \
-closes an hour earlier than the museum.
-
-Tickets cost twelve dollars for adults and eight dollars for students and visitors over sixty-five. Children under \
-twelve enter free when they come with an adult, and school groups are free on weekdays if they book in advance. A \
-family pass for two adults and up to four children costs thirty dollars. Members of the Friends of the Museum enter \
-free all year and receive the quarterly newsletter, which describes new acquisitions and the results of the \
-museum's research.
-
-The café on the ground floor looks out over the harbor and serves fish chowder, sandwiches, cakes and hot drinks \
-from eleven until four. It uses fish landed that morning at the town pier, and the recipe for the chowder comes from \
-a cookbook written in 1910 by the wife of the last lighthouse keeper. Visitors do not need a museum ticket to use the \
-café, which can be entered directly from the street.
-
-All the galleries on the ground floor can be reached by wheelchair, and a lift connects them with the map room on \
-the second floor. The lighthouse tower, however, can only be reached by its narrow stairs, so the museum offers a \
-short film of the view from the top in a small room next to the main hall. Large-print guides and audio guides in \
-five languages can be borrowed at the front desk without charge, and guide dogs are welcome everywhere in the museum.
-
-The education department runs workshops for schools on knots, navigation by the stars, the life of the fishing \
-families and the science of tides. During the summer holidays it offers a week-long course for children aged nine \
-to fourteen, who build a small wooden boat and sail it on the last day. Teachers can borrow boxes of objects, \
-photographs and activity cards to use in their own classrooms for up to a month.
-
-The museum depends on about one hundred and forty volunteers who guide tours, catalogue objects, help in the \
-workshop and keep the gardens around the lighthouse. New volunteers attend two training days in the spring and are \
-then paired with an experienced guide for their first month. Anyone interested in volunteering can leave their name \
-at the front desk or come to the open evening held on the last Wednesday of every month.
-"""
-QUESTION = DOCUMENT + "\nWhat are the museum's opening hours? Quote the text."
-STORY = "Write a short story about a dragon."
-
-# workload -> (prompt, speculation methods); a method is "prediction", "ceiling" or "lookup"
+# workload -> (prompt, speculation methods); a method is "prediction", "miss", "ceiling" or "lookup"
 WORKLOADS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "code edit": (EDIT, ("prediction", "ceiling", "lookup")),
+    "code edit": (EDIT, ("prediction", "miss", "ceiling", "lookup")),
     "document": (QUESTION, ("lookup",)),
     "free text": (STORY, ("lookup",)),
 }
 
 
 def method_label(method: str, lookup: int = LOOKUP) -> str:
-    return {"prediction": "prediction: the file", "ceiling": "prediction: its output",
+    return {"prediction": "prediction: the file", "miss": "prediction: another file",
+            "ceiling": "prediction: its output",
             "lookup": f"prompt lookup {lookup}", "draft": "draft: its GGUF"}[method]
 
 
@@ -241,11 +118,12 @@ def one_run(llm: Any, ids: list[int], params: Any) -> Run:
                dict(out.metrics))
 
 
-def spec_params(method: str, new: int, lookup: int, prediction: list[int], output: list[int]) -> Any:
+def spec_params(method: str, new: int, lookup: int, prediction: dict[str, list[int]], output: list[int]) -> Any:
+    """A method's parameters; ``prediction``: the token ids of the "prediction" and "miss" methods."""
     from kvcache.engine.params import SamplingParams
 
-    if method == "prediction":
-        return SamplingParams(max_tokens=new, prediction=tuple(prediction))
+    if method in ("prediction", "miss"):
+        return SamplingParams(max_tokens=new, prediction=tuple(prediction[method]))
     if method == "ceiling":
         return SamplingParams(max_tokens=new, prediction=tuple(output))
     if method == "draft":  # the draft model proposes for every request while it is attached
@@ -254,7 +132,7 @@ def spec_params(method: str, new: int, lookup: int, prediction: list[int], outpu
 
 
 def bench_workload(llm: Any, workload: str, ids: list[int], methods: tuple[str, ...], new: int, repeats: int,
-                   lookup: int, prediction: list[int], tick: Any = None,
+                   lookup: int, prediction: dict[str, list[int]], tick: Any = None,
                    draft: Any = None) -> tuple[list[dict[str, object]], list[int]]:
     """One workload on one loaded model: the rows of its speculation methods and the text without
     speculation (token ids). Untimed first runs, then ``repeats`` rounds of the run without
@@ -315,7 +193,8 @@ def bench_workload(llm: Any, workload: str, ids: list[int], methods: tuple[str, 
             "forward_cost": cost, "runs": checked[m], "mismatches": mismatches[m],
             "identical": mismatches[m] == 0,
             "plain_tok_s_runs": [r.tok_s for r in runs["plain"]], "spec_tok_s_runs": [r.tok_s for r in runs[m]],
-            "prediction_tokens": len(prediction) if m == "prediction" else n if m == "ceiling" else None,
+            "speedup_median": statistics.median(a.tok_s / b.tok_s for a, b in zip(runs[m], runs["plain"])),
+            "prediction_tokens": len(prediction[m]) if m in prediction else n if m == "ceiling" else None,
             "text": llm.tokenizer.decode(ref.tokens), "note": "",
         })
     return rows, ref.tokens
@@ -332,7 +211,8 @@ def bench_kvcache(model: str | None, mode: str, threads: int | None, prompts: di
     llm = LLM(model, threads=threads, weights=mode, prefix=False)
     if prompts is None:
         prompts = {w: llm.encode(p, chat=True) for w, (p, _) in WORKLOADS.items()}
-    prediction = llm.tokenizer.encode(EDIT_PREDICTION, add_special_tokens=False)
+    prediction = {m: llm.tokenizer.encode(text, add_special_tokens=False)
+                  for m, text in (("prediction", EDIT_PREDICTION), ("miss", MISS))}
     first = next(iter(prompts.values()))
     llm.generate([first[:8]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     draft = _draft(model, llm, threads) if mode == "fp32" else None
@@ -694,13 +574,20 @@ def print_table(rows: list[dict[str, Any]], rat: list[dict[str, Any]], meta: dic
                              for x in mine)
             print(f"  {w:<10} without speculation {mine[0]['plain']:.2f}x, {spec}")
     for r in rows:
-        if r["system"] == "kvcache" and r["workload"] == "free text" and r["method"] == "lookup" and r["speedup"]:
-            cost = 1 - r["speedup"]
-            verdict = f"costs {cost * 100:.1f}%" if cost > 0 else f"gains {-cost * 100:.1f}%"
-            limit = "met" if cost <= FREE_COST_LIMIT else "MISSED"
-            print(f"free text, {r['weights']}: speculation {verdict} ({r['verifying_forwards']} of {r['forwards']} "
-                  f"forwards verified {r['proposed']} proposals, {r['accepted']} kept); where little matches it "
-                  f"should cost at most {FREE_COST_LIMIT * 100:.0f}%: {limit}")
+        if r["system"] != "kvcache" or not r["speedup"]:
+            continue
+        if (r["workload"], r["method"]) == ("free text", "lookup"):
+            where = f"free text, {r['weights']}: speculation"
+        elif r["method"] == "miss":
+            where = f"{r['workload']}, {r['weights']}: a prediction that misses"
+        else:
+            continue
+        cost = 1 - r["speedup_median"]
+        verdict = f"costs {cost * 100:.1f}%" if cost > 0 else f"gains {-cost * 100:.1f}%"
+        limit = "met" if cost <= FREE_COST_LIMIT else "MISSED"
+        print(f"{where} {verdict} (median of {len(r['spec_tok_s_runs'])} rounds' ratios; {r['verifying_forwards']} "
+              f"of {r['forwards']} forwards verified {r['proposed']} proposals, {r['accepted']} kept); where little "
+              f"matches it should cost at most {FREE_COST_LIMIT * 100:.0f}%: {limit}")
     bad = [r for r in rows if r["system"] == "kvcache" and not r["identical"]]
     if bad:
         print(f"TEXT DIFFERS: {len(bad)} kvcache row(s) gave another text with speculation than without")

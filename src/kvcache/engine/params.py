@@ -31,9 +31,13 @@ class SamplingParams:
     JSON schema, a regex, a choice or a grammar. All of them apply to greedy decoding too.
 
     Speculative decoding (engine/speculate.py): ``prompt_lookup`` (up to that many tokens proposed
-    per forward from n-grams of the prompt and output; 0 off) and ``prediction`` (token ids of the
-    text expected, OpenAI's predicted outputs) propose tokens that one forward verifies; the text
-    is the text without them (greedy token for token; sampled, the same distribution).
+    per forward from n-grams of the prompt and output; None, the default: the scheduler's default,
+    ``SchedulerConfig.prompt_lookup`` or ``serve --prompt-lookup``, off where it has none; 0: off
+    for this request, whatever the default) and ``prediction`` (token ids of the text expected,
+    OpenAI's predicted outputs) propose tokens that one forward verifies; the text is the text
+    without them (greedy token for token; sampled, the same distribution). With both, the
+    prediction proposes first, the lookup where the prediction has nothing to propose or rests
+    after failing. A draft model (``LLM(draft_model=...)``) proposes for every request.
     """
 
     max_tokens: int = 256
@@ -53,7 +57,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     constraint: Constraint | None = None
-    prompt_lookup: int = 0
+    prompt_lookup: int | None = None
     prediction: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -96,8 +100,9 @@ class SamplingParams:
             _check(_int(t) and t >= 0, f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
             _check(_number(b) and -100.0 <= b <= 100.0, f"logit_bias values must be between -100 and 100, "
                                                         f"got {b!r} for token {t}")
-        _check(_int(self.prompt_lookup) and 0 <= self.prompt_lookup <= MAX_LOOKUP,
-               f"prompt_lookup must be between 0 (off) and {MAX_LOOKUP} proposed tokens, got {self.prompt_lookup!r}")
+        _check(self.prompt_lookup is None or (_int(self.prompt_lookup) and 0 <= self.prompt_lookup <= MAX_LOOKUP),
+               f"prompt_lookup must be None (the default) or between 0 (off) and {MAX_LOOKUP} proposed tokens, "
+               f"got {self.prompt_lookup!r}")
         _check(len(self.prediction) <= MAX_PREDICTION and all(_int(t) and t >= 0 for t in self.prediction),
                f"prediction must be at most {MAX_PREDICTION} token ids")
         _check(self.constraint is None or isinstance(self.constraint, Constraint),

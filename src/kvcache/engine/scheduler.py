@@ -76,7 +76,7 @@ class SchedulerConfig:
     max_batch_tokens: int = 256  # tokens per forward: decodes first, then prefill chunks
     max_running: int = 32  # requests served at once
     policy: str = "fifo"  # fifo | priority (higher first, then arrival)
-    prompt_lookup: int = 0  # prompt lookup for requests that set none (serve --prompt-lookup; 0: off)
+    prompt_lookup: int = 0  # prompt lookup for requests that leave it None (serve --prompt-lookup; 0: off)
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.max_running < 1:
@@ -127,12 +127,12 @@ class Scheduler:
         a decode-time press the text may differ from one-token decoding (the verified tokens see
         each other at full precision, and no eviction falls between them)."""
         p = req.params
-        if self.config.prompt_lookup and not p.prompt_lookup:
+        if p.prompt_lookup is None:  # left to the scheduler's default (a request's 0 is off)
             p = replace(p, prompt_lookup=self.config.prompt_lookup)
         draft = self.runner.draft
         if not speculative(p, draft is not None):
             return None
-        return Speculator(p, req.prompt_ids, draft if not p.prediction else None)
+        return Speculator(p, req.prompt_ids, draft)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and give back its pages; False if it is unknown or finished."""

@@ -6,21 +6,16 @@ the model agrees with plus one token of its own, so a forward gives 1 to k+1 tok
 then drops the K/V of the rejected tokens (``ModelRunner.truncate``) before anything else sees
 them: the prefix index, the tiers and the next step find what a plain decode would have left.
 
-Proposers, in this order of preference:
-- a prediction (OpenAI's ``prediction`` content, ``SamplingParams.prediction``): the text the
-  caller expects, followed from where the output agrees with it, realigned by n-gram where it
-  departs;
-- a draft model (``LLM(draft_model=...)``, ``--draft-model``): a smaller or more quantized model
-  with the same tokenizer decodes k tokens greedily on its own cache, which is cut back to what
-  the target kept, as the target's is;
-- prompt lookup: the longest recent n-gram (4 down to 2 tokens) at the end of the sequence that
-  occurred before in the prompt or the output proposes what followed it. (A single token's match
-  was measured to propose what the model keeps about one time in twenty: less than a verifying
-  forward costs.)
-
-k adapts per sample: it grows after a fully accepted proposal and falls to one more than what was
-accepted otherwise; a lookup that keeps failing rests, longer each time it fails again (8, 16, ...
-up to 64 steps) until a proposal is kept.
+Proposers (engine/proposers.py): a prediction (OpenAI's ``prediction`` content,
+``SamplingParams.prediction``), a draft model (``LLM(draft_model=...)``, ``--draft-model``) and
+prompt lookup (``SamplingParams.prompt_lookup``, or the scheduler's default for a request that
+leaves it None); each step the one with the most evidence proposes (the output tokens in a row a
+prediction agrees with; a lookup's n-gram; a draft model counts as a 4-gram), the earlier in that
+order on a tie. Each has its own adaptive k (it grows after a fully accepted proposal and falls to
+one more than what was accepted otherwise), and a prediction or a lookup that keeps failing rests,
+longer each time it fails again (8, 16, ... up to 64 steps), until a proposal of its is kept: a
+wrong prediction leaves the steps to the lookup, or to decoding without verifying forwards but a
+few probes (measured at 0.97x or better of no speculation, BENCHMARKS.md).
 
 Verification is exact. Greedy: proposals are kept while each equals the argmax after the one
 before (and batch invariance makes those logits the bits a one-token decode gives), so the text is
@@ -45,102 +40,56 @@ from typing import Any
 import torch
 
 from kvcache.engine.params import SamplingParams
+from kvcache.engine.proposers import DraftProposer, LookupProposer, PredictionProposer
 from kvcache.engine.sampler import Row, adjust, is_greedy, warp
 from kvcache.errors import InvalidParams
-
-MAX_NGRAM, MIN_NGRAM = 4, 2
-# a lookup refused REST_AFTER times in a row rests REST_STEPS steps, twice as long after each such
-# rest without a kept proposal in between, at most REST_MAX
-REST_AFTER, REST_STEPS, REST_MAX = 3, 8, 64
-SEARCH_LIMIT = 8192  # the last tokens of a sequence searched for an n-gram
-DEFAULT_K = 8  # proposals per forward for a prediction or a draft model
 
 
 def speculative(params: SamplingParams, draft: bool = False) -> bool:
     """Whether a request speculates: a prediction, prompt lookup or a draft model (``draft``).
-    Penalties, bias and min_tokens apply per verified position (``verify_rows``), a grammar's mask
-    too (``verify_constrained``); log-probabilities come from the verifying rows, the logits a
-    one-token decode gives."""
+    ``params.prompt_lookup`` is the request's own (0 or None: none); the scheduler resolves its
+    default before asking. Penalties, bias and min_tokens apply per verified position
+    (``verify_rows``), a grammar's mask too (``verify_constrained``); log-probabilities come from
+    the verifying rows, the logits a one-token decode gives."""
     return bool(params.prompt_lookup or params.prediction or draft)
 
 
 class Speculator:
-    """One sample's proposer and its adaptive k, with what it proposed and what was kept."""
+    """One sample's proposers (a prediction, a draft model, prompt lookup: those it has), and
+    what was proposed and kept, all proposers and the prediction's."""
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int], draft: Any = None) -> None:
-        self.k_max = params.prompt_lookup or DEFAULT_K
+        self.history = list(prompt_ids)  # prompt and output tokens
+        self.prediction = PredictionProposer(list(params.prediction)) if params.prediction else None
         self.draft = DraftProposer(draft) if draft is not None else None
-        self.k = self.k_max
-        self.lookup = params.prompt_lookup > 0
-        self.prediction = list(params.prediction)
-        self.at: int | None = 0 if self.prediction else None  # next prediction token expected
-        self.history = list(prompt_ids)  # prompt and output tokens, for the lookup
-        self.index: dict[tuple[int, ...], int] = {}  # n-gram -> the position just after its latest occurrence
-        for end in range(1, len(self.history)):  # the last token's n-grams have no continuation yet
-            self._index(end)
-        self.refused = 0
-        self.rest = 0
-        self.pause = REST_STEPS  # the next rest's length
+        self.lookup = LookupProposer(self.history, params.prompt_lookup) if params.prompt_lookup else None
+        self.sources: list[Any] = [s for s in (self.prediction, self.draft, self.lookup) if s is not None]
         self.proposed = self.accepted = 0  # tokens proposed and kept, all proposers
         self.forwards = 0  # verifying forwards
         self.pred_accepted = self.pred_rejected = 0  # of those, the prediction's
-        self._from_prediction = False
-
-    def _index(self, end: int) -> None:
-        """Record the n-grams ending at ``end`` (the position after them) of the history."""
-        for n in range(MIN_NGRAM, MAX_NGRAM + 1):
-            if end - n >= 0:
-                self.index[tuple(self.history[end - n : end])] = end
+        self._source: Any = None  # the proposer of the pending proposal
 
     def took(self, tokens: list[int]) -> None:
         """The sample's new tokens (kept proposals and the model's own)."""
-        for t in tokens:
-            self.history.append(t)
-            # index the n-grams ending one before the end: the latest occurrence must have a continuation
-            self._index(len(self.history) - 1)
-            if self.at is not None:
-                if self.at < len(self.prediction) and self.prediction[self.at] == t:
-                    self.at += 1
-                else:
-                    self.at = None
-        if self.prediction and self.at is None:
-            self.at = self._realign()
-
-    def _realign(self) -> int | None:
-        """Where the output's last tokens occur in the prediction (the longest n-gram that does, down
-        to one token: the caller expects this text, so a single token's match is trusted)."""
-        for n in range(MAX_NGRAM, 0, -1):
-            if len(self.history) < n:
-                continue
-            tail = self.history[-n:]
-            for i in range(len(self.prediction) - n, -1, -1):
-                if self.prediction[i : i + n] == tail:
-                    return i + n
-        return None
+        self.history += tokens
+        for s in self.sources:
+            s.took(self.history, tokens)
 
     def propose(self, limit: int) -> list[int]:
-        """Up to ``min(k, limit)`` tokens to verify after the sample's last token (which the history
-        ends with)."""
-        k = min(self.k, limit)
-        self._from_prediction = False
-        if k < 1:
+        """Up to ``limit`` tokens to verify after the sample's last token (which the history ends
+        with): those of the proposer not resting with the most evidence, at most its k."""
+        self._source = None
+        if limit < 1:
             return []
-        if self.at is not None and self.at < len(self.prediction):
-            self._from_prediction = True
-            return self.prediction[self.at : self.at + k]
-        if self.draft is not None:
-            return self.draft.propose(self.history, k)
-        if not self.lookup:
-            return []
-        if self.rest > 0:
-            self.rest -= 1
-            return []
-        h = self.history
-        for n in range(min(MAX_NGRAM, len(h) - 1), MIN_NGRAM - 1, -1):
-            end = self.index.get(tuple(h[-n:]))
-            if end is not None and end < len(h) and len(h) - end <= SEARCH_LIMIT:
-                return h[end : end + k]
-        return []
+        best: list[int] = []
+        evidence = -1
+        for s in [s for s in self.sources if s.pace.step()]:  # every proposer's rest counts this step
+            if s is self.draft and best and evidence >= s.STRENGTH:
+                continue  # the draft's forwards would not win
+            got, ev = s.propose(self.history, min(s.pace.k, limit))
+            if got and ev > evidence:
+                best, evidence, self._source = got, ev, s
+        return best
 
     def close(self) -> None:
         """The sample gave its pages back (it ended, or was preempted): so does its draft."""
@@ -148,61 +97,15 @@ class Speculator:
             self.draft.close()
 
     def verified(self, proposed: int, accepted: int) -> None:
-        """A verification's outcome: adapt k, rest a lookup that keeps failing, count."""
+        """A verification's outcome: the proposer's k and rest adapt; counts."""
         self.forwards += 1
         self.proposed += proposed
         self.accepted += accepted
-        if self._from_prediction:
+        if self._source is self.prediction:
             self.pred_accepted += accepted
             self.pred_rejected += proposed - accepted
-        if accepted == proposed:
-            self.k = min(self.k_max, self.k + 2)
-        else:
-            self.k = max(1, accepted + 1)
-        if accepted == 0 and not self._from_prediction and self.draft is None:
-            self.refused += 1
-            if self.refused >= REST_AFTER:
-                self.rest, self.refused = self.pause, 0
-                self.pause = min(REST_MAX, 2 * self.pause)
-        else:
-            self.refused = 0
-            if accepted:
-                self.pause = REST_STEPS
-
-
-
-class DraftProposer:
-    """A draft model's proposals for one sample: its own sequence on the draft's runner (no prefix
-    cache), brought up to the sample's history (what it holds beyond the longest common prefix is
-    cut first: the proposals the target refused), then k greedy one-token steps."""
-
-    def __init__(self, runner: Any) -> None:
-        self.runner = runner
-        self.seq: Any = None
-
-    def propose(self, history: list[int], k: int) -> list[int]:
-        from kvcache.prefix.radix import common_prefix
-
-        if self.seq is None:
-            self.seq = self.runner.new_sequence()
-        seq = self.seq
-        keep = min(common_prefix(seq.tokens, history), len(history) - 1)
-        if keep < len(seq.tokens):
-            self.runner.truncate(seq, keep)
-        feed = history[keep:]
-        room = self.runner.capacity - len(history)
-        out: list[int] = []
-        for _ in range(min(k, room)):
-            logits = self.runner.step([seq], [feed])
-            tok = int(torch.argmax(logits[0]))
-            out.append(tok)
-            feed = [tok]
-        return out
-
-    def close(self) -> None:
-        if self.seq is not None:
-            self.runner.free(self.seq)
-            self.seq = None
+        if self._source is not None:
+            self._source.pace.verified(proposed, accepted)
 
 
 def verify_rows(params: SamplingParams, gen: torch.Generator | None, n_out: int, counts: torch.Tensor | None,
