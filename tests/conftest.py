@@ -154,6 +154,14 @@ SLOW = {
     "test_eval.py::test_eval_command_on_the_default_model", "test_cli.py::test_bench_decode_smoke",
     "test_grammar.py::test_two_hundred_varied_strict_outputs_all_validate",
     "test_grammar.py::test_forced_tool_calls_all_validate",
+    # whole commands and real-model loads of 10 s or more each (make test stays under five minutes)
+    "test_qmodels.py::test_gemma_file_mixes_types_in_one_projection",
+    "test_bench_spec.py::test_a_short_run_writes_positive_rows_and_the_same_texts",
+    "test_bench_spec.py::test_transformers_rows_in_a_child_process",
+    "test_bench_structured.py::test_a_short_run_writes_positive_rows_and_valid_outputs",
+    "test_repacked.py::test_repacked_weights_are_mapped_by_later_loads_and_damage_is_repacked",
+    "test_hugepages.py::test_the_weights_file_is_mapped_with_huge_pages_even_after_a_small_page_read",
+    "test_eval.py::test_passkey_prompt_and_retrieval", "test_inspect.py::test_inspect_command",
     # the client conformance suite (tests/clients/, kvcache[clients]): real client libraries on a real server
     "test_clients_openai.py", "test_clients_instructor.py", "test_clients_langchain.py", "test_clients_agents.py",
     "test_clients_pydantic_ai.py", "test_clients_speculation.py",
