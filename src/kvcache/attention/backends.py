@@ -282,7 +282,7 @@ class PagedContext:
         rest = torch.cat((tail, kv_new), 2)  # [2, Hkv, t + n, D]
         out = None
         if buf is None and q.shape[0] == 1 and read.mask is None and read.delta is None and read.n_pages \
-                and not read.press:
+                and not read.press and not getattr(pool, "rotate", False):
             hkv, d = kv_new.shape[1], kv_new.shape[3]
             pages = read.pages if read.pages is not None else torch.arange(read.page_run, read.page_run + read.n_pages)
             o = kernels.quant_decode((q[0] * scale).view(hkv, -1, d), pages, pool.parts[j], pool.page_size,
