@@ -272,22 +272,23 @@ class PagedContext:
                buf: torch.Tensor | None, kv_new: torch.Tensor, read: ReadPlan, seq: SeqKV,
                scale: float) -> torch.Tensor:
         """Attend over the sealed pages, the fp32 tail and the new tokens, then seal the pages
-        that left the residual window. A lone decode query with everything in view goes to qattn,
-        which reads the codes in place; otherwise the pages are dequantized into ``buf``
-        ([2, Hkv, L, D], filled here unless the prefetcher did)."""
+        that left the residual window. Plain causal reads (no window, sinks or press) go to qattn,
+        which reads the codes in place, in one order for every row however many come at once;
+        otherwise the pages are dequantized into ``buf`` ([2, Hkv, L, D], filled here unless the
+        prefetcher did)."""
         tails = seq.tails[gi]
         assert tails is not None
         tail = tails[j]
         n_q = read.n_pages * pool.page_size
         rest = torch.cat((tail, kv_new), 2)  # [2, Hkv, t + n, D]
         out = None
-        if buf is None and q.shape[0] == 1 and read.mask is None and read.delta is None and read.n_pages \
-                and not read.press and not getattr(pool, "rotate", False):
-            hkv, d = kv_new.shape[1], kv_new.shape[3]
-            pages = read.pages if read.pages is not None else torch.arange(read.page_run, read.page_run + read.n_pages)
-            o = kernels.quant_decode((q[0] * scale).view(hkv, -1, d), pages, pool.parts[j], pool.page_size,
-                                     pool.group, pool.bits, rest)
-            out = None if o is None else o.view(1, -1, d)
+        g = self.cache.groups[gi]
+        if (buf is None and g.window is None and not g.sinks and seq.press is None and read.delta is None
+                and not read.press and n_q + rest.shape[2] == read.positions.shape[0]):
+            pages = read.pages if read.pages is not None else torch.arange(read.page_run or 0,
+                                                                            (read.page_run or 0) + read.n_pages)
+            out = kernels.quant_attend((q * scale).contiguous(), pages, pool.parts[j], pool.page_size, pool.group,
+                                       pool.bits, rest, getattr(pool, "rotate", False))
         if out is None:
             if buf is None:
                 buf = self._load_old_one(layer, i)

@@ -98,27 +98,35 @@ def paged_decode(
     return None if out is None else out.view(b, hkv, g, d)
 
 
-def quant_decode(
-    q: torch.Tensor,  # [Hkv, g, D] fp32 contiguous, softmax scale applied
+def quant_attend(
+    q: torch.Tensor,  # [T, Hq, D] fp32 contiguous, softmax scale applied: T new tokens of one sequence
     pages: torch.Tensor,  # [n] int64 contiguous: pool pages in position order
     parts: dict[str, torch.Tensor],  # the layer's QuantPool tensors (kc ks km vc vs vm; scales float16)
     page_size: int,
     group: int,
     bits: int,
-    tail: torch.Tensor,  # [2, Hkv, t, D] fp32 contiguous: the tokens after the quantized pages
-) -> torch.Tensor | None:  # [Hkv, g, D], or None when the kernel is unavailable
+    rest: torch.Tensor,  # [2, Hkv, m, D] fp32 contiguous: the tokens after the pages, the T new ones last
+    rotate: bool = False,  # the pages hold K and V turned by the normalized Hadamard transform
+    way: int = 0,  # how work is spread: 0 the kernel's choice, 1 chunks over threads, 2 blocks of rows
+) -> torch.Tensor | None:  # [T, Hq, D], or None when the kernel cannot take these inputs
+    """Causal attention of T new rows over quantized pages read in place, then the fp32 rest
+    (kernels/qattn.c): each row's bits do not depend on T, on ``way`` or on the threads."""
     lib = qattn()
-    if (lib is None or not _cpu_f32(q, tail) or not _i64(pages) or q.dim() != 3
-            or any(parts[n].dtype != torch.float16 for n in ("ks", "km", "vs", "vm"))):
+    if (lib is None or not _cpu_f32(q, rest) or not _i64(pages) or q.dim() != 3 or rest.dim() != 4
+            or any(parts[n].dtype != torch.float16 or not parts[n].is_contiguous() for n in ("ks", "km", "vs", "vm"))
+            or not parts["kc"].is_contiguous() or not parts["vc"].is_contiguous() or parts["kc"].device.type != "cpu"
+            or rest.shape[1] < 1 or q.shape[1] % rest.shape[1] or rest.shape[3] != q.shape[2]
+            or rest.shape[2] < q.shape[0] or not lib.kv_quant_fits(q.shape[2], group, bits, page_size)):
         return None
-    hkv, g, d = q.shape
-    out = torch.empty(hkv, g, d)
+    t, hq, d = q.shape
+    hkv = rest.shape[1]
+    out = torch.empty(t, hq, d)
     kc = parts["kc"]
-    rc = lib.kv_quant_decode(
-        hkv, g, d, page_size, group, bits, q.data_ptr(), pages.data_ptr(), pages.shape[0],
+    rc = lib.kv_quant_attend(
+        hkv, hq // hkv, d, page_size, group, bits, t, q.data_ptr(), pages.data_ptr(), pages.shape[0],
         kc.data_ptr(), parts["ks"].data_ptr(), parts["km"].data_ptr(), parts["vc"].data_ptr(),
-        parts["vs"].data_ptr(), parts["vm"].data_ptr(), kc.shape[1], tail[0].data_ptr(), tail[1].data_ptr(),
-        tail.shape[2], out.data_ptr(), torch.get_num_threads(),
+        parts["vs"].data_ptr(), parts["vm"].data_ptr(), kc.shape[1], rest[0].data_ptr(), rest[1].data_ptr(),
+        rest.shape[2], int(rotate), way, out.data_ptr(), torch.get_num_threads(),
     )
     return out if rc == 0 else None
 

@@ -1,26 +1,55 @@
-/* Decode attention straight from a quantized KV cache (KIVI layout), no fp32 copy of the cache.
+/* Attention over a quantized KV cache (KIVI layout: cache/qpool.py) read in place, and the fp32
+ * tokens after it, in one canonical order: a query row's result is the same bits whatever else is
+ * computed beside it (its sequence's other new tokens, a decode or a prefill, the number of threads).
  *
- * One query row per query head (decode). For every KV head the pages are split into chunks that
- * run in parallel (OpenMP); each chunk scores its tokens (keys dequantized in registers: the
- * per-channel scale folded into the query, the minimum into one dot product per key group),
- * then accumulates softmax-weighted value rows; chunks merge by log-sum-exp. The fp32 tail (the
- * latest tokens, not yet quantized) is one more chunk.
+ * The order, for one query row of KV head h (it sees every quantized key, then the fp32 "rest"
+ * up to itself):
+ *   - keys go in chunks at fixed places: CH tokens' worth of whole pages of the quantized part
+ *     (chunk c holds pages c * CP .. c * CP + CP - 1), then chunks of CH tokens of the rest;
+ *   - a chunk's codes are widened to floats in a fixed lane order (unpack16: sixteen lanes, the
+ *     same at every vector width); a key group's score lane starts at q . min and takes one
+ *     multiply-add per channel, c = 0 .. D-1, of (q * scale)[c] and the code; the rest's start at 0
+ *     and take q[c] and the key;
+ *   - the chunk's maximum m, exp(s - m) by vexp16, their sum l over sixteen lanes (key k in lane
+ *     k % 16) reduced by one fixed tree, and the value sum acc, one multiply-add chain per output
+ *     element over the chunk's keys in the chunk's order (a value row is code * scale + min);
+ *   - partials merge in chunk order (merge); with ``rotate`` the quantized chunks saw the query
+ *     turned by the normalized Hadamard transform of the pages (cache/rotation.py), so their merged
+ *     sum is turned back (fwht) before the rest's chunks join.
+ * How work is spread does not enter the arithmetic. A call with few query rows per KV head (decode,
+ * speculation) spreads its chunks over the threads and merges the stored partials in order; one
+ * with many (prefill) gives each thread blocks of rows that run the chunks in order.
  *
- * Layouts (P = pages in the pool, ps = page size, G = group, Dp = D * bits / 8):
- *   q    [hkv, g, D] float, already multiplied by the softmax scale
- *   kc   [hkv, P, ps / G, D, G * bits / 8] uint8 (channel-major)   ks, km [hkv, P, ps / G, D] half
- *   vc   [hkv, P, ps, Dp] uint8   vs, vm [hkv, P, ps, D / G] half
- * Scales and minimums are IEEE half floats (uint16_t bits), widened here one group at a time.
- *   tk, tv [hkv, n_tail, D] float     out [hkv, g, D] float
+ * Layouts (P = pages in the pool, ps = page size, G = group, nb = G * bits / 8, Dp = D * bits / 8):
+ *   q    [T, hkv * g, D] float, the softmax scale applied; query head h * g + i uses KV head h
+ *   kc   [hkv, P, ps / G, D, nb] uint8 (a channel's G token codes together)   ks, km [hkv, P, ps / G, D] half
+ *   vc   [hkv, P, ps, Dp] uint8    vs, vm [hkv, P, ps, D / G] half
+ *   tk, tv [hkv, n_rest, D] float: the tokens after the pages; the last T are the new ones (row t
+ *          of the call sees rest tokens 0 .. n_rest - T + t)
+ *   out  [T, hkv * g, D] float
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
-#define MAXG 32
+#include "vmath.h"
+
+typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t i16 __attribute__((vector_size(64), aligned(4), may_alias));
+typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1), may_alias));
+KV_VEXP(vexp16, v16, i16)
+
+#define CH 256          /* keys per chunk */
+#define NR 4            /* query rows per tile */
+#define SPLIT_ROWS 16   /* at most this many rows per KV head: chunks spread over the threads */
+#define RB 32           /* rows per work item otherwise */
 #define MAXD 512
-#define MAXGROUP 512
+#define NOINLINE __attribute__((noinline))
+#define ALWAYS __attribute__((always_inline)) inline
 
 /* IEEE binary16 bits -> float, exactly (normals, subnormals, zeros, infinities, NaN). */
 static inline float half_to_float(uint16_t h) {
@@ -42,174 +71,437 @@ static inline float half_to_float(uint16_t h) {
     return out;
 }
 
-static inline void unpack_row(const uint8_t *src, int D, int bits, float *dst) {
-    if (bits == 8) {
-        for (int c = 0; c < D; c++) dst[c] = (float)src[c];
-    } else if (bits == 4) {
-        for (int c = 0; c < D / 2; c++) {
-            dst[2 * c] = (float)(src[c] & 15);
-            dst[2 * c + 1] = (float)(src[c] >> 4);
+static void halves(const uint16_t *h, int n, float *out) {
+    int i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) out[i] = half_to_float(h[i]);
+}
+
+/* Sixteen bytes widened to int32 lanes. */
+static ALWAYS i16 widen16(u8x16 raw) {
+#if defined(__AVX512F__)
+    return (i16)_mm512_cvtepu8_epi32((__m128i)raw);
+#elif defined(__AVX2__)
+    union { __m256i h[2]; i16 v; } u;
+    u.h[0] = _mm256_cvtepu8_epi32((__m128i)raw);
+    u.h[1] = _mm256_cvtepu8_epi32(_mm_srli_si128((__m128i)raw, 8));
+    return u.v;
+#else
+    i16 x;
+    for (int i = 0; i < 16; i++) x[i] = raw[i];
+    return x;
+#endif
+}
+
+/* Lanes 16v .. 16v + 15 of a block of G codes of `bits` bits packed in nb = G * bits / 8 bytes (code
+ * j of a byte at bits j * bits ..): lane L holds code (L % nb) * (8 / bits) + L / nb. */
+static ALWAYS v16 unpack16(const uint8_t *src, int bits, int G, int v) {
+    const int nb = G * bits / 8, L0 = 16 * v;
+    u8x16 raw;
+    if (nb >= 16)
+        memcpy(&raw, src + L0 % nb, 16);
+    else
+        for (int k = 0; k < 16; k += nb) memcpy((uint8_t *)&raw + k, src, (size_t)nb);
+    i16 x = widen16(raw);
+    if (bits < 8) {
+        i16 sh;
+        for (int i = 0; i < 16; i++) sh[i] = ((L0 + i) / nb) * bits;
+        x = (x >> sh) & ((1 << bits) - 1);
+    }
+    return __builtin_convertvector(x, v16);
+}
+
+/* The element of a packed block that lane L holds (unpack16's order). */
+static int lane_item(int L, int bits, int G) {
+    const int nb = G * bits / 8;
+    return (L % nb) * (8 / bits) + L / nb;
+}
+
+/* Sum of 16 lanes by one fixed tree. */
+static ALWAYS float hsum16(v16 x) {
+    float a[8], b[4];
+    for (int i = 0; i < 8; i++) a[i] = x[i] + x[i + 8];
+    for (int i = 0; i < 4; i++) b[i] = a[i] + a[i + 4];
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+static ALWAYS float hmax16(v16 x) {
+    float m = x[0];
+    for (int i = 1; i < 16; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+/* The normalized Walsh-Hadamard transform of x [D] in place, over blocks of the largest power of two
+ * dividing D (its own inverse). */
+static void fwht(float *x, int D) {
+    int B = D & -D;
+    const float norm = 1.f / sqrtf((float)B);
+    for (int b0 = 0; b0 < D; b0 += B) {
+        float *y = x + b0;
+        for (int h = 1; h < B; h *= 2)
+            for (int i = 0; i < B; i += 2 * h)
+                for (int j = i; j < i + h; j++) {
+                    const float a = y[j], c = y[j + h];
+                    y[j] = a + c;
+                    y[j + h] = a - c;
+                }
+        for (int i = 0; i < B; i++) y[i] *= norm;
+    }
+}
+
+/* One chunk made ready for the tiles: keys as floats channel-major, values as float rows. */
+typedef struct {
+    int n;            /* keys (a multiple of 16) */
+    int kg;           /* keys per key group (quantized: G; rest: n) */
+    float *KT;        /* [D, n] keys' codes (quantized) or keys (rest), lane order per group */
+    float *ks, *kz;   /* [n / kg, D] each group's per-channel scale and minimum; NULL for the rest */
+    const float *V;   /* [n, D] value rows */
+    const int *chan;  /* [D] the channel each element of a value row holds; NULL: in order */
+} chunk_t;
+
+typedef struct {      /* one row's share of a chunk, or the running state of a row */
+    float m, l;
+    float acc[];      /* [D] */
+} part_t;
+
+#define PART_FLOATS(D) (2 + (D))
+
+/* Rows qr[0 .. nr-1] (NR computed, the extra ones copies of row 0) against one chunk; row r sees
+ * its first vis[r] keys. Each row's (m, l, acc) goes to parts[r] (l = 0: it saw none). */
+static NOINLINE void tile(const chunk_t *ck, int D, const float *const *qr, const int *vis, int nr, float *st,
+                          part_t *const *parts) {
+    const int n = ck->n;
+    float qs[NR][MAXD], zt[NR];
+    for (int g0 = 0; g0 < n; g0 += ck->kg) {
+        for (int r = 0; r < NR; r++) {
+            const float *q = qr[r < nr ? r : 0];
+            if (ck->ks) {
+                const float *s = ck->ks + (int64_t)(g0 / ck->kg) * D, *z = ck->kz + (int64_t)(g0 / ck->kg) * D;
+                v16 a = (v16){0};
+                for (int c = 0; c < D; c += 16) a += *(const v16 *)(q + c) * *(const v16 *)(z + c);
+                zt[r] = hsum16(a);
+                for (int c = 0; c < D; c++) qs[r][c] = q[c] * s[c];
+            } else {
+                zt[r] = 0.f;
+                memcpy(qs[r], q, sizeof(float) * (size_t)D);
+            }
         }
-    } else {
-        for (int c = 0; c < D / 4; c++) {
-            uint8_t b = src[c];
-            dst[4 * c] = (float)(b & 3);
-            dst[4 * c + 1] = (float)((b >> 2) & 3);
-            dst[4 * c + 2] = (float)((b >> 4) & 3);
-            dst[4 * c + 3] = (float)(b >> 6);
+        for (int v = 0; v < ck->kg; v += 16) {
+            v16 a[NR];
+            for (int r = 0; r < NR; r++) a[r] = (v16){0} + zt[r];
+            const float *k = ck->KT + g0 + v;
+            for (int c = 0; c < D; c++) {
+                const v16 kv = *(const v16 *)(k + (int64_t)c * n);
+                for (int r = 0; r < NR; r++) a[r] += qs[r][c] * kv;
+            }
+            for (int r = 0; r < NR; r++) *(v16 *)(st + (int64_t)r * n + g0 + v) = a[r];
         }
     }
+    int top = 0;
+    for (int r = 0; r < nr; r++) {
+        float *s = st + (int64_t)r * n;
+        const int see = vis[r] < n ? vis[r] : n;
+        top = see > top ? see : top;
+        for (int t = see < 0 ? 0 : see; t < n; t++) s[t] = -INFINITY;
+        part_t *p = parts[r];
+        v16 mx = (v16){0} - INFINITY;
+        for (int t = 0; t < n; t += 16) {
+            const v16 x = *(const v16 *)(s + t);
+            const i16 gt = x > mx;
+            mx = (v16)(((i16)x & gt) | ((i16)mx & ~gt));
+        }
+        p->m = hmax16(mx);
+        if (p->m == -INFINITY) {
+            p->l = 0.f;
+            continue;
+        }
+        v16 sum = (v16){0};
+        for (int t = 0; t < n; t += 16) {
+            const v16 e = vexp16(*(const v16 *)(s + t) - p->m);
+            *(v16 *)(s + t) = e;
+            sum += e;
+        }
+        p->l = hsum16(sum);
+    }
+    for (int d = 0; d < D; d += 16) {
+        v16 a[NR];
+        for (int r = 0; r < NR; r++) a[r] = (v16){0};
+        for (int t = 0; t < top; t++) {
+            const v16 x = *(const v16 *)(ck->V + (int64_t)t * D + d);
+            for (int r = 0; r < NR; r++) a[r] += st[(int64_t)(r < nr ? r : 0) * n + t] * x;
+        }
+        for (int r = 0; r < nr; r++) {
+            if (ck->chan)
+                for (int i = 0; i < 16; i++) parts[r]->acc[ck->chan[d + i]] = a[r][i];
+            else
+                memcpy(parts[r]->acc + d, &a[r], sizeof(v16));
+        }
+    }
+}
+
+/* The running state S takes partial p (chunk order). */
+static NOINLINE void merge(int D, part_t *S, const part_t *p) {
+    if (!(p->l > 0.f)) return;
+    if (S->m == -INFINITY) {
+        S->m = p->m;
+        S->l = p->l;
+        memcpy(S->acc, p->acc, sizeof(float) * (size_t)D);
+        return;
+    }
+    const float mx = p->m > S->m ? p->m : S->m, wo = expf(S->m - mx), wn = expf(p->m - mx);
+    S->l = S->l * wo + p->l * wn;
+    for (int d = 0; d < D; d++) S->acc[d] = S->acc[d] * wo + p->acc[d] * wn;
+    S->m = mx;
 }
 
 typedef struct {
-    float m[MAXG], l[MAXG];
-    float acc[MAXG * MAXD];
-} part_t;
+    int hkv, g, D, ps, G, bits, T, n_pages, n_rest, rotate, cp, nq, nr;
+    int64_t P;
+    const float *q, *qrot, *tk, *tv;
+    const int64_t *pages;
+    const uint8_t *kc, *vc;
+    const uint16_t *ks, *km, *vs, *vm;
+    float *out;
+} job_t;
 
-static void run_pages(int h, int g, int D, int ps, int G, int bits, const float *q, const int64_t *pages,
-                      int p0, int p1, const uint8_t *kc, const uint16_t *ks, const uint16_t *km, const uint8_t *vc,
-                      const uint16_t *vs, const uint16_t *vm, int64_t P, part_t *out) {
-    const int Dp = D * bits / 8, Gp = G * bits / 8, ng = ps / G, vg = D / G;
-    const int n_tok = (p1 - p0) * ps;
-    float *scores = (float *)malloc(sizeof(float) * (size_t)g * (n_tok > 0 ? n_tok : 1));
-    float qs[MAXG * MAXD], zt[MAXG], row[MAXD], s[MAXD], z[MAXD];
-    for (int i = 0; i < g; i++) { out->m[i] = -INFINITY; out->l[i] = 0.f; }
-    memset(out->acc, 0, sizeof(float) * (size_t)g * D);
-    int t = 0;
-    for (int pi = p0; pi < p1; pi++) {
-        const int64_t page = pages[pi];
-        for (int kg = 0; kg < ng; kg++) {
-            const uint16_t *s16 = ks + (((int64_t)h * P + page) * ng + kg) * D;
-            const uint16_t *z16 = km + (((int64_t)h * P + page) * ng + kg) * D;
-            for (int c = 0; c < D; c++) { s[c] = half_to_float(s16[c]); z[c] = half_to_float(z16[c]); }
-            for (int i = 0; i < g; i++) {
-                float acc = 0.f;
-                for (int c = 0; c < D; c++) {
-                    qs[i * D + c] = q[i * D + c] * s[c];
-                    acc += q[i * D + c] * z[c];
-                }
-                zt[i] = acc;
-            }
-            /* scores of the group's G tokens, a channel at a time: no horizontal sums */
-            const uint8_t *codes = kc + (((int64_t)h * P + page) * ng + kg) * D * Gp;
-            float acc[MAXG * MAXGROUP];
-            for (int i = 0; i < g; i++)
-                for (int r = 0; r < G; r++) acc[i * G + r] = zt[i];
-            for (int c = 0; c < D; c++) {
-                unpack_row(codes + (int64_t)c * Gp, G, bits, row);
-                for (int i = 0; i < g; i++) {
-                    const float w = qs[i * D + c];
-                    float *a = acc + i * G;
-                    for (int r = 0; r < G; r++) a[r] += w * row[r];
-                }
-            }
-            for (int i = 0; i < g; i++) memcpy(scores + (int64_t)i * n_tok + t, acc + i * G, sizeof(float) * G);
-            t += G;
-        }
-    }
-    for (int i = 0; i < g; i++) {
-        float *sc = scores + (int64_t)i * n_tok;
-        float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-        for (int k = 0; k < n_tok; k++) m = fmaxf(m, sc[k]);
-        float l = 0.f;
-#pragma omp simd reduction(+ : l)
-        for (int k = 0; k < n_tok; k++) { sc[k] = expf(sc[k] - m); l += sc[k]; }
-        out->m[i] = m;
-        out->l[i] = l;
-    }
-    t = 0;
-    for (int pi = p0; pi < p1; pi++) {
-        const int64_t page = pages[pi];
-        for (int r = 0; r < ps; r++, t++) {
-            const int64_t tok = ((int64_t)h * P + page) * ps + r;
-            unpack_row(vc + tok * Dp, D, bits, row);
-            const uint16_t *vs16 = vs + tok * vg, *vm16 = vm + tok * vg;
-            for (int gr = 0; gr < vg; gr++) {
-                const float sg = half_to_float(vs16[gr]), zg = half_to_float(vm16[gr]);
-                float *rg = row + gr * G;
-                for (int c = 0; c < G; c++) rg[c] = rg[c] * sg + zg;
-            }
-            for (int i = 0; i < g; i++) {
-                const float w = scores[i * n_tok + t];
-                float *a = out->acc + i * D;
-                for (int c = 0; c < D; c++) a[c] += w * row[c];
-            }
-        }
-    }
-    free(scores);
+typedef struct { /* a thread's scratch */
+    float *KT, *V, *ks, *kz, *st;
+    int chan[MAXD];
+} scratch_t;
+
+static size_t scratch_floats(const job_t *j) {
+    const int n = j->cp * j->ps > CH ? j->cp * j->ps : CH;
+    return (size_t)n * j->D * 2 + (size_t)2 * (n / 16 + 1) * j->D + (size_t)NR * n + 64;
 }
 
-static void run_tail(int h, int g, int D, const float *q, const float *tk, const float *tv, int n_tail, part_t *out) {
-    for (int i = 0; i < g; i++) { out->m[i] = -INFINITY; out->l[i] = 0.f; }
-    memset(out->acc, 0, sizeof(float) * (size_t)g * D);
-    float *scores = (float *)malloc(sizeof(float) * (size_t)g * (n_tail > 0 ? n_tail : 1));
-    for (int i = 0; i < g; i++) {
-        float m = -INFINITY;
-        for (int k = 0; k < n_tail; k++) {
-            const float *kr = tk + ((int64_t)h * n_tail + k) * D;
-            float acc = 0.f;
-            for (int c = 0; c < D; c++) acc += q[i * D + c] * kr[c];
-            scores[i * n_tail + k] = acc;
-            m = acc > m ? acc : m;
-        }
-        float l = 0.f;
-        for (int k = 0; k < n_tail; k++) { float w = expf(scores[i * n_tail + k] - m); scores[i * n_tail + k] = w; l += w; }
-        out->m[i] = m;
-        out->l[i] = l;
-        float *a = out->acc + i * D;
-        for (int k = 0; k < n_tail; k++) {
-            const float *vr = tv + ((int64_t)h * n_tail + k) * D;
-            const float w = scores[i * n_tail + k];
-            for (int c = 0; c < D; c++) a[c] += w * vr[c];
-        }
-    }
-    free(scores);
+static void scratch_bind(const job_t *j, float *mem, scratch_t *sc) {
+    const int n = j->cp * j->ps > CH ? j->cp * j->ps : CH;
+    sc->KT = mem;
+    sc->V = sc->KT + (size_t)n * j->D;
+    sc->ks = sc->V + (size_t)n * j->D;
+    sc->kz = sc->ks + (size_t)(n / 16 + 1) * j->D;
+    sc->st = sc->kz + (size_t)(n / 16 + 1) * j->D;
 }
 
-int kv_quant_decode(int hkv, int g, int D, int ps, int G, int bits, const float *q, const int64_t *pages,
-                    int n_pages, const uint8_t *kc, const uint16_t *ks, const uint16_t *km, const uint8_t *vc,
-                    const uint16_t *vs, const uint16_t *vm, int64_t P, const float *tk, const float *tv, int n_tail,
-                    float *out, int n_threads) {
-    if (g < 1 || g > MAXG || D < 1 || D > MAXD || G < 1 || G > MAXGROUP || ps % G || D % G || (D * bits) % 8 ||
-        (G * bits) % 8 || n_pages < 0 || n_tail < 0 || hkv < 1 || (bits != 2 && bits != 4 && bits != 8))
-        return 1;
-    for (int i = 0; i < n_pages; i++) /* every page read lies in the pool */
-        if (pages[i] < 0 || pages[i] >= P) return 3;
-    int chunks = n_threads * 2;
-    if (chunks > n_pages) chunks = n_pages > 0 ? n_pages : 1;
-    const int per_head = chunks + 1;  /* the tail is the last part */
-    part_t *parts = (part_t *)malloc(sizeof(part_t) * (size_t)hkv * per_head);
+/* Quantized chunk c of KV head h widened into the scratch (bits and G constants where inlined). */
+static ALWAYS void prep_quant(const job_t *j, int h, int c, scratch_t *sc, chunk_t *ck, int bits, int G) {
+    const int D = j->D, nb = G * bits / 8, ng = j->ps / G, Dp = D * bits / 8;
+    const int p0 = c * j->cp, p1 = p0 + j->cp < j->n_pages ? p0 + j->cp : j->n_pages;
+    const int n = (p1 - p0) * j->ps;
+    int tok[512];
+    for (int L = 0; L < G; L++) tok[L] = lane_item(L, bits, G);
+    for (int i = 0; i < D; i++) sc->chan[i] = i / G * G + lane_item(i % G, bits, G);
+    for (int pi = p0; pi < p1; pi++) {
+        const int64_t page = j->pages[pi], base = (int64_t)h * j->P + page;
+        for (int kgi = 0; kgi < ng; kgi++) {
+            const int t0 = (pi - p0) * j->ps + kgi * G;
+            const uint8_t *codes = j->kc + (base * ng + kgi) * D * nb;
+            halves(j->ks + (base * ng + kgi) * D, D, sc->ks + (int64_t)(t0 / G) * D);
+            halves(j->km + (base * ng + kgi) * D, D, sc->kz + (int64_t)(t0 / G) * D);
+            for (int ch = 0; ch < D; ch++)
+                for (int v = 0; v < G / 16; v++)
+                    *(v16 *)(sc->KT + (int64_t)ch * n + t0 + 16 * v) = unpack16(codes + (int64_t)ch * nb, bits, G, v);
+            for (int L = 0; L < G; L++) {
+                const int64_t row = base * j->ps + kgi * G + tok[L];
+                float s[MAXD / 16], z[MAXD / 16];
+                halves(j->vs + row * (D / G), D / G, s);
+                halves(j->vm + row * (D / G), D / G, z);
+                float *dst = sc->V + (int64_t)(t0 + L) * D;
+                for (int gr = 0; gr < D / G; gr++)
+                    for (int v = 0; v < G / 16; v++)
+                        *(v16 *)(dst + gr * G + 16 * v) = unpack16(j->vc + row * Dp + gr * nb, bits, G, v) * s[gr] + z[gr];
+            }
+        }
+    }
+    *ck = (chunk_t){n, G, sc->KT, sc->ks, sc->kz, sc->V, sc->chan};
+}
+
+#define PREP(B, GG) static NOINLINE void prep_##B##_##GG(const job_t *j, int h, int c, scratch_t *sc, chunk_t *ck) \
+    { prep_quant(j, h, c, sc, ck, B, GG); }
+PREP(8, 16) PREP(8, 32) PREP(8, 64) PREP(4, 16) PREP(4, 32) PREP(4, 64) PREP(2, 16) PREP(2, 32) PREP(2, 64)
+
+/* Chunk c of KV head h: quantized (c < nq: its pages widened into the scratch) or of the rest. */
+static void prepare(const job_t *j, int h, int c, scratch_t *sc, chunk_t *ck) {
+    const int D = j->D;
+    if (c < j->nq) {
+        const int key = j->bits * 1000 + j->G;
+        switch (key) {
+        case 8016: prep_8_16(j, h, c, sc, ck); return;
+        case 8032: prep_8_32(j, h, c, sc, ck); return;
+        case 8064: prep_8_64(j, h, c, sc, ck); return;
+        case 4016: prep_4_16(j, h, c, sc, ck); return;
+        case 4032: prep_4_32(j, h, c, sc, ck); return;
+        case 4064: prep_4_64(j, h, c, sc, ck); return;
+        case 2016: prep_2_16(j, h, c, sc, ck); return;
+        case 2032: prep_2_32(j, h, c, sc, ck); return;
+        case 2064: prep_2_64(j, h, c, sc, ck); return;
+        default: prep_quant(j, h, c, sc, ck, j->bits, j->G); return;
+        }
+    }
+    const int r0 = (c - j->nq) * CH, cnt = j->n_rest - r0 < CH ? j->n_rest - r0 : CH, n = (cnt + 15) / 16 * 16;
+    const float *K = j->tk + ((int64_t)h * j->n_rest + r0) * D;
+    for (int ch = 0; ch < D; ch++) {
+        float *row = sc->KT + (int64_t)ch * n;
+        for (int t = 0; t < cnt; t++) row[t] = K[(int64_t)t * D + ch];
+        for (int t = cnt; t < n; t++) row[t] = 0.f;
+    }
+    *ck = (chunk_t){n, n, sc->KT, NULL, NULL, j->tv + ((int64_t)h * j->n_rest + r0) * D, NULL};
+}
+
+/* Rows a .. b-1 of KV head h (row r: new token r / g, query head h * g + r % g) against chunk c;
+ * row r's partial goes to parts[r - a]. */
+static void run_rows(const job_t *j, int h, int c, const chunk_t *ck, int a, int b, float *st, part_t *const *parts) {
+    for (int r0 = a; r0 < b; r0 += NR) {
+        const int nr = b - r0 < NR ? b - r0 : NR;
+        const float *qr[NR];
+        int vis[NR];
+        for (int r = 0; r < nr; r++) {
+            const int t = (r0 + r) / j->g, i = (r0 + r) % j->g;
+            const float *q = c < j->nq && j->rotate ? j->qrot : j->q;
+            qr[r] = q + (((int64_t)t * j->hkv + h) * j->g + i) * j->D;
+            vis[r] = c < j->nq ? ck->n : j->n_rest - j->T + t + 1 - (c - j->nq) * CH;
+        }
+        tile(ck, j->D, qr, vis, nr, st, parts + (r0 - a));
+    }
+}
+
+static __thread float *t_mem;
+static __thread size_t t_cap;
+
+/* The calling thread's scratch, grown to the job's size (kept from call to call). */
+static int scratch_get(const job_t *j, scratch_t *sc) {
+    const size_t need = scratch_floats(j);
+    if (t_cap < need) {
+        free(t_mem);
+        t_mem = (float *)aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
+        t_cap = t_mem ? need : 0;
+        if (!t_mem) return 1;
+    }
+    scratch_bind(j, t_mem, sc);
+    return 0;
+}
+
+/* The state after the quantized chunks, turned back from the rotated space. */
+static void unrotate(const job_t *j, part_t *S) {
+    if (j->rotate && j->nq && S->m != -INFINITY) fwht(S->acc, j->D);
+}
+
+static void finish(const job_t *j, int h, int r, const part_t *S) {
+    const int t = r / j->g, i = r % j->g;
+    float *o = j->out + (((int64_t)t * j->hkv + h) * j->g + i) * j->D;
+    const float inv = S->l > 0.f ? 1.f / S->l : 0.f; /* nothing visible: zeros */
+    for (int d = 0; d < j->D; d++) o[d] = S->acc[d] * inv;
+}
+
+static part_t *part_at(float *base, int64_t index, int D) { return (part_t *)(base + index * PART_FLOATS(D)); }
+
+/* Few rows per KV head: items (h, chunk) store partials, then rows merge them in chunk order. */
+static int run_split(const job_t *j, int n_threads) {
+    const int R = j->T * j->g, nc = j->nq + j->nr, D = j->D;
+    float *parts = (float *)malloc(sizeof(float) * (size_t)j->hkv * nc * R * PART_FLOATS(D));
     if (!parts) return 2;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
-    for (int item = 0; item < hkv * per_head; item++) {
-        const int h = item / per_head, c = item % per_head;
-        const float *qh = q + (int64_t)h * g * D;
-        if (c == chunks) {
-            run_tail(h, g, D, qh, tk, tv, n_tail, &parts[item]);
-        } else {
-            const int p0 = (int)((int64_t)n_pages * c / chunks), p1 = (int)((int64_t)n_pages * (c + 1) / chunks);
-            run_pages(h, g, D, ps, G, bits, qh, pages, p0, p1, kc, ks, km, vc, vs, vm, P, &parts[item]);
-        }
+    int bad = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads) reduction(| : bad)
+    for (int item = 0; item < j->hkv * nc; item++) {
+        scratch_t sc;
+        chunk_t ck;
+        if (scratch_get(j, &sc)) { bad = 1; continue; }
+        const int h = item / nc, c = item % nc;
+        prepare(j, h, c, &sc, &ck);
+        part_t *ps[SPLIT_ROWS];
+        for (int r = 0; r < R; r++) ps[r] = part_at(parts, (int64_t)item * R + r, D);
+        run_rows(j, h, c, &ck, 0, R, sc.st, ps);
     }
-    for (int h = 0; h < hkv; h++) {
-        for (int i = 0; i < g; i++) {
-            float M = -INFINITY;
-            for (int c = 0; c < per_head; c++) M = parts[h * per_head + c].m[i] > M ? parts[h * per_head + c].m[i] : M;
-            float L = 0.f;
-            float *o = out + ((int64_t)h * g + i) * D;
-            memset(o, 0, sizeof(float) * D);
-            for (int c = 0; c < per_head; c++) {
-                const part_t *pt = &parts[h * per_head + c];
-                if (pt->l[i] == 0.f) continue;
-                const float f = expf(pt->m[i] - M);
-                L += pt->l[i] * f;
-                for (int d = 0; d < D; d++) o[d] += pt->acc[i * D + d] * f;
+    if (!bad) {
+#pragma omp parallel for num_threads(n_threads)
+        for (int hr = 0; hr < j->hkv * R; hr++) {
+            const int h = hr / R, r = hr % R;
+            float mem[PART_FLOATS(MAXD)];
+            part_t *S = (part_t *)mem;
+            S->m = -INFINITY;
+            S->l = 0.f;
+            for (int c = 0; c < nc; c++) {
+                if (c == j->nq) unrotate(j, S);
+                merge(D, S, part_at(parts, ((int64_t)h * nc + c) * R + r, D));
             }
-            const float inv = L > 0.f ? 1.f / L : 0.f; /* nothing visible: zeros */
-            for (int d = 0; d < D; d++) o[d] *= inv;
+            if (nc == j->nq) unrotate(j, S);
+            finish(j, h, r, S);
         }
     }
     free(parts);
-    return 0;
+    return bad ? 2 : 0;
+}
+
+/* Many rows: items (h, block of RB rows) run every chunk in order, merging as they go. */
+static int run_blocks(const job_t *j, int n_threads) {
+    const int R = j->T * j->g, nb = (R + RB - 1) / RB, nc = j->nq + j->nr, D = j->D;
+    int bad = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads) reduction(| : bad)
+    for (int item = 0; item < j->hkv * nb; item++) {
+        scratch_t sc;
+        chunk_t ck;
+        if (scratch_get(j, &sc)) { bad = 1; continue; }
+        const int h = item / nb, a = item % nb * RB, b = a + RB < R ? a + RB : R;
+        float *mem = (float *)malloc(sizeof(float) * (size_t)2 * RB * PART_FLOATS(D));
+        if (!mem) { bad = 1; continue; }
+        part_t *S[RB], *p[RB];
+        for (int r = 0; r < b - a; r++) {
+            S[r] = part_at(mem, r, D);
+            p[r] = part_at(mem, RB + r, D);
+            S[r]->m = -INFINITY;
+            S[r]->l = 0.f;
+        }
+        for (int c = 0; c < nc; c++) {
+            if (c == j->nq)
+                for (int r = 0; r < b - a; r++) unrotate(j, S[r]);
+            prepare(j, h, c, &sc, &ck);
+            run_rows(j, h, c, &ck, a, b, sc.st, p);
+            for (int r = 0; r < b - a; r++) merge(D, S[r], p[r]);
+        }
+        for (int r = 0; r < b - a; r++) {
+            if (nc == j->nq) unrotate(j, S[r]);
+            finish(j, h, a + r, S[r]);
+        }
+        free(mem);
+    }
+    return bad ? 2 : 0;
+}
+
+/* The shapes the kernel takes: whole sixteen-lane blocks of codes (G and D multiples of 16, a
+ * group's packed bytes a multiple or a divisor of 16), D at most MAXD. */
+int kv_quant_fits(int D, int G, int bits, int ps) {
+    const int nb = G * bits / 8;
+    return (bits == 2 || bits == 4 || bits == 8) && D >= 16 && D <= MAXD && D % 16 == 0 && G >= 16 && G <= 512 &&
+           G % 16 == 0 && D % G == 0 && ps % G == 0 && (nb % 16 == 0 || 16 % nb == 0);
+}
+
+int kv_quant_attend(int hkv, int g, int D, int ps, int G, int bits, int T, const float *q, const int64_t *pages,
+                    int n_pages, const uint8_t *kc, const uint16_t *ks, const uint16_t *km, const uint8_t *vc,
+                    const uint16_t *vs, const uint16_t *vm, int64_t P, const float *tk, const float *tv, int n_rest,
+                    int rotate, int way, float *out, int n_threads) {
+    if (!kv_quant_fits(D, G, bits, ps) || hkv < 1 || g < 1 || T < 1 || n_pages < 0 || n_rest < T || P < 0 ||
+        way < 0 || way > 2 || (way == 1 && T * g > SPLIT_ROWS))
+        return 1;
+    for (int i = 0; i < n_pages; i++) /* every page read lies in the pool */
+        if (pages[i] < 0 || pages[i] >= P) return 3;
+    job_t j = {hkv, g, D, ps, G, bits, T, n_pages, n_rest, rotate != 0, 0, 0, 0, P, q, NULL, tk, tv, pages,
+               kc, vc, ks, km, vs, vm, out};
+    j.cp = CH / ps > 0 ? CH / ps : 1;
+    j.nq = (n_pages + j.cp - 1) / j.cp;
+    j.nr = (n_rest + CH - 1) / CH;
+    float *qrot = NULL;
+    if (j.rotate && j.nq) {
+        const int64_t rows = (int64_t)T * hkv * g;
+        qrot = (float *)malloc(sizeof(float) * (size_t)(rows * D));
+        if (!qrot) return 2;
+        memcpy(qrot, q, sizeof(float) * (size_t)(rows * D));
+        for (int64_t r = 0; r < rows; r++) fwht(qrot + r * D, D);
+        j.qrot = qrot;
+    }
+    if (way == 0) way = T * g <= SPLIT_ROWS ? 1 : 2; /* 1: spread chunks, 2: blocks of rows (tests force each) */
+    const int rc = way == 1 ? run_split(&j, n_threads) : run_blocks(&j, n_threads);
+    free(qrot);
+    return rc;
 }

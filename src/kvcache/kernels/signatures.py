@@ -78,13 +78,15 @@ _TABLE = (
     Signature("qgemm", "kv_mask_logits", "int", (
         ("rows", "int"), ("vocab", "int"), ("x", "float *"), ("ldx", "int64_t"), ("mask", "const int32_t *"),
         ("ldm", "int64_t"))),
-    # qattn.c: decode attention over quantized pages
-    Signature("qattn", "kv_quant_decode", "int", (
-        ("hkv", "int"), ("g", "int"), ("D", "int"), ("ps", "int"), ("G", "int"), ("bits", "int"),
+    # qattn.c: attention over quantized pages and the fp32 tokens after them
+    Signature("qattn", "kv_quant_fits", "int", (("D", "int"), ("G", "int"), ("bits", "int"), ("ps", "int"))),
+    Signature("qattn", "kv_quant_attend", "int", (
+        ("hkv", "int"), ("g", "int"), ("D", "int"), ("ps", "int"), ("G", "int"), ("bits", "int"), ("T", "int"),
         ("q", "const float *"), ("pages", "const int64_t *"), ("n_pages", "int"), ("kc", "const uint8_t *"),
         ("ks", "const uint16_t *"), ("km", "const uint16_t *"), ("vc", "const uint8_t *"),
         ("vs", "const uint16_t *"), ("vm", "const uint16_t *"), ("P", "int64_t"), ("tk", "const float *"),
-        ("tv", "const float *"), ("n_tail", "int"), ("out", "float *"), ("n_threads", "int"))),
+        ("tv", "const float *"), ("n_rest", "int"), ("rotate", "int"), ("way", "int"), ("out", "float *"),
+        ("n_threads", "int"))),
     # pgemm.c: multi-row products by packed fp32 weights
     Signature("pgemm", "kv_packed_matmul", "int", (
         ("n", "int"), ("in", "int"), ("k", "int"), ("part", "int"), ("x", "const float *"), ("ldx", "int64_t"),

@@ -18,23 +18,27 @@ typedef float vec __attribute__((vector_size(VL * 4), aligned(4), may_alias));
 typedef int32_t ivec __attribute__((vector_size(VL * 4), aligned(4), may_alias));
 
 /* exp(x) for x <= 0 (softmax after subtracting the maximum): 2^n * p(r) with |r| <= ln2 / 2 and a
- * degree-6 polynomial (relative error about 2e-7); exactly 0 below -87 and for -inf. */
-static inline vec vexp(vec x) {
-    const ivec under = x < -87.f;  /* -1 in lanes that underflow (-inf included) */
-    x = (vec)(((ivec)x & ~under) | ((ivec)((vec){0} - 87.f) & under));
-    const vec t = x * 1.44269504088896341f;
-    const ivec n = __builtin_convertvector(t - 0.5f, ivec);  /* t <= 0: truncation gives round(t) */
-    const vec fn = __builtin_convertvector(n, vec);
-    const vec r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
-    vec p = (vec){0} + 1.f / 720;
-    p = p * r + 1.f / 120;
-    p = p * r + 1.f / 24;
-    p = p * r + 1.f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    const vec out = p * (vec)((n + 127) << 23);
-    return (vec)((ivec)out & ~under);
-}
+ * degree-6 polynomial (relative error about 2e-7); exactly 0 below -87 and for -inf. One definition
+ * for every vector type V (I: its int32 twin), so each lane takes the same steps at any width. */
+#define KV_VEXP(name, V, I)                                                                             \
+    static inline V name(V x) {                                                                         \
+        const I under = x < -87.f; /* -1 in lanes that underflow (-inf included) */                     \
+        x = (V)(((I)x & ~under) | ((I)((V){0} - 87.f) & under));                                        \
+        const V t = x * 1.44269504088896341f;                                                           \
+        const I n = __builtin_convertvector(t - 0.5f, I); /* t <= 0: truncation gives round(t) */       \
+        const V fn = __builtin_convertvector(n, V);                                                     \
+        const V r = x - fn * 0.693359375f + fn * 2.12194440e-4f;                                        \
+        V p = (V){0} + 1.f / 720;                                                                       \
+        p = p * r + 1.f / 120;                                                                          \
+        p = p * r + 1.f / 24;                                                                           \
+        p = p * r + 1.f / 6;                                                                            \
+        p = p * r + 0.5f;                                                                               \
+        p = p * r + 1.f;                                                                                \
+        p = p * r + 1.f;                                                                                \
+        const V out = p * (V)((n + 127) << 23);                                                         \
+        return (V)((I)out & ~under);                                                                    \
+    }
+
+KV_VEXP(vexp, vec, ivec)
 
 #endif

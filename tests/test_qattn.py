@@ -1,0 +1,141 @@
+"""Attention over quantized pages (kernels/qattn.c): the torch path's result (dequantize, then
+attend), and one result per row, bit for bit, however the rows come (one at a time or many, the
+work spread over chunks or over rows, one thread or two), with and without rotated pages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache import kernels
+from kvcache.attention.backends import PagedContext
+from kvcache.cache import PagedKVCache
+from kvcache.cache.config import parse_kv_spec
+from kvcache.cache.qpool import QuantPool
+from kvcache.models.config import ModelConfig
+
+CFG = ModelConfig(model_type="llama", vocab_size=8, hidden_size=64, intermediate_size=16, num_layers=2,
+                  num_heads=6, num_kv_heads=2, head_dim=32, max_position=4096, layer_windows=(None, None))
+
+pytestmark = pytest.mark.skipif(kernels.qattn() is None, reason="no C compiler here: the torch path is the only one")
+
+
+def run_cache(spec: str, use_kernel: bool, monkeypatch, steps=((150, 77), (1, 1), (5, 3), (1, 1), (40, 1))):
+    """Two sequences fed in steps (prefill chunks, decodes, short extends); every step's outputs."""
+    monkeypatch.setattr(kernels, "_LIBS", {} if use_kernel else {"qattn": False, "pattn": False, "xattn": False})
+    torch.manual_seed(0)
+    cache = PagedKVCache(CFG, parse_kv_spec(spec))
+    seqs = [cache.new_sequence(), cache.new_sequence()]
+    outs = []
+    for step in steps:
+        for s, n in zip(seqs, step):
+            k = torch.randn(n, 2, 32) * torch.linspace(0.5, 4, 32)  # channels of different ranges
+            ctx = PagedContext(cache, [s], [n], torch.arange(s.length, s.length + n))
+            outs.append(ctx.attend(0, torch.randn(n, 6, 32), k, torch.randn(n, 2, 32), 0.2))
+    cache.check_integrity()
+    return outs
+
+
+SPECS = ["int8,page_size=32,group_size=16,residual=16", "int4,group_size=32,residual=0",
+         "int2,page_size=32,group_size=16,residual=40", "int2,group_size=32,residual=0"]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_kernel_equals_torch_path(spec, monkeypatch):
+    calls = []
+    real = kernels.quant_attend
+
+    def counted(*args, **kw):
+        out = real(*args, **kw)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(kernels, "quant_attend", counted)
+    fast = run_cache(spec, True, monkeypatch)
+    assert calls and all(calls)  # prefill chunks, extends and decodes all went through the kernel
+    slow = run_cache(spec, False, monkeypatch)
+    for x, y in zip(fast, slow):
+        torch.testing.assert_close(x, y, atol=3e-5, rtol=1e-4)
+
+
+def random_pool(bits: int, group: int, pages: int = 20, page_size: int = 32, d: int = 32, hkv: int = 2,
+                seed: int = 0) -> QuantPool:
+    torch.manual_seed(seed)
+    pool = QuantPool(1, hkv, d, page_size, pages, bits, group)
+    pool.write_pages(0, torch.arange(pages), torch.randn(2, hkv, pages * page_size, d) * torch.linspace(0.3, 3, d))
+    return pool
+
+
+@pytest.mark.parametrize("bits,group", [(8, 16), (4, 32), (2, 32), (2, 16)])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_a_row_has_the_same_bits_however_it_is_computed(bits, group, rotate):
+    """Row t of a T-row call equals the same row alone (the rest cut after it), and the kernel's two
+    ways of spreading work and its thread count change no bit."""
+    pool = random_pool(bits, group)
+    pages = torch.tensor([7, 3, 11, 0, 19, 5, 8, 1, 2, 4, 6, 9, 10], dtype=torch.long)  # 13 pages: 2 chunks
+    t, rest_n = 9, 300  # the rest spans two chunks
+    q = torch.randn(t, 6, 32)
+    rest = torch.randn(2, 2, rest_n, 32)
+    parts = pool.parts[0]
+    whole = kernels.quant_attend(q, pages, parts, 32, group, bits, rest, rotate)
+    assert whole is not None and torch.isfinite(whole).all()
+    assert torch.equal(whole, kernels.quant_attend(q, pages, parts, 32, group, bits, rest, rotate, way=2))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(whole, kernels.quant_attend(q, pages, parts, 32, group, bits, rest, rotate))
+    finally:
+        torch.set_num_threads(threads)
+    for row in (0, 4, t - 1):
+        cut = rest[:, :, : rest_n - t + row + 1].contiguous()
+        for way in (1, 2):
+            alone = kernels.quant_attend(q[row:row + 1].contiguous(), pages, parts, 32, group, bits, cut, rotate,
+                                         way=way)
+            assert alone is not None and torch.equal(alone[0], whole[row])
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_rotated_pages_attend_like_the_rotation_undone(bits):
+    """Pages that hold K and V turned by the normalized Hadamard transform give, with rotate, the
+    attention over the unturned K and V (q . k and the weighted sum of V are invariant)."""
+    from kvcache.cache.rotation import hadamard
+
+    torch.manual_seed(5)
+    d, hkv, ps, n = 32, 2, 32, 6
+    k, v = torch.randn(hkv, n * ps, d), torch.randn(hkv, n * ps, d)
+    plain, turned = QuantPool(1, hkv, d, ps, n, bits, 32), QuantPool(1, hkv, d, ps, n, bits, 32)
+    plain.write_pages(0, torch.arange(n), torch.stack((k, v)))
+    turned.write_pages(0, torch.arange(n), torch.stack((hadamard(k), hadamard(v))))
+    q, rest = torch.randn(1, 6, d) * 0.3, torch.randn(2, hkv, 3, d)
+    pages = torch.arange(n)
+    got = kernels.quant_attend(q, pages, turned.parts[0], ps, 32, bits, rest, True)
+    dense = torch.empty(2, hkv, n * ps, d)
+    turned.read_into(0, None, 0, n, dense)  # the torch path dequantizes (and turns back, if the pool says so)
+    if getattr(turned, "rotate", False) is False:
+        dense = hadamard(dense)  # this pool does not know it was fed turned K and V
+    keys, vals = torch.cat((dense[0], rest[0]), 1), torch.cat((dense[1], rest[1]), 1)
+    w = torch.softmax(q.view(hkv, 3, d).double() @ keys.double().transpose(1, 2), -1)
+    want = (w @ vals.double()).float().view(1, 6, d)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_float16_scales_are_widened_exactly():
+    """The kernel widens float16 scales and minimums itself: value codes 0 and one minimum per
+    (head, channel group) over every token give that minimum (subnormals, signed zero, the largest
+    half) wherever the rest agrees."""
+    pool = random_pool(4, 16, pages=3)
+    parts = pool.parts[0]
+    parts["vc"].zero_()
+    mins = torch.tensor([6e-8, -3e-5, 2.0**-24 * 1023, 65504.0], dtype=torch.float16)
+    parts["vm"].copy_(mins.view(2, 1, 1, 2).expand_as(parts["vm"]))
+    rest = torch.randn(2, 2, 1, 32)
+    rest[1] = mins.float().view(2, 2, 1).repeat_interleave(16, -1).view(2, 1, 32)
+    got = kernels.quant_attend(torch.randn(1, 6, 32) * 0.1, torch.tensor([2, 0, 1]), parts, 32, 16, 4, rest)
+    want = mins.float().view(2, 1, 2, 1).expand(2, 3, 2, 16).reshape(1, 6, 32)
+    torch.testing.assert_close(got, want, atol=0, rtol=1e-6)
+
+
+def test_shapes_it_cannot_tile_are_declined():
+    pool = QuantPool(1, 2, 32, 16, 2, 8, 8)  # groups of 8: not a whole vector of codes
+    assert kernels.quant_attend(torch.randn(1, 6, 32), torch.arange(2), pool.parts[0], 16, 8, 8,
+                                torch.randn(2, 2, 1, 32)) is None
