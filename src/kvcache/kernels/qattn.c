@@ -41,6 +41,8 @@
 typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
 typedef int32_t i16 __attribute__((vector_size(64), aligned(4), may_alias));
 typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1), may_alias));
+typedef uint64_t u64x2 __attribute__((vector_size(16)));
+typedef uint32_t u32x4 __attribute__((vector_size(16)));
 KV_VEXP(vexp16, v16, i16)
 
 #define CH 256          /* keys per chunk */
@@ -48,6 +50,11 @@ KV_VEXP(vexp16, v16, i16)
 #define SPLIT_ROWS 16   /* at most this many rows per KV head: chunks spread over the threads */
 #define RB 32           /* rows per work item otherwise */
 #define MAXD 512
+#if defined(__AVX512F__)
+#define SLAB 4          /* value vectors accumulated at once (NR * SLAB registers) */
+#else
+#define SLAB 1
+#endif
 #define NOINLINE __attribute__((noinline))
 #define ALWAYS __attribute__((always_inline)) inline
 
@@ -100,10 +107,17 @@ static ALWAYS i16 widen16(u8x16 raw) {
 static ALWAYS v16 unpack16(const uint8_t *src, int bits, int G, int v) {
     const int nb = G * bits / 8, L0 = 16 * v;
     u8x16 raw;
-    if (nb >= 16)
+    if (nb >= 16) {
         memcpy(&raw, src + L0 % nb, 16);
-    else
-        for (int k = 0; k < 16; k += nb) memcpy((uint8_t *)&raw + k, src, (size_t)nb);
+    } else if (nb == 8) { /* the block repeated: one broadcast, no partial stores to reload */
+        uint64_t w;
+        memcpy(&w, src, 8);
+        raw = (u8x16)((u64x2){w, w});
+    } else {
+        uint32_t w;
+        memcpy(&w, src, 4);
+        raw = (u8x16)((u32x4){w, w, w, w});
+    }
     i16 x = widen16(raw);
     if (bits < 8) {
         i16 sh;
@@ -168,37 +182,27 @@ typedef struct {      /* one row's share of a chunk, or the running state of a r
 
 #define PART_FLOATS(D) (2 + (D))
 
-/* Rows qr[0 .. nr-1] (NR computed, the extra ones copies of row 0) against one chunk; row r sees
- * its first vis[r] keys. Each row's (m, l, acc) goes to parts[r] (l = 0: it saw none). */
-static NOINLINE void tile(const chunk_t *ck, int D, const float *const *qr, const int *vis, int nr, float *st,
-                          part_t *const *parts) {
-    const int n = ck->n;
-    float qs[NR][MAXD], zt[NR];
-    for (int g0 = 0; g0 < n; g0 += ck->kg) {
-        for (int r = 0; r < NR; r++) {
-            const float *q = qr[r < nr ? r : 0];
-            if (ck->ks) {
-                const float *s = ck->ks + (int64_t)(g0 / ck->kg) * D, *z = ck->kz + (int64_t)(g0 / ck->kg) * D;
-                v16 a = (v16){0};
-                for (int c = 0; c < D; c += 16) a += *(const v16 *)(q + c) * *(const v16 *)(z + c);
-                zt[r] = hsum16(a);
-                for (int c = 0; c < D; c++) qs[r][c] = q[c] * s[c];
-            } else {
-                zt[r] = 0.f;
-                memcpy(qs[r], q, sizeof(float) * (size_t)D);
-            }
-        }
-        for (int v = 0; v < ck->kg; v += 16) {
-            v16 a[NR];
-            for (int r = 0; r < NR; r++) a[r] = (v16){0} + zt[r];
-            const float *k = ck->KT + g0 + v;
-            for (int c = 0; c < D; c++) {
-                const v16 kv = *(const v16 *)(k + (int64_t)c * n);
-                for (int r = 0; r < NR; r++) a[r] += qs[r][c] * kv;
-            }
-            for (int r = 0; r < NR; r++) *(v16 *)(st + (int64_t)r * n + g0 + v) = a[r];
+/* One key group's query terms for rows qr (NR, the extra ones copies of row 0): qs = q * scale per
+ * channel, zt = q . min (one sixteen-lane chain and the fixed tree); the rest's: q and 0. */
+static ALWAYS void group_terms(const float *const *qr, int nr, int D, const float *s, const float *z,
+                               float qs[NR][MAXD], float *zt) {
+    for (int r = 0; r < NR; r++) {
+        const float *q = qr[r < nr ? r : 0];
+        if (s) {
+            v16 a = (v16){0};
+            for (int c = 0; c < D; c += 16) a += *(const v16 *)(q + c) * *(const v16 *)(z + c);
+            zt[r] = hsum16(a);
+            for (int c = 0; c < D; c++) qs[r][c] = q[c] * s[c];
+        } else {
+            zt[r] = 0.f;
+            memcpy(qs[r], q, sizeof(float) * (size_t)D);
         }
     }
+}
+
+/* Scores st [NR, n] -> exp(s - m) for rows 0 .. nr-1, row r seeing its first vis[r] keys; each row's
+ * m and l go to parts[r] (l = 0: it saw none). Returns the most keys any row sees. */
+static ALWAYS int softmax_rows(float *st, int n, const int *vis, int nr, part_t *const *parts) {
     int top = 0;
     for (int r = 0; r < nr; r++) {
         float *s = st + (int64_t)r * n;
@@ -225,6 +229,40 @@ static NOINLINE void tile(const chunk_t *ck, int D, const float *const *qr, cons
         }
         p->l = hsum16(sum);
     }
+    return top;
+}
+
+/* Sixteen output elements d .. d + 15 of rows 0 .. nr-1 into their channels. */
+static ALWAYS void store_out(const v16 *a, int nr, int d, const int *chan, part_t *const *parts) {
+    for (int r = 0; r < nr; r++) {
+        if (chan)
+            for (int i = 0; i < 16; i++) parts[r]->acc[chan[d + i]] = a[r][i];
+        else
+            memcpy(parts[r]->acc + d, &a[r], sizeof(v16));
+    }
+}
+
+/* Rows qr[0 .. nr-1] (NR computed, the extra ones copies of row 0) against a chunk made ready in
+ * the scratch; row r sees its first vis[r] keys. Each row's (m, l, acc) goes to parts[r]. */
+static NOINLINE void tile(const chunk_t *ck, int D, const float *const *qr, const int *vis, int nr, float *st,
+                          part_t *const *parts) {
+    const int n = ck->n;
+    float qs[NR][MAXD], zt[NR];
+    for (int g0 = 0; g0 < n; g0 += ck->kg) {
+        const int64_t gi = g0 / ck->kg;
+        group_terms(qr, nr, D, ck->ks ? ck->ks + gi * D : NULL, ck->ks ? ck->kz + gi * D : NULL, qs, zt);
+        for (int v = 0; v < ck->kg; v += 16) {
+            v16 a[NR];
+            for (int r = 0; r < NR; r++) a[r] = (v16){0} + zt[r];
+            const float *k = ck->KT + g0 + v;
+            for (int c = 0; c < D; c++) {
+                const v16 kv = *(const v16 *)(k + (int64_t)c * n);
+                for (int r = 0; r < NR; r++) a[r] += qs[r][c] * kv;
+            }
+            for (int r = 0; r < NR; r++) *(v16 *)(st + (int64_t)r * n + g0 + v) = a[r];
+        }
+    }
+    const int top = softmax_rows(st, n, vis, nr, parts);
     for (int d = 0; d < D; d += 16) {
         v16 a[NR];
         for (int r = 0; r < NR; r++) a[r] = (v16){0};
@@ -232,12 +270,7 @@ static NOINLINE void tile(const chunk_t *ck, int D, const float *const *qr, cons
             const v16 x = *(const v16 *)(ck->V + (int64_t)t * D + d);
             for (int r = 0; r < NR; r++) a[r] += st[(int64_t)(r < nr ? r : 0) * n + t] * x;
         }
-        for (int r = 0; r < nr; r++) {
-            if (ck->chan)
-                for (int i = 0; i < 16; i++) parts[r]->acc[ck->chan[d + i]] = a[r][i];
-            else
-                memcpy(parts[r]->acc + d, &a[r], sizeof(v16));
-        }
+        store_out(a, nr, d, ck->chan, parts);
     }
 }
 
@@ -318,9 +351,115 @@ static ALWAYS void prep_quant(const job_t *j, int h, int c, scratch_t *sc, chunk
     *ck = (chunk_t){n, G, sc->KT, sc->ks, sc->kz, sc->V, sc->chan};
 }
 
-#define PREP(B, GG) static NOINLINE void prep_##B##_##GG(const job_t *j, int h, int c, scratch_t *sc, chunk_t *ck) \
-    { prep_quant(j, h, c, sc, ck, B, GG); }
+/* Output elements d0 .. d0 + 16 * ns - 1 of rows 0 .. nr-1: the weights st [NR, n] times the value
+ * rows of chunk pages p0 .. p1-1 widened in registers (code * scale + min), token after token in the
+ * chunk's order; ns constant where inlined (the accumulators stay in registers). */
+static ALWAYS void value_slab(const job_t *j, int h, int p0, int p1, int d0, int ns, const int *tok, const float *st,
+                              int n, int nr, const float *vs, const float *vz, const int *chan, part_t *const *parts,
+                              int bits, int G) {
+    const int D = j->D, nb = G * bits / 8, ng = j->ps / G, Dp = D * bits / 8, vg = D / G, ps = j->ps;
+    v16 acc[NR][SLAB];
+    for (int r = 0; r < NR; r++)
+        for (int v = 0; v < ns; v++) acc[r][v] = (v16){0};
+    const float *w[NR];
+    for (int r = 0; r < NR; r++) w[r] = st + (int64_t)(r < nr ? r : 0) * n;
+    for (int pi = p0; pi < p1; pi++) {
+        const uint8_t *page = j->vc + ((int64_t)h * j->P + j->pages[pi]) * ps * Dp;
+        const float *ps_s = vs + (int64_t)(pi - p0) * ps * vg, *ps_z = vz + (int64_t)(pi - p0) * ps * vg;
+        for (int kgi = 0; kgi < ng; kgi++)
+            for (int L = 0; L < G; L++) {
+                const int t = (pi - p0) * ps + kgi * G + L, in_page = kgi * G + tok[L];
+                const uint8_t *row = page + (int64_t)in_page * Dp;
+                const float *sr = ps_s + (int64_t)in_page * vg, *zr = ps_z + (int64_t)in_page * vg;
+#pragma GCC unroll 4
+                for (int v = 0; v < ns; v++) {
+                    /* d0 is a multiple of 16 * SLAB: where G divides that, the sub-block is a constant */
+                    const int d = d0 + 16 * v, gr = d / G, sub = (16 * SLAB) % G ? d % G / 16 : 16 * v % G / 16;
+                    const v16 x = unpack16(row + gr * nb, bits, G, sub) * sr[gr] + zr[gr];
+#pragma GCC unroll 4
+                    for (int r = 0; r < NR; r++) acc[r][v] += w[r][t] * x;
+                }
+            }
+    }
+    for (int v = 0; v < ns; v++) {
+        v16 a[NR];
+        for (int r = 0; r < NR; r++) a[r] = acc[r][v];
+        store_out(a, nr, d0 + 16 * v, chan, parts);
+    }
+}
+
+/* Rows qr[0 .. nr-1] (nr <= NR: a decode's query heads) against quantized chunk c of KV head h, read
+ * straight from the codes: tile()'s arithmetic on the values prep_quant would have widened. */
+static ALWAYS void fused_quant(const job_t *j, int h, int c, const float *const *qr, int nr, scratch_t *sc,
+                               part_t *const *parts, int bits, int G) {
+    const int D = j->D, nb = G * bits / 8, ng = j->ps / G, Dp = D * bits / 8, vg = D / G, ps = j->ps;
+    const int p0 = c * j->cp, p1 = p0 + j->cp < j->n_pages ? p0 + j->cp : j->n_pages;
+    const int n = (p1 - p0) * ps;
+    float qs[NR][MAXD], zt[NR], ks[MAXD], kz[MAXD];
+    float *st = sc->st, *vs = sc->ks, *vz = sc->kz; /* value scales [n, vg] in token order */
+    int tok[512], vis[NR];
+    for (int L = 0; L < G; L++) tok[L] = lane_item(L, bits, G);
+    for (int i = 0; i < D; i++) sc->chan[i] = i / G * G + lane_item(i % G, bits, G);
+    for (int r = 0; r < NR; r++) vis[r] = n;
+    for (int pi = p0; pi < p1; pi++) {
+        const int64_t base = (int64_t)h * j->P + j->pages[pi];
+        halves(j->vs + base * ps * vg, ps * vg, vs + (int64_t)(pi - p0) * ps * vg);
+        halves(j->vm + base * ps * vg, ps * vg, vz + (int64_t)(pi - p0) * ps * vg);
+        for (int kgi = 0; kgi < ng; kgi++) {
+            const int t0 = (pi - p0) * ps + kgi * G;
+            halves(j->ks + (base * ng + kgi) * D, D, ks);
+            halves(j->km + (base * ng + kgi) * D, D, kz);
+            group_terms(qr, nr, D, ks, kz, qs, zt);
+            const uint8_t *codes = j->kc + (base * ng + kgi) * D * nb;
+            for (int v = 0; v < G / 16; v++) {
+                v16 acc[NR];
+                for (int r = 0; r < NR; r++) acc[r] = (v16){0} + zt[r];
+                for (int ch = 0; ch < D; ch++) {
+                    const v16 kv = unpack16(codes + (int64_t)ch * nb, bits, G, v);
+                    for (int r = 0; r < NR; r++) acc[r] += qs[r][ch] * kv;
+                }
+                for (int r = 0; r < NR; r++) *(v16 *)(st + (int64_t)r * n + t0 + 16 * v) = acc[r];
+            }
+        }
+    }
+    softmax_rows(st, n, vis, nr, parts);
+    for (int d0 = 0; d0 < D; d0 += 16 * SLAB) {
+        switch ((D - d0) / 16 < SLAB ? (D - d0) / 16 : SLAB) {
+        case 1: value_slab(j, h, p0, p1, d0, 1, tok, st, n, nr, vs, vz, sc->chan, parts, bits, G); break;
+#if SLAB > 1
+        case 2: value_slab(j, h, p0, p1, d0, 2, tok, st, n, nr, vs, vz, sc->chan, parts, bits, G); break;
+        case 3: value_slab(j, h, p0, p1, d0, 3, tok, st, n, nr, vs, vz, sc->chan, parts, bits, G); break;
+        default: value_slab(j, h, p0, p1, d0, SLAB, tok, st, n, nr, vs, vz, sc->chan, parts, bits, G); break;
+#endif
+        }
+    }
+}
+
+#define PREP(B, GG)                                                                                      \
+    static NOINLINE void prep_##B##_##GG(const job_t *j, int h, int c, scratch_t *sc, chunk_t *ck) {          \
+        prep_quant(j, h, c, sc, ck, B, GG);                                                                 \
+    }                                                                                                       \
+    static NOINLINE void fused_##B##_##GG(const job_t *j, int h, int c, const float *const *qr, int nr,        \
+                                          scratch_t *sc, part_t *const *parts) {                            \
+        fused_quant(j, h, c, qr, nr, sc, parts, B, GG);                                                     \
+    }
 PREP(8, 16) PREP(8, 32) PREP(8, 64) PREP(4, 16) PREP(4, 32) PREP(4, 64) PREP(2, 16) PREP(2, 32) PREP(2, 64)
+
+/* fused_quant for this job's bits and group. */
+static void fused(const job_t *j, int h, int c, const float *const *qr, int nr, scratch_t *sc, part_t *const *parts) {
+    switch (j->bits * 1000 + j->G) {
+    case 8016: fused_8_16(j, h, c, qr, nr, sc, parts); return;
+    case 8032: fused_8_32(j, h, c, qr, nr, sc, parts); return;
+    case 8064: fused_8_64(j, h, c, qr, nr, sc, parts); return;
+    case 4016: fused_4_16(j, h, c, qr, nr, sc, parts); return;
+    case 4032: fused_4_32(j, h, c, qr, nr, sc, parts); return;
+    case 4064: fused_4_64(j, h, c, qr, nr, sc, parts); return;
+    case 2016: fused_2_16(j, h, c, qr, nr, sc, parts); return;
+    case 2032: fused_2_32(j, h, c, qr, nr, sc, parts); return;
+    case 2064: fused_2_64(j, h, c, qr, nr, sc, parts); return;
+    default: fused_quant(j, h, c, qr, nr, sc, parts, j->bits, j->G); return;
+    }
+}
 
 /* Chunk c of KV head h: quantized (c < nq: its pages widened into the scratch) or of the rest. */
 static void prepare(const job_t *j, int h, int c, scratch_t *sc, chunk_t *ck) {
@@ -350,6 +489,12 @@ static void prepare(const job_t *j, int h, int c, scratch_t *sc, chunk_t *ck) {
     *ck = (chunk_t){n, n, sc->KT, NULL, NULL, j->tv + ((int64_t)h * j->n_rest + r0) * D, NULL};
 }
 
+/* Row r's query (new token r / g, query head h * g + r % g), turned for the quantized chunks. */
+static const float *row_q(const job_t *j, int h, int c, int r) {
+    const float *q = c < j->nq && j->rotate ? j->qrot : j->q;
+    return q + (((int64_t)(r / j->g) * j->hkv + h) * j->g + r % j->g) * j->D;
+}
+
 /* Rows a .. b-1 of KV head h (row r: new token r / g, query head h * g + r % g) against chunk c;
  * row r's partial goes to parts[r - a]. */
 static void run_rows(const job_t *j, int h, int c, const chunk_t *ck, int a, int b, float *st, part_t *const *parts) {
@@ -358,10 +503,8 @@ static void run_rows(const job_t *j, int h, int c, const chunk_t *ck, int a, int
         const float *qr[NR];
         int vis[NR];
         for (int r = 0; r < nr; r++) {
-            const int t = (r0 + r) / j->g, i = (r0 + r) % j->g;
-            const float *q = c < j->nq && j->rotate ? j->qrot : j->q;
-            qr[r] = q + (((int64_t)t * j->hkv + h) * j->g + i) * j->D;
-            vis[r] = c < j->nq ? ck->n : j->n_rest - j->T + t + 1 - (c - j->nq) * CH;
+            qr[r] = row_q(j, h, c, r0 + r);
+            vis[r] = c < j->nq ? ck->n : j->n_rest - j->T + (r0 + r) / j->g + 1 - (c - j->nq) * CH;
         }
         tile(ck, j->D, qr, vis, nr, st, parts + (r0 - a));
     }
@@ -409,10 +552,16 @@ static int run_split(const job_t *j, int n_threads) {
         chunk_t ck;
         if (scratch_get(j, &sc)) { bad = 1; continue; }
         const int h = item / nc, c = item % nc;
-        prepare(j, h, c, &sc, &ck);
         part_t *ps[SPLIT_ROWS];
         for (int r = 0; r < R; r++) ps[r] = part_at(parts, (int64_t)item * R + r, D);
-        run_rows(j, h, c, &ck, 0, R, sc.st, ps);
+        if (c < j->nq && R <= NR) { /* a decode: read the codes in place */
+            const float *qr[NR];
+            for (int r = 0; r < R; r++) qr[r] = row_q(j, h, c, r);
+            fused(j, h, c, qr, R, &sc, ps);
+        } else {
+            prepare(j, h, c, &sc, &ck);
+            run_rows(j, h, c, &ck, 0, R, sc.st, ps);
+        }
     }
     if (!bad) {
 #pragma omp parallel for num_threads(n_threads)
@@ -474,7 +623,7 @@ static int run_blocks(const job_t *j, int n_threads) {
 int kv_quant_fits(int D, int G, int bits, int ps) {
     const int nb = G * bits / 8;
     return (bits == 2 || bits == 4 || bits == 8) && D >= 16 && D <= MAXD && D % 16 == 0 && G >= 16 && G <= 512 &&
-           G % 16 == 0 && D % G == 0 && ps % G == 0 && (nb % 16 == 0 || 16 % nb == 0);
+           G % 16 == 0 && D % G == 0 && ps % G == 0 && (nb % 16 == 0 || nb == 8 || nb == 4);
 }
 
 int kv_quant_attend(int hkv, int g, int D, int ps, int G, int bits, int T, const float *q, const int64_t *pages,
