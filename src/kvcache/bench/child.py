@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -66,12 +67,17 @@ def parse_json(stdout: str) -> Any:
 
 
 def run(cmd: list[str], label: str, stdin: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
-        env: dict[str, str] | None = None, expect_json: bool = True) -> Outcome:
+        env: dict[str, str] | None = None, expect_json: bool = True, echo: str | None = None) -> Outcome:
     """Run ``cmd`` in a child process; ``label`` names it in notes (``llama-bench crashed: SIGSEGV``).
-    Without ``expect_json`` a clean exit is enough (its data is then ``{}``)."""
+    Without ``expect_json`` a clean exit is enough (its data is then ``{}``). With ``echo``, each
+    line the child writes to stderr is also written to this process's stderr as it comes, after
+    that prefix (status lines of long runs)."""
     try:
-        p = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=timeout,
-                           env=env if env is not None else dict(os.environ))
+        if echo is None:
+            p = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=timeout,
+                               env=env if env is not None else dict(os.environ))
+        else:
+            p = _run_echoed(cmd, stdin, timeout, env, echo)
     except subprocess.TimeoutExpired:
         return Outcome(note=f"{label} ran past {timeout:.0f} s and was stopped")
     except OSError as e:
@@ -88,9 +94,46 @@ def run(cmd: list[str], label: str, stdin: str | None = None, timeout: float = D
     return Outcome(data=data, stderr=p.stderr)
 
 
-def run_module(module: str, request: dict[str, Any], label: str, timeout: float = DEFAULT_TIMEOUT_S) -> Outcome:
+def _run_echoed(cmd: list[str], stdin: str | None, timeout: float, env: dict[str, str] | None,
+                echo: str) -> subprocess.CompletedProcess:
+    """``subprocess.run`` with captured output whose stderr lines are also echoed as they come."""
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env if env is not None else dict(os.environ))
+    out: list[str] = []
+    err: list[str] = []
+
+    def drain_err() -> None:
+        for line in p.stderr:  # type: ignore[union-attr]
+            err.append(line)
+            sys.stderr.write(echo + line)
+            sys.stderr.flush()
+
+    readers = [threading.Thread(target=lambda: out.append(p.stdout.read()), daemon=True),  # type: ignore[union-attr]
+               threading.Thread(target=drain_err, daemon=True)]
+    for t in readers:
+        t.start()
+    try:
+        if stdin:
+            p.stdin.write(stdin)  # type: ignore[union-attr]
+        p.stdin.close()  # type: ignore[union-attr]
+    except BrokenPipeError:
+        pass
+    try:
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        raise
+    finally:
+        for t in readers:
+            t.join(timeout=5)
+    return subprocess.CompletedProcess(cmd, p.returncode, "".join(out), "".join(err))
+
+
+def run_module(module: str, request: dict[str, Any], label: str, timeout: float = DEFAULT_TIMEOUT_S,
+               echo: str | None = None) -> Outcome:
     """``python -m module`` with ``request`` as JSON on its stdin (see ``child_main``)."""
-    return run([sys.executable, "-m", module], label, stdin=json.dumps(request), timeout=timeout)
+    return run([sys.executable, "-m", module], label, stdin=json.dumps(request), timeout=timeout, echo=echo)
 
 
 def child_main(handler: Callable[[dict[str, Any]], object]) -> int:
