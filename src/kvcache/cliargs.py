@@ -244,18 +244,30 @@ def one_weights(args: argparse.Namespace, default: str = "fp32") -> str:
 
 def split_specs(text: str) -> list[str]:
     """Split a ``--kv`` list into specs: comma-separated items, where an option (``key=value``)
-    belongs to the spec before it. ``dynamic,fp16,int8,int4,sink`` is five specs,
-    ``dynamic,int8,sinks=4,window=1024`` two (``dynamic`` and ``int8,sinks=4,window=1024``).
-    With ``;`` the specs are separated explicitly: ``static,int4;dynamic``."""
+    and an item that is no spec on its own (a flag such as ``rotate``) belong to the spec before
+    it. ``dynamic,fp16,int8,int4,sink`` is five specs, ``dynamic,int8,sinks=4,window=1024`` two
+    (``dynamic`` and ``int8,sinks=4,window=1024``), ``fp16,int4,rotate`` two. With ``;`` the specs
+    are separated explicitly: ``static,int4;dynamic``."""
     if ";" in text:
         return [s.strip().strip(",") for s in text.split(";") if s.strip().strip(",")]
     specs: list[str] = []
     for item in (p.strip() for p in text.split(",")):
         if not item:
             continue
-        if "=" in item and specs:
+        if specs and ("=" in item or not _spec_alone(item)):
             specs[-1] += "," + item
         else:
             specs.append(item)
     return specs
+
+
+def _spec_alone(item: str) -> bool:
+    """Whether ``item`` parses as a whole cache spec by itself."""
+    from kvcache.cache.config import parse_kv_spec
+
+    try:
+        parse_kv_spec(item)
+    except InvalidParams:
+        return False
+    return True
 
