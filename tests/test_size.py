@@ -7,9 +7,10 @@ import json
 import pytest
 from conftest import run_kvcache
 
+from kvcache.cache import quant
 from kvcache.cache.config import parse_kv_spec
 from kvcache.errors import InvalidParams
-from kvcache.inspect.size import kv_size, largest_batch, load_model_config, longest_context
+from kvcache.inspect.size import UNCAPPED, kv_size, largest_batch, load_model_config, longest_context
 
 GIB = 2**30
 
@@ -122,3 +123,49 @@ def test_size_counts_the_weights_out_of_a_budget(capsys):
         assert main(["size", *args]) == 2
         out, err = capsys.readouterr()
         assert out == "" and err.startswith("kvcache: ") and message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("spec", ["dynamic", "fp16", "bf16", "int8", "int4", "int2", "int4,residual=0"])
+def test_size_per_token_is_the_cache_own_accounting(smollm_q, spec):
+    """`kvcache size`'s bytes against what the cache itself counts holding the same tokens (a
+    prefill, then decodes): equal whenever the quantized fp32 tail is exactly ``residual`` tokens;
+    between those points the cache holds the tokens of its unsealed page in fp32 too, up to a page."""
+    from kvcache.engine.runner import ModelRunner
+
+    cfg, model = parse_kv_spec(spec), smollm_q.config
+    runner = ModelRunner(smollm_q.model, cfg)  # a runner of its own: the shared LLM keeps its cache
+    page = runner.cache.page_size
+    stored, fp32 = (quant.bytes_per_token(model.num_kv_heads, model.head_dim, cfg.bits, cfg.group_size)
+                    if cfg.quantized else 0.0), 2 * model.num_kv_heads * model.head_dim * 4
+    aligned = (cfg.residual if cfg.quantized else 0) + 3 * page
+    ids = smollm_q.encode("The keeper of the lighthouse counted the ships. " * 40)
+    seq = runner.new_sequence()
+    runner.step([seq], [ids[:aligned - 3]])
+    for n in range(aligned - 3, aligned + page // 2 + 1):  # decodes across the aligned point
+        st = runner.stats()
+        size = kv_size(model, cfg, n)
+        assert st.tokens_stored == n
+        if n == aligned or not cfg.quantized:
+            assert st.bytes_used == size.bytes_total
+            assert st.bytes_used / st.tokens_stored == size.bytes_total / n  # the B/token `kvcache size` prints
+        else:
+            extra = (n - cfg.residual) % page if n > cfg.residual else 0
+            assert st.bytes_used == size.bytes_total + round(model.num_layers * extra * (fp32 - stored))
+        runner.step([seq], [[ids[n]]])
+    runner.free(seq)
+
+
+def test_longest_context_past_the_model_limit():
+    _, one_b = load_model_config("Llama-3.2-1B")
+    fp16 = parse_kv_spec("fp16")
+    assert kv_size(one_b, fp16, 1).bytes_total == 2 * 16 * 8 * 64 * 2  # 32 KiB a token
+    assert longest_context(one_b, fp16, 1, 16 * GIB) == 131072  # the model's context caps it
+    assert longest_context(one_b, fp16, 1, 16 * GIB, capped=False) == 16 * GIB // 32768
+    assert longest_context(one_b, parse_kv_spec("sink"), 1, GIB, capped=False) == UNCAPPED
+    r = run_kvcache("size", "Llama-3.2-3B", "--budget", "16", "--weights", "q4", "--no-context-cap", "--kv", "fp16;int4",
+                    timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = {line.split()[0]: line.split() for line in r.stdout.splitlines() if line.startswith(("fp16 ", "int4 "))}
+    assert rows["fp16"][1] == "114,688" and int(rows["fp16"][-2]) > 131072 and int(rows["int4"][-2]) > int(rows["fp16"][-2])
+    bad = run_kvcache("size", "Llama-3.2-1B", "--no-context-cap", timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().endswith("give --budget GiB too")

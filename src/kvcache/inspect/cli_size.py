@@ -30,12 +30,16 @@ def add_size_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--weights", default=None, choices=WEIGHTS,
                    help="with --budget: the weights, held this way, come out of the budget first (file: a GGUF's "
                         "own types; needs a GGUF file)")
+    s.add_argument("--no-context-cap", action="store_true",
+                   help="with --budget: the longest context the memory allows, past the model's own context "
+                        "limit (what a longer-context model of the same shape would fit)")
     s.set_defaults(func=cmd_size)
 
 
 def cmd_size(args: argparse.Namespace) -> int:
     from kvcache.cache.config import parse_kv_spec
-    from kvcache.inspect.size import bounded, kv_size, largest_batch, load_model_config, longest_context
+    from kvcache.inspect.size import (UNCAPPED, bounded, kv_size, largest_batch, load_model_config,
+                                      longest_context)
 
     specs = [x.strip() for x in args.kv.split(";") if x.strip()]
     if not specs:
@@ -46,6 +50,8 @@ def cmd_size(args: argparse.Namespace) -> int:
             raise InvalidParams(f"--kv {s!r}: the 'none' strategy keeps no cache to size")
     if args.budget is not None and args.budget <= 0:
         raise InvalidParams(f"--budget must be a positive number of GiB, got {args.budget}")
+    if args.no_context_cap and args.budget is None:
+        raise InvalidParams("--no-context-cap changes the longest context in a --budget: give --budget GiB too")
     if args.weights is not None and args.budget is None:
         raise InvalidParams("--weights says what comes out of a --budget: give --budget GiB too")
     name, model = load_model_config(args.model)
@@ -69,12 +75,14 @@ def cmd_size(args: argparse.Namespace) -> int:
         per_token = size.bytes_total / (context * args.batch)
         row = f"{s:<24} {per_token:>10,.0f} {human_bytes(size.bytes_total):>11} {size.bytes_total / fp32:>7.2f}x"
         if budget is not None:
-            longest = longest_context(model, c, args.batch, budget)
+            longest = longest_context(model, c, args.batch, budget, capped=not args.no_context_cap)
             text = f"{longest}" + ("+" if longest == model.max_position and bounded(model, c) else "")
+            text = "unbounded" if longest >= UNCAPPED else text
             row += f" {text:>16} {largest_batch(model, c, context, budget):>14}"
         rows.append(row)
     print(f"{name}: {model.num_layers} layers ({sliding} sliding), {model.num_kv_heads} KV heads x "
-          f"{model.head_dim}, context {context}, batch {args.batch}")
+          f"{model.head_dim}, context {context}, batch {args.batch}"
+          + (f" (longest context: past the model's {model.max_position})" if args.no_context_cap else ""))
     if weights is not None:
         from kvcache.inspect.weight_size import describe
 

@@ -49,6 +49,14 @@ KNOWN: dict[str, dict[str, Any]] = {
     "Phi-3-mini": {"model_type": "phi3", "num_hidden_layers": 32, "num_attention_heads": 32,
                    "num_key_value_heads": 32, "hidden_size": 3072, "max_position_embeddings": 4096,
                    "sliding_window": 2047, "intermediate_size": 8192, "vocab_size": 32064},
+    "Llama-3.2-1B": {"model_type": "llama", "num_hidden_layers": 16, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "head_dim": 64, "hidden_size": 2048,
+                     "max_position_embeddings": 131072, "intermediate_size": 8192, "vocab_size": 128256,
+                     "tie_word_embeddings": True},
+    "Llama-3.2-3B": {"model_type": "llama", "num_hidden_layers": 28, "num_attention_heads": 24,
+                     "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 3072,
+                     "max_position_embeddings": 131072, "intermediate_size": 8192, "vocab_size": 128256,
+                     "tie_word_embeddings": True},
     "SmolLM2-135M": {"model_type": "llama", "num_hidden_layers": 30, "num_attention_heads": 9,
                      "num_key_value_heads": 3, "hidden_size": 576, "max_position_embeddings": 8192,
                      "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True},
@@ -134,14 +142,17 @@ def bounded(model: ModelConfig, cfg: CacheConfig) -> bool:
     return all(layer_visibility(model, cfg, i)[0] is not None for i in range(model.num_layers))
 
 
-def longest_context(model: ModelConfig, cfg: CacheConfig, batch: int, budget: int) -> int:
-    """The longest context (up to the model's) whose KV for ``batch`` sequences fits ``budget``
-    bytes; raises when not even one token fits."""
+UNCAPPED = 2**40  # the longest context past the model's limit: "unbounded" when a window keeps it this long
+
+
+def longest_context(model: ModelConfig, cfg: CacheConfig, batch: int, budget: int, capped: bool = True) -> int:
+    """The longest context (up to the model's, unless not ``capped``: then up to ``UNCAPPED``) whose
+    KV for ``batch`` sequences fits ``budget`` bytes; raises when not even one token fits."""
     one = kv_size(model, cfg, 1, batch).bytes_total
     if one > budget:
         raise InvalidParams(f"a budget of {budget:,} bytes is smaller than one token's KV for batch {batch} "
                             f"({one:,} bytes)")
-    lo, hi = 1, model.max_position
+    lo, hi = 1, model.max_position if capped else UNCAPPED
     if kv_size(model, cfg, hi, batch).bytes_total <= budget:
         return hi
     while lo < hi:  # bytes grow monotonically with the context
