@@ -44,7 +44,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         "them (int8,sinks=4,window=1024 is one spec) and ';' separates specs explicitly")
     b.add_argument("--peers", default=None,
                    help="decode: peers to run: none,dynamic,static (transformers' caches), llama.cpp (default "
-                        "dynamic,static,llama.cpp; '' skips); throughput: sequential,padded,generate_batch "
+                        "dynamic,static,llama.cpp; '' skips); context --long: llama.cpp's KV types beside kvcache "
+                        "(default f16,q8_0,q4_0; '' skips llama.cpp); throughput: sequential,padded,generate_batch "
                         "(default all); structured: grammar engines to compare, llguidance,xgrammar (default "
                         "both; '' skips); spec: transformers,llama-server (default both; '' skips)")
     b.add_argument("--weights", default=None,
@@ -58,12 +59,21 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="decode: context of the long-context row, kvcache int8 KV against llama.cpp q8_0 "
                         "(default 8000, --quick 512; 0 skips)")
     b.add_argument("--llama-cpp-bin", default=None, metavar="DIR",
-                   help="decode (llama-bench, llama-quantize), serve and spec (llama-server): folder with "
+                   help="decode and context --long (llama-bench, llama-quantize), serve and spec (llama-server): "
+                        "folder with "
                         "llama.cpp's tools to run as the peer "
                         "(default $KVCACHE_LLAMA_CPP_BIN, or what `make llamacpp` built; else llama-cpp-python "
                         "when installed)")
     b.add_argument("--contexts", default=None,
-                   help="context: prompt lengths in tokens, comma-separated (default 128,512,2048,8000)")
+                   help="context: prompt lengths in tokens, comma-separated (default 128,512,2048,8000; with --long "
+                        "4096,16384,32768: the depths decode is measured at and the prompts prefilled)")
+    b.add_argument("--long", action="store_true",
+                   help="context: decode and prefill at depth (default 4096,16384,32768 tokens) for KV specs "
+                        "fp16,bf16,int8,int4,int2 (or --kv) beside llama-bench's f16,q8_0,q4_0 KV on the same GGUF, "
+                        "with the read bandwidth measured in the run, the bytes each decode step reads and its "
+                        "share of that bandwidth, and each spec's resident memory at the largest context; each "
+                        "spec runs in its own process and is grown to the largest context in stages (one prefill); "
+                        "--quick: 256,1024 tokens, fp16,int8, 8 new tokens, 1 repeat"),
     b.add_argument("--max-context", type=int, default=None,
                    help="growth: tokens to grow the caches to (default 8192, --quick 2048)")
     b.add_argument("--system-tokens", type=int, default=None,
@@ -102,7 +112,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 # options each suite reads (the others are refused when given)
 OPTIONS = {
     "decode": ("new_tokens", "repeats", "rounds", "kv", "peers", "weights", "prefill", "depth", "llama_cpp_bin"),
-    "context": ("new_tokens", "repeats", "kv", "contexts", "weights"),
+    "context": ("new_tokens", "repeats", "kv", "contexts", "weights", "peers", "llama_cpp_bin"),
     "growth": ("repeats", "max_context"),
     "prefix": ("repeats", "system_tokens", "redis", "new_tokens", "weights"),
     "throughput": ("requests", "new_tokens", "peers", "kv", "weights", "replicas", "prefill_replicas", "redis"),
@@ -118,7 +128,16 @@ _FLAGS = ("new_tokens", "repeats", "rounds", "kv", "peers", "contexts", "max_con
           "prefill_replicas", "streams")
 
 
+LONG_ONLY = ("peers", "llama_cpp_bin")  # options the context suite reads with --long only
+
+
 def _refuse_foreign(args: argparse.Namespace) -> None:
+    if getattr(args, "long", False) and args.suite != "context":
+        raise InvalidParams(f"--long does not apply to the {args.suite} suite (only to context)")
+    for name in LONG_ONLY:
+        if args.suite == "context" and not args.long and getattr(args, name) is not None:
+            flag = "--" + name.replace("_", "-")
+            raise InvalidParams(f"{flag} does not apply to the context suite without --long")
     for name in _FLAGS:
         if getattr(args, name) is not None and name not in OPTIONS[args.suite]:
             users = [s for s in SUITES if name in OPTIONS[s]]
@@ -158,7 +177,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    return importlib.import_module(f"kvcache.bench.{SUITE_MODULES[args.suite]}").run(args)
+    module = "longctx" if args.suite == "context" and getattr(args, "long", False) else SUITE_MODULES[args.suite]
+    return importlib.import_module(f"kvcache.bench.{module}").run(args)
 
 
 # ``bench all --quick``: every suite, small enough that the whole run stays near two minutes
@@ -184,6 +204,8 @@ def cmd_all(args: argparse.Namespace) -> int:
     for name in _FLAGS:
         if getattr(args, name) is not None and name != "llama_cpp_bin":
             raise InvalidParams(f"--{name.replace('_', '-')} does not apply to 'bench all' (run the suite alone)")
+    if args.long:
+        raise InvalidParams("--long does not apply to 'bench all' (run bench context --long alone)")
     done = []
     for suite in SUITES:
         sub = argparse.Namespace(**vars(args))

@@ -49,6 +49,8 @@ def _bars(plt, labels: list[str], values: list[float], title: str, xlabel: str, 
 
 
 def _context(plt, data: dict[str, Any]):
+    if data["meta"].get("mode") == "long":
+        return _long(plt, data)
     rows = [r for r in data["results"] if r.get("tok_s")]
     if not rows:
         return None
@@ -66,6 +68,34 @@ def _context(plt, data: dict[str, Any]):
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    return fig
+
+
+def _long(plt, data: dict[str, Any]):
+    """``bench context --long``: decode tok/s against the context, one line per KV encoding and
+    peer; beside it prefill tok/s against the prompt's length."""
+    rows = [r for r in data["results"] if r.get("tok_s")]
+    if not rows:
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, test in ((a, "decode"), (b, "prefill")):
+        mine = [r for r in rows if r["test"] == test]
+        for key in dict.fromkeys((r["system"], r["kv"]) for r in mine):
+            line = sorted((r for r in mine if (r["system"], r["kv"]) == key), key=lambda r: r["context"])
+            style = "-" if key[0] == "kvcache" else "--"
+            ax.plot([r["context"] for r in line], [r["tok_s"] for r in line], style, marker="o",
+                    label=f"{key[0]} {key[1]}")
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r["context"] for r in mine})
+        ax.set_xticks(ticks, [f"{t:,}" for t in ticks])
+        ax.set_xlabel("context before decoding (tokens)" if test == "decode" else "prompt (tokens)")
+        ax.set_ylabel("new tokens/s" if test == "decode" else "prompt tokens/s")
+        ax.set_title("decode at depth" if test == "decode" else "prefill")
+        ax.grid(alpha=0.3)
+        if mine:
+            ax.legend(fontsize=8)
+    fig.suptitle(f"{data['meta'].get('model')}, {data['meta'].get('weights')} weights, "
+                 f"read bandwidth {data['meta'].get('read_gb_s')} GB/s", fontsize=10)
     return fig
 
 
