@@ -107,6 +107,35 @@ def test_a_sequence_in_a_batch_gives_its_bits_alone(llms, batch):
     llm.check_integrity()
 
 
+@pytest.mark.parametrize("kv", ["int4,residual=32", "int2,residual=0,rotate"])
+def test_quantized_pages_give_a_sequence_its_bits_alone_in_a_batch_and_on_any_thread_count(llms, kv):
+    """Over quantized pages (kernels/qattn.c: fixed chunks, one merge order) a sequence's logits do
+    not depend on the sequences beside it or on the number of threads: prompts that seal pages,
+    fed whole, then decodes."""
+    llm = llms(kv)
+    r = llm.runner
+    prompts = [(p * (200 // len(p) + 1))[: 130 + 41 * i] for i, p in enumerate(_prompts(llm, 4))]  # 130-253 tokens
+    alone = [_feed(llm, p, [0], steps=2) for p in prompts]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = [_feed(llm, p, [0], steps=2) for p in prompts[:2]]
+    finally:
+        torch.set_num_threads(threads)
+    for i, (a, b) in enumerate(zip(alone, one_thread)):
+        _same(a, b, f"{kv}: sequence {i}, one thread against {threads}")
+    seqs = [r.new_sequence() for _ in prompts]
+    got = [[row] for row in r.step(seqs, prompts)]
+    for _ in range(2):
+        for g, row in zip(got, r.step(seqs, [[int(g[-1].argmax())] for g in got])):
+            g.append(row)
+    for s in seqs:
+        r.free(s)
+    for i, (a, g) in enumerate(zip(alone, got)):
+        _same(a, g, f"{kv}: sequence {i} of a batch of {len(prompts)}")
+    llm.check_integrity()
+
+
 def test_a_prefix_hit_gives_recomputations_bits(llms):
     llm, ref = llms("dynamic", prefix=True), llms("none")
     r = llm.runner
