@@ -139,3 +139,38 @@ def test_shapes_it_cannot_tile_are_declined():
     pool = QuantPool(1, 2, 32, 16, 2, 8, 8)  # groups of 8: not a whole vector of codes
     assert kernels.quant_attend(torch.randn(1, 6, 32), torch.arange(2), pool.parts[0], 16, 8, 8,
                                 torch.randn(2, 2, 1, 32)) is None
+
+
+def test_every_kernel_variant_gives_the_same_bits():
+    """qattn takes one written order at every vector width (sixteen lanes, one multiply-add per
+    step, fmaf in the generic build): each variant this CPU runs gives the bits of every other,
+    for a decode and for nine rows, every code width, rotated or not. Variants this CPU cannot
+    run are compiled."""
+    import ctypes
+
+    from kvcache.kernels import build, signatures
+
+    libs = {}
+    for v in build.variants():
+        path = build.build("qattn", v)  # every variant compiles here
+        if build.runnable(v):
+            libs[v.name] = signatures.bind(ctypes.CDLL(str(path)), "qattn")
+    assert "generic" in libs
+    for bits, group in ((8, 32), (4, 32), (2, 32), (4, 16)):
+        pool = random_pool(bits, group, d=64, seed=bits + group)
+        parts, pages = pool.parts[0], torch.tensor([3, 0, 7, 1, 19, 4, 8, 2, 11, 5], dtype=torch.long)
+        for t, rotate in ((1, 0), (9, 1)):
+            q, rest = torch.randn(t, 8, 64), torch.randn(2, 2, 300, 64)
+            outs = {}
+            for name, lib in libs.items():
+                out = torch.empty(t, 8, 64)
+                rc = lib.kv_quant_attend(2, 4, 64, 32, group, bits, t, q.data_ptr(), pages.data_ptr(), 10,
+                                         parts["kc"].data_ptr(), parts["ks"].data_ptr(), parts["km"].data_ptr(),
+                                         parts["vc"].data_ptr(), parts["vs"].data_ptr(), parts["vm"].data_ptr(),
+                                         pool.num_pages, rest[0].data_ptr(), rest[1].data_ptr(), 300, rotate, 0,
+                                         out.data_ptr(), 2)
+                assert rc == 0
+                outs[name] = out
+            first = next(iter(outs.values()))
+            for name, out in outs.items():
+                assert torch.equal(out, first), f"int{bits} group {group}, {t} rows: {name} differs"

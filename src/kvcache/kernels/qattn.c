@@ -28,6 +28,7 @@
  *          of the call sees rest tokens 0 .. n_rest - T + t)
  *   out  [T, hkv * g, D] float
  */
+#pragma GCC optimize("no-associative-math", "no-reciprocal-math")
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -43,7 +44,21 @@ typedef int32_t i16 __attribute__((vector_size(64), aligned(4), may_alias));
 typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1), may_alias));
 typedef uint64_t u64x2 __attribute__((vector_size(16)));
 typedef uint32_t u32x4 __attribute__((vector_size(16)));
-KV_VEXP(vexp16, v16, i16)
+/* a * b + c with one rounding in every variant: the FMA instruction, or fmaf lane by lane in the
+ * generic build (whose compiler flags have no FMA to contract into). */
+#if defined(__FMA__)
+#define MADD(a, b, c) ((a) * (b) + (c))
+#define MADDF(a, b, c) ((a) * (b) + (c))
+#else
+static inline v16 madd16(v16 a, v16 b, v16 c) {
+    v16 r;
+    for (int i = 0; i < 16; i++) r[i] = fmaf(a[i], b[i], c[i]);
+    return r;
+}
+#define MADD(a, b, c) madd16((v16){0} + (a), (v16){0} + (b), (c))
+#define MADDF(a, b, c) fmaf((a), (b), (c))
+#endif
+KV_VEXP_MADD(vexp16, v16, i16, MADD)
 
 #define CH 256          /* keys per chunk */
 #define NR 4            /* query rows per tile */
@@ -190,7 +205,7 @@ static ALWAYS void group_terms(const float *const *qr, int nr, int D, const floa
         const float *q = qr[r < nr ? r : 0];
         if (s) {
             v16 a = (v16){0};
-            for (int c = 0; c < D; c += 16) a += *(const v16 *)(q + c) * *(const v16 *)(z + c);
+            for (int c = 0; c < D; c += 16) a = MADD(*(const v16 *)(q + c), *(const v16 *)(z + c), a);
             zt[r] = hsum16(a);
             for (int c = 0; c < D; c++) qs[r][c] = q[c] * s[c];
         } else {
@@ -257,7 +272,7 @@ static NOINLINE void tile(const chunk_t *ck, int D, const float *const *qr, cons
             const float *k = ck->KT + g0 + v;
             for (int c = 0; c < D; c++) {
                 const v16 kv = *(const v16 *)(k + (int64_t)c * n);
-                for (int r = 0; r < NR; r++) a[r] += qs[r][c] * kv;
+                for (int r = 0; r < NR; r++) a[r] = MADD(qs[r][c], kv, a[r]);
             }
             for (int r = 0; r < NR; r++) *(v16 *)(st + (int64_t)r * n + g0 + v) = a[r];
         }
@@ -268,7 +283,7 @@ static NOINLINE void tile(const chunk_t *ck, int D, const float *const *qr, cons
         for (int r = 0; r < NR; r++) a[r] = (v16){0};
         for (int t = 0; t < top; t++) {
             const v16 x = *(const v16 *)(ck->V + (int64_t)t * D + d);
-            for (int r = 0; r < NR; r++) a[r] += st[(int64_t)(r < nr ? r : 0) * n + t] * x;
+            for (int r = 0; r < NR; r++) a[r] = MADD(st[(int64_t)(r < nr ? r : 0) * n + t], x, a[r]);
         }
         store_out(a, nr, d, ck->chan, parts);
     }
@@ -284,8 +299,8 @@ static NOINLINE void merge(int D, part_t *S, const part_t *p) {
         return;
     }
     const float mx = p->m > S->m ? p->m : S->m, wo = expf(S->m - mx), wn = expf(p->m - mx);
-    S->l = S->l * wo + p->l * wn;
-    for (int d = 0; d < D; d++) S->acc[d] = S->acc[d] * wo + p->acc[d] * wn;
+    S->l = MADDF(S->l, wo, p->l * wn);
+    for (int d = 0; d < D; d++) S->acc[d] = MADDF(S->acc[d], wo, p->acc[d] * wn);
     S->m = mx;
 }
 
@@ -344,7 +359,7 @@ static ALWAYS void prep_quant(const job_t *j, int h, int c, scratch_t *sc, chunk
                 float *dst = sc->V + (int64_t)(t0 + L) * D;
                 for (int gr = 0; gr < D / G; gr++)
                     for (int v = 0; v < G / 16; v++)
-                        *(v16 *)(dst + gr * G + 16 * v) = unpack16(j->vc + row * Dp + gr * nb, bits, G, v) * s[gr] + z[gr];
+                        *(v16 *)(dst + gr * G + 16 * v) = MADD(unpack16(j->vc + row * Dp + gr * nb, bits, G, v), s[gr], (v16){0} + z[gr]);
             }
         }
     }
@@ -375,9 +390,9 @@ static ALWAYS void value_slab(const job_t *j, int h, int p0, int p1, int d0, int
                 for (int v = 0; v < ns; v++) {
                     /* d0 is a multiple of 16 * SLAB: where G divides that, the sub-block is a constant */
                     const int d = d0 + 16 * v, gr = d / G, sub = (16 * SLAB) % G ? d % G / 16 : 16 * v % G / 16;
-                    const v16 x = unpack16(row + gr * nb, bits, G, sub) * sr[gr] + zr[gr];
+                    const v16 x = MADD(unpack16(row + gr * nb, bits, G, sub), sr[gr], (v16){0} + zr[gr]);
 #pragma GCC unroll 4
-                    for (int r = 0; r < NR; r++) acc[r][v] += w[r][t] * x;
+                    for (int r = 0; r < NR; r++) acc[r][v] = MADD(w[r][t], x, acc[r][v]);
                 }
             }
     }
@@ -416,7 +431,7 @@ static ALWAYS void fused_quant(const job_t *j, int h, int c, const float *const 
                 for (int r = 0; r < NR; r++) acc[r] = (v16){0} + zt[r];
                 for (int ch = 0; ch < D; ch++) {
                     const v16 kv = unpack16(codes + (int64_t)ch * nb, bits, G, v);
-                    for (int r = 0; r < NR; r++) acc[r] += qs[r][ch] * kv;
+                    for (int r = 0; r < NR; r++) acc[r] = MADD(qs[r][ch], kv, acc[r]);
                 }
                 for (int r = 0; r < NR; r++) *(v16 *)(st + (int64_t)r * n + t0 + 16 * v) = acc[r];
             }
