@@ -9,7 +9,8 @@ the config is built, with the list of what works):
   plus the last N - K: StreamingLLM). The model's own sliding layers keep their window;
 - encoding: ``fp32`` | ``fp16`` | ``bf16`` | ``int8`` | ``int4`` | ``int2`` (KIVI: keys per channel
   over ``group_size`` tokens, values per token over ``group_size`` channels, the last ``residual``
-  tokens in fp32);
+  tokens in fp32); ``rotate`` with a quantized encoding rotates K and V per head by the normalized
+  Hadamard transform before quantizing (outlier channels spread; cache/rotation.py);
 - placement: ``device`` | ``host`` | ``disk`` (pages in memory-mapped files under ``dir``);
 - retention: every token | ``press=NAME`` with ``ratio=R`` (the share of tokens evicted) or
   ``keep=N`` (tokens kept), the latest ``protect`` tokens never evicted (kvcache/press/):
@@ -20,7 +21,7 @@ A dynamic pool may be given a memory ``budget`` (``budget=2GiB``, ``budget=25%``
 grows past it (see cache/capacity.py; the text is read by cache/budget.py).
 
 A spec is a comma-separated list of a preset or axis value and ``key=value`` options, e.g.
-``static,int4,sinks=4,window=1024``. Later items override earlier ones.
+``static,int4,sinks=4,window=1024`` or ``int4,rotate,residual=0``. Later items override earlier ones.
 """
 
 from __future__ import annotations
@@ -49,13 +50,14 @@ DECODE_PRESSES = ("tova", "h2o")  # rescore while generating
 _INT_OPTIONS = ("page_size", "max_tokens", "max_seqs", "initial_tokens", "window", "sinks",
                 "group_size", "residual", "keep", "protect")
 _OPTIONS = _INT_OPTIONS + ("dir", "budget", "press", "ratio")
+FLAGS = ("rotate",)  # items that switch a field on by their bare name
 MAX_INT_OPTION = 2**31 - 1  # no count of tokens, pages or sequences is larger
 
 
 def _works() -> str:
     return (f"presets: {', '.join(PRESETS)}; encodings: {', '.join(ENCODINGS)}; "
             f"placements: {', '.join(PLACEMENTS)}; presses: {', '.join(PRESS_NAMES)}; "
-            f"options: {', '.join(o + '=' for o in _OPTIONS)}")
+            f"flags: {', '.join(FLAGS)}; options: {', '.join(o + '=' for o in _OPTIONS)}")
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class CacheConfig:
     encoding: str = "fp32"
     group_size: int = 32  # quantized: tokens per key group, channels per value group
     residual: int = 128  # quantized: the most recent tokens kept in fp32
+    rotate: bool = False  # quantized: K/V Hadamard-rotated per head before quantizing
     placement: str = "device"
     dir: str | None = None  # disk: where the page files go (None: a temporary folder)
     budget: int | None = None  # dynamic: bytes the pools may hold at most (None: no bound)
@@ -115,6 +118,10 @@ class CacheConfig:
         if self.quantized and self.group_size % 8:
             raise InvalidParams(f"group_size must be a multiple of 8 for {self.encoding} (codes are packed "
                                 f"by eight), got {self.group_size}")
+        if self.rotate and not self.quantized:
+            ints = ", ".join(e for e in ENCODINGS if e.startswith("int"))
+            raise InvalidParams(f"rotate applies to the quantized encodings ({ints}), not {self.encoding}: "
+                                "e.g. int4,rotate")
         if self.quantized and self.page_size is not None and self.page_size % self.group_size:
             raise InvalidParams(f"page_size ({self.page_size}) must be a multiple of group_size "
                                 f"({self.group_size}) for {self.encoding}: keys are quantized per page")
@@ -208,6 +215,9 @@ class CacheConfig:
                 continue
             if f.name == "budget":
                 value = f"{value}B"
+            if f.name in FLAGS:
+                parts.append(f.name)
+                continue
             parts.append(value if f.name in ("encoding", "placement") else f"{f.name}={value}")  # type: ignore[arg-type]
         return ",".join(parts)
 
@@ -248,6 +258,8 @@ def parse_kv_spec(spec: str | CacheConfig | None) -> CacheConfig:
                     raise InvalidParams(f"bits must be 8, 4 or 2 (or 16/32 for floats), got {raw!r}")
                 put("encoding", {"16": "fp16", "32": "fp32"}.get(raw, f"int{raw}"), part)
                 continue
+            if key in FLAGS:
+                raise InvalidParams(f"--kv {key} takes no value: write {key!r} alone (e.g. int4,{key})")
             if key not in _OPTIONS:
                 raise InvalidParams(f"unknown --kv option {key!r}; {_works()}")
             if key in ("dir", "press"):
@@ -276,6 +288,8 @@ def parse_kv_spec(spec: str | CacheConfig | None) -> CacheConfig:
             put("encoding", part, part)
         elif part in PLACEMENTS:
             put("placement", part, part)
+        elif part in FLAGS:
+            put(part, True, part)
         else:
             raise InvalidParams(f"unknown --kv item {part!r}; {_works()}")
     return CacheConfig(**values)  # type: ignore[arg-type]

@@ -71,7 +71,7 @@ class PagedKVCache:
             n, hkv, d = len(g.layers), model.num_kv_heads, model.head_dim
             if config.quantized:
                 pool: PagePool | QuantPool = QuantPool(n, hkv, d, ps, pages, config.bits, config.group_size,
-                                                       self.placement)
+                                                       self.placement, rotate=config.rotate)
             else:
                 pool = PagePool(n, hkv, d, ps, pages, _DTYPES[config.encoding], self.placement)
             self.pools.append(pool)

@@ -8,6 +8,12 @@ Per layer of the group:
   vs, vm: [Hkv, P, page_size, D/G] fp16      their scale and minimum
 Only full pages are stored here; a sequence's latest tokens stay in fp32 (its tail) until they
 are older than the residual window, then whole pages are quantized at once.
+
+``rotate`` (``--kv int4,rotate``): K and V are rotated per head over head_dim by the normalized
+Hadamard transform (cache/rotation.py) before they are quantized, and rotated back after they are
+dequantized, so the codes hold rotated values and every reader of ``read_into`` sees K/V as the
+model made them. The fp32 tail is never rotated. Readers of the codes themselves (``parts``: a
+native decode kernel, the prefix tiers, saved files) must know the pool's ``rotate``.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 
 from kvcache.cache import quant
 from kvcache.cache.placement import Placement
+from kvcache.cache.rotation import hadamard
 from kvcache.errors import InvalidParams
 
 _PARTS = ("kc", "ks", "km", "vc", "vs", "vm")
@@ -32,6 +39,7 @@ class QuantPool:
         bits: int,
         group: int,
         placement: Placement | None = None,
+        rotate: bool = False,
     ) -> None:
         if head_dim % group or page_size % group:
             raise InvalidParams(
@@ -42,6 +50,7 @@ class QuantPool:
             raise InvalidParams(f"head dimension {head_dim} is not a multiple of 8: codes cannot be packed")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.page_size, self.bits, self.group = page_size, bits, group
+        self.rotate = rotate  # codes hold Hadamard-rotated K/V (cache/rotation.py)
         self.placement = placement or Placement("device", torch.device("cpu"))
         self.num_pages = 0
         self.parts: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
@@ -83,6 +92,8 @@ class QuantPool:
         """Quantize whole pages. pages: [m] int64; kv: [2, Hkv, m * page_size, D] fp32."""
         h, d, ps, g = self.num_kv_heads, self.head_dim, self.page_size, self.group
         m = pages.shape[0]
+        if self.rotate:
+            kv = hadamard(kv)  # [2, Hkv, m * page_size, D], each head's rows rotated over D
         kc, ks, km = quant.quantize_keys_channel_major(kv[0].reshape(h, m * ps // g, g, d), self.bits)
         vc, vs, vm = quant.quantize_values(kv[1].reshape(h, m * ps, d), self.bits, g)
         new = {"kc": kc.view(h, m, ps // g, d, -1), "ks": ks.view(h, m, ps // g, d), "km": km.view(h, m, ps // g, d),
@@ -120,6 +131,8 @@ class QuantPool:
         v_out = out[1].view(h, m, ps, d // g, g)
         torch.mul(vc.view(h, m, ps, d // g, g), p["vs"].float().unsqueeze(4), out=v_out)
         v_out.add_(p["vm"].float().unsqueeze(4))
+        if self.rotate:
+            out.copy_(hadamard(out))  # back from the rotated basis (H is its own inverse)
 
     def layer_tensors(self, layer: int) -> list[torch.Tensor]:
         return list(self.parts[layer].values())
