@@ -41,6 +41,8 @@ def _layout(cache: PagedKVCache) -> dict[str, object]:
                groups=[list(g.layers) for g in cache.groups])
     # a press's files hold the slots it kept and which tokens they hold (None: every token)
     out["press"] = [c.press, c.ratio, c.keep, c.protect] if c.press is not None else None
+    if c.rotate:  # codes of Hadamard-rotated K/V (cache/rotation.py); files of unrotated caches unchanged
+        out["rotate"] = "hadamard"
     return out
 
 
@@ -143,7 +145,8 @@ def load_sequence(cache: PagedKVCache, path: str | Path, fingerprint: str) -> tu
         raise KVCacheError(f"cache file {path} was made with another model (fingerprint "
                            f"{meta['fingerprint'][:12]}, this model {fingerprint[:12]})")
     saved, mine = json.loads(meta["layout"]), _layout(cache)
-    diff = [f"{k}={saved.get(k)!r} (here {v!r})" for k, v in mine.items() if saved.get(k) != v]
+    diff = [f"{k}={saved.get(k)!r} (here {mine.get(k)!r})" for k in sorted(mine.keys() | saved.keys())
+            if saved.get(k) != mine.get(k)]  # a key on one side only (rotate) differs too
     if diff:
         raise KVCacheError(f"cache file {path} does not fit this cache: {', '.join(diff)}")
     try:

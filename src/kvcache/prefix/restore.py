@@ -37,7 +37,9 @@ def layout_text(cache: PagedKVCache) -> str:
                        "layers": m.num_layers, "kv_heads": m.num_kv_heads, "head_dim": m.head_dim,
                        "groups": [[list(g.layers), g.window, g.sinks] for g in cache.groups],
                        # a press's entries never mix with another press's, or with whole prompts
-                       **({"press": [c.press, c.ratio, c.keep, c.protect]} if c.press is not None else {})},
+                       **({"press": [c.press, c.ratio, c.keep, c.protect]} if c.press is not None else {}),
+                       # rotated codes never mix with unrotated ones; unrotated keys stay as they were
+                       **({"rotate": "hadamard"} if c.rotate else {})},
                       sort_keys=True)
 
 
