@@ -162,6 +162,7 @@ SLOW = {
     "test_repacked.py::test_repacked_weights_are_mapped_by_later_loads_and_damage_is_repacked",
     "test_hugepages.py::test_the_weights_file_is_mapped_with_huge_pages_even_after_a_small_page_read",
     "test_eval.py::test_passkey_prompt_and_retrieval", "test_inspect.py::test_inspect_command",
+    "test_rotated_kv.py::test_gemma3_sliding_layers_with_rotated_int4",
     # the client conformance suite (tests/clients/, kvcache[clients]): real client libraries on a real server
     "test_clients_openai.py", "test_clients_instructor.py", "test_clients_langchain.py", "test_clients_agents.py",
     "test_clients_pydantic_ai.py", "test_clients_speculation.py",
