@@ -23,7 +23,8 @@ WEIGHTS = ("file", "fp32", "q8", "q4")
 KV_HELP = (
     "cache spec, comma-separated (default: dynamic). Presets: none, dynamic, static, offloaded, "
     "offloaded_static, quantized (int4), sliding_window, sink. Axes: dynamic|static[,max_tokens=N]; "
-    "window=N[,sinks=K]; fp32|fp16|bf16|int8|int4|int2[,group_size=G][,residual=R]; "
+    "window=N[,sinks=K]; fp32|fp16|bf16|int8|int4|int2[,group_size=G][,residual=R][,rotate] (rotate: K/V "
+    "Hadamard-rotated per head before quantizing); "
     "device|host|disk[,dir=PATH]; page_size=N. Example: static,int4,sinks=4,window=1024. "
     "auto[,kl=X]: the cheapest strategy within a KL budget, measured once by `kvcache eval --auto` and saved"
 )

@@ -52,8 +52,9 @@ class LLM:
     ``model`` is None (the bundled SmolLM2-135M-Instruct), a bundled name, a GGUF file, an HF
     model folder or a hub id. ``kv`` is a CacheConfig or a compact spec over four axes: capacity
     (``dynamic``, ``static,max_tokens=N``, ``none``), visibility (``window=N``, ``sinks=K``),
-    encoding (``fp32`` ... ``int2``) and placement (``device``, ``host``, ``disk``), e.g.
-    ``static,int4,sinks=4,window=1024``; presets: ``offloaded``, ``quantized``, ``sink``, ...
+    encoding (``fp32`` ... ``int2``, ``rotate`` to Hadamard-rotate quantized K/V) and placement
+    (``device``, ``host``, ``disk``), e.g. ``static,int4,sinks=4,window=1024`` or ``int4,rotate``;
+    presets: ``offloaded``, ``quantized``, ``sink``, ...
     ``prefix``: automatic prefix caching (on by default; False turns it off; a PrefixConfig sets
     its budget, eviction policy and disk/Redis tiers). ``weights``: ``file`` (the GGUF's own
     quantized types, multiplied by int8 kernels), ``fp32``, ``q8`` or ``q4`` (quantized at load);
