@@ -1,8 +1,10 @@
 """The quality gate behind ``--kv auto``: measure candidate strategies on a calibration text, keep
 the cheapest that stays within a quality budget, remember it beside the model's fingerprint.
 
-- Candidates: the encodings (fp16, bf16, int8, int4, int2), sink+window caches alone and with int8
-  or int4, and, where the cache has presses, each press at several ratios with int8 and int4
+- Candidates: the encodings (fp16, bf16, int8, int4, int2, and int4 and int2 with their K/V
+  Hadamard-rotated: the same bytes, so where rotation lowers the KL the tie goes to it), sink+window
+  caches alone and with int8 or int4, and, where the cache has presses, each press at several
+  ratios with int8 and int4
   (evict, then quantize what stays; int8 costs about nothing in KL, so an fp32 press would only
   ever lose to it). The full fp32 cache is always there (KL 0), so a choice
   always exists. Per-layer precision is not a candidate: CacheConfig holds one encoding for all
@@ -30,7 +32,7 @@ from pathlib import Path
 from kvcache.cache.config import parse_kv_spec
 from kvcache.errors import InvalidParams, KVCacheError
 
-ENCODINGS = ("fp16", "bf16", "int8", "int4", "int2")
+ENCODINGS = ("fp16", "bf16", "int8", "int4", "int4,rotate", "int2", "int2,rotate")
 WINDOWS = (256, 512)
 PRESSES = ("knorm", "snapkv", "expected", "tova", "h2o")
 RATIOS = (0.25, 0.5, 0.75)

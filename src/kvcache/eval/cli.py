@@ -10,7 +10,7 @@ from pathlib import Path
 from kvcache.cliargs import add_weights_arg
 from kvcache.errors import InvalidParams
 
-DEFAULT_SPECS = "int8;int4;int2;window=256;sinks=4,window=256"
+DEFAULT_SPECS = "int8;int4;int4,rotate;int2;int2,rotate;window=256;sinks=4,window=256"
 
 
 def add_eval_parser(sub: argparse._SubParsersAction) -> None:
