@@ -107,9 +107,9 @@ def test_a_sequence_in_a_batch_gives_its_bits_alone(llms, batch):
     llm.check_integrity()
 
 
-@pytest.mark.parametrize("kv", ["int4,residual=32", "int2,residual=0,rotate"])
+@pytest.mark.parametrize("kv", ["int4,residual=32", "int2,residual=0,rotate", "fp16"])
 def test_quantized_pages_give_a_sequence_its_bits_alone_in_a_batch_and_on_any_thread_count(llms, kv):
-    """Over quantized pages (kernels/qattn.c: fixed chunks, one merge order) a sequence's logits do
+    """Over quantized and fp16 pages (kernels/qattn.c: fixed chunks, one merge order) a sequence's logits do
     not depend on the sequences beside it or on the number of threads: prompts that seal pages,
     fed whole, then decodes."""
     llm = llms(kv)

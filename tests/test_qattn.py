@@ -58,6 +58,44 @@ def test_kernel_equals_torch_path(spec, monkeypatch):
         torch.testing.assert_close(x, y, atol=3e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("spec", ["fp16,page_size=16", "bf16", "static,fp16,max_tokens=512,max_seqs=2"])
+def test_16_bit_pages_are_read_in_place_like_the_torch_path(spec, monkeypatch):
+    calls = []
+    real = kernels.half_attend
+
+    def counted(*args, **kw):
+        out = real(*args, **kw)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(kernels, "half_attend", counted)
+    fast = run_cache(spec, True, monkeypatch)
+    assert calls and all(calls)
+    slow = run_cache(spec, False, monkeypatch)
+    for x, y in zip(fast, slow):
+        torch.testing.assert_close(x, y, atol=3e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_16_bit_row_has_the_same_bits_however_it_is_computed(dtype):
+    torch.manual_seed(2)
+    flat = torch.randn(2, 2, 1024, 32).to(dtype)
+    slots = torch.randperm(1024)[:700].contiguous()
+    t, n = 9, 700
+    q = torch.randn(t, 6, 32)
+    whole = kernels.half_attend(q, flat, slots, 0, n)
+    assert whole is not None and torch.isfinite(whole).all()
+    assert torch.equal(whole, kernels.half_attend(q, flat, slots, 0, n, way=2))
+    for row in (0, 5, t - 1):
+        for way in (1, 2):
+            alone = kernels.half_attend(q[row:row + 1].contiguous(), flat, slots, 0, n - t + row + 1, way=way)
+            assert alone is not None and torch.equal(alone[0], whole[row])
+    run = kernels.half_attend(q, flat, None, 100, n)  # consecutive slots from 100
+    assert torch.equal(run, kernels.half_attend(q, flat, torch.arange(100, 100 + n), 0, n))
+    assert kernels.half_attend(q, flat, None, 400, n) is None  # past the pool's end: refused
+    assert kernels.half_attend(q, flat, torch.full((n,), 1024), 0, n) is None
+
+
 def random_pool(bits: int, group: int, pages: int = 20, page_size: int = 32, d: int = 32, hkv: int = 2,
                 seed: int = 0) -> QuantPool:
     torch.manual_seed(seed)
@@ -174,3 +212,14 @@ def test_every_kernel_variant_gives_the_same_bits():
             first = next(iter(outs.values()))
             for name, out in outs.items():
                 assert torch.equal(out, first), f"int{bits} group {group}, {t} rows: {name} differs"
+    for bf16, dtype in ((0, torch.float16), (1, torch.bfloat16)):
+        flat, slots = torch.randn(2, 2, 600, 64).to(dtype), torch.randperm(600)[:500].contiguous()
+        for t in (1, 9):
+            q = torch.randn(t, 8, 64)
+            outs = []
+            for lib in libs.values():
+                out = torch.empty(t, 8, 64)
+                assert lib.kv_half_attend(2, 4, 64, bf16, t, q.data_ptr(), flat.data_ptr(), 600, slots.data_ptr(),
+                                          0, 500, 0, out.data_ptr(), 2) == 0
+                outs.append(out)
+            assert all(torch.equal(o, outs[0]) for o in outs), f"{dtype}, {t} rows: the variants differ"

@@ -160,6 +160,12 @@ class PagedContext:
             read = reads[gi]
             qq = q if single else q[rows]
             if isinstance(pool, PagePool) and not offloaded:
+                if pool.dtype != torch.float32 and self._plain(gi, seq, read):  # fp16/bf16 read in place
+                    o = kernels.half_attend((qq * scale).contiguous(), pool.flat[j], read.slots, read.first_slot or 0,
+                                            read.positions.shape[0])
+                    if o is not None:
+                        outs.append(o)
+                        continue
                 kv = pool.read(j, read.first_slot, read.slots, read.positions.shape[0])  # [2, Hkv, L, D]
                 outs.append(self._dense(layer, qq, kv, read, scale, i))
                 continue
@@ -268,6 +274,14 @@ class PagedContext:
         st.scale = scale
         return out.transpose(0, 1)
 
+    def _plain(self, gi: int, seq: SeqKV, read: ReadPlan) -> bool:
+        """Whether the read is plain causal: every position 0 .. L-1 stored and seen by each new
+        token up to itself (no window, sinks or press), as qattn.c's kernels take it."""
+        g = self.cache.groups[gi]
+        n = read.positions.shape[0]
+        return (g.window is None and not g.sinks and seq.press is None and read.delta is None and not read.press
+                and n > 0 and int(read.positions[-1]) == n - 1)
+
     def _quant(self, layer: int, gi: int, j: int, i: int, pool: QuantPool, q: torch.Tensor,
                buf: torch.Tensor | None, kv_new: torch.Tensor, read: ReadPlan, seq: SeqKV,
                scale: float) -> torch.Tensor:
@@ -282,9 +296,7 @@ class PagedContext:
         n_q = read.n_pages * pool.page_size
         rest = torch.cat((tail, kv_new), 2)  # [2, Hkv, t + n, D]
         out = None
-        g = self.cache.groups[gi]
-        if (buf is None and g.window is None and not g.sinks and seq.press is None and read.delta is None
-                and not read.press and n_q + rest.shape[2] == read.positions.shape[0]):
+        if buf is None and self._plain(gi, seq, read) and n_q + rest.shape[2] == read.positions.shape[0]:
             pages = read.pages if read.pages is not None else torch.arange(read.page_run or 0,
                                                                             (read.page_run or 0) + read.n_pages)
             out = kernels.quant_attend((q * scale).contiguous(), pages, pool.parts[j], pool.page_size, pool.group,

@@ -131,6 +131,31 @@ def quant_attend(
     return out if rc == 0 else None
 
 
+def half_attend(
+    q: torch.Tensor,  # [T, Hq, D] fp32 contiguous, softmax scale applied: the T new tokens of one sequence
+    flat: torch.Tensor,  # [2, Hkv, S, D] float16 or bfloat16 contiguous: a pool layer, the new tokens written
+    slots: torch.Tensor | None,  # [L] int64: the slot of each position; None: first_slot + position
+    first_slot: int,
+    length: int,  # L: the sequence's tokens, the new ones last
+    way: int = 0,  # how work is spread: 0 the kernel's choice, 1 chunks over threads, 2 blocks of rows
+) -> torch.Tensor | None:  # [T, Hq, D], or None when the kernel cannot take these inputs
+    """Causal attention of T new rows over 16-bit float pages read in place (kernels/qattn.c),
+    in one canonical order: a row's bits do not depend on T, ``way`` or the threads."""
+    lib = qattn()
+    if (lib is None or not _cpu_f32(q) or q.dim() != 3 or flat.dim() != 4 or flat.device.type != "cpu"
+            or flat.dtype not in (torch.float16, torch.bfloat16) or not flat.is_contiguous()
+            or flat.shape[3] != q.shape[2] or q.shape[1] % flat.shape[1] or length < q.shape[0]
+            or (slots is not None and (not _i64(slots) or slots.shape[0] < length))):
+        return None
+    t, hq, d = q.shape
+    hkv = flat.shape[1]
+    out = torch.empty(t, hq, d)
+    rc = lib.kv_half_attend(hkv, hq // hkv, d, int(flat.dtype == torch.bfloat16), t, q.data_ptr(), flat.data_ptr(),
+                            flat.shape[2], None if slots is None else slots.data_ptr(), first_slot, length, way,
+                            out.data_ptr(), torch.get_num_threads())
+    return out if rc == 0 else None
+
+
 def pgemm() -> ctypes.CDLL | None:
     """The packed-weight multi-row projection library, or None."""
     return _load("pgemm")

@@ -142,6 +142,27 @@ static ALWAYS v16 unpack16(const uint8_t *src, int bits, int G, int v) {
     return __builtin_convertvector(x, v16);
 }
 
+/* Sixteen fp16 (bf16 = 0) or bf16 values widened to float, exactly. */
+static ALWAYS v16 wide16(const uint16_t *p, int bf16) {
+    if (bf16) {
+        i16 x;
+        for (int i = 0; i < 16; i++) x[i] = (int32_t)((uint32_t)p[i] << 16);
+        return (v16)x;
+    }
+#if defined(__AVX512F__)
+    return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__)
+    union { __m256 h[2]; v16 v; } u;
+    u.h[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    u.h[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    return u.v;
+#else
+    v16 x;
+    for (int i = 0; i < 16; i++) x[i] = half_to_float(p[i]);
+    return x;
+#endif
+}
+
 /* The element of a packed block that lane L holds (unpack16's order). */
 static int lane_item(int L, int bits, int G) {
     const int nb = G * bits / 8;
@@ -188,6 +209,8 @@ typedef struct {
     float *ks, *kz;   /* [n / kg, D] each group's per-channel scale and minimum; NULL for the rest */
     const float *V;   /* [n, D] value rows */
     const int *chan;  /* [D] the channel each element of a value row holds; NULL: in order */
+    const float *KR;  /* [cnt, D] key rows (the rest, 16-bit pages widened): scored row by row; or NULL */
+    int cnt;          /* keys that exist (the rest's last chunk is short) */
 } chunk_t;
 
 typedef struct {      /* one row's share of a chunk, or the running state of a row */
@@ -263,7 +286,20 @@ static NOINLINE void tile(const chunk_t *ck, int D, const float *const *qr, cons
                           part_t *const *parts) {
     const int n = ck->n;
     float qs[NR][MAXD], zt[NR];
-    for (int g0 = 0; g0 < n; g0 += ck->kg) {
+    if (ck->KR) { /* key rows: each score the fixed tree over sixteen lane chains of q[c] k[c] */
+        for (int t = 0; t < ck->cnt; t++) {
+            const float *k = ck->KR + (int64_t)t * D;
+            for (int r = 0; r < NR; r++) {
+                const float *q = qr[r < nr ? r : 0];
+                v16 a = (v16){0};
+                for (int c = 0; c < D; c += 16) a = MADD(*(const v16 *)(q + c), *(const v16 *)(k + c), a);
+                st[(int64_t)r * n + t] = hsum16(a);
+            }
+        }
+        for (int r = 0; r < NR; r++)
+            for (int t = ck->cnt; t < n; t++) st[(int64_t)r * n + t] = 0.f; /* masked below */
+    }
+    for (int g0 = 0; g0 < (ck->KR ? 0 : n); g0 += ck->kg) {
         const int64_t gi = g0 / ck->kg;
         group_terms(qr, nr, D, ck->ks ? ck->ks + gi * D : NULL, ck->ks ? ck->kz + gi * D : NULL, qs, zt);
         for (int v = 0; v < ck->kg; v += 16) {
@@ -312,6 +348,11 @@ typedef struct {
     const uint8_t *kc, *vc;
     const uint16_t *ks, *km, *vs, *vm;
     float *out;
+    /* 16-bit float pages (no quantized part): K and V [hkv, S, D] (fp16 or bf16), slot of each position */
+    const uint16_t *hk, *hv;
+    const int64_t *slots;
+    int64_t first_slot, S;
+    int bf16;
 } job_t;
 
 typedef struct { /* a thread's scratch */
@@ -363,7 +404,7 @@ static ALWAYS void prep_quant(const job_t *j, int h, int c, scratch_t *sc, chunk
             }
         }
     }
-    *ck = (chunk_t){n, G, sc->KT, sc->ks, sc->kz, sc->V, sc->chan};
+    *ck = (chunk_t){n, G, sc->KT, sc->ks, sc->kz, sc->V, sc->chan, NULL, n};
 }
 
 /* Output elements d0 .. d0 + 16 * ns - 1 of rows 0 .. nr-1: the weights st [NR, n] times the value
@@ -495,13 +536,20 @@ static void prepare(const job_t *j, int h, int c, scratch_t *sc, chunk_t *ck) {
         }
     }
     const int r0 = (c - j->nq) * CH, cnt = j->n_rest - r0 < CH ? j->n_rest - r0 : CH, n = (cnt + 15) / 16 * 16;
-    const float *K = j->tk + ((int64_t)h * j->n_rest + r0) * D;
-    for (int ch = 0; ch < D; ch++) {
-        float *row = sc->KT + (int64_t)ch * n;
-        for (int t = 0; t < cnt; t++) row[t] = K[(int64_t)t * D + ch];
-        for (int t = cnt; t < n; t++) row[t] = 0.f;
+    if (j->hk) { /* 16-bit pages: rows widened into the scratch */
+        for (int t = 0; t < cnt; t++) {
+            const int64_t slot = j->slots ? j->slots[r0 + t] : j->first_slot + r0 + t;
+            const int64_t at = ((int64_t)h * j->S + slot) * D;
+            for (int d = 0; d < D; d += 16) {
+                *(v16 *)(sc->KT + (int64_t)t * D + d) = wide16(j->hk + at + d, j->bf16);
+                *(v16 *)(sc->V + (int64_t)t * D + d) = wide16(j->hv + at + d, j->bf16);
+            }
+        }
+        *ck = (chunk_t){n, n, NULL, NULL, NULL, sc->V, NULL, sc->KT, cnt};
+        return;
     }
-    *ck = (chunk_t){n, n, sc->KT, NULL, NULL, j->tv + ((int64_t)h * j->n_rest + r0) * D, NULL};
+    const int64_t at = ((int64_t)h * j->n_rest + r0) * D;
+    *ck = (chunk_t){n, n, NULL, NULL, NULL, j->tv + at, NULL, j->tk + at, cnt};
 }
 
 /* Row r's query (new token r / g, query head h * g + r % g), turned for the quantized chunks. */
@@ -651,7 +699,7 @@ int kv_quant_attend(int hkv, int g, int D, int ps, int G, int bits, int T, const
     for (int i = 0; i < n_pages; i++) /* every page read lies in the pool */
         if (pages[i] < 0 || pages[i] >= P) return 3;
     job_t j = {hkv, g, D, ps, G, bits, T, n_pages, n_rest, rotate != 0, 0, 0, 0, P, q, NULL, tk, tv, pages,
-               kc, vc, ks, km, vs, vm, out};
+               kc, vc, ks, km, vs, vm, out, NULL, NULL, NULL, 0, 0, 0};
     j.cp = CH / ps > 0 ? CH / ps : 1;
     j.nq = (n_pages + j.cp - 1) / j.cp;
     j.nr = (n_rest + CH - 1) / CH;
@@ -668,4 +716,25 @@ int kv_quant_attend(int hkv, int g, int D, int ps, int G, int bits, int T, const
     const int rc = way == 1 ? run_split(&j, n_threads) : run_blocks(&j, n_threads);
     free(qrot);
     return rc;
+}
+
+/* Causal attention of T new rows over 16-bit float pages (fp16, or bf16 when bf16 != 0) read in
+ * place: kv [2, hkv, S, D]; position p of the sequence lies in slot slots[p] (or first_slot + p
+ * when slots is NULL); L positions, the T new ones last. The rest's canonical order: 256-key
+ * chunks from position 0, scored row by row, merged in order. */
+int kv_half_attend(int hkv, int g, int D, int bf16, int T, const float *q, const uint16_t *kv, int64_t S,
+                   const int64_t *slots, int64_t first_slot, int L, int way, float *out, int n_threads) {
+    if (hkv < 1 || g < 1 || D < 16 || D > MAXD || D % 16 || T < 1 || L < T || S < 1 || way < 0 || way > 2 ||
+        (way == 1 && T * g > SPLIT_ROWS))
+        return 1;
+    if (slots) {
+        for (int i = 0; i < L; i++) /* every slot read lies in the pool */
+            if (slots[i] < 0 || slots[i] >= S) return 3;
+    } else if (first_slot < 0 || first_slot + L > S) {
+        return 3;
+    }
+    job_t j = {hkv, g, D, 16, 16, 8, T, 0, L, 0, 1, 0, (L + CH - 1) / CH, 0, q, NULL, NULL, NULL, NULL,
+               NULL, NULL, NULL, NULL, NULL, NULL, out, kv, kv + (int64_t)hkv * S * D, slots, first_slot, S, bf16 != 0};
+    if (way == 0) way = T * g <= SPLIT_ROWS ? 1 : 2;
+    return way == 1 ? run_split(&j, n_threads) : run_blocks(&j, n_threads);
 }

@@ -87,6 +87,10 @@ _TABLE = (
         ("vs", "const uint16_t *"), ("vm", "const uint16_t *"), ("P", "int64_t"), ("tk", "const float *"),
         ("tv", "const float *"), ("n_rest", "int"), ("rotate", "int"), ("way", "int"), ("out", "float *"),
         ("n_threads", "int"))),
+    Signature("qattn", "kv_half_attend", "int", (
+        ("hkv", "int"), ("g", "int"), ("D", "int"), ("bf16", "int"), ("T", "int"), ("q", "const float *"),
+        ("kv", "const uint16_t *"), ("S", "int64_t"), ("slots", "const int64_t *"), ("first_slot", "int64_t"),
+        ("L", "int"), ("way", "int"), ("out", "float *"), ("n_threads", "int"))),
     # pgemm.c: multi-row products by packed fp32 weights
     Signature("pgemm", "kv_packed_matmul", "int", (
         ("n", "int"), ("in", "int"), ("k", "int"), ("part", "int"), ("x", "const float *"), ("ldx", "int64_t"),
