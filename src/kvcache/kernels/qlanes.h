@@ -1,0 +1,185 @@
+/* Sixteen-lane primitives of the attention kernels over quantized and 16-bit pages (qattn.c):
+ * every lane takes the same steps at every vector width (GCC vectors of sixteen floats: one
+ * AVX-512 register, two AVX2 ones, four SSE ones), every multiply-add rounds once (the FMA
+ * instruction, or fmaf in the generic build), sums over lanes go by one fixed tree, so every
+ * kernel variant gives the same bits. Included by qattn.c only. */
+#ifndef KV_QLANES_H
+#define KV_QLANES_H
+
+/* the build's flags allow reassociation (for other kernels' reductions); here every step is taken
+ * as written, or the variants would round differently */
+#pragma GCC optimize("no-associative-math", "no-reciprocal-math")
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "vmath.h"
+
+#define ALWAYS __attribute__((always_inline)) inline
+#define NOINLINE __attribute__((noinline))
+
+typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t i16 __attribute__((vector_size(64), aligned(4), may_alias));
+typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1), may_alias));
+typedef uint64_t u64x2 __attribute__((vector_size(16)));
+typedef uint32_t u32x4 __attribute__((vector_size(16)));
+/* a * b + c with one rounding in every variant: the FMA instruction, or fmaf lane by lane in the
+ * generic build (whose compiler flags have no FMA to contract into). */
+#if defined(__FMA__)
+#define MADD(a, b, c) ((a) * (b) + (c))
+#define MADDF(a, b, c) ((a) * (b) + (c))
+#else
+static inline v16 madd16(v16 a, v16 b, v16 c) {
+    v16 r;
+    for (int i = 0; i < 16; i++) r[i] = fmaf(a[i], b[i], c[i]);
+    return r;
+}
+#define MADD(a, b, c) madd16((v16){0} + (a), (v16){0} + (b), (c))
+#define MADDF(a, b, c) fmaf((a), (b), (c))
+#endif
+KV_VEXP_MADD(vexp16, v16, i16, MADD)
+
+#define CH 256          /* keys per chunk */
+#define NR 4            /* query rows per tile */
+#define SPLIT_ROWS 16   /* at most this many rows per KV head: chunks spread over the threads */
+#define RB 32           /* rows per work item otherwise */
+#define MAXD 512
+#if defined(__AVX512F__)
+#define SLAB 4          /* value vectors accumulated at once (NR * SLAB registers) */
+#else
+#define SLAB 1
+#endif
+
+/* IEEE binary16 bits -> float, exactly (normals, subnormals, zeros, infinities, NaN). */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (!man) {
+        bits = sign;
+    } else { /* subnormal: man * 2^-24 */
+        const float f = (float)man * 5.9604644775390625e-08f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
+
+static void halves(const uint16_t *h, int n, float *out) {
+    int i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) out[i] = half_to_float(h[i]);
+}
+
+/* Sixteen bytes widened to int32 lanes. */
+static ALWAYS i16 widen16(u8x16 raw) {
+#if defined(__AVX512F__)
+    return (i16)_mm512_cvtepu8_epi32((__m128i)raw);
+#elif defined(__AVX2__)
+    union { __m256i h[2]; i16 v; } u;
+    u.h[0] = _mm256_cvtepu8_epi32((__m128i)raw);
+    u.h[1] = _mm256_cvtepu8_epi32(_mm_srli_si128((__m128i)raw, 8));
+    return u.v;
+#else
+    i16 x;
+    for (int i = 0; i < 16; i++) x[i] = raw[i];
+    return x;
+#endif
+}
+
+/* Lanes 16v .. 16v + 15 of a block of G codes of `bits` bits packed in nb = G * bits / 8 bytes (code
+ * j of a byte at bits j * bits ..): lane L holds code (L % nb) * (8 / bits) + L / nb. */
+static ALWAYS v16 unpack16(const uint8_t *src, int bits, int G, int v) {
+    const int nb = G * bits / 8, L0 = 16 * v;
+    u8x16 raw;
+    if (nb >= 16) {
+        memcpy(&raw, src + L0 % nb, 16);
+    } else if (nb == 8) { /* the block repeated: one broadcast, no partial stores to reload */
+        uint64_t w;
+        memcpy(&w, src, 8);
+        raw = (u8x16)((u64x2){w, w});
+    } else {
+        uint32_t w;
+        memcpy(&w, src, 4);
+        raw = (u8x16)((u32x4){w, w, w, w});
+    }
+    i16 x = widen16(raw);
+    if (bits < 8) {
+        i16 sh;
+        for (int i = 0; i < 16; i++) sh[i] = ((L0 + i) / nb) * bits;
+        x = (x >> sh) & ((1 << bits) - 1);
+    }
+    return __builtin_convertvector(x, v16);
+}
+
+/* Sixteen fp16 (bf16 = 0) or bf16 values widened to float, exactly. */
+static ALWAYS v16 wide16(const uint16_t *p, int bf16) {
+    if (bf16) {
+        i16 x;
+        for (int i = 0; i < 16; i++) x[i] = (int32_t)((uint32_t)p[i] << 16);
+        return (v16)x;
+    }
+#if defined(__AVX512F__)
+    return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__)
+    union { __m256 h[2]; v16 v; } u;
+    u.h[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    u.h[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    return u.v;
+#else
+    v16 x;
+    for (int i = 0; i < 16; i++) x[i] = half_to_float(p[i]);
+    return x;
+#endif
+}
+
+/* The element of a packed block that lane L holds (unpack16's order). */
+static int lane_item(int L, int bits, int G) {
+    const int nb = G * bits / 8;
+    return (L % nb) * (8 / bits) + L / nb;
+}
+
+/* Sum of 16 lanes by one fixed tree. */
+static ALWAYS float hsum16(v16 x) {
+    float a[8], b[4];
+    for (int i = 0; i < 8; i++) a[i] = x[i] + x[i + 8];
+    for (int i = 0; i < 4; i++) b[i] = a[i] + a[i + 4];
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+static ALWAYS float hmax16(v16 x) {
+    float m = x[0];
+    for (int i = 1; i < 16; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+/* The normalized Walsh-Hadamard transform of x [D] in place, over blocks of the largest power of two
+ * dividing D (its own inverse). */
+static void fwht(float *x, int D) {
+    int B = D & -D;
+    const float norm = 1.f / sqrtf((float)B);
+    for (int b0 = 0; b0 < D; b0 += B) {
+        float *y = x + b0;
+        for (int h = 1; h < B; h *= 2)
+            for (int i = 0; i < B; i += 2 * h)
+                for (int j = i; j < i + h; j++) {
+                    const float a = y[j], c = y[j + h];
+                    y[j] = a + c;
+                    y[j + h] = a - c;
+                }
+        for (int i = 0; i < B; i++) y[i] *= norm;
+    }
+}
+
+#endif
