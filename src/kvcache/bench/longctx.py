@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
 
     bandwidth = [read_bandwidth(plan.threads)]
     print(f"read bandwidth: {bandwidth[0]:.1f} GB/s; {len(plan.specs)} kvcache specs to grow to "
-          f"{max(plan.contexts)} tokens, then llama.cpp", file=sys.stderr, flush=True)
+          f"{max(plan.contexts)} tokens" + (", then llama-bench" if plan.peers else ""), file=sys.stderr, flush=True)
     rows: list[DepthRow] = []
     memory: list[dict[str, object]] = []
     info: dict[str, object] = {}
