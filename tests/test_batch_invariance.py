@@ -61,6 +61,20 @@ def _feed(llm: LLM, ids: list[int], chunks: list[int], steps: int = 4) -> list[t
     return out
 
 
+def _together(llm: LLM, prompts: list[list[int]], steps: int) -> list[list[torch.Tensor]]:
+    """Per prompt, the logits after it and after each of ``steps`` greedy tokens, all prompts in
+    one forward, then the decodes of all sequences at once."""
+    r = llm.runner
+    seqs = [r.new_sequence() for _ in prompts]
+    got = [[row] for row in r.step(seqs, prompts)]
+    for _ in range(steps):
+        for g, row in zip(got, r.step(seqs, [[int(g[-1].argmax())] for g in got])):
+            g.append(row)
+    for s in seqs:
+        r.free(s)
+    return got
+
+
 def _same(a: list[torch.Tensor], b: list[torch.Tensor], what: str) -> None:
     for i, (x, y) in enumerate(zip(a, b)):
         assert torch.equal(x, y), f"{what}, step {i}: max difference {float((x - y).abs().max()):.3g}"
@@ -90,18 +104,9 @@ def test_every_cache_path_gives_recomputations_bits(llms, path):
 @pytest.mark.parametrize("batch", [8, 32])
 def test_a_sequence_in_a_batch_gives_its_bits_alone(llms, batch):
     llm = llms("dynamic")
-    r = llm.runner
     prompts = _prompts(llm, batch)
     alone = [_feed(llm, p, [0], steps=2) for p in prompts]
-    seqs = [r.new_sequence() for _ in prompts]
-    logits = r.step(seqs, prompts)  # all prompts in one forward
-    got = [[row] for row in logits]
-    for _ in range(2):  # decodes of all sequences at once
-        logits = r.step(seqs, [[int(g[-1].argmax())] for g in got])
-        for g, row in zip(got, logits):
-            g.append(row)
-    for s in seqs:
-        r.free(s)
+    got = _together(llm, prompts, steps=2)
     for i, (a, g) in enumerate(zip(alone, got)):
         _same(a, g, f"sequence {i} of a batch of {batch}")
     llm.check_integrity()
@@ -113,7 +118,6 @@ def test_quantized_pages_give_a_sequence_its_bits_alone_in_a_batch_and_on_any_th
     not depend on the sequences beside it or on the number of threads: prompts that seal pages,
     fed whole, then decodes."""
     llm = llms(kv)
-    r = llm.runner
     prompts = [(p * (200 // len(p) + 1))[: 130 + 41 * i] for i, p in enumerate(_prompts(llm, 4))]  # 130-253 tokens
     alone = [_feed(llm, p, [0], steps=2) for p in prompts]
     threads = torch.get_num_threads()
@@ -124,13 +128,7 @@ def test_quantized_pages_give_a_sequence_its_bits_alone_in_a_batch_and_on_any_th
         torch.set_num_threads(threads)
     for i, (a, b) in enumerate(zip(alone, one_thread)):
         _same(a, b, f"{kv}: sequence {i}, one thread against {threads}")
-    seqs = [r.new_sequence() for _ in prompts]
-    got = [[row] for row in r.step(seqs, prompts)]
-    for _ in range(2):
-        for g, row in zip(got, r.step(seqs, [[int(g[-1].argmax())] for g in got])):
-            g.append(row)
-    for s in seqs:
-        r.free(s)
+    got = _together(llm, prompts, steps=2)
     for i, (a, g) in enumerate(zip(alone, got)):
         _same(a, g, f"{kv}: sequence {i} of a batch of {len(prompts)}")
     llm.check_integrity()

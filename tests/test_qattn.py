@@ -40,17 +40,17 @@ SPECS = ["int8,page_size=32,group_size=16,residual=16", "int4,group_size=32,resi
          "int2,page_size=32,group_size=16,residual=40", "int2,group_size=32,residual=0"]
 
 
-@pytest.mark.parametrize("spec", SPECS)
-def test_kernel_equals_torch_path(spec, monkeypatch):
+def kernel_against_torch(spec: str, kernel: str, monkeypatch) -> None:
+    """Every step of run_cache through ``kernels.<kernel>`` (counted) gives the torch path's result."""
     calls = []
-    real = kernels.quant_attend
+    real = getattr(kernels, kernel)
 
     def counted(*args, **kw):
         out = real(*args, **kw)
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(kernels, "quant_attend", counted)
+    monkeypatch.setattr(kernels, kernel, counted)
     fast = run_cache(spec, True, monkeypatch)
     assert calls and all(calls)  # prefill chunks, extends and decodes all went through the kernel
     slow = run_cache(spec, False, monkeypatch)
@@ -58,22 +58,14 @@ def test_kernel_equals_torch_path(spec, monkeypatch):
         torch.testing.assert_close(x, y, atol=3e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("spec", SPECS)
+def test_kernel_equals_torch_path(spec, monkeypatch):
+    kernel_against_torch(spec, "quant_attend", monkeypatch)
+
+
 @pytest.mark.parametrize("spec", ["fp16,page_size=16", "bf16", "static,fp16,max_tokens=512,max_seqs=2"])
 def test_16_bit_pages_are_read_in_place_like_the_torch_path(spec, monkeypatch):
-    calls = []
-    real = kernels.half_attend
-
-    def counted(*args, **kw):
-        out = real(*args, **kw)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(kernels, "half_attend", counted)
-    fast = run_cache(spec, True, monkeypatch)
-    assert calls and all(calls)
-    slow = run_cache(spec, False, monkeypatch)
-    for x, y in zip(fast, slow):
-        torch.testing.assert_close(x, y, atol=3e-5, rtol=1e-4)
+    kernel_against_torch(spec, "half_attend", monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
