@@ -8,8 +8,8 @@
  *     (chunk c holds pages c * CP .. c * CP + CP - 1), then chunks of CH tokens of the rest;
  *   - a chunk's codes are widened to floats in a fixed lane order (unpack16: sixteen lanes, the
  *     same at every vector width); a key group's score lane starts at q . min and takes one
- *     multiply-add per channel, c = 0 .. D-1, of (q * scale)[c] and the code; the rest's keys are
- *     scored row by row: sixteen lane chains of q[c] k[c] (lane c % 16) and the fixed tree;
+ *     multiply-add per channel, c = 0 .. D-1, of (q * scale)[c] and the code; the rest's keys,
+ *     transposed sixteen at a time, start at 0 and take q[c] and the key;
  *   - the chunk's maximum m, exp(s - m) by vexp16, their sum l over sixteen lanes (key k in lane
  *     k % 16) reduced by one fixed tree, and the value sum acc, one multiply-add chain per output
  *     element over the chunk's keys in the chunk's order (a value row is code * scale + min);
@@ -17,7 +17,7 @@
  *     turned by the normalized Hadamard transform of the pages (cache/rotation.py), so their merged
  *     sum is turned back (fwht) before the rest's chunks join.
  * 16-bit float pages (kv_half_attend: fp16 or bf16, no quantized part) are a rest of L keys read
- * through the slots, rows widened exactly.
+ * through the slots, widened exactly.
  * How work is spread does not enter the arithmetic. A call with few query rows per KV head (decode,
  * speculation) spreads its chunks over the threads and merges the stored partials in order; one
  * with many (prefill) gives each thread blocks of rows that run the chunks in order.
@@ -102,7 +102,7 @@ static ALWAYS void prep_quant(const job_t *j, int h, int c, scratch_t *sc, chunk
             }
         }
     }
-    *ck = (chunk_t){n, G, sc->KT, sc->ks, sc->kz, sc->V, sc->chan, NULL, n};
+    *ck = (chunk_t){n, G, sc->KT, sc->ks, sc->kz, sc->V, sc->chan};
 }
 
 /* Output elements d0 .. d0 + 16 * ns - 1 of rows 0 .. nr-1: the weights st [NR, n] times the value
@@ -234,20 +234,32 @@ static void prepare(const job_t *j, int h, int c, scratch_t *sc, chunk_t *ck) {
         }
     }
     const int r0 = (c - j->nq) * CH, cnt = j->n_rest - r0 < CH ? j->n_rest - r0 : CH, n = (cnt + 15) / 16 * 16;
-    if (j->hk) { /* 16-bit pages: rows widened into the scratch */
+    const float *V = j->tv + ((int64_t)h * j->n_rest + r0) * D;
+    if (j->hk) { /* 16-bit pages: value rows widened into the scratch */
         for (int t = 0; t < cnt; t++) {
             const int64_t slot = j->slots ? j->slots[r0 + t] : j->first_slot + r0 + t;
-            const int64_t at = ((int64_t)h * j->S + slot) * D;
-            for (int d = 0; d < D; d += 16) {
-                *(v16 *)(sc->KT + (int64_t)t * D + d) = wide16(j->hk + at + d, j->bf16);
-                *(v16 *)(sc->V + (int64_t)t * D + d) = wide16(j->hv + at + d, j->bf16);
-            }
+            for (int d = 0; d < D; d += 16)
+                *(v16 *)(sc->V + (int64_t)t * D + d) = wide16(j->hv + ((int64_t)h * j->S + slot) * D + d, j->bf16);
         }
-        *ck = (chunk_t){n, n, NULL, NULL, NULL, sc->V, NULL, sc->KT, cnt};
-        return;
+        V = sc->V;
     }
-    const int64_t at = ((int64_t)h * j->n_rest + r0) * D;
-    *ck = (chunk_t){n, n, NULL, NULL, NULL, j->tv + at, NULL, j->tk + at, cnt};
+    for (int t0 = 0; t0 < n; t0 += 16) /* keys transposed sixteen at a time (past cnt: zeros) */
+        for (int d = 0; d < D; d += 16) {
+            v16 m[16];
+            for (int i = 0; i < 16; i++) {
+                const int t = t0 + i;
+                if (t >= cnt)
+                    m[i] = (v16){0};
+                else if (j->hk)
+                    m[i] = wide16(j->hk + ((int64_t)h * j->S + (j->slots ? j->slots[r0 + t] : j->first_slot + r0 + t)) * D + d,
+                                  j->bf16);
+                else
+                    m[i] = *(const v16 *)(j->tk + ((int64_t)h * j->n_rest + r0 + t) * D + d);
+            }
+            transpose16(m);
+            for (int i = 0; i < 16; i++) *(v16 *)(sc->KT + (int64_t)(d + i) * n + t0) = m[i];
+        }
+    *ck = (chunk_t){n, n, sc->KT, NULL, NULL, V, NULL};
 }
 
 /* Row r's query (new token r / g, query head h * g + r % g), turned for the quantized chunks. */

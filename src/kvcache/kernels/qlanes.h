@@ -46,7 +46,7 @@ KV_VEXP_MADD(vexp16, v16, i16, MADD)
 #define CH 256          /* keys per chunk */
 #define NR 4            /* query rows per tile */
 #define SPLIT_ROWS 16   /* at most this many rows per KV head: chunks spread over the threads */
-#define RB 32           /* rows per work item otherwise */
+#define RB 128          /* rows per work item otherwise */
 #define MAXD 512
 #if defined(__AVX512F__)
 #define SLAB 4          /* value vectors accumulated at once (NR * SLAB registers) */
@@ -156,6 +156,37 @@ static ALWAYS float hsum16(v16 x) {
     for (int i = 0; i < 8; i++) a[i] = x[i] + x[i + 8];
     for (int i = 0; i < 4; i++) b[i] = a[i] + a[i + 4];
     return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* m[i] lane j <- m[j] lane i (a 16 x 16 block transposed in four stages of two-input shuffles). */
+static ALWAYS void transpose16(v16 *m) {
+    const i16 s1l = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const i16 s1h = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const i16 s2l = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const i16 s2h = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    const i16 s3l = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const i16 s3h = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const i16 s4l = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    const i16 s4h = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    v16 u[16], v[16];
+    for (int a = 0; a < 8; a++) {
+        u[a] = __builtin_shuffle(m[a], m[a + 8], s1l);
+        u[a + 8] = __builtin_shuffle(m[a], m[a + 8], s1h);
+    }
+    for (int b = 0; b < 16; b += 8)
+        for (int a = b; a < b + 4; a++) {
+            v[a] = __builtin_shuffle(u[a], u[a + 4], s2l);
+            v[a + 4] = __builtin_shuffle(u[a], u[a + 4], s2h);
+        }
+    for (int b = 0; b < 16; b += 4)
+        for (int a = b; a < b + 2; a++) {
+            u[a] = __builtin_shuffle(v[a], v[a + 2], s3l);
+            u[a + 2] = __builtin_shuffle(v[a], v[a + 2], s3h);
+        }
+    for (int b = 0; b < 16; b += 2) {
+        m[b] = __builtin_shuffle(u[b], u[b + 1], s4l);
+        m[b + 1] = __builtin_shuffle(u[b], u[b + 1], s4h);
+    }
 }
 
 static ALWAYS float hmax16(v16 x) {

@@ -14,8 +14,6 @@ typedef struct {
     float *ks, *kz;   /* [n / kg, D] each group's per-channel scale and minimum; NULL for the rest */
     const float *V;   /* [n, D] value rows */
     const int *chan;  /* [D] the channel each element of a value row holds; NULL: in order */
-    const float *KR;  /* [cnt, D] key rows (the rest, 16-bit pages widened): scored row by row; or NULL */
-    int cnt;          /* keys that exist (the rest's last chunk is short) */
 } chunk_t;
 
 typedef struct {      /* one row's share of a chunk, or the running state of a row */
@@ -91,20 +89,7 @@ static NOINLINE void tile(const chunk_t *ck, int D, const float *const *qr, cons
                           part_t *const *parts) {
     const int n = ck->n;
     float qs[NR][MAXD], zt[NR];
-    if (ck->KR) { /* key rows: each score the fixed tree over sixteen lane chains of q[c] k[c] */
-        for (int t = 0; t < ck->cnt; t++) {
-            const float *k = ck->KR + (int64_t)t * D;
-            for (int r = 0; r < NR; r++) {
-                const float *q = qr[r < nr ? r : 0];
-                v16 a = (v16){0};
-                for (int c = 0; c < D; c += 16) a = MADD(*(const v16 *)(q + c), *(const v16 *)(k + c), a);
-                st[(int64_t)r * n + t] = hsum16(a);
-            }
-        }
-        for (int r = 0; r < NR; r++)
-            for (int t = ck->cnt; t < n; t++) st[(int64_t)r * n + t] = 0.f; /* masked below */
-    }
-    for (int g0 = 0; g0 < (ck->KR ? 0 : n); g0 += ck->kg) {
+    for (int g0 = 0; g0 < n; g0 += ck->kg) {
         const int64_t gi = g0 / ck->kg;
         group_terms(qr, nr, D, ck->ks ? ck->ks + gi * D : NULL, ck->ks ? ck->kz + gi * D : NULL, qs, zt);
         for (int v = 0; v < ck->kg; v += 16) {
