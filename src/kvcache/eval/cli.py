@@ -135,12 +135,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         keys = [passkey(llm, s, args.passkey_tokens, depths) for s in ["dynamic", *specs]]
     print(f"\neval: {llm.model_name}, {len(ids)} tokens of {source}, chunks of {args.chunk}; "
           f"full fp32 cache perplexity {rows[0].ppl_full:.3f}")
-    head = f"{'kv':<32} {'ppl':>8} {'vs full':>8} {'top-1 agree':>11} {'KL nats':>9} {'KV B/token':>11}"
+    w = max(32, *(len(r.spec) for r in rows))  # the spec column fits the longest spec
+    head = f"{'kv':<{w}} {'ppl':>8} {'vs full':>8} {'top-1 agree':>11} {'KL nats':>9} {'KV B/token':>11}"
     print(head + (f" {'greedy':>7}" if greedy else "") + (f" {'passkey':>8}" if keys else ""))
-    full = f"{'dynamic (full)':<32} {rows[0].ppl_full:>8.3f} {1:>7.3f}x {1:>10.1%} {0:>9.4f} {'':>11}"
+    full = f"{'dynamic (full)':<{w}} {rows[0].ppl_full:>8.3f} {1:>7.3f}x {1:>10.1%} {0:>9.4f} {'':>11}"
     print(full + (f" {1:>6.0%}" if greedy else "") + (f" {keys[0].accuracy:>7.0%}" if keys else ""))
     for i, r in enumerate(rows):
-        line = (f"{r.spec:<32} {r.ppl:>8.3f} {r.ppl / r.ppl_full:>7.3f}x {r.agreement:>10.1%} {r.kl:>9.4f} "
+        line = (f"{r.spec:<{w}} {r.ppl:>8.3f} {r.ppl / r.ppl_full:>7.3f}x {r.agreement:>10.1%} {r.kl:>9.4f} "
                 f"{r.bytes_per_token:>11,.0f}")
         print(line + (f" {greedy[i]:>6.0%}" if greedy else "") + (f" {keys[i + 1].accuracy:>7.0%}" if keys else ""))
     if greedy:
