@@ -145,6 +145,7 @@ def test_long_rows_bytes_share_of_wall_memory_and_plot(tmp_path, tiny_gguf, monk
     data = json.loads((out / "context.json").read_text())
     meta, results, memory = data["meta"], data["results"], data["memory"]
     assert meta["mode"] == "long" and meta["contexts"] == [128, 256] and meta["read_gb_s"] > 0
+    assert set(meta["load_avg_1min"]) == {"before", "after"} and "load average (1 min) before" in p.stdout
     rows = {(r["system"], r["kv"], r["test"], r["context"]): r for r in results}
     want = {("kvcache", s, "decode", c) for s in ("fp16", "int8") for c in (128, 256)}
     want |= {("kvcache", s, "prefill", n) for s in ("fp16", "int8") for n in (REFERENCE, 128, 256)}

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         done += 1
         print(f"[{done}/{steps}] {what} done", file=sys.stderr, flush=True)
 
+    load = [os.getloadavg()[0]]  # other processes on these cores distort every figure: it is recorded
     bandwidth = [read_bandwidth(plan.threads)]
     print(f"read bandwidth: {bandwidth[0]:.1f} GB/s; {len(plan.specs)} kvcache specs to grow to "
           f"{max(plan.contexts)} tokens" + (", then llama-bench" if plan.peers else ""), file=sys.stderr, flush=True)
@@ -175,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     if plan.peers:
         rows += longctx_llama.measure(exe, why, plan.gguf, plan.peers, plan.contexts, plan.new, plan.repeats,
                                       plan.threads, plan.kv_values, lambda: tick("llama-bench run"))
+    load.append(os.getloadavg()[0])
     bandwidth.append(read_bandwidth(plan.threads))
     read_gb_s = max(bandwidth)
     results = summarize(rows, read_gb_s)
@@ -187,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
                     depth="kvcache: one sequence per spec grown in stages (one prefill of the largest context); "
                           "llama-bench: each depth prefilled by llama-bench")
     meta["threads"] = plan.threads
+    meta["load_avg_1min"] = {"before": load[0], "after": load[1]}
     print_report(meta, results, memory)
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results, "memory": memory}, indent=2))

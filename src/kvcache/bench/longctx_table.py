@@ -123,6 +123,10 @@ def print_report(meta: dict[str, object], results: list[dict[str, object]], memo
     print(f"\nlong context: {meta['model']} ({meta['weights']} weights), batch 1, {meta['threads']} threads, "
           f"{meta['new_tokens']} new tokens per decode, median of {meta['repeats']}")
     print(f"host: {meta.get('host')}")
+    load = meta.get("load_avg_1min")
+    if isinstance(load, dict):
+        print(f"load average (1 min) before the run {load['before']:.2f}, after {load['after']:.2f} (this run's own "
+              f"{meta['threads']} threads included after; more than that means other processes shared the cores)")
     print(f"memory read bandwidth measured in this run: {_n(bw)} GB/s (a streaming read of 1 GiB, the best of "
           "the probes before and after); share of wall: a decode's GB/s as a share of it")
     print("kvcache reaches each depth by growing one sequence per spec in stages (one prefill of the largest "
