@@ -1,6 +1,6 @@
 """``kvcache bench SUITE``: the parser and the dispatch to the suites; each suite is one module
 (bench/decode.py, nocache.py, context_lengths.py, memory.py, growth.py, prefix.py, throughput.py,
-hfbridge.py, serving.py, structured.py, spec.py) whose ``run(args)`` measures, prints its table and writes its JSON."""
+hfbridge.py, serving.py, structured.py, spec.py, attention.py) whose ``run(args)`` measures, prints its table and writes its JSON."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from kvcache.errors import InvalidParams
 # suite -> its module under kvcache.bench, in the order `bench all` runs them
 SUITE_MODULES = {"decode": "decode", "cache-vs-none": "nocache", "context": "context_lengths", "memory": "memory",
                  "growth": "growth", "prefix": "prefix", "throughput": "throughput", "serve": "serving",
-                 "hf": "hfbridge", "structured": "structured", "spec": "spec"}
+                 "hf": "hfbridge", "structured": "structured", "spec": "spec", "attention": "attention"}
 SUITES = tuple(SUITE_MODULES)
 
 
@@ -122,6 +122,7 @@ OPTIONS = {
     "hf": ("new_tokens", "repeats", "kv", "peers", "contexts"),
     "structured": ("new_tokens", "repeats", "requests", "peers"),
     "spec": ("new_tokens", "repeats", "weights", "peers", "llama_cpp_bin"),
+    "attention": ("repeats", "kv", "contexts", "peers"),
 }
 _FLAGS = ("new_tokens", "repeats", "rounds", "kv", "peers", "contexts", "max_context", "system_tokens", "redis", "requests",
           "time_budget", "context", "budget", "weights", "prefill", "depth", "llama_cpp_bin", "replicas",
@@ -195,6 +196,7 @@ ALL_QUICK: dict[str, dict[str, object]] = {
     "hf": {"contexts": "256", "new_tokens": 4, "kv": "dynamic", "peers": "dynamic"},
     "structured": {"requests": 4, "repeats": 1},
     "spec": {"new_tokens": 16, "repeats": 1, "weights": "fp32"},
+    "attention": {"contexts": "1024", "repeats": 1, "kv": "fp16,int4"},
 }
 
 

@@ -1,0 +1,46 @@
+"""``kvcache bench attention``: rows for every context and encoding, the bytes each call reads,
+and clear refusals."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from kvcache import kernels
+from kvcache.bench import attention
+from kvcache.errors import InvalidParams
+
+
+def test_rows_bytes_and_shares(tmp_path, capsys, monkeypatch):
+    if kernels.qattn() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setattr(attention, "ROUND", 1 << 20)  # small copies and probe: the arithmetic is what is tested
+    monkeypatch.setattr(attention, "WALL_FLOATS", 1 << 20)
+    out = tmp_path / "a.json"
+    args = argparse.Namespace(threads=None, contexts="64,96", kv="int4,rotate,fp16", peers=None, repeats=1,
+                              json=str(out))
+    assert attention.run(args) == 0
+    data = json.loads(out.read_text())
+    rows = {(r["context"], r["kv"]): r for r in data["rows"]}
+    assert set(rows) == {(64, "int4,rotate"), (64, "fp16"), (96, "int4,rotate"), (96, "fp16")}
+    # per token and KV head: int4 codes of K and V (32 + 32 bytes), a half scale and minimum per
+    # channel per 32 keys (8 bytes), a half scale and minimum per 32 channels of a value (8 bytes)
+    assert rows[(64, "int4,rotate")]["bytes_layer"] == 64 * 8 * (32 + 32 + 8 + 8)
+    assert rows[(96, "fp16")]["bytes_layer"] == 96 * 8 * 64 * 2 * 2
+    for r in rows.values():
+        assert r["ms_token"] == pytest.approx(16 * r["ms_layer"])
+        assert r["gb_s"] == pytest.approx(r["bytes_layer"] / r["ms_layer"] / 1e6)
+        assert r["vs_torch"] == pytest.approx(r["torch_ms_layer"] / r["ms_layer"])
+        if data["read_wall_gb_s"]:
+            assert r["share_of_wall"] == pytest.approx(r["gb_s"] / data["read_wall_gb_s"])
+    assert "64 int4,rotate" in capsys.readouterr().out.replace("  ", " ")
+
+
+@pytest.mark.parametrize("kv,contexts,message", [("rotate", "64", "rotate follows"), ("fp32", "64", "not an encoding"),
+                                                 ("int8", "100", "multiple of 32")])
+def test_bad_input_is_named(kv, contexts, message):
+    args = argparse.Namespace(threads=None, contexts=contexts, kv=kv, peers="", repeats=1, json=None)
+    with pytest.raises(InvalidParams, match=message):
+        attention.run(args)
