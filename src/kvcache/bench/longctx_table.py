@@ -76,13 +76,23 @@ def _mib(x: object) -> str:
     return "-" if not x else f"{float(x) / 2**20:,.1f} MiB"  # type: ignore[arg-type]
 
 
+def _of_test(results: list[dict[str, object]], test: str) -> list[dict[str, object]]:
+    """The rows of one test, by context, kvcache's first."""
+    rows = [r for r in results if r["test"] == test]
+    return sorted(rows, key=lambda r: (r["context"], r["system"] != "kvcache"))  # type: ignore[arg-type,return-value]
+
+
+def _skipped(r: dict[str, object], blanks: int) -> str:
+    """A table line for a row that was skipped, with its reason and ``blanks`` empty cells after it."""
+    return f"| {r['context']} | {r['system']} | {r['kv']} | skipped: {r['note']} |" + " |" * blanks
+
+
 def decode_table(results: list[dict[str, object]]) -> list[str]:
     lines = ["| context | system | kv | tok/s (min-max) | KV B/context token | bytes read/token | GB/s | share of wall |",
              "|---|---|---|---|---|---|---|---|"]
-    rows = [r for r in results if r["test"] == "decode"]
-    for r in sorted(rows, key=lambda r: (r["context"], r["system"] != "kvcache")):  # type: ignore[arg-type,return-value]
+    for r in _of_test(results, "decode"):
         if r["tok_s"] is None:
-            lines.append(f"| {r['context']} | {r['system']} | {r['kv']} | skipped: {r['note']} | | | | |")
+            lines.append(_skipped(r, 4))
             continue
         share = r["wall_share"]
         lines.append(f"| {r['context']} | {r['system']} | {r['kv']} | {_n(r['tok_s'], '.2f')} "
@@ -94,10 +104,9 @@ def decode_table(results: list[dict[str, object]]) -> list[str]:
 
 def prefill_table(results: list[dict[str, object]]) -> list[str]:
     lines = ["| prompt | system | kv | seconds | tok/s | s per 1k tokens | vs 512 |", "|---|---|---|---|---|---|---|"]
-    rows = [r for r in results if r["test"] == "prefill"]
-    for r in sorted(rows, key=lambda r: (r["context"], r["system"] != "kvcache")):  # type: ignore[arg-type,return-value]
+    for r in _of_test(results, "prefill"):
         if r["seconds"] is None:
-            lines.append(f"| {r['context']} | {r['system']} | {r['kv']} | skipped: {r['note']} | | | |")
+            lines.append(_skipped(r, 3))
             continue
         vs = r["vs_512"]
         lines.append(f"| {r['context']} | {r['system']} | {r['kv']} | {_n(r['seconds'], '.2f')} | {_n(r['tok_s'], '.0f')} "
