@@ -72,6 +72,7 @@ class PagedContext:
         self.windows = [g.window or 0 for g in cache.groups]
         # a press reading a prompt records its queries, which the fused path never exposes
         self.observing = [i for i, seq in enumerate(plan.seqs) if seq.press is not None and seq.press.observing]
+        self._plains: dict[tuple[int, int], bool] = {}  # (sequence, group) -> _plain's answer, one per forward
         # KVzip's replay scores from every slot's keys: the dense path, where they are at hand
         replaying = any(seq.press is not None and seq.press.replay is not None for seq in plan.seqs)
         if cache.config.encoding == "fp32" and not replaying and not cache.placement.offloaded:
@@ -160,7 +161,7 @@ class PagedContext:
             read = reads[gi]
             qq = q if single else q[rows]
             if isinstance(pool, PagePool) and not offloaded:
-                if pool.dtype != torch.float32 and self._plain(gi, seq, read):  # fp16/bf16 read in place
+                if pool.dtype != torch.float32 and self._plain(gi, i):  # fp16/bf16 read in place
                     o = kernels.half_attend((qq * scale).contiguous(), pool.flat[j], read.slots, read.first_slot or 0,
                                             read.positions.shape[0])
                     if o is not None:
@@ -274,13 +275,17 @@ class PagedContext:
         st.scale = scale
         return out.transpose(0, 1)
 
-    def _plain(self, gi: int, seq: SeqKV, read: ReadPlan) -> bool:
-        """Whether the read is plain causal: every position 0 .. L-1 stored and seen by each new
-        token up to itself (no window, sinks or press), as qattn.c's kernels take it."""
-        g = self.cache.groups[gi]
-        n = read.positions.shape[0]
-        return (g.window is None and not g.sinks and seq.press is None and read.delta is None and not read.press
-                and n > 0 and int(read.positions[-1]) == n - 1)
+    def _plain(self, gi: int, i: int) -> bool:
+        """Whether sequence ``i``'s read of group ``gi`` is plain causal: every position 0 .. L-1
+        stored and seen by each new token up to itself (no window, sinks or press), as qattn.c's
+        kernels take it. Asked once a forward, whatever the number of layers."""
+        key = (i, gi)
+        if key not in self._plains:
+            g, seq, read = self.cache.groups[gi], self.plan.seqs[i], self.plan.reads[i][gi]
+            n = read.positions.shape[0]
+            self._plains[key] = (g.window is None and not g.sinks and seq.press is None and read.delta is None
+                                 and not read.press and n > 0 and int(read.positions[-1]) == n - 1)
+        return self._plains[key]
 
     def _quant(self, layer: int, gi: int, j: int, i: int, pool: QuantPool, q: torch.Tensor,
                buf: torch.Tensor | None, kv_new: torch.Tensor, read: ReadPlan, seq: SeqKV,
@@ -296,11 +301,11 @@ class PagedContext:
         n_q = read.n_pages * pool.page_size
         rest = torch.cat((tail, kv_new), 2)  # [2, Hkv, t + n, D]
         out = None
-        if buf is None and self._plain(gi, seq, read) and n_q + rest.shape[2] == read.positions.shape[0]:
+        if buf is None and self._plain(gi, i) and n_q + rest.shape[2] == read.positions.shape[0]:
             pages = read.pages if read.pages is not None else torch.arange(read.page_run or 0,
                                                                             (read.page_run or 0) + read.n_pages)
             out = kernels.quant_attend((q * scale).contiguous(), pages, pool.parts[j], pool.page_size, pool.group,
-                                       pool.bits, rest, getattr(pool, "rotate", False))
+                                       pool.bits, rest, pool.rotate)
         if out is None:
             if buf is None:
                 buf = self._load_old_one(layer, i)
