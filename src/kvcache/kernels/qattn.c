@@ -58,13 +58,16 @@ typedef struct { /* a thread's scratch */
     int chan[MAXD];
 } scratch_t;
 
+/* Keys of a chunk at most: whole pages of CH keys, or one page where a page is longer. */
+static int chunk_keys(const job_t *j) { return j->cp * j->ps > CH ? j->cp * j->ps : CH; }
+
 static size_t scratch_floats(const job_t *j) {
-    const int n = j->cp * j->ps > CH ? j->cp * j->ps : CH;
+    const int n = chunk_keys(j);
     return (size_t)n * j->D * 2 + (size_t)2 * (n / 16 + 1) * j->D + (size_t)NR * n + 64;
 }
 
 static void scratch_bind(const job_t *j, float *mem, scratch_t *sc) {
-    const int n = j->cp * j->ps > CH ? j->cp * j->ps : CH;
+    const int n = chunk_keys(j);
     sc->KT = mem;
     sc->V = sc->KT + (size_t)n * j->D;
     sc->ks = sc->V + (size_t)n * j->D;
@@ -391,6 +394,14 @@ static int run_blocks(const job_t *j, int n_threads) {
     return bad ? 2 : 0;
 }
 
+/* The job with its work spread one way: 0 the kernel's choice, 1 chunks over the threads (at most
+ * SPLIT_ROWS rows a KV head), 2 blocks of rows (tests force each; the bits are the same). */
+static int run_job(const job_t *j, int way, int n_threads) {
+    if (way < 0 || way > 2 || (way == 1 && j->T * j->g > SPLIT_ROWS)) return 1;
+    if (way == 0) way = j->T * j->g <= SPLIT_ROWS ? 1 : 2;
+    return way == 1 ? run_split(j, n_threads) : run_blocks(j, n_threads);
+}
+
 /* The shapes the kernel takes: whole sixteen-lane blocks of codes (G and D multiples of 16, a
  * group's packed bytes a multiple or a divisor of 16), D at most MAXD. */
 int kv_quant_fits(int D, int G, int bits, int ps) {
@@ -403,16 +414,15 @@ int kv_quant_attend(int hkv, int g, int D, int ps, int G, int bits, int T, const
                     int n_pages, const uint8_t *kc, const uint16_t *ks, const uint16_t *km, const uint8_t *vc,
                     const uint16_t *vs, const uint16_t *vm, int64_t P, const float *tk, const float *tv, int n_rest,
                     int rotate, int way, float *out, int n_threads) {
-    if (!kv_quant_fits(D, G, bits, ps) || hkv < 1 || g < 1 || T < 1 || n_pages < 0 || n_rest < T || P < 0 ||
-        way < 0 || way > 2 || (way == 1 && T * g > SPLIT_ROWS))
+    if (!kv_quant_fits(D, G, bits, ps) || hkv < 1 || g < 1 || T < 1 || n_pages < 0 || n_rest < T || P < 0)
         return 1;
     for (int i = 0; i < n_pages; i++) /* every page read lies in the pool */
         if (pages[i] < 0 || pages[i] >= P) return 3;
-    job_t j = {hkv, g, D, ps, G, bits, T, n_pages, n_rest, rotate != 0, 0, 0, 0, P, q, NULL, tk, tv, pages,
-               kc, vc, ks, km, vs, vm, out, NULL, NULL, NULL, 0, 0, 0};
-    j.cp = CH / ps > 0 ? CH / ps : 1;
-    j.nq = (n_pages + j.cp - 1) / j.cp;
-    j.nr = (n_rest + CH - 1) / CH;
+    const int cp = CH / ps > 0 ? CH / ps : 1;
+    job_t j = {.hkv = hkv, .g = g, .D = D, .ps = ps, .G = G, .bits = bits, .T = T, .n_pages = n_pages,
+               .n_rest = n_rest, .rotate = rotate != 0, .cp = cp, .nq = (n_pages + cp - 1) / cp,
+               .nr = (n_rest + CH - 1) / CH, .P = P, .q = q, .tk = tk, .tv = tv, .pages = pages, .kc = kc,
+               .vc = vc, .ks = ks, .km = km, .vs = vs, .vm = vm, .out = out};
     float *qrot = NULL;
     if (j.rotate && j.nq) {
         const int64_t rows = (int64_t)T * hkv * g;
@@ -422,29 +432,27 @@ int kv_quant_attend(int hkv, int g, int D, int ps, int G, int bits, int T, const
         for (int64_t r = 0; r < rows; r++) fwht(qrot + r * D, D);
         j.qrot = qrot;
     }
-    if (way == 0) way = T * g <= SPLIT_ROWS ? 1 : 2; /* 1: spread chunks, 2: blocks of rows (tests force each) */
-    const int rc = way == 1 ? run_split(&j, n_threads) : run_blocks(&j, n_threads);
+    const int rc = run_job(&j, way, n_threads);
     free(qrot);
     return rc;
 }
 
 /* Causal attention of T new rows over 16-bit float pages (fp16, or bf16 when bf16 != 0) read in
  * place: kv [2, hkv, S, D]; position p of the sequence lies in slot slots[p] (or first_slot + p
- * when slots is NULL); L positions, the T new ones last. The rest's canonical order: 256-key
- * chunks from position 0, scored row by row, merged in order. */
+ * when slots is NULL); L positions, the T new ones last. A job with no quantized part: the rest's
+ * canonical order, 256-key chunks from position 0 (keys transposed sixteen at a time), merged in
+ * order. */
 int kv_half_attend(int hkv, int g, int D, int bf16, int T, const float *q, const uint16_t *kv, int64_t S,
                    const int64_t *slots, int64_t first_slot, int L, int way, float *out, int n_threads) {
-    if (hkv < 1 || g < 1 || D < 16 || D > MAXD || D % 16 || T < 1 || L < T || S < 1 || way < 0 || way > 2 ||
-        (way == 1 && T * g > SPLIT_ROWS))
-        return 1;
+    if (hkv < 1 || g < 1 || D < 16 || D > MAXD || D % 16 || T < 1 || L < T || S < 1) return 1;
     if (slots) {
         for (int i = 0; i < L; i++) /* every slot read lies in the pool */
             if (slots[i] < 0 || slots[i] >= S) return 3;
     } else if (first_slot < 0 || first_slot + L > S) {
         return 3;
     }
-    job_t j = {hkv, g, D, 16, 16, 8, T, 0, L, 0, 1, 0, (L + CH - 1) / CH, 0, q, NULL, NULL, NULL, NULL,
-               NULL, NULL, NULL, NULL, NULL, NULL, out, kv, kv + (int64_t)hkv * S * D, slots, first_slot, S, bf16 != 0};
-    if (way == 0) way = T * g <= SPLIT_ROWS ? 1 : 2;
-    return way == 1 ? run_split(&j, n_threads) : run_blocks(&j, n_threads);
+    const job_t j = {.hkv = hkv, .g = g, .D = D, .ps = CH, .T = T, .n_rest = L, .cp = 1, .nr = (L + CH - 1) / CH,
+                     .q = q, .out = out, .hk = kv, .hv = kv + (int64_t)hkv * S * D, .slots = slots,
+                     .first_slot = first_slot, .S = S, .bf16 = bf16 != 0};
+    return run_job(&j, way, n_threads);
 }
