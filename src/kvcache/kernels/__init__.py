@@ -2,8 +2,9 @@
 
 ``qgemm.c`` (with ``qpack.c``) multiplies activations by quantized weights in kvcache's repacked
 formats (int8 dot products; see qformat.h) and repacks GGUF blocks into them; ``qattn.c`` attends
-over quantized and 16-bit pages read in place, in one canonical order (qlanes.h, qrows.h); ``cattn.c`` (in the qgemm library) attends any number of
-new tokens per sequence over float32 pages in place, in one canonical order, so that a row's result
+over quantized and 16-bit pages read in place, in one canonical order (qlanes.h, qrows.h);
+``cattn.c`` (in the qgemm library) attends any number of new tokens per sequence over float32
+pages in place, in one canonical order, so that a row's result
 is the same bits whether it is decoded, extended, prefilled or recomputed, alone or in a batch;
 ``dattn.c`` fuses it with the rotary embedding, the cache write and the projections;
 ``pgemm.c`` multiplies several rows by packed fp32 projection weights (register tiles that reuse
