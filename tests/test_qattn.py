@@ -140,9 +140,8 @@ def test_rotated_pages_attend_like_the_rotation_undone(bits):
     pages = torch.arange(n)
     got = kernels.quant_attend(q, pages, turned.parts[0], ps, 32, bits, rest, True)
     dense = torch.empty(2, hkv, n * ps, d)
-    turned.read_into(0, None, 0, n, dense)  # the torch path dequantizes (and turns back, if the pool says so)
-    if getattr(turned, "rotate", False) is False:
-        dense = hadamard(dense)  # this pool does not know it was fed turned K and V
+    turned.read_into(0, None, 0, n, dense)  # dequantized as fed: turned K and V (the pool is not told)
+    dense = hadamard(dense)  # turned back
     keys, vals = torch.cat((dense[0], rest[0]), 1), torch.cat((dense[1], rest[1]), 1)
     w = torch.softmax(q.view(hkv, 3, d).double() @ keys.double().transpose(1, 2), -1)
     want = (w @ vals.double()).float().view(1, 6, d)
