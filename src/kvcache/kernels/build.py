@@ -8,8 +8,10 @@ compiler, flags and variant, never ``-march=native``: a cache folder moved to an
 libraries that are either right for it or never loaded, so nothing dies of an illegal instruction.
 
 Libraries live in ``$KVCACHE_HOME/kernels`` (created 0700; a folder another user can write to is
-not used). The math flags allow reassociation and contraction for vectorized reductions but not
-``-ffast-math``, whose startup code would set flush-to-zero for the whole process. ``CC`` may carry
+not used). The math flags forbid reassociation, reciprocals and contraction, so every variant
+rounds each float step alike and gives the same bits as every other (the kernels spell out their
+fused multiply-adds and the order of their sums); never ``-ffast-math``, whose startup code would
+also set flush-to-zero for the whole process. ``CC`` may carry
 arguments (``ccache gcc``); a failed build warns with the compiler's own message.
 """
 
@@ -30,8 +32,9 @@ from pathlib import Path
 from kvcache.paths import cache_home
 
 SOURCES = Path(__file__).parent
-MATH = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
-        "-freciprocal-math", "-ffp-contract=fast"]
+# No reassociation, no reciprocals, no contraction: every float step rounds where the source says,
+# so each variant gives the same bits (the kernels write their multiply-adds and sums out).
+MATH = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-ffp-contract=off"]
 COMMON = ["-fopenmp", "-shared", "-fPIC"]
 
 
@@ -121,7 +124,7 @@ def kernel_dir() -> Path:
 def sources(name: str) -> list[Path]:
     """The C files of kernel ``name`` (qgemm also holds the repacking code and the fused decode
     attention, which shares its quantized steps)."""
-    return [SOURCES / f"{name}.c", *([SOURCES / "qpack.c", SOURCES / "dattn.c", SOURCES / "cattn.c", SOURCES / "membw.c", SOURCES / "vmask.c"] if name == "qgemm" else [])]
+    return [SOURCES / f"{name}.c", *([SOURCES / "qpack.c", SOURCES / "qamx.c", SOURCES / "dattn.c", SOURCES / "cattn.c", SOURCES / "membw.c", SOURCES / "vmask.c"] if name == "qgemm" else [])]
 
 
 def library_path(name: str, v: Variant, cc: list[str]) -> Path:

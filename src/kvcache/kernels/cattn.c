@@ -65,7 +65,7 @@ static inline __attribute__((always_inline)) void score_cols(int nv, const float
             for (int v = 0; v < nv; v++) w[v] = *(const vec *)(qt + (int64_t)c * Gp + v0 + VL * v);
             for (int kk = 0; kk < NK; kk++) {
                 const float x = kr[kk][c];
-                for (int v = 0; v < nv; v++) acc[kk][v] += x * w[v];
+                for (int v = 0; v < nv; v++) acc[kk][v] = vmadd((vec){0} + x, w[v], acc[kk][v]);
             }
         }
         for (int kk = 0; kk < nk; kk++)
@@ -78,6 +78,7 @@ static inline __attribute__((always_inline)) void score_cols(int nv, const float
  * per lane (a lane's score does not depend on the vector width), half the work on CPUs that split
  * 512-bit operations; the upper 8 lanes of st are written as zeros. */
 typedef float vec8 __attribute__((vector_size(32), aligned(4), may_alias));
+KV_LANE_FMA(vmadd8, vec8, 8)
 static NOINLINE void score_cols8(const float *K, const int64_t *table, int ps, int D, int64_t j0, int64_t j1,
                                  const float *qt, int Gp, float *st) {
     for (int64_t j = j0; j < j1; j += NK) {
@@ -88,7 +89,7 @@ static NOINLINE void score_cols8(const float *K, const int64_t *table, int ps, i
         for (int kk = 0; kk < NK; kk++) acc[kk] = (vec8){0};
         for (int c = 0; c < D; c++) {
             const vec8 w = *(const vec8 *)(qt + (int64_t)c * Gp);
-            for (int kk = 0; kk < NK; kk++) acc[kk] += kr[kk][c] * w;
+            for (int kk = 0; kk < NK; kk++) acc[kk] = vmadd8((vec8){0} + kr[kk][c], w, acc[kk]);
         }
         for (int kk = 0; kk < nk; kk++) {
             float *o = st + (j - j0 + kk) * Gp;
@@ -114,7 +115,7 @@ static inline __attribute__((always_inline)) void value_cols(int nv, int NR, con
         for (int v = 0; v < nv; v++) w[v] = *(const vec *)(vr + VL * v);
         for (int r = 0; r < NR; r++) {
             const float x = pj[r]; /* rows past nr read other columns of p: their sums are never stored */
-            for (int v = 0; v < nv; v++) acc[r][v] += x * w[v];
+            for (int v = 0; v < nv; v++) acc[r][v] = vmadd((vec){0} + x, w[v], acc[r][v]);
         }
     }
     for (int r = 0; r < nr; r++)
@@ -199,7 +200,7 @@ static NOINLINE void merge_into(int G, int D, float *M, float *L, float *O, cons
             memcpy(o, a, sizeof(float) * (size_t)D);
             continue;
         }
-        const float mx = m[r] > M[r] ? m[r] : M[r], wo = expf(M[r] - mx), wn = expf(m[r] - mx);
+        const float mx = m[r] > M[r] ? m[r] : M[r], wo = kv_exp1(M[r] - mx), wn = kv_exp1(m[r] - mx);
         L[r] = L[r] * wo + l[r] * wn;
         for (int d = 0; d < D; d++) o[d] = o[d] * wo + a[d] * wn;
         M[r] = mx;

@@ -32,6 +32,7 @@
 
 #include "cattn.h"
 #include "qgemm.h"
+#include "vmath.h"
 
 #define MAXD 1024
 
@@ -66,9 +67,7 @@ static void prepare(const Prep *a, int n) {
     for (int h = 0; h < a->hq + a->hkv; h++) {
         float *x = row + (int64_t)h * D;
         if (a->qk_norm) {
-            float ss = 0.f;
-            for (int c = 0; c < D; c++) ss += x[c] * x[c];
-            const float inv = 1.f / sqrtf(ss / (float)D + a->eps);
+            const float inv = 1.f / sqrtf(kv_dot(x, x, D) / (float)D + a->eps);
             const float *w = a->qk_norm + (int64_t)h * D;
             for (int c = 0; c < D; c++) x[c] = x[c] * inv * w[c];
         }

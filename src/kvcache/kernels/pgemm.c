@@ -11,9 +11,10 @@
  * [in, TW] stays in the core's cache while every row of a row chunk passes over it. Row chunks keep
  * the inputs they read in cache too.
  *
- * Vectors are GCC vector extensions: with AVX-512 a vector is one register of 16 floats and a
- * tile is 6 x 64; otherwise 8 floats (two SSE registers without AVX) and 4 x 24. Columns past the
- * last whole tile go through the same loop in single vectors, then one by one.
+ * Vectors are vmath.h's: with AVX-512 a vector is one register of 16 floats and a tile is 6 x 64;
+ * otherwise 8 floats (4 without AVX) and 4 x 24 (or 4 x 12). Columns past the last whole tile go
+ * through the same loop in single vectors, then one by one. Each output is one multiply-add chain
+ * over the inputs in order (one rounding a step), so every variant gives the same bits.
  *
  * Layouts:
  *   x    [n, in] float, rows ldx apart (ldx >= in)
@@ -21,22 +22,21 @@
  *   bias [k, part] float contiguous, or NULL
  *   y    [n, k * part] float contiguous
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
-#define VL 16
+#include "vmath.h"
+
+#if VL == 16
 #define NR 6
 #define CW 4
 #else
-#define VL 8
 #define NR 4
 #define CW 3
 #endif
 #define TW (VL * CW)
 #define ROW_CHUNK (NR * 32)
-
-typedef float vec __attribute__((vector_size(VL * 4), aligned(4), may_alias));
 
 /* NR (or fewer) rows x nc vectors of columns; nc is a constant at every call site, so the
  * accumulators live in registers. */
@@ -55,7 +55,7 @@ static inline __attribute__((always_inline)) void tile(int nc, int nr, int in, c
         for (int r = 0; r < NR; r++) {
             if (r < nr) {
                 const float s = x[(int64_t)r * ldx + i];
-                for (int c = 0; c < nc; c++) acc[r][c] += s * wv[c];
+                for (int c = 0; c < nc; c++) acc[r][c] = vmadd((vec){0} + s, wv[c], acc[r][c]);
             }
         }
     }
@@ -74,7 +74,7 @@ static void rest(int r0, int r1, int in, const float *x, int64_t ldx, const floa
     for (; c < width; c++)
         for (int r = r0; r < r1; r++) {
             float s = bias ? bias[c] : 0.f;
-            for (int i = 0; i < in; i++) s += x[(int64_t)r * ldx + i] * w[(int64_t)i * ldw + c];
+            for (int i = 0; i < in; i++) s = fmaf(x[(int64_t)r * ldx + i], w[(int64_t)i * ldw + c], s);
             y[(int64_t)r * ldy + c] = s;
         }
 }

@@ -84,11 +84,7 @@ KV_HIDDEN void act_row(const Scratch *sc, int r, int K, const float *x, int64_t 
     const int nb = K / 32, nv = 32 / VL;
     const float *xr = x + (int64_t)r * ldx;
     if (eps >= 0.f) {
-        vec acc = {0};
-        for (int k = 0; k < K; k += VL) acc += *(const vec *)(xr + k) * *(const vec *)(xr + k);
-        float ss = 0.f;
-        for (int l = 0; l < VL; l++) ss += acc[l];
-        sc->inv[r] = 1.f / sqrtf(ss / (float)K + eps);
+        sc->inv[r] = 1.f / sqrtf(kv_dot(xr, xr, K) / (float)K + eps);
     } else {
         sc->inv[r] = 1.f;
     }
@@ -144,7 +140,6 @@ static inline void scale_at(const int F16, const void *dv, const void *mv, int b
         uint16_t hd;
         memcpy(&hd, sb + 256 + 2 * c, 2);
         *d = (float)(int8_t)sb[(b & 7) * 32 + 16 * h + c] * kvq_h2f(hd);
-        __asm__("" : "+m"(*d)); /* the scale as a value: not reassociated into the products */
         return;
     }
     if (F16 == 2) {
@@ -153,8 +148,7 @@ static inline void scale_at(const int F16, const void *dv, const void *mv, int b
         memcpy(&hd, sb + 256 + 2 * c, 2);
         memcpy(&hm, sb + 288 + 2 * c, 2);
         *d = (float)sj[c] * kvq_h2f(hd);
-        *m = -((float)sj[16 + c] * kvq_h2f(hm));
-        __asm__("" : "+m"(*d), "+m"(*m)); /* the scales as values: not reassociated into the products */
+        *m = 0.f - (float)sj[16 + c] * kvq_h2f(hm); /* as the SIMD tiles compute it */
         return;
     }
     const int64_t i = ((int64_t)b * NS + h) * KVQ_NC + c;
@@ -173,13 +167,6 @@ static inline int32_t word(const int8_t *p) { /* four activations as one 32-bit 
 #elif ISA == 1 || ISA == 2
 #include "qtile256.h"
 #else
-/* A value the compiler may not reassociate with its neighbours (the build allows reassociation for
- * the vector loops): the plain C path keeps one order of rounding for every row count. */
-static inline float exact_order(float x) {
-    __asm__("" : "+m"(x));
-    return x;
-}
-
 static inline __attribute__((always_inline)) void group(const int NIB, const int HI, const int SGN, const int F16,
                                                         const int NS, const int OFS, int nr, Acts a, const uint8_t *w,
                                                         const void *dv, const void *mv, float out[RT][NGMAX * KVQ_NC]) {
@@ -209,16 +196,15 @@ static inline __attribute__((always_inline)) void group(const int NIB, const int
                 int s[2] = {-OFS * a.is[2 * at], -OFS * a.is[2 * at + 1]};
                 for (int k = 0; k < 32; k++) s[k >> 4] += wq[k] * ar[k];
                 const float *sa = a.sa + 3 * at;
-                float v = out[r][c]; /* each step rounded in this order, whatever the row count */
+                float v = out[r][c]; /* the SIMD tiles' steps (qtile256.h, qtile512.h), one rounding each */
                 if (NS == 1) {
-                    v = exact_order(exact_order(exact_order((float)(s[0] + s[1]) * a.da[at]) * dw[0]) + v);
-                    if (!SGN && !OFS) v = exact_order(exact_order(mw[0] * sa[0]) + v);
+                    v = fmaf((float)(s[0] + s[1]) * a.da[at], dw[0], v);
+                    if (!SGN && !OFS) v = fmaf(mw[0], sa[0], v);
                 } else {
-                    const float t = exact_order(exact_order((float)s[1] * dw[1]) + exact_order((float)s[0] * dw[0]));
-                    v = exact_order(exact_order(t * a.da[at]) + v);
+                    v = fmaf(fmaf((float)s[1], dw[1], (float)s[0] * dw[0]), a.da[at], v);
                     if (!SGN && !OFS) {
-                        v = exact_order(exact_order(mw[0] * sa[1]) + v);
-                        v = exact_order(exact_order(mw[1] * sa[2]) + v);
+                        v = fmaf(mw[0], sa[1], v);
+                        v = fmaf(mw[1], sa[2], v);
                     }
                 }
                 out[r][c] = v;
@@ -332,6 +318,20 @@ static __thread float *tl_ks; /* a worker thread's expanded scales, kept (grown)
 static __thread size_t tl_ks_n;
 #endif
 
+/* nr rows of cols products (res, rows ldr apart) into y: y (+)= res * rscale + bias, each element's
+ * steps in this order (every product kernel ends here, so they round alike). */
+KV_HIDDEN void mm_store(int nr, int cols, const float *res, int ldr, const float *rscale, const float *bias, float *y,
+                        int64_t ldy, int accumulate) {
+    for (int i = 0; i < nr; i++) {
+        float *yr = y + (int64_t)i * ldy;
+        const float rs = rscale ? rscale[i] : 1.f;
+        for (int c = 0; c < cols; c++) {
+            const float v = res[(int64_t)i * ldr + c] * rs + (bias ? bias[c] : 0.f);
+            yr[c] = accumulate ? yr[c] + v : v;
+        }
+    }
+}
+
 /* Column groups NGMAX t .. (the tile column t) of rows r0 .. r1 - 1: y (+)= products * rscale + bias. */
 KV_HIDDEN void mm_group(const QW *wt, int t, int r0, int r1, const Scratch *s, const float *bias,
                         const float *rscale, float *y, int64_t ldy, int accumulate) {
@@ -341,6 +341,8 @@ KV_HIDDEN void mm_group(const QW *wt, int t, int r0, int r1, const Scratch *s, c
     const uint8_t *w = wt->qs + g * gq;
     const void *dv = (const char *)wt->d + sc, *mv = wt->m ? (const char *)wt->m + sc : NULL;
     const int c0 = KVQ_NC * g, cols = wt->out - c0 < KVQ_NC * ng ? wt->out - c0 : KVQ_NC * ng;
+    r0 += amx_group(wt, t, r0, r1, s, bias, rscale, y, ldy, accumulate);
+    if (r0 >= r1) return;
     GroupFn fn = GROUPS[wt->fmt];
     int64_t gstep = gs;
 #if ISA >= 1
@@ -365,14 +367,8 @@ KV_HIDDEN void mm_group(const QW *wt, int t, int r0, int r1, const Scratch *s, c
         const Acts a = {s->q + (int64_t)r * K, s->da + (int64_t)r * nb, s->sa + (int64_t)r * 3 * nb,
                         s->is + (int64_t)r * 2 * nb, K, nb};
         fn(ng, nr, a, w, gq, dv, mv, gstep, res);
-        for (int i = 0; i < nr; i++) {
-            float *yr = y + (int64_t)(r + i) * ldy + c0;
-            const float rs = rscale ? rscale[r + i] : 1.f;
-            for (int c = 0; c < cols; c++) {
-                float v = res[i][c] * rs + (bias ? bias[c0 + c] : 0.f);
-                yr[c] = accumulate ? yr[c] + v : v;
-            }
-        }
+        mm_store(nr, cols, res[0], NGMAX * KVQ_NC, rscale ? rscale + r : NULL, bias ? bias + c0 : NULL,
+                 y + (int64_t)r * ldy + c0, ldy, accumulate);
     }
 }
 
@@ -460,9 +456,7 @@ int kv_q_linear(int fmt, int n, int K, int out, const float *x, int64_t ldx, con
 
 /* x += rms_norm(y) * w for one row of H values (a post-norm before the residual). */
 KV_HIDDEN void add_normed(int H, const float *y, const float *w, float eps, float *x) {
-    float ss = 0.f;
-    for (int k = 0; k < H; k++) ss += y[k] * y[k];
-    const float inv = 1.f / sqrtf(ss / (float)H + eps);
+    const float inv = 1.f / sqrtf(kv_dot(y, y, H) / (float)H + eps);
     for (int k = 0; k < H; k++) x[k] += y[k] * inv * w[k];
 }
 

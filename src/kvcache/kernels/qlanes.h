@@ -6,10 +6,6 @@
 #ifndef KV_QLANES_H
 #define KV_QLANES_H
 
-/* the build's flags allow reassociation (for other kernels' reductions); here every step is taken
- * as written, or the variants would round differently */
-#pragma GCC optimize("no-associative-math", "no-reciprocal-math")
-
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -22,25 +18,12 @@
 #define ALWAYS __attribute__((always_inline)) inline
 #define NOINLINE __attribute__((noinline))
 
-typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
-typedef int32_t i16 __attribute__((vector_size(64), aligned(4), may_alias));
 typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1), may_alias));
 typedef uint64_t u64x2 __attribute__((vector_size(16)));
 typedef uint32_t u32x4 __attribute__((vector_size(16)));
-/* a * b + c with one rounding in every variant: the FMA instruction, or fmaf lane by lane in the
- * generic build (whose compiler flags have no FMA to contract into). */
-#if defined(__FMA__)
-#define MADD(a, b, c) ((a) * (b) + (c))
-#define MADDF(a, b, c) ((a) * (b) + (c))
-#else
-static inline v16 madd16(v16 a, v16 b, v16 c) {
-    v16 r;
-    for (int i = 0; i < 16; i++) r[i] = fmaf(a[i], b[i], c[i]);
-    return r;
-}
+/* a * b + c with one rounding in every variant (vmath.h's madd16; fmaf for one float) */
 #define MADD(a, b, c) madd16((v16){0} + (a), (v16){0} + (b), (c))
 #define MADDF(a, b, c) fmaf((a), (b), (c))
-#endif
 KV_VEXP_MADD(vexp16, v16, i16, MADD)
 
 #define CH 256          /* keys per chunk */
@@ -148,14 +131,6 @@ static ALWAYS v16 wide16(const uint16_t *p, int bf16) {
 static int lane_item(int L, int bits, int G) {
     const int nb = G * bits / 8;
     return (L % nb) * (8 / bits) + L / nb;
-}
-
-/* Sum of 16 lanes by one fixed tree. */
-static ALWAYS float hsum16(v16 x) {
-    float a[8], b[4];
-    for (int i = 0; i < 8; i++) a[i] = x[i] + x[i + 8];
-    for (int i = 0; i < 4; i++) b[i] = a[i] + a[i + 4];
-    return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 /* m[i] lane j <- m[j] lane i (a 16 x 16 block transposed in four stages of two-input shuffles). */

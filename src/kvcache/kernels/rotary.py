@@ -28,7 +28,7 @@ class Rotary:
         self.rot_dim = rot_dim
         self.theta = theta
         self.attention_factor = 1.0
-        inv = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))  # [rot/2]
+        inv = 1.0 / _pow(theta, torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim)  # [rot/2]
         if scaling is not None:
             inv = self._scale(inv, scaling, max_position)
         self.inv_freq = inv  # [rot_dim / 2]
@@ -82,16 +82,17 @@ class Rotary:
         if low == high:
             high += 0.001
         ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-        pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+        pos_freqs = _pow(base, torch.arange(0, dim, 2).float() / dim)
         extra = 1 - ramp  # share of the unscaled (extrapolated) frequency
         return (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
 
     def _grow(self, upto: int) -> None:
         n = max(upto, 2 * self.cos.shape[0], 256)
         freqs = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq[None, :]  # [n, rot/2]
-        emb = torch.cat((freqs, freqs), -1)  # [n, rot]
-        self.cos = emb.cos() * self.attention_factor
-        sin = emb.sin() * self.attention_factor
+        emb = torch.cat((freqs, freqs), -1).double()  # [n, rot]; cos and sin in float64, then rounded:
+        # float32 cos/sin take the vector code of the CPU's torch build, whose last bits vary by host
+        self.cos = emb.cos().float() * self.attention_factor
+        sin = emb.sin().float() * self.attention_factor
         half = sin.shape[-1] // 2
         # rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2): the sign lives in the table
         self.sin = torch.cat((-sin[:, :half], sin[:, half:]), -1)
@@ -112,6 +113,12 @@ class Rotary:
         if self.attention_factor != 1.0:
             cos, sin = cos / self.attention_factor, sin / self.attention_factor
         return apply_rotary(x, cos, sin * sign)
+
+
+def _pow(base: float, e: torch.Tensor) -> torch.Tensor:
+    """base ** e for float32 e, computed in float64 and rounded once: the same float32 on every host
+    (torch's float32 pow takes the CPU's vector code)."""
+    return torch.pow(float(base), e.double()).float()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

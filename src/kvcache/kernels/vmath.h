@@ -1,8 +1,11 @@
 /* Portable SIMD math for the kernels (GCC vector extensions: one register of VL floats: 16 with
- * AVX-512, 8 with AVX, 4 otherwise): the vector types and exp for non-positive arguments. */
+ * AVX-512, 8 with AVX, 4 otherwise): the vector types, the canonical multiply-add and reductions,
+ * and exp for non-positive arguments. Every step here takes the same rounding in every kernel
+ * variant (generic, AVX2, AVX-VNNI, AVX-512): the bits do not depend on the CPU. */
 #ifndef KV_VMATH_H
 #define KV_VMATH_H
 
+#include <math.h>
 #include <stdint.h>
 
 #if defined(__AVX512F__)
@@ -17,12 +20,47 @@ typedef float vec __attribute__((vector_size(VL * 4), aligned(4), may_alias));
 
 typedef int32_t ivec __attribute__((vector_size(VL * 4), aligned(4), may_alias));
 
+/* Sixteen floats at every width (one AVX-512 register, two AVX2 ones, four SSE ones): the lanes of
+ * the canonical reductions, so a sum takes the same steps whatever vector the build has. */
+typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t i16 __attribute__((vector_size(64), aligned(4), may_alias));
+
+#define KV_ALWAYS __attribute__((always_inline)) inline
+
+/* The build contracts nothing (-ffp-contract=off) and never reassociates: every fused multiply-add
+ * is written out, lane by lane with fmaf, which an FMA build compiles to its FMA instruction and the
+ * generic build to libm's correctly rounded fmaf. So each one rounds once in every variant. */
+#define KV_LANE_FMA(name, V, N)                                          \
+    static KV_ALWAYS V name(V a, V b, V c) {                             \
+        V r;                                                             \
+        for (int i = 0; i < (N); i++) r[i] = fmaf(a[i], b[i], c[i]);     \
+        return r;                                                        \
+    }
+KV_LANE_FMA(vmadd, vec, VL)
+KV_LANE_FMA(madd16, v16, 16)
+
+/* The lanes of x summed by one fixed tree (8 pairs, 4, 2, 1). */
+static KV_ALWAYS float hsum16(v16 x) {
+    float a[8], b[4];
+    for (int i = 0; i < 8; i++) a[i] = x[i] + x[i + 8];
+    for (int i = 0; i < 4; i++) b[i] = a[i] + a[i + 4];
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* sum x[k] y[k], k < n: lane k % 16 takes a multiply-add chain in k's order, then hsum16. One
+ * order at every vector width (norms, the canonical dot products). */
+static KV_ALWAYS float kv_dot(const float *x, const float *y, int n) {
+    v16 acc = {0};
+    int k = 0;
+    for (; k + 16 <= n; k += 16) acc = madd16(*(const v16 *)(x + k), *(const v16 *)(y + k), acc);
+    for (int l = 0; k + l < n; l++) acc[l] = fmaf(x[k + l], y[k + l], acc[l]);
+    return hsum16(acc);
+}
+
 /* exp(x) for x <= 0 (softmax after subtracting the maximum): 2^n * p(r) with |r| <= ln2 / 2 and a
  * degree-6 polynomial (relative error about 2e-7); exactly 0 below -87 and for -inf. One definition
  * for every vector type V (I: its int32 twin), so each lane takes the same steps at any width. */
-#define KV_VEXP(name, V, I) KV_VEXP_MADD(name, V, I, KV_MADD_CONTRACT)
-/* a * b + c, left to the compiler (one rounding where it contracts, as FMA builds do) */
-#define KV_MADD_CONTRACT(a, b, c) ((a) * (b) + (c))
+#define KV_VEXP(name, V, I) KV_VEXP_MADD(name, V, I, vmadd)
 /* exp with every multiply-add taken by MADD(a, b, c) */
 #define KV_VEXP_MADD(name, V, I, MADD)                                                                  \
     static inline V name(V x) {                                                                         \
@@ -44,5 +82,12 @@ typedef int32_t ivec __attribute__((vector_size(VL * 4), aligned(4), may_alias))
     }
 
 KV_VEXP(vexp, vec, ivec)
+
+/* exp(x) for x <= 0 of one float, the very steps of vexp's lanes (the merges of partial sums) */
+static inline float kv_exp1(float x) {
+    vec v = {0};
+    v[0] = x;
+    return vexp(v)[0];
+}
 
 #endif

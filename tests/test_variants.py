@@ -1,0 +1,207 @@
+"""One result on every CPU: each kernel variant (generic C, AVX2, AVX-VNNI, AVX-512 VNNI) gives the
+same bits as every other for every native kernel, and whole greedy generations give the same logits.
+
+The kernels are built without reassociation or contraction and write their multiply-adds and sums
+out in one order (kernels/vmath.h), so the variants differ only in speed. Every variant this CPU
+can run is loaded side by side in one process and fed the same inputs; the others are compiled.
+On any x86 host at least generic and AVX2 run, so every run checks two variants against each other.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from kvcache.kernels import build, signatures
+from kvcache.kernels.qweight import Q4_F32, Q5_F32, S8_F32_16, U8_F32
+from test_qweights import ALL, repacked
+
+RUNNABLE = [v for v in build.variants() if build.runnable(v)]
+
+
+def libs(name: str) -> dict[str, ctypes.CDLL]:
+    """Library ``name`` of every variant: each one compiles here, the runnable ones are loaded."""
+    out = {}
+    for v in build.variants():
+        path = build.build(name, v)
+        if build.runnable(v):
+            out[v.name] = signatures.bind(ctypes.CDLL(str(path)), name)
+    return out
+
+
+def same(results: dict[str, np.ndarray | torch.Tensor], what: str) -> None:
+    names = list(results)
+    first = results[names[0]]
+    for n in names[1:]:
+        a, b = np.asarray(first), np.asarray(results[n])
+        assert a.shape == b.shape and a.tobytes() == b.tobytes(), (
+            f"{what}: {n} differs from {names[0]} (max |diff| {np.abs(a - b).max():.3g})")
+
+
+def test_more_than_one_variant_runs_here():
+    assert "generic" in {v.name for v in RUNNABLE}
+    if build.is_x86() and "avx2" in build.cpu_info()[1]:
+        assert len(RUNNABLE) >= 2
+
+
+# every GGUF type in its own format, and the fp32-scale formats the K-quants fall back to
+WEIGHTS = [(t, None) for t in ALL] + [(T.Q5_K, U8_F32), (T.Q4_K, Q4_F32), (T.Q5_K, Q5_F32), (T.Q6_K, S8_F32_16)]
+
+
+@pytest.mark.parametrize("t,fmt", WEIGHTS, ids=lambda p: getattr(p, "name", str(p)))
+def test_quantized_products_give_the_same_bits_on_every_variant(t, fmt):
+    """kv_q_linear (norm folded in, bias, accumulate) at every row count a tile can have."""
+    lib = libs("qgemm")
+    out, k = 53, 512  # a last group of 5 columns
+    w, _ = repacked(t, out, k, fmt=fmt, seed=11)
+    qs, d, m = w.parts()
+    rng = np.random.default_rng(12)
+    g = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    bias = rng.standard_normal(out).astype(np.float32)
+    for n in (1, 2, 3, 5, 17, 70):
+        x = (rng.standard_normal((n, k)) * rng.uniform(0.1, 4, (n, 1))).astype(np.float32)
+        for eps, acc in ((-1.0, 0), (1e-6, 1)):
+            ys = {}
+            for name, lib_ in lib.items():
+                y = np.full((n, out), 0.25, np.float32)
+                assert lib_.kv_q_linear(w.fmt, n, k, out, x.ctypes.data, k, g.ctypes.data if eps > 0 else None, eps,
+                                        qs.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(),
+                                        bias.ctypes.data, y.ctypes.data, out, acc, 2) == 0
+                ys[name] = y
+            same(ys, f"{t.name} (format {w.format_name}), {n} rows, eps {eps}")
+        rows = np.array([0, 52, 17, 3], np.int64)
+        deq = {}
+        for name, lib_ in lib.items():
+            y = np.empty((4, k), np.float32)
+            assert lib_.kv_q_dequant(w.fmt, k, out, qs.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(),
+                                     rows.ctypes.data, 4, y.ctypes.data, k) == 0
+            deq[name] = y
+        same(deq, f"{t.name} dequantized rows")
+
+
+def test_fp32_products_give_the_same_bits_on_every_variant():
+    """kv_packed_matmul: whole register tiles, single vectors and single columns (which of them a
+    column falls in depends on the vector width)."""
+    lib = libs("pgemm")
+    rng = np.random.default_rng(3)
+    for n, inn, k, part in ((1, 64, 2, 200), (7, 96, 3, 77), (13, 128, 1, 136)):
+        x = rng.standard_normal((n, inn)).astype(np.float32)
+        w = rng.standard_normal((k, inn, part)).astype(np.float32)
+        b = rng.standard_normal((k, 1, part)).astype(np.float32)
+        ys = {}
+        for name, lib_ in lib.items():
+            y = np.empty((n, k * part), np.float32)
+            assert lib_.kv_packed_matmul(n, inn, k, part, x.ctypes.data, inn, w.ctypes.data, b.ctypes.data,
+                                         y.ctypes.data, 2) == 0
+            ys[name] = y
+        same(ys, f"packed fp32 product {n}x{inn} by {k}x{part}")
+
+
+def _pages(rng, hkv, d, pages, ps):
+    kv = rng.standard_normal((2, hkv, pages * ps, d)).astype(np.float32)
+    table = rng.permutation(pages).astype(np.int64)
+    return kv, table
+
+
+@pytest.mark.parametrize("window", [0, 37])
+def test_float_attention_gives_the_same_bits_on_every_variant(window):
+    """kv_paged_attend (decodes split over chunks, prefills in row blocks, a sliding window) and
+    kv_decode_attend (per-head norm, RoPE, the cache write, then attention)."""
+    lib = libs("qgemm")
+    rng = np.random.default_rng(window + 1)
+    hkv, g, d, ps, pages = 2, 3, 64, 16, 40
+    kv, table = _pages(rng, hkv, d, pages, ps)
+    tables = np.stack([table, np.roll(table, 7)])
+    lens, nnew = np.array([600, 300], np.int64), np.array([1, 45], np.int64)
+    row0 = np.array([0, 1], np.int64)
+    n = int(nnew.sum())
+    q = rng.standard_normal((n, hkv * g, d)).astype(np.float32) / 8
+    outs = {}
+    for name, lib_ in lib.items():
+        out = np.empty((n, hkv * g * d), np.float32)
+        assert lib_.kv_paged_attend(2, hkv, g, d, ps, pages * ps, q.ctypes.data, kv.ctypes.data, tables.ctypes.data,
+                                    pages, row0.ctypes.data, nnew.ctypes.data, lens.ctypes.data, window,
+                                    out.ctypes.data, n, 2) == 0
+        outs[name] = out
+    same(outs, f"paged attention, window {window}")
+
+    hq, rot = hkv * g, d
+    qkv0 = rng.standard_normal((n, (hq + 2 * hkv) * d)).astype(np.float32)
+    ang = rng.uniform(0, 6.3, (n, rot // 2)).astype(np.float32)
+    cos = np.concatenate([np.cos(ang), np.cos(ang)], 1).astype(np.float32)
+    sin = np.concatenate([-np.sin(ang), np.sin(ang)], 1).astype(np.float32)
+    norm = rng.uniform(0.5, 1.5, (hq + hkv, d)).astype(np.float32)
+    slots = np.concatenate([[table[599 // ps] * ps + 599 % ps],
+                            [tables[1][j // ps] * ps + j % ps for j in range(255, 300)]]).astype(np.int64)
+    outs, pools = {}, {}
+    for name, lib_ in lib.items():
+        qkv, pool = qkv0.copy(), kv.copy()
+        out = np.empty((n, hq * d), np.float32)
+        assert lib_.kv_decode_attend(n, hq, hkv, d, rot, qkv.ctypes.data, qkv.shape[1], cos.ctypes.data,
+                                     sin.ctypes.data, norm.ctypes.data, 1e-6, pool.ctypes.data, ps, pages * ps,
+                                     slots.ctypes.data, tables.ctypes.data, pages, 2, row0.ctypes.data,
+                                     nnew.ctypes.data, lens.ctypes.data, window, 0.125, out.ctypes.data, 2) == 0
+        outs[name], pools[name] = out, pool
+    same(outs, f"fused decode attention, window {window}")
+    same(pools, f"the K/V the fused decode attention wrote, window {window}")
+
+
+GENERATE = textwrap.dedent("""
+    import hashlib, sys
+    from kvcache import LLM
+    llm = LLM(None if sys.argv[1] == "-" else sys.argv[1], kv=sys.argv[2], prefix=False, threads=2)
+    r = llm.runner
+    for p in ["Water boils at", "def fibonacci(n):", "Photosynthesis converts light into",
+              "The three laws of motion are", "Über die Brücke ging"]:
+        seq, h, toks = r.new_sequence(), hashlib.sha256(), []
+        logits = r.step([seq], [llm.encode(p)])[0]
+        for _ in range(int(sys.argv[3])):
+            h.update(logits.float().contiguous().numpy().tobytes())
+            toks.append(int(logits.argmax()))
+            logits = r.step([seq], [[toks[-1]]])[0]
+        r.free(seq)
+        print(h.hexdigest(), *toks)
+""")
+
+
+def _generate(variant: str, model: str, kv: str, steps: int, torch_isa: str | None = None) -> str:
+    env = {**os.environ, "KVCACHE_KERNEL_VARIANT": variant}
+    if torch_isa:
+        env["ATEN_CPU_CAPABILITY"] = torch_isa  # torch's own vector code, as on another host
+    p = subprocess.run([sys.executable, "-c", GENERATE, model, kv, str(steps)], capture_output=True, text=True,
+                       timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stdout
+
+
+def _runs() -> list[tuple[str, str | None]]:
+    """(kernel variant, torch's CPU capability): every runnable variant once, the second one with
+    torch's AVX2 code (an AVX2-only host's torch)."""
+    names = [v.name for v in RUNNABLE]
+    return [(n, "avx2" if i == 1 and "avx2" in build.cpu_info()[1] else None) for i, n in enumerate(names)]
+
+
+@pytest.mark.parametrize("model,kv", [("-", "dynamic"), ("-", "static,max_tokens=512,page_size=4"),
+                                      pytest.param("gemma3-270m", "dynamic", marks=pytest.mark.gemma)],
+                         ids=["bundled", "bundled-static", "gemma3"])
+def test_greedy_generations_give_the_same_logits_on_every_variant(model, kv):
+    """The five prompts, 16 greedy tokens each, the file's quantized weights: the logits of every
+    step are the same bits from every variant (and with torch's AVX2 code)."""
+    if model != "-":
+        from conftest import gemma_installed
+
+        if not gemma_installed():
+            pytest.skip("the Gemma 3 270M package is not installed (make gemma)")
+    outs = {f"{v}{'+torch ' + t if t else ''}": _generate(v, model, kv, 16, t) for v, t in _runs()}
+    first = next(iter(outs.values()))
+    assert len(first.splitlines()) == 5
+    for name, out in outs.items():
+        assert out == first, f"{model} {kv}: {name} gives other logits than {next(iter(outs))}"
