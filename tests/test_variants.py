@@ -205,3 +205,22 @@ def test_greedy_generations_give_the_same_logits_on_every_variant(model, kv):
     assert len(first.splitlines()) == 5
     for name, out in outs.items():
         assert out == first, f"{model} {kv}: {name} gives other logits than {next(iter(outs))}"
+
+
+def test_env_prints_one_digest_on_every_variant():
+    """``kvcache env``'s forward digest: one line two machines compare; the same from every variant,
+    and none with --no-digest."""
+    digests = set()
+    for v, t in _runs():
+        env = {**os.environ, "KVCACHE_KERNEL_VARIANT": v, **({"ATEN_CPU_CAPABILITY": t} if t else {})}
+        p = subprocess.run([sys.executable, "-m", "kvcache", "env"], capture_output=True, text=True, timeout=300,
+                           env=env)
+        assert p.returncode == 0, p.stderr[-2000:]
+        line = [ln for ln in p.stdout.splitlines() if ln.startswith("forward digest")]
+        assert len(line) == 1 and "unavailable" not in line[0], p.stdout
+        assert f"kernel variant    {v}" in p.stdout or v in p.stdout
+        digests.add(line[0].split()[2])
+    assert len(digests) == 1 and len(digests.pop()) == 16
+    p = subprocess.run([sys.executable, "-m", "kvcache", "env", "--no-digest"], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0 and "forward digest" not in p.stdout

@@ -90,8 +90,41 @@ def report(check_build: bool = True) -> list[tuple[str, str]]:
             ("os", platform.platform())]
 
 
+DIGEST_PROMPT = "The quick brown fox jumps over the lazy dog. In one sentence, the reason is"
+DIGEST_STEPS = 4
+
+
+def forward_digest(model: str | None = None) -> str:
+    """A short hash of a fixed forward: the logits of DIGEST_PROMPT and of DIGEST_STEPS greedy
+    tokens after it, the bundled model with the file's weights unless ``model`` names another.
+    Two machines whose kernels compute the same bits print the same digest."""
+    import hashlib
+
+    from kvcache.engine.llm import LLM
+
+    llm = LLM(model, kv="dynamic", prefix=False)
+    try:
+        r = llm.runner
+        seq, h = r.new_sequence(), hashlib.sha256()
+        logits = r.step([seq], [llm.encode(DIGEST_PROMPT)])[0]
+        for i in range(DIGEST_STEPS + 1):
+            h.update(logits.float().contiguous().numpy().tobytes())
+            if i < DIGEST_STEPS:
+                logits = r.step([seq], [[int(logits.argmax())]])[0]
+        r.free(seq)
+        return f"{h.hexdigest()[:16]} ({llm.model_name}, {llm.weights} weights, {DIGEST_STEPS + 1} forwards)"
+    finally:
+        llm.close()
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     rows = report()
+    if args.digest:
+        try:
+            digest = forward_digest()
+        except Exception as e:  # a missing model or a failed load: say so, the rest of the report stands
+            digest = f"unavailable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        rows.append(("forward digest", digest))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
@@ -114,5 +147,8 @@ class VersionAction(argparse.Action):
 def add_env_parser(parser: argparse.ArgumentParser, sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--version", action=VersionAction, help="print the version, Python, torch, the CPU and "
                                                                 "the kernel variant, and exit")
-    e = sub.add_parser("env", help="Python, torch, the CPU, its SIMD features and the kernel variant in use")
+    e = sub.add_parser("env", help="Python, torch, the CPU, its SIMD features, the kernel variant in use and a "
+                                   "digest of a fixed forward (compare it across machines)")
+    e.add_argument("--no-digest", dest="digest", action="store_false",
+                   help="skip the forward digest (it loads the bundled model: a few seconds)")
     e.set_defaults(func=cmd_env)
