@@ -77,24 +77,22 @@ static inline __attribute__((always_inline)) void score_cols(int nv, const float
 /* score_cols for at most 8 query rows (a decode's GQA group): half-width vectors, the same chain
  * per lane (a lane's score does not depend on the vector width), half the work on CPUs that split
  * 512-bit operations; the upper 8 lanes of st are written as zeros. */
-typedef float vec8 __attribute__((vector_size(32), aligned(4), may_alias));
-KV_LANE_FMA(vmadd8, vec8, 8)
 static NOINLINE void score_cols8(const float *K, const int64_t *table, int ps, int D, int64_t j0, int64_t j1,
                                  const float *qt, int Gp, float *st) {
     for (int64_t j = j0; j < j1; j += NK) {
         const int nk = j1 - j < NK ? (int)(j1 - j) : NK;
         const float *kr[NK];
         for (int kk = 0; kk < NK; kk++) kr[kk] = K + slot(table, ps, kk < nk ? j + kk : j) * D;
-        vec8 acc[NK];
-        for (int kk = 0; kk < NK; kk++) acc[kk] = (vec8){0};
+        v8 acc[NK];
+        for (int kk = 0; kk < NK; kk++) acc[kk] = (v8){0};
         for (int c = 0; c < D; c++) {
-            const vec8 w = *(const vec8 *)(qt + (int64_t)c * Gp);
-            for (int kk = 0; kk < NK; kk++) acc[kk] = vmadd8((vec8){0} + kr[kk][c], w, acc[kk]);
+            const v8 w = *(const v8 *)(qt + (int64_t)c * Gp);
+            for (int kk = 0; kk < NK; kk++) acc[kk] = vmadd8((v8){0} + kr[kk][c], w, acc[kk]);
         }
         for (int kk = 0; kk < nk; kk++) {
             float *o = st + (j - j0 + kk) * Gp;
-            *(vec8 *)o = acc[kk];
-            *(vec8 *)(o + 8) = (vec8){0};
+            *(v8 *)o = acc[kk];
+            *(v8 *)(o + 8) = (v8){0};
         }
     }
 }

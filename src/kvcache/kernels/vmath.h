@@ -27,17 +27,45 @@ typedef int32_t i16 __attribute__((vector_size(64), aligned(4), may_alias));
 
 #define KV_ALWAYS __attribute__((always_inline)) inline
 
+typedef float v8 __attribute__((vector_size(32), aligned(4), may_alias));
+
 /* The build contracts nothing (-ffp-contract=off) and never reassociates: every fused multiply-add
- * is written out, lane by lane with fmaf, which an FMA build compiles to its FMA instruction and the
- * generic build to libm's correctly rounded fmaf. So each one rounds once in every variant. */
+ * is written out. An FMA build takes its FMA instruction (intrinsics: the compiler keeps the
+ * operands in registers), the generic build libm's correctly rounded fmaf lane by lane. So each
+ * one rounds once in every variant. */
+#if defined(__FMA__)
+#include <immintrin.h>
+static KV_ALWAYS v8 vmadd8(v8 a, v8 b, v8 c) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+#if defined(__AVX512F__)
+static KV_ALWAYS v16 madd16(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+#else
+static KV_ALWAYS v16 madd16(v16 a, v16 b, v16 c) { /* two 8-lane halves */
+    const v8 lo = vmadd8(__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
+                         __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
+                         __builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
+    const v8 hi = vmadd8(__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
+                         __builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
+                         __builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+#endif
+#else
 #define KV_LANE_FMA(name, V, N)                                          \
     static KV_ALWAYS V name(V a, V b, V c) {                             \
         V r;                                                             \
         for (int i = 0; i < (N); i++) r[i] = fmaf(a[i], b[i], c[i]);     \
         return r;                                                        \
     }
-KV_LANE_FMA(vmadd, vec, VL)
+KV_LANE_FMA(vmadd8, v8, 8)
 KV_LANE_FMA(madd16, v16, 16)
+#endif
+#if VL == 16
+#define vmadd madd16
+#elif VL == 8
+#define vmadd vmadd8
+#else
+KV_LANE_FMA(vmadd, vec, VL)
+#endif
 
 /* The lanes of x summed by one fixed tree (8 pairs, 4, 2, 1). */
 static KV_ALWAYS float hsum16(v16 x) {
