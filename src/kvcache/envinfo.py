@@ -68,6 +68,8 @@ def report(check_build: bool = True) -> list[tuple[str, str]]:
 
     name, feats = cpu()
     variant = kernel_variant()
+    # whether the products of many rows use AMX tiles, and why (kernels/qamx.c's checks)
+    amx = "not used (no kernels)" if variant.startswith(("off", "none")) else "not checked"
     if check_build and not variant.startswith(("off", "none")):
         import warnings
 
@@ -78,6 +80,7 @@ def report(check_build: bool = True) -> list[tuple[str, str]]:
             built = kernels.qgemm() is not None
         if not built:
             variant += " (could not be built here: the torch path runs)"
+        amx = (kernels.amx_status() if built else None) or "not used (no kernels)"
     from kvcache.paths import cache_home
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -85,7 +88,7 @@ def report(check_build: bool = True) -> list[tuple[str, str]]:
             ("torch", f"{torch.__version__} ({torch.get_num_threads()} threads)"), ("cpu", name),
             ("cores available", str(cores)),
             ("cpu features", " ".join(f"{f}{'' if f in feats else ' (no)'}" for f in FEATURES)),
-            ("kernel variant", variant), ("transformers", _dist("transformers")),
+            ("kernel variant", variant), ("amx", amx), ("transformers", _dist("transformers")),
             ("llama-cpp-python", _dist("llama_cpp_python")), ("cache home", str(cache_home())),
             ("os", platform.platform())]
 

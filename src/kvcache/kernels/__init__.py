@@ -220,6 +220,14 @@ def qgemm() -> ctypes.CDLL | None:
     return _load("qgemm")
 
 
+def amx_status() -> str | None:
+    """Whether the quantized products of many rows use AMX tiles in this process, and why
+    (kernels/qamx.c: a line starting with ``used`` when they do; the first call runs the CPU, OS
+    and bit-identity checks), or None without the kernel library."""
+    lib = qgemm()
+    return None if lib is None else lib.kv_amx_status().decode()
+
+
 def stream_sum(x: torch.Tensor) -> float | None:
     """The sum of a contiguous fp32 CPU vector of a multiple of 4096 values, read at the memory's
     speed (kernels/membw.c: the read-bandwidth probe of the benchmarks); None without the kernel."""

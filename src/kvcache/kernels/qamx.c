@@ -22,15 +22,21 @@
  *      inputs 4 s .. 4 s + 3), which is qformat.h's byte layout: byte formats are loaded in place,
  *      nibble formats unpacked to bytes once a block for every row of the pass;
  *   A  16 rows' int8 activations, 32 bytes each, K bytes apart;
- *   C  16 x 16 int32 sums; two row tiles by two column groups at once: C in tiles 0-3 (2 i + g),
- *      A in 4 and 5, B in 6 and 7. Formats with scales per 16 inputs take each half on its own
- *      (A of 16 bytes, B of 4 rows).
- * Signed weights go through TDPBSSD, the others through TDPBSUD (unsigned bytes); offset formats
- * take back offset * the activations' sum, as the VNNI tile does (integer sums are exact, so they
- * are the same numbers). The C tiles are stored, and each row's float accumulators take the block
- * in qtile512.h's order with the same intrinsics; the pass ends in mm_store, every kernel's tail.
- * The tile configuration is loaded at the start of every call and released at its end: a thread's
- * tile state is never assumed.
+ *   C  16 x 16 int32 sums of a row tile and a column group. Row tiles take turns between two sets
+ *      (C 0, 1 from A 4; C 2, 3 from A 5; B of the two groups in 6, 7), so one's stores overlap the
+ *      other's products. Formats with scales per 16 inputs take each half on its own (A of 16
+ *      bytes, B of 4 rows).
+ * Signed weights go through TDPBSSD, unsigned ones through TDPBSUD; offset formats are unpacked as
+ * signed bytes q - offset (TDPBSSD): the sums are the VNNI tile's, which takes offset * the
+ * activations' sum back (integer sums are exact). The C tiles are stored; block b + 1's sums are
+ * taken before block b's float steps, which each row's accumulators take in qtile512.h's order with
+ * the same intrinsics; a pass ends in mm_store, every kernel's tail. The tile configuration is
+ * loaded at the start of every call and released at its end: a thread's tile state is never
+ * assumed.
+ *
+ * Speed (a 16-vCPU Xeon VM, 8 cores with two threads each; kv_q_linear of 512 rows, Q4_0, Q8_0,
+ * Q4_K, Q6_K at 2048 x 8192): one thread 1.1-1.4x the VNNI kernels', eight threads on eight cores
+ * 1.0-1.4x, all sixteen threads about even (0.85-1.05x): two threads of a core share its tile unit.
  *
  * KV_AMX_EMULATE (tests only) builds the tile instructions as plain C after Intel's definitions,
  * checking what the hardware would fault on, so the whole path runs on CPUs without AMX.
@@ -81,7 +87,10 @@ static char amx_why[320]; /* kv_amx_status's line */
 #include <unistd.h>
 #endif
 
-#define MAXR 64             /* rows a pass */
+/* rows a pass: 32 keep a pass's buffers (sums, accumulators: 13 KiB, 21 with scales per 16) in the
+ * first-level cache beside a second hardware thread's; 64 were as fast on one thread a core and
+ * slower on two (measured on a 16-thread Xeon VM) */
+#define MAXR 32
 #define NCOL (2 * KVQ_NC)   /* columns a pass holds: two groups */
 #define AMX_PF 3072         /* prefetch distance in bytes of weights (qgemm.c's PF) */
 
@@ -105,9 +114,9 @@ _Static_assert(sizeof(TileCfg) == 64, "a tile configuration is 64 bytes");
 #define TILE_CFG(KD) {1, 0, {0}, {64, 64, 64, 64, KD, KD, 64, 64}, {16, 16, 16, 16, 16, 16, (KD) / 4, (KD) / 4}}
 static const TileCfg CFG[2] __attribute__((aligned(64))) = {TILE_CFG(32), TILE_CFG(16)};
 
-/* GCC's tile intrinsics are asm statements that name no memory: a barrier orders the buffers'
+/* GCC's tile intrinsics are asm statements that name no memory: a barrier on buffer p orders its
  * ordinary stores and loads around them */
-#define MEMBAR() __asm__ volatile("" ::: "memory")
+#define MEMBAR(p) __asm__ volatile("" : : "r"(p) : "memory")
 
 #ifdef KV_AMX_EMULATE
 /* The tile instructions in C (Intel's definitions), aborting where the hardware would fault. */
@@ -217,7 +226,8 @@ static ALWAYS void amx_scales(const int F16, const int MIN, const void *dv, cons
                               __m512 *dw, __m512 *mw) {
     if (F16 == 3) {
         const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB;
-        *dw = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sb + (b & 7) * 32 + 16 * h)))),
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(sb + (b & 7) * 32 + 16 * h));
+        *dw = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)),
                             _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 256))));
         return;
     }
@@ -225,8 +235,9 @@ static ALWAYS void amx_scales(const int F16, const int MIN, const void *dv, cons
         const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB, *sj = sb + (b & 7) * 32;
         *dw = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sj))),
                             _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 256))));
+        const __m128i mn = _mm_loadu_si128((const __m128i *)(sj + 16));
         *mw = _mm512_sub_ps(_mm512_setzero_ps(),
-                            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sj + 16)))),
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)),
                                           _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 288)))));
         return;
     }
@@ -239,86 +250,79 @@ static ALWAYS void amx_scales(const int F16, const int MIN, const void *dv, cons
 }
 
 /* One block of a nibble format's group as bytes, the B tile's layout: out[64 s + 4 c + t] =
- * value (c, 4 s + t) (qtile512.h's block_w, stored). */
-static ALWAYS void amx_unpack(const int HI, const uint8_t *wb, uint8_t *out) {
-    const __m512i lo = _mm512_set1_epi8(0x0F);
-    __m512i W[8];
-    for (int h = 0; h < 4; h++) {
-        const __m512i v = _mm512_loadu_si512(wb + 64 * h);
-        W[h] = _mm512_and_si512(v, lo);
-        W[h + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
-    }
-    if (HI == 2) { /* bits 4 and 5 of step s: the pair at bits 2 (s & 3) of bytes 256 + 64 (s >> 2) .. */
-        for (int s = 0; s < 8; s++) {
-            const __m512i v = _mm512_loadu_si512(wb + 256 + 64 * (s >> 2));
+ * value (c, 4 s + t) (qtile512.h's step_w for each step, stored), less OFS (then signed). */
+static ALWAYS void amx_unpack(const int HI, const int OFS, const uint8_t *wb, uint8_t *out) {
+    uint64_t hm[8];
+    if (HI == 1) memcpy(hm, wb + 256, 64);
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; s++) {
+        __m512i v = _mm512_loadu_si512(wb + 64 * (s & 3)); /* low nibbles: step s; high ones: step s + 4 */
+        if (s >= 4) v = _mm512_srli_epi16(v, 4);
+        v = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+        if (HI == 2) { /* bits 4 and 5: the pair at bits 2 (s & 3) of bytes 256 + 64 (s >> 2) + 4 c + t */
+            const __m512i u = _mm512_loadu_si512(wb + 256 + 64 * (s >> 2));
             const int k = s & 3;
-            const __m512i t = k == 2 ? v : k < 2 ? _mm512_slli_epi16(v, 4 - 2 * k) : _mm512_srli_epi16(v, 2 * k - 4);
-            W[s] = _mm512_or_si512(W[s], _mm512_and_si512(t, _mm512_set1_epi8(0x30)));
+            const __m512i t = k == 2 ? u : k < 2 ? _mm512_slli_epi16(u, 4 - 2 * k) : _mm512_srli_epi16(u, 2 * k - 4);
+            v = _mm512_or_si512(v, _mm512_and_si512(t, _mm512_set1_epi8(0x30)));
+        } else if (HI) { /* the fifth bits: bit (4 c + t) of word s */
+            v = _mm512_or_si512(v, _mm512_maskz_mov_epi8(hm[s], _mm512_set1_epi8(0x10)));
         }
-    } else if (HI) { /* the fifth bits: bit (4 c + t) of word s */
-        uint64_t hm[8];
-        memcpy(hm, wb + 256, 64);
-        for (int s = 0; s < 8; s++) W[s] = _mm512_or_si512(W[s], _mm512_maskz_mov_epi8(hm[s], _mm512_set1_epi8(0x10)));
+        if (OFS) v = _mm512_sub_epi8(v, _mm512_set1_epi8((char)OFS)); /* q - OFFSET as signed bytes */
+        _mm512_storeu_si512(out + 64 * s, v);
     }
-    for (int s = 0; s < 8; s++) _mm512_storeu_si512(out + 64 * s, W[s]);
 }
 
 typedef struct { /* a pass's activations from its first row on (Scratch's arrays) */
     const int8_t *q;
     const float *da, *sa;
-    const int32_t *is;
     int K, nb;
 } Rows;
 
 /* The integer sums of block b for the np rows of a pass (np a multiple of 16) into C [NS][MAXR][NCOL]:
- * B tiles of the NG groups (b0, b1: the block's bytes), A tiles of 16 rows, two row tiles at a time. */
+ * B tiles of the NG groups (b0, b1: the block's bytes), A tiles of 16 rows, row tiles taking turns
+ * between two sets of tiles; SGN: signed weights. */
 static ALWAYS AMX_TARGET void amx_sums(const int SGN, const int NS, const int NG, int np, Rows a, int b,
-                                       const uint8_t *b0, const uint8_t *b1, int32_t C[2][MAXR][NCOL]) {
+                                       const uint8_t *b0, const uint8_t *b1, int32_t C[][MAXR][NCOL]) {
     const int KD = 32 / NS, nt = np / 16;
     for (int h = 0; h < NS; h++) {
         T_LOAD(6, b0 + 256 * h, 64);
         if (NG == 2) T_LOAD(7, b1 + 256 * h, 64);
         for (int i = 0; i < nt; i += 2) {
-            const int two = i + 1 < nt;
             const int8_t *a0 = a.q + (int64_t)16 * i * a.K + 32 * b + KD * h;
             int32_t *c0 = &C[h][16 * i][0];
             T_ZERO(0);
             if (NG == 2) T_ZERO(1);
             T_LOAD(4, a0, a.K);
-            if (two) {
+            T_DP(SGN, 0, 4, 6);
+            if (NG == 2) T_DP(SGN, 1, 4, 7);
+            T_STORE(0, c0, 4 * NCOL);
+            if (NG == 2) T_STORE(1, c0 + KVQ_NC, 4 * NCOL);
+            if (i + 1 < nt) {
                 T_ZERO(2);
                 if (NG == 2) T_ZERO(3);
                 T_LOAD(5, a0 + (int64_t)16 * a.K, a.K);
-            }
-            T_DP(SGN, 0, 4, 6);
-            if (NG == 2) T_DP(SGN, 1, 4, 7);
-            if (two) {
                 T_DP(SGN, 2, 5, 6);
                 if (NG == 2) T_DP(SGN, 3, 5, 7);
-            }
-            T_STORE(0, c0, 4 * NCOL);
-            if (NG == 2) T_STORE(1, c0 + KVQ_NC, 4 * NCOL);
-            if (two) {
                 T_STORE(2, c0 + 16 * NCOL, 4 * NCOL);
                 if (NG == 2) T_STORE(3, c0 + 16 * NCOL + KVQ_NC, 4 * NCOL);
             }
         }
     }
-    MEMBAR(); /* the stored sums are read as memory from here */
+    MEMBAR(C); /* the stored sums are read as memory from here */
 }
 
 /* Block b's weights of the NG groups as B tiles: in place (byte formats) or unpacked into buf. */
-static ALWAYS void amx_weights(const int NIB, const int HI, const int NG, const uint8_t *w, int64_t gq, int b,
-                               uint8_t buf[2][512], const uint8_t **b0, const uint8_t **b1) {
+static ALWAYS void amx_weights(const int NIB, const int HI, const int OFS, const int NG, const uint8_t *w,
+                               int64_t gq, int b, uint8_t buf[2][512], const uint8_t **b0, const uint8_t **b1) {
     const int qb = NIB ? 256 + 64 * HI : 512;
     for (int g = 0; g < NG; g++) {
         const uint8_t *wb = w + g * gq + (int64_t)b * qb;
         for (int l = 0; l < qb; l += 64) _mm_prefetch((const char *)(wb + AMX_PF + l), _MM_HINT_T0);
-        if (NIB) amx_unpack(HI, wb, buf[g]);
+        if (NIB) amx_unpack(HI, OFS, wb, buf[g]);
         *(g ? b1 : b0) = NIB ? buf[g] : wb;
     }
     if (NG == 1) *b1 = *b0;
-    MEMBAR(); /* the unpacked bytes are in memory before the tiles load them */
+    MEMBAR(buf); /* the unpacked bytes are in memory before the tiles load them */
 }
 
 /* The np rows of a pass times NG groups into acc [np][NCOL] (columns 16 g ..): qtile512.h's tile,
@@ -329,18 +333,18 @@ static ALWAYS AMX_TARGET void amx_pass(const int NIB, const int HI, const int SG
                                        const void *dv, const void *mv, int64_t gs, float acc[MAXR][NCOL]) {
     const int MIN = !SGN && !OFS; /* the format has minimums */
     uint8_t buf[2][512] __attribute__((aligned(64)));
-    int32_t C[2][2][MAXR][NCOL] __attribute__((aligned(64))); /* [block parity][half][row][column] */
+    int32_t C[4][MAXR][NCOL] __attribute__((aligned(64))); /* [NS x block parity + half][row][column] */
     for (int r = 0; r < np; r++)
         for (int c = 0; c < NCOL; c++) acc[r][c] = 0.f;
     const uint8_t *b0, *b1;
-    amx_weights(NIB, HI, NG, w, gq, 0, buf, &b0, &b1);
-    amx_sums(SGN, NS, NG, np, a, 0, b0, b1, C[0]);
+    amx_weights(NIB, HI, OFS, NG, w, gq, 0, buf, &b0, &b1);
+    amx_sums(SGN || OFS, NS, NG, np, a, 0, b0, b1, C);
     for (int b = 0; b < a.nb; b++) {
         if (b + 1 < a.nb) {
-            amx_weights(NIB, HI, NG, w, gq, b + 1, buf, &b0, &b1);
-            amx_sums(SGN, NS, NG, np, a, b + 1, b0, b1, C[(b + 1) & 1]);
+            amx_weights(NIB, HI, OFS, NG, w, gq, b + 1, buf, &b0, &b1);
+            amx_sums(SGN || OFS, NS, NG, np, a, b + 1, b0, b1, C + NS * ((b + 1) & 1));
         }
-        int32_t(*S)[MAXR][NCOL] = C[b & 1];
+        int32_t(*S)[MAXR][NCOL] = C + NS * (b & 1);
         __m512 dw[2][2], mw[2][2];
 #pragma GCC unroll 2
         for (int g = 0; g < NG; g++)
@@ -353,22 +357,17 @@ static ALWAYS AMX_TARGET void amx_pass(const int NIB, const int HI, const int SG
         for (int r = 0; r < np; r++) {
             const int64_t at = (int64_t)r * a.nb + b;
             const __m512 da = _mm512_set1_ps(a.da[at]);
-            const int32_t *is = a.is + 2 * at;
             const float *sa = a.sa + 3 * at;
 #pragma GCC unroll 2
             for (int g = 0; g < NG; g++) {
                 __m512 v = _mm512_loadu_ps(&acc[r][KVQ_NC * g]);
                 if (NS == 1) {
-                    __m512i s = _mm512_loadu_si512(&S[0][r][KVQ_NC * g]);
-                    if (OFS) s = _mm512_add_epi32(s, _mm512_set1_epi32(-OFS * (is[0] + is[1])));
+                    const __m512i s = _mm512_loadu_si512(&S[0][r][KVQ_NC * g]);
                     v = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), da), dw[g][0], v);
                     if (MIN) v = _mm512_fmadd_ps(mw[g][0], _mm512_set1_ps(sa[0]), v);
                 } else { /* the halves' sums combined, then one activation step */
-                    __m512i s0 = _mm512_loadu_si512(&S[0][r][KVQ_NC * g]), s1 = _mm512_loadu_si512(&S[1][r][KVQ_NC * g]);
-                    if (OFS) {
-                        s0 = _mm512_add_epi32(s0, _mm512_set1_epi32(-OFS * is[0]));
-                        s1 = _mm512_add_epi32(s1, _mm512_set1_epi32(-OFS * is[1]));
-                    }
+                    const __m512i s0 = _mm512_loadu_si512(&S[0][r][KVQ_NC * g]);
+                    const __m512i s1 = _mm512_loadu_si512(&S[1][r][KVQ_NC * g]);
                     __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s0), dw[g][0]);
                     t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), dw[g][1], t);
                     v = _mm512_fmadd_ps(t, da, v);
@@ -380,7 +379,7 @@ static ALWAYS AMX_TARGET void amx_pass(const int NIB, const int HI, const int SG
                 _mm512_storeu_ps(&acc[r][KVQ_NC * g], v);
             }
         }
-        MEMBAR(); /* block b's sums read before the tiles store block b + 2's over them */
+        MEMBAR(S); /* block b's sums read before the tiles store block b + 2's over them */
     }
 }
 
@@ -429,8 +428,7 @@ static __attribute__((noinline)) AMX_TARGET void amx_run(const QW *wt, int t, in
     T_CFG(&CFG[KVQ_NS[fmt] - 1]);
     for (int p = r0; p < r0 + n; p += MAXR) {
         const int np = r0 + n - p < MAXR ? r0 + n - p : MAXR;
-        const Rows a = {s->q + (int64_t)p * K, s->da + (int64_t)p * nb, s->sa + (int64_t)p * 3 * nb,
-                        s->is + (int64_t)p * 2 * nb, K, nb};
+        const Rows a = {s->q + (int64_t)p * K, s->da + (int64_t)p * nb, s->sa + (int64_t)p * 3 * nb, K, nb};
         PASSES[fmt](ng, np, a, w, gq, dv, mv, gs, acc);
         mm_store(np, cols, acc[0], NCOL, rscale ? rscale + p : NULL, bias ? bias + c0 : NULL,
                  y + (int64_t)p * ldy + c0, ldy, accumulate);
@@ -556,7 +554,7 @@ done:
 /* Every format through three probes: (1) 37 rows in one chunk (a pass of 32, 5 rows over), 40
  * columns (a tile column of two groups and one of a group and a half); (2) rows 3 .. 82 in chunks of
  * 64 with bias, 1 / rms row scales and accumulation, 70 columns over 768 inputs; (3) 100 rows in one
- * call (passes of 64 and 32, 4 over), 23 columns. Returns the probes that agreed, or -1. */
+ * call (three passes, 4 rows over), 23 columns. *arg: the probes that agreed, or -1. */
 static void *amx_selfcheck(void *arg) {
     int *res = arg, n = 0;
     char why[sizeof(amx_why)];
@@ -588,7 +586,8 @@ static int amx_cpu(char *why, size_t wn) {
     __cpuid_count(7, 0, a, b, c, d);
     const int tile = d >> 24 & 1, int8 = d >> 25 & 1;
     if (!tile || !int8) {
-        snprintf(why, wn, "not used: CPU lacks %s", !tile && !int8 ? "amx_tile and amx_int8" : !tile ? "amx_tile" : "amx_int8");
+        snprintf(why, wn, "not used: CPU lacks %s",
+                 !tile && !int8 ? "amx_tile and amx_int8" : !tile ? "amx_tile" : "amx_int8");
         return 0;
     }
     __cpuid(1, a, b, c, d);
