@@ -37,15 +37,20 @@
  * Speed (a 16-vCPU Xeon VM, 8 cores with two threads each; kv_q_linear of 512 rows, Q4_0, Q8_0,
  * Q4_K, Q6_K at 2048 x 8192): one thread 1.1-1.4x the VNNI kernels', eight threads on eight cores
  * 1.0-1.4x, all sixteen threads about even (0.85-1.05x): two threads of a core share its tile unit.
+ * So a call from a parallel region of more threads than the process has cores takes the VNNI
+ * kernels (amx_cores).
  *
  * KV_AMX_EMULATE (tests only) builds the tile instructions as plain C after Intel's definitions,
  * checking what the hardware would fault on, so the whole path runs on CPUs without AMX.
  */
+#define _GNU_SOURCE /* sched_getaffinity, cpu_set_t */
 #include "qformat.h"
 #include "qgemm.h"
 
 #include <errno.h>
+#include <omp.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -95,6 +100,42 @@ static char amx_why[320]; /* kv_amx_status's line */
 #define AMX_PF 3072         /* prefetch distance in bytes of weights (qgemm.c's PF) */
 
 static int amx_on; /* the tiles are used (set once, under amx_once) */
+/* Physical cores among the CPUs this process may run on (set under amx_once): a parallel region of
+ * more threads than that puts two on a core, which share its one tile unit, and there the VNNI
+ * kernels were as fast or faster (see Speed above), so such calls leave the tiles alone. */
+static int amx_cores = 1 << 30;
+
+/* Distinct (package, core) pairs of the CPUs in this process's affinity set (sysfs topology), or
+ * the CPUs themselves where the topology cannot be read. */
+static int physical_cores(void) {
+#if defined(__linux__)
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) != 0) return 1 << 30;
+    int64_t seen[CPU_SETSIZE];
+    int n = 0;
+    for (int c = 0; c < CPU_SETSIZE; c++) {
+        if (!CPU_ISSET(c, &set)) continue;
+        int64_t ids[2] = {-1, -1};
+        const char *what[2] = {"physical_package_id", "core_id"};
+        for (int i = 0; i < 2; i++) {
+            char path[96];
+            snprintf(path, sizeof(path), "/sys/devices/system/cpu/cpu%d/topology/%s", c, what[i]);
+            FILE *f = fopen(path, "r");
+            long v;
+            if (f && fscanf(f, "%ld", &v) == 1) ids[i] = v;
+            if (f) fclose(f);
+        }
+        if (ids[0] < 0 || ids[1] < 0) return CPU_COUNT(&set); /* no topology: every CPU a core */
+        const int64_t key = ids[0] << 32 | ids[1];
+        int k = 0;
+        while (k < n && seen[k] != key) k++;
+        if (k == n) seen[n++] = key;
+    }
+    return n > 0 ? n : 1 << 30;
+#else
+    return 1 << 30;
+#endif
+}
 
 /* The self-check's thread: 1 while it computes the reference (amx_group declines), 2 while it
  * computes with the tiles (amx_group works without asking amx_once, which is running). */
@@ -653,8 +694,10 @@ static void amx_init(void) {
     if (pthread_create(&th, NULL, amx_selfcheck, &res) != 0) return;
     pthread_join(th, NULL);
     if (res < 0) return; /* amx_why says why */
-    snprintf(amx_why, sizeof(amx_why), "used (%sself-check passed: %d probes bit-identical to %s)", how, res,
-             kv_q_isa());
+    amx_cores = physical_cores();
+    snprintf(amx_why, sizeof(amx_why),
+             "used (%sself-check passed: %d probes bit-identical to %s) by calls of at most %d threads, one a core",
+             how, res, kv_q_isa(), amx_cores);
     amx_on = 1;
 #endif
 }
@@ -666,7 +709,7 @@ KV_HIDDEN int amx_group(const QW *wt, int t, int r0, int r1, const Scratch *s, c
     if (n < 16 || tl_probe == 1) return 0;
     if (tl_probe != 2) {
         pthread_once(&amx_once, amx_init);
-        if (!amx_on) return 0;
+        if (!amx_on || omp_get_num_threads() > amx_cores) return 0;
     }
     amx_run(wt, t, r0, n, s, bias, rscale, y, ldy, accumulate);
     tl_rows += n;
