@@ -189,12 +189,13 @@ def _runs() -> list[tuple[str, str | None]]:
     return [(n, "avx2" if i == 1 and "avx2" in build.cpu_info()[1] else None) for i, n in enumerate(names)]
 
 
-@pytest.mark.parametrize("model,kv", [("-", "dynamic"), ("-", "static,max_tokens=512,page_size=4"), ("-", "int8"),
+@pytest.mark.parametrize("model,kv", [("-", "dynamic,page_size=4"), ("-", "int8"),
                                       pytest.param("gemma3-270m", "dynamic", marks=pytest.mark.gemma)],
-                         ids=["bundled", "bundled-static", "bundled-int8", "gemma3"])
+                         ids=["bundled", "bundled-int8", "gemma3"])
 def test_greedy_generations_give_the_same_logits_on_every_variant(model, kv):
     """The five prompts, 16 greedy tokens each, the file's quantized weights: the logits of every
-    step are the same bits from every variant (and with torch's AVX2 code)."""
+    step are the same bits from every variant (and with torch's AVX2 code). Every cache strategy
+    gives these bits on one variant (test_batch_invariance.py), so one of them stands for all."""
     if model != "-":
         from conftest import gemma_installed
 
