@@ -261,34 +261,7 @@ static void emu_dp(int c, int a, int b, int b_signed) {
 
 #define ALWAYS __attribute__((always_inline)) inline
 
-/* The 16 columns' scales (and minimums with MIN) of sub-block h of block b: qtile512.h's scales16,
- * the same expressions (the K-quant scales are exact products), so the same values. */
-static ALWAYS void amx_scales(const int F16, const int MIN, const void *dv, const void *mv, int b, int NS, int h,
-                              __m512 *dw, __m512 *mw) {
-    if (F16 == 3) {
-        const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB;
-        const __m128i sc = _mm_loadu_si128((const __m128i *)(sb + (b & 7) * 32 + 16 * h));
-        *dw = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)),
-                            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 256))));
-        return;
-    }
-    if (F16 == 2) {
-        const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB, *sj = sb + (b & 7) * 32;
-        *dw = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sj))),
-                            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 256))));
-        const __m128i mn = _mm_loadu_si128((const __m128i *)(sj + 16));
-        *mw = _mm512_sub_ps(_mm512_setzero_ps(),
-                            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)),
-                                          _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 288)))));
-        return;
-    }
-    const int64_t at = ((int64_t)b * NS + h) * KVQ_NC;
-    *dw = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)dv + at)))
-              : _mm512_loadu_ps((const float *)dv + at);
-    if (MIN)
-        *mw = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)mv + at)))
-                  : _mm512_loadu_ps((const float *)mv + at);
-}
+#include "qscale512.h"
 
 /* One block of a nibble format's group as bytes, the B tile's layout: out[64 s + 4 c + t] =
  * value (c, 4 s + t) (qtile512.h's step_w for each step, stored), less OFS (then signed). */
@@ -392,7 +365,7 @@ static ALWAYS AMX_TARGET void amx_pass(const int NIB, const int HI, const int SG
 #pragma GCC unroll 2
             for (int h = 0; h < NS; h++) {
                 mw[g][h] = _mm512_setzero_ps();
-                amx_scales(F16, MIN, (const char *)dv + g * gs, mv ? (const char *)mv + g * gs : NULL, b, NS, h,
+                scales16(F16, MIN, (const char *)dv + g * gs, mv ? (const char *)mv + g * gs : NULL, b, NS, h,
                            &dw[g][h], &mw[g][h]);
             }
         for (int r = 0; r < np; r++) {
