@@ -7,6 +7,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__AVX512F__)
 #define VL 16
@@ -38,15 +39,11 @@ typedef float v8 __attribute__((vector_size(32), aligned(4), may_alias));
 static KV_ALWAYS v8 vmadd8(v8 a, v8 b, v8 c) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
 #if defined(__AVX512F__)
 static KV_ALWAYS v16 madd16(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
-#else
-static KV_ALWAYS v16 madd16(v16 a, v16 b, v16 c) { /* two 8-lane halves */
-    const v8 lo = vmadd8(__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
-                         __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
-                         __builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
-    const v8 hi = vmadd8(__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
-                         __builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
-                         __builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
-    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else /* a 64-byte vector has no register here: lane by lane, which compiles to two FMAs on halves */
+static KV_ALWAYS v16 madd16(v16 a, v16 b, v16 c) {
+    v16 r;
+    for (int i = 0; i < 16; i++) r[i] = fmaf(a[i], b[i], c[i]);
+    return r;
 }
 #endif
 #else
@@ -75,19 +72,25 @@ static KV_ALWAYS float hsum16(v16 x) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-/* sum x[k] y[k], k < n: lane k % 16 takes a multiply-add chain in k's order, then hsum16. One
- * order at every vector width (norms, the canonical dot products). */
+/* sum x[k] y[k], k < n: lane k % 16 takes a multiply-add chain in k's order, then hsum16's tree.
+ * One order at every vector width (norms, the canonical dot products). The sixteen lanes are kept
+ * as two halves of 8: a 64-byte vector has no register in AVX2 builds and would live in memory. */
 static KV_ALWAYS float kv_dot(const float *x, const float *y, int n) {
-    v16 acc = {0};
+    v8 lo = {0}, hi = {0};
     int k = 0;
-    for (; k + 16 <= n; k += 16) acc = madd16(*(const v16 *)(x + k), *(const v16 *)(y + k), acc);
-    for (int l = 0; k + l < n; l++) acc[l] = fmaf(x[k + l], y[k + l], acc[l]);
-    return hsum16(acc);
+    for (; k + 16 <= n; k += 16) {
+        lo = vmadd8(*(const v8 *)(x + k), *(const v8 *)(y + k), lo);
+        hi = vmadd8(*(const v8 *)(x + k + 8), *(const v8 *)(y + k + 8), hi);
+    }
+    float t[16], a[8], b[4];
+    memcpy(t, &lo, sizeof(lo));
+    memcpy(t + 8, &hi, sizeof(hi));
+    for (int l = 0; k + l < n; l++) t[l] = fmaf(x[k + l], y[k + l], t[l]);
+    for (int i = 0; i < 8; i++) a[i] = t[i] + t[i + 8]; /* hsum16's tree */
+    for (int i = 0; i < 4; i++) b[i] = a[i] + a[i + 4];
+    return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-/* exp(x) for x <= 0 (softmax after subtracting the maximum): 2^n * p(r) with |r| <= ln2 / 2 and a
- * degree-6 polynomial (relative error about 2e-7); exactly 0 below -87 and for -inf. One definition
- * for every vector type V (I: its int32 twin), so each lane takes the same steps at any width. */
 #define KV_VEXP(name, V, I) KV_VEXP_MADD(name, V, I, vmadd)
 /* exp with every multiply-add taken by MADD(a, b, c) */
 #define KV_VEXP_MADD(name, V, I, MADD)                                                                  \
