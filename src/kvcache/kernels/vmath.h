@@ -30,29 +30,28 @@ typedef int32_t i16 __attribute__((vector_size(64), aligned(4), may_alias));
 
 typedef float v8 __attribute__((vector_size(32), aligned(4), may_alias));
 
-/* The build contracts nothing (-ffp-contract=off) and never reassociates: every fused multiply-add
- * is written out. An FMA build takes its FMA instruction (intrinsics: the compiler keeps the
- * operands in registers), the generic build libm's correctly rounded fmaf lane by lane. So each
- * one rounds once in every variant. */
-#if defined(__FMA__)
-#include <immintrin.h>
-static KV_ALWAYS v8 vmadd8(v8 a, v8 b, v8 c) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
-#if defined(__AVX512F__)
-static KV_ALWAYS v16 madd16(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
-#else /* a 64-byte vector has no register here: lane by lane, which compiles to two FMAs on halves */
-static KV_ALWAYS v16 madd16(v16 a, v16 b, v16 c) {
-    v16 r;
-    for (int i = 0; i < 16; i++) r[i] = fmaf(a[i], b[i], c[i]);
-    return r;
-}
-#endif
-#else
+/* a * b + c lane by lane with fmaf: libm's correctly rounded fmaf where the build has no FMA, two
+ * FMA instructions on halves for a sixteen-float vector in AVX2 builds */
 #define KV_LANE_FMA(name, V, N)                                          \
     static KV_ALWAYS V name(V a, V b, V c) {                             \
         V r;                                                             \
         for (int i = 0; i < (N); i++) r[i] = fmaf(a[i], b[i], c[i]);     \
         return r;                                                        \
     }
+
+/* The build contracts nothing (-ffp-contract=off) and never reassociates: every fused multiply-add
+ * is written out. An FMA build takes its FMA instruction (intrinsics: the compiler keeps the
+ * operands in registers), the generic build fmaf lane by lane. So each one rounds once in every
+ * variant. */
+#if defined(__FMA__)
+#include <immintrin.h>
+static KV_ALWAYS v8 vmadd8(v8 a, v8 b, v8 c) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+#if defined(__AVX512F__)
+static KV_ALWAYS v16 madd16(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+#else
+KV_LANE_FMA(madd16, v16, 16)
+#endif
+#else
 KV_LANE_FMA(vmadd8, v8, 8)
 KV_LANE_FMA(madd16, v16, 16)
 #endif
@@ -82,13 +81,13 @@ static KV_ALWAYS float kv_dot(const float *x, const float *y, int n) {
         lo = vmadd8(*(const v8 *)(x + k), *(const v8 *)(y + k), lo);
         hi = vmadd8(*(const v8 *)(x + k + 8), *(const v8 *)(y + k + 8), hi);
     }
-    float t[16], a[8], b[4];
+    float t[16];
     memcpy(t, &lo, sizeof(lo));
     memcpy(t + 8, &hi, sizeof(hi));
     for (int l = 0; k + l < n; l++) t[l] = fmaf(x[k + l], y[k + l], t[l]);
-    for (int i = 0; i < 8; i++) a[i] = t[i] + t[i + 8]; /* hsum16's tree */
-    for (int i = 0; i < 4; i++) b[i] = a[i] + a[i + 4];
-    return (b[0] + b[2]) + (b[1] + b[3]);
+    v16 all;
+    memcpy(&all, t, sizeof(all));
+    return hsum16(all);
 }
 
 #define KV_VEXP(name, V, I) KV_VEXP_MADD(name, V, I, vmadd)
