@@ -12,6 +12,10 @@ import os
 import platform
 import sys
 from importlib import metadata
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvcache.engine.llm import LLM
 
 FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
 
@@ -97,25 +101,35 @@ DIGEST_PROMPT = "The quick brown fox jumps over the lazy dog. In one sentence, t
 DIGEST_STEPS = 4
 
 
+def logits_digest(llm: LLM, prompt: str, steps: int) -> tuple[str, list[int]]:
+    """sha256 of the logits after ``prompt`` and after each of ``steps`` greedy tokens (the bytes
+    of every forward's float32 logits, in order), and those tokens."""
+    import hashlib
+
+    r = llm.runner
+    seq, h, tokens = r.new_sequence(), hashlib.sha256(), []
+    try:
+        logits = r.step([seq], [llm.encode(prompt)])[0]
+        for i in range(steps + 1):
+            h.update(logits.float().contiguous().numpy().tobytes())
+            if i < steps:
+                tokens.append(int(logits.argmax()))
+                logits = r.step([seq], [[tokens[-1]]])[0]
+    finally:
+        r.free(seq)
+    return h.hexdigest(), tokens
+
+
 def forward_digest(model: str | None = None) -> str:
     """A short hash of a fixed forward: the logits of DIGEST_PROMPT and of DIGEST_STEPS greedy
     tokens after it, the bundled model with the file's weights unless ``model`` names another.
     Two machines whose kernels compute the same bits print the same digest."""
-    import hashlib
-
     from kvcache.engine.llm import LLM
 
     llm = LLM(model, kv="dynamic", prefix=False)
     try:
-        r = llm.runner
-        seq, h = r.new_sequence(), hashlib.sha256()
-        logits = r.step([seq], [llm.encode(DIGEST_PROMPT)])[0]
-        for i in range(DIGEST_STEPS + 1):
-            h.update(logits.float().contiguous().numpy().tobytes())
-            if i < DIGEST_STEPS:
-                logits = r.step([seq], [[int(logits.argmax())]])[0]
-        r.free(seq)
-        return f"{h.hexdigest()[:16]} ({llm.model_name}, {llm.weights} weights, {DIGEST_STEPS + 1} forwards)"
+        digest, _ = logits_digest(llm, DIGEST_PROMPT, DIGEST_STEPS)
+        return f"{digest[:16]} ({llm.model_name}, {llm.weights} weights, {DIGEST_STEPS + 1} forwards)"
     finally:
         llm.close()
 
