@@ -17,6 +17,7 @@ FAMILIES: dict[str, str] = {
     "mistral": "llama",
     "qwen2": "llama",
     "qwen3": "llama",
+    "qwen3_moe": "qwen3moe",
     "phi3": "llama",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",

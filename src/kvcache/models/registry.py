@@ -18,6 +18,8 @@ def build_model(config: ModelConfig, state_dict: dict, weights: str = "fp32") ->
     family = config.family
     if family == "llama":
         from kvcache.models.llama import LlamaForCausalLM as cls
+    elif family == "qwen3moe":
+        from kvcache.models.qwen3moe import Qwen3MoeForCausalLM as cls  # type: ignore[assignment]
     elif family == "gemma3":
         from kvcache.models.gemma3 import Gemma3ForCausalLM as cls  # type: ignore[assignment]
     else:

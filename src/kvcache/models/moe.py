@@ -1,0 +1,160 @@
+"""Mixture-of-experts feed-forward blocks: the router, the experts, and one step's rows grouped by
+expert.
+
+``MoeSpec`` reads a sparse model's hyper-parameters from its HF config and refuses the variants this
+code does not implement. ``Router`` holds the router matrix (always fp32: a routing decision is
+discrete, and llama.cpp keeps it unquantized too) and picks each row's experts: a softmax over the
+router logits in fp32, the top k of it, renormalized to sum to one when the config says so.
+``Expert`` is one gated MLP (gate and up fused into one projection, then down), its matrices held
+as ``projection`` gives them (packed fp32, or a QWeight in the file's own quantized type).
+
+``moe_block`` runs a step: rows are grouped by the expert they chose, each expert's weights are
+read once for all of its rows, and every row sums its experts' outputs in its own top-k order.
+Nothing a row computes depends on which other rows chose the same expert or on how many rows the
+step has: the products reduce each output element in one fixed order whatever their row count
+(kernels/pgemm.c, kernels/qgemm.c), and the combination is element-wise in a fixed order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from kvcache.errors import UnsupportedArchitecture
+from kvcache.models.config import ModelConfig
+from kvcache.models.layers import linear, pack
+from kvcache.models.weights import Part, as_fp32, projection
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The sparse feed-forward's hyper-parameters."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    expert_size: int  # each expert's intermediate size
+    norm_topk: bool  # renormalize the chosen experts' weights to sum to one
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> "MoeSpec":
+        """Read from ``config.raw``; UnsupportedArchitecture (one line) for what is not implemented."""
+        raw, mt = config.raw, config.model_type
+
+        def refuse(what: str) -> UnsupportedArchitecture:
+            return UnsupportedArchitecture(f"{mt}: {what} is not supported")
+
+        if raw.get("mlp_only_layers"):
+            raise refuse(f"dense MLP layers among the sparse ones (mlp_only_layers={list(raw['mlp_only_layers'])})")
+        if int(raw.get("decoder_sparse_step", 1)) != 1:
+            raise refuse(f"sparse layers every {raw['decoder_sparse_step']} layers (decoder_sparse_step)")
+        if int(raw.get("shared_expert_intermediate_size") or 0) > 0 or raw.get("n_shared_experts"):
+            raise refuse("a shared expert")
+        if raw.get("use_sliding_window"):
+            raise refuse("sliding-window attention (use_sliding_window)")
+        try:  # transformers 5 writes num_experts as num_local_experts
+            n = int(raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"])
+            k, size = int(raw["num_experts_per_tok"]), int(raw["moe_intermediate_size"])
+        except KeyError as e:
+            raise UnsupportedArchitecture(f"{mt}: config.json lacks {e.args[0]!r}") from None
+        if not 1 <= k <= n or size < 1:
+            raise refuse(f"{k} experts per token of {n} (moe_intermediate_size {size})")
+        return cls(n, k, size, bool(raw.get("norm_topk_prob", False)))
+
+
+class Router(nn.Module):
+    """Top-k routing over ``num_experts`` experts."""
+
+    def __init__(self, weight: Part, spec: MoeSpec) -> None:
+        super().__init__()
+        w = as_fp32(weight)  # [E, H]
+        if w.shape[0] != spec.num_experts:
+            raise UnsupportedArchitecture(f"a router of {w.shape[0]} experts where the config has {spec.num_experts}")
+        self.weight = pack(w)  # [k, H, E / k]
+        self.spec = spec
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        """h [N, H] (normed) -> (weights [N, K] fp32, experts [N, K] int64), best first."""
+        spec = self.spec
+        logits = linear(h, self.weight)[:, : spec.num_experts].contiguous()  # [N, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [N, E]
+        weights, experts = torch.topk(probs, spec.top_k, dim=-1)  # [N, K] each
+        if spec.norm_topk:
+            total = weights[:, 0].clone()  # [N]: the chosen weights summed in top-k order
+            for j in range(1, spec.top_k):
+                total += weights[:, j]
+            weights = weights / total[:, None]
+        return weights, experts
+
+
+class Expert(nn.Module):
+    """One expert: down(act(gate(h)) * up(h)), gate and up fused into one projection."""
+
+    def __init__(self, gate_up: list[Part], down: Part, mode: str, size: int) -> None:
+        super().__init__()
+        self.size = size
+        self.gate_up = projection(gate_up, None, mode)  # [k, H, 2I / k] packed, or a QWeight [2I, H]
+        self.down = projection([down], None, mode)  # [k, I, H / k] packed, or a QWeight [H, I]
+
+    def forward(self, h: torch.Tensor,  # type: ignore[override]
+                act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """h [n, H] -> [n, H]."""
+        i = self.size
+        gu = linear(h, self.gate_up)  # [n, 2I (padded)]
+        a = act(gu[:, :i]).mul_(gu[:, i : 2 * i])  # [n, I]
+        return linear(a, self.down)[:, : h.shape[1]]  # [n, H]
+
+
+def expert_parts(sd: dict[str, Any], m: str, spec: MoeSpec) -> list[tuple[list[Part], Part]]:
+    """Per expert, ([gate, up] or [gate_up], down) weights of the block under prefix ``m``
+    (``model.layers.{i}.mlp``): per-expert matrices as a checkpoint on disk names them
+    (``experts.{e}.gate_proj.weight`` [I, H], ``up_proj`` [I, H], ``down_proj`` [H, I]), or the
+    stacked ones transformers holds in memory (``experts.gate_up_proj`` [E, 2I, H],
+    ``experts.down_proj`` [E, H, I]). KeyError names a missing tensor."""
+    n, i = spec.num_experts, spec.expert_size
+    if any(k.startswith(f"{m}.shared_expert") for k in sd):
+        raise UnsupportedArchitecture(f"{m}: a shared expert is not supported")
+    if f"{m}.experts.gate_up_proj" in sd:
+        gu, dn = sd[f"{m}.experts.gate_up_proj"], sd[f"{m}.experts.down_proj"]  # [E, 2I, H], [E, H, I]
+        if gu.shape[0] != n or gu.shape[1] != 2 * i or dn.shape[0] != n or dn.shape[2] != i:
+            raise UnsupportedArchitecture(f"{m}: stacked experts of shape {tuple(gu.shape)} / {tuple(dn.shape)} do "
+                                          f"not fit {n} experts of size {i}")
+        return [([gu[e]], dn[e]) for e in range(n)]
+    if f"{m}.experts.{n}.gate_proj.weight" in sd:
+        raise UnsupportedArchitecture(f"{m}: the weights hold more experts than the config's {n}")
+    out = []
+    for e in range(n):
+        p = f"{m}.experts.{e}"
+        gate, up, down = sd[f"{p}.gate_proj.weight"], sd[f"{p}.up_proj.weight"], sd[f"{p}.down_proj.weight"]
+        if gate.shape[0] != i or up.shape[0] != i or down.shape[1] != i:
+            raise UnsupportedArchitecture(f"{p}: expert matrices of {gate.shape[0]} rows where the config has {i}")
+        out.append(([gate, up], down))
+    return out
+
+
+def moe_block(x: torch.Tensor, h: torch.Tensor, router: Router, experts: nn.ModuleList,
+              act: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """x [N, H] += sum over each row's chosen experts e_j (j in top-k order) of w_j * e_j(h), with
+    h [N, H] the normed rows the router and the experts read. Rows are grouped by expert: each
+    chosen expert runs once, over all the rows that chose it."""
+    n, hidden = h.shape
+    weights, chosen = router(h)  # [N, K] each
+    k = weights.shape[1]
+    flat = chosen.reshape(-1)  # [N K]: slot r * K + j is row r's j-th choice
+    order = torch.argsort(flat, stable=True)  # [N K] slots grouped by expert
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    ys = torch.empty(n * k, hidden)  # [N K, H]: each slot's expert output
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        slots = order[start : start + c]  # [c]
+        start += c
+        ys[slots] = experts[e](h[torch.div(slots, k, rounding_mode="floor")], act)
+    ys = ys.view(n, k, hidden)
+    out = ys[:, 0] * weights[:, :1]  # [N, H]
+    for j in range(1, k):
+        out += ys[:, j] * weights[:, j : j + 1]
+    x += out

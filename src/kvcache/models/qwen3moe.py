@@ -1,0 +1,109 @@
+"""Qwen3-MoE (transformers' Qwen3MoeForCausalLM): Qwen3's attention (per-head RMSNorm of q and k,
+grouped-query heads) with a sparse mixture of experts in place of every layer's MLP.
+
+Attention is built as in models/llama.py: Q/K/V fused into one projection with the input RMSNorm
+folded in, o apart, biases where the checkpoint has them. The feed-forward half (models/moe.py)
+normalizes each row once with the post-attention RMSNorm; the router and the chosen experts read
+that. Every layer runs through ``attention_block`` then ``moe_block``; the fused all-layers call
+(kernels/qweight.py LayerStack) is for dense MLPs and is not used here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvcache.attention.interface import AttentionContext
+from kvcache.errors import ModelLoadError
+from kvcache.kernels.rotary import Rotary
+from kvcache.models.base import CausalLM
+from kvcache.models.config import ModelConfig
+from kvcache.models.layers import (
+    activation, attention_block, frozen, norm_linear, pack_bias, packed_rows, rms_norm, text_model_names,
+)
+from kvcache.models.moe import Expert, MoeSpec, Router, expert_parts, moe_block
+from kvcache.models.weights import embedding, projection
+
+
+def _cat_bias(sd: dict, keys: list[str], sizes: list[int]) -> torch.Tensor | None:
+    """Concatenated biases [sum(sizes)] of q, k, v; zeros for a part without one; None when none has one."""
+    if not any(k in sd for k in keys):
+        return None
+    return torch.cat([sd[k].float() if k in sd else torch.zeros(n) for k, n in zip(keys, sizes)])
+
+
+class Qwen3MoeLayer(nn.Module):
+    def __init__(self, sd: dict, p: str, cfg: ModelConfig, spec: MoeSpec, weights: str) -> None:
+        super().__init__()
+        a, m = f"{p}.self_attn", f"{p}.mlp"
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = [sd[f"{a}.{n}_proj.weight"] for n in "qkv"]
+        qkv_b = _cat_bias(sd, [f"{a}.{n}_proj.bias" for n in "qkv"], [hq * d, hkv * d, hkv * d])
+        self.qkv = projection(qkv, sd[f"{p}.input_layernorm.weight"], weights)  # [k, H, (Hq + 2 Hkv) D / k]
+        self.qkv_b = pack_bias(qkv_b, self.qkv)
+        self.o = projection([sd[f"{a}.o_proj.weight"]], None, weights)  # [k, Hq D, H / k]
+        self.o_b = pack_bias(sd.get(f"{a}.o_proj.bias"), self.o)
+        q_w, k_w = sd[f"{a}.q_norm.weight"].float(), sd[f"{a}.k_norm.weight"].float()  # [D] each
+        self.qk_norm = frozen(torch.cat((q_w.expand(hq, d), k_w.expand(hkv, d))))  # [Hq + Hkv, D]
+        self.post_norm = frozen(sd[f"{p}.post_attention_layernorm.weight"])  # [H]
+        self.router = Router(sd[f"{m}.gate.weight"], spec)
+        self.experts = nn.ModuleList(
+            Expert(gate_up, down, weights, spec.expert_size) for gate_up, down in expert_parts(sd, m, spec))
+
+
+class Qwen3MoeForCausalLM(CausalLM):
+    def __init__(self, config: ModelConfig, sd: dict, weights: str = "fp32") -> None:
+        super().__init__()
+        self.config = config
+        self.spec = MoeSpec.of(config)
+        self.act = activation(config.hidden_act)
+        sd = text_model_names(sd)
+        try:
+            embed = sd["model.embed_tokens.weight"]  # [V, H]
+            self.layers = nn.ModuleList(
+                Qwen3MoeLayer(sd, f"model.layers.{i}", config, self.spec, weights) for i in range(config.num_layers)
+            )
+            self.norm = frozen(sd["model.norm.weight"])  # [H]
+        except KeyError as e:
+            raise ModelLoadError(f"weights are missing tensor {e.args[0]!r} for a {config.model_type} model") from None
+        head = sd.get("lm_head.weight")
+        self.tied = config.tie_embeddings or head is None
+        self.lm_head = projection([embed if self.tied else head], None, weights)  # [k, H, V / k] (padded)
+        self.embed = None if self.tied else embedding(embed, weights)  # [V, H]
+        self.rope = Rotary(int(config.head_dim * config.partial_rotary_factor), config.rope_theta,
+                           config.rope_scaling, config.max_position)
+
+    def rotary_for_layer(self, layer: int) -> Rotary:
+        return self.rope
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,  # [N] int64
+        positions: torch.Tensor,  # [N] int64
+        ctx: AttentionContext,
+        logits_rows: torch.Tensor | None = None,  # [R] int64
+    ) -> torch.Tensor:  # [R or N, V] float32
+        cfg = self.config
+        heads, eps = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), cfg.norm_eps
+        x = packed_rows(self.lm_head if self.embed is None else self.embed, input_ids)  # [N, H]
+        cos, sin = self.rope.tables(positions)  # [N, 1, R] each
+        for i, ly in enumerate(self.layers):
+            attention_block(ctx, i, x, (ly.qkv, ly.qkv_b, ly.o, ly.o_b), heads, cos, sin, ly.qk_norm, eps, cfg.scale)
+            moe_block(x, rms_norm(x, ly.post_norm, eps), ly.router, ly.experts, self.act)
+        if logits_rows is not None:
+            x = x[logits_rows]
+        logits = norm_linear(x, self.lm_head, None, eps, self.norm)  # [R, k * V / k]
+        return logits if logits.shape[1] == cfg.vocab_size else logits[:, : cfg.vocab_size].contiguous()
+
+    def step_weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads: a token reads only its top-k experts of each layer."""
+        total = super().step_weight_bytes()
+        n, k = self.spec.num_experts, self.spec.top_k
+        for ly in self.layers:
+            held = sum(_nbytes(w) for ex in ly.experts for w in (ex.gate_up, ex.down))
+            total -= held * (n - k) // n
+        return total
+
+
+def _nbytes(w: object) -> int:
+    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else int(w.nbytes)  # type: ignore[attr-defined]
