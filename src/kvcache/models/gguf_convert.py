@@ -19,11 +19,12 @@ import numpy as np
 import torch
 
 from kvcache.errors import ModelLoadError, UnsupportedArchitecture
-from kvcache.models.gguf_names import hf_config_from_meta, hf_tensor_name
+from kvcache.models.gguf_config import hf_config_from_meta
+from kvcache.models.gguf_names import hf_tensor_name
 from kvcache.models.gguf_tensor import GGUFTensor
 from kvcache.kernels.qweight import FORMAT_OF
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "gpt2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt2")
 
 
 def open_gguf(path: Path):  # -> gguf.GGUFReader
@@ -85,15 +86,37 @@ def dequantize(t) -> np.ndarray:
 def _fixed(t, arch: str, name: str, n_head: int | None, n_kv: int | None) -> np.ndarray:
     """One tensor as fp32 in HF's layout and convention."""
     w = dequantize(t)
-    if arch == "llama" and t.name.endswith("attn_q.weight"):
-        w = _unpermute(w, n_head)
-    elif arch == "llama" and t.name.endswith("attn_k.weight"):
-        w = _unpermute(w, n_kv)
+    heads = _permuted_heads(arch, t.name, n_head, n_kv)
+    if heads is not None:
+        w = _unpermute(w, heads)
     if arch == "gemma3" and t.name.endswith("norm.weight"):
         w = w - 1.0
     if arch == "gpt2" and w.ndim == 2 and ".h." in name and not name.endswith("wte.weight"):
         w = w.T  # HF GPT-2 uses Conv1D: [in, out]
     return np.array(w, dtype=np.float32, order="C")  # a copy: never a view of the mapped file
+
+
+def _permuted_heads(arch: str, name: str, n_head: int | None, n_kv: int | None) -> int | None:
+    """Heads of a llama Q or K weight or bias whose rows llama.cpp's converter permuted, else None."""
+    if arch != "llama":
+        return None
+    if name.endswith(("attn_q.weight", "attn_q.bias")):
+        return n_head
+    if name.endswith(("attn_k.weight", "attn_k.bias")):
+        return n_kv
+    return None
+
+
+def _experts(t, name: str, keep_quantized: str | None) -> dict[str, Any]:
+    """A MoE layer's 3-D expert tensor [E, rows, K] as one HF-named 2-D weight per expert: slices
+    of the file (GGUFTensor) when quantized and kept, else fp32."""
+    n_exp, rows, k = (int(s) for s in reversed(t.shape))
+    if keep_quantized and int(t.tensor_type) in FORMAT_OF:
+        step = GGUFTensor(keep_quantized, int(t.tensor_type), rows, k, 0).row_bytes * rows
+        return {name.format(e=e): GGUFTensor(keep_quantized, int(t.tensor_type), rows, k, int(t.data_offset) + e * step)
+                for e in range(n_exp)}
+    w = dequantize(t)  # [E, rows, K]
+    return {name.format(e=e): torch.from_numpy(np.array(w[e], dtype=np.float32, order="C")) for e in range(n_exp)}
 
 
 def convert_weights(reader, arch: str, config: dict[str, Any],
@@ -104,13 +127,15 @@ def convert_weights(reader, arch: str, config: dict[str, Any],
     n_head, n_kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
     for t in reader.tensors:
         name = hf_tensor_name(arch, t.name)
-        if name is not None and keep_quantized and int(t.tensor_type) in FORMAT_OF and len(t.shape) == 2:
+        if name is None:
+            raise ModelLoadError(f"tensor {t.name} has no place in a {arch} model")
+        if "{e}" in name:
+            out.update(_experts(t, name, keep_quantized))
+        elif keep_quantized and int(t.tensor_type) in FORMAT_OF and len(t.shape) == 2:
             k, rows = int(t.shape[0]), int(t.shape[1])
-            heads = None
-            if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
-                heads = n_head if t.name.endswith("attn_q.weight") else n_kv
+            heads = _permuted_heads(arch, t.name, n_head, n_kv)
             out[name] = GGUFTensor(keep_quantized, int(t.tensor_type), rows, k, int(t.data_offset), heads)
-        elif name is not None:
+        else:
             out[name] = torch.from_numpy(_fixed(t, arch, name, n_head, n_kv))
         if progress:
             progress(1)
@@ -119,8 +144,19 @@ def convert_weights(reader, arch: str, config: dict[str, Any],
     return out
 
 
+def _report(reader, meta: dict[str, Any]):  # -> (gguf_check.Report, vocabulary size or None)
+    from kvcache.models.gguf_check import check
+
+    n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else None
+    return check(meta, [(t.name, tuple(int(s) for s in reversed(t.shape))) for t in reader.tensors], n_vocab), n_vocab
+
+
 def read_gguf(path: Path) -> tuple[Any, str, dict[str, Any]]:
-    """(reader, architecture, HF config dict) of a GGUF file; refuses unsupported architectures."""
+    """(reader, architecture, HF config dict) of a GGUF file. Every key and tensor is checked first
+    (models/gguf_check.py): a file that carries anything kvcache does not honour is refused with a
+    line naming it."""
+    from kvcache.models.gguf_check import refuse
+
     reader = open_gguf(path)
     meta = metadata(reader)
     arch = str(meta.get("general.architecture", ""))
@@ -128,9 +164,19 @@ def read_gguf(path: Path) -> tuple[Any, str, dict[str, Any]]:
         raise UnsupportedArchitecture(
             f"{path.name}: unsupported architecture {arch or '(none)'!r}; supported: {', '.join(SUPPORTED)}"
         )
-    n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else None
-    config = hf_config_from_meta(arch, meta, n_vocab, has_output=any(t.name == "output.weight" for t in reader.tensors))
+    report, n_vocab = _report(reader, meta)
+    refuse(report, path.name)
+    try:
+        config = hf_config_from_meta(arch, meta, n_vocab, {t.name for t in reader.tensors})
+    except (TypeError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"{path.name}: its metadata cannot describe a {arch} model ({type(e).__name__}: {e})") from None
     return reader, arch, config
+
+
+def check_file(path: Path):  # -> gguf_check.Report
+    """What kvcache makes of every key and tensor of ``path`` (nothing refused on the way)."""
+    reader = open_gguf(path)
+    return _report(reader, metadata(reader))[0]
 
 
 TABLE = "file-weights"  # the file mode's tensor table in a converted folder (.json + .safetensors)

@@ -33,15 +33,60 @@ _GPT2_BLOCK = {
     "ffn_up": "mlp.c_fc",
     "ffn_down": "mlp.c_proj",
 }
+_MOE = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+        "ffn_up_exps": "mlp.experts.{e}.up_proj", "ffn_down_exps": "mlp.experts.{e}.down_proj"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# tensors outside the layers that are not HF weights: RoPE frequency factors (llama3's scaling, Phi-3's
+# longrope), kept under these names for the model to read
+ROPE_TENSORS = {"rope_freqs.weight": "model.rope_freqs", "rope_factors_long.weight": "model.rope_factors_long",
+                "rope_factors_short.weight": "model.rope_factors_short"}
+
+Required = bool | str  # True, False, or the name of a part that stands in for this one (fused QKV)
+
+
+def expected_tensors(arch: str, meta: dict[str, Any]) -> tuple[dict[str, bool], dict[str, Required]]:
+    """(top-level tensor -> required, per-layer part -> required) of ``arch`` as kvcache's model
+    and llama.cpp's loader take them; any other tensor in a file is refused."""
+    if arch == "gpt2":
+        top = {"token_embd.weight": True, "position_embd.weight": True, "output_norm.weight": True,
+               "output_norm.bias": True, "output.weight": False}
+        return top, {f"{p}.{s}": True for p in _GPT2_BLOCK for s in ("weight", "bias")}
+    top = {"token_embd.weight": True, "output_norm.weight": True, "output.weight": False}
+    layer: dict[str, Required] = {f"{p}.weight": True for p in ("attn_norm", "attn_output", "ffn_norm")}
+    qkv = "attn_qkv.weight" if arch == "phi3" else None
+    for p in "qkv":
+        layer[f"attn_{p}.weight"] = qkv or True
+        layer[f"attn_{p}.bias"] = arch == "qwen2"
+    if arch == "phi3":
+        layer.update({"attn_qkv.weight": "attn_q.weight", "attn_qkv.bias": False, "ffn_up.weight": True,
+                      "ffn_down.weight": True})
+        top.update({"rope_factors_long.weight": False, "rope_factors_short.weight": False})
+        return top, layer
+    layer.update({"attn_output.bias": False})
+    if arch in ("qwen3", "qwen3moe", "gemma3"):
+        layer.update({"attn_q_norm.weight": True, "attn_k_norm.weight": True})
+    if arch == "gemma3":
+        layer.update({"post_attention_norm.weight": True, "post_ffw_norm.weight": True})
+    if arch == "qwen3moe":
+        layer.update({f"{p}.weight": True for p in _MOE})
+        return top, layer
+    layer.update({f"{p}.weight": True for p in ("ffn_gate", "ffn_up", "ffn_down")})
+    if arch != "gemma3":
+        layer.update({f"{p}.bias": False for p in ("ffn_gate", "ffn_up", "ffn_down")})
+    if arch == "llama":
+        top["rope_freqs.weight"] = False
+    return top, layer
 
 
 def hf_tensor_name(arch: str, name: str) -> str | None:
-    """HF name of a GGUF tensor, or None for tensors HF models do not have (e.g. rope_freqs)."""
+    """HF name of a GGUF tensor (RoPE factor tensors: ROPE_TENSORS' names; a MoE layer's expert
+    tensors: a name with ``{e}`` for the expert), or None for a tensor no table maps."""
+    if name in ROPE_TENSORS:
+        return ROPE_TENSORS[name]
     if arch == "gpt2":
         top = {"token_embd.weight": "transformer.wte.weight", "position_embd.weight": "transformer.wpe.weight",
                "output_norm.weight": "transformer.ln_f.weight", "output_norm.bias": "transformer.ln_f.bias",
-               "output.weight": None}
+               "output.weight": "lm_head.weight"}
         if name in top:
             return top[name]
         m = _BLOCK.match(name)
@@ -55,69 +100,10 @@ def hf_tensor_name(arch: str, name: str) -> str | None:
     m = _BLOCK.match(name)
     if not m:
         return None
-    table = _GEMMA_BLOCK if arch == "gemma3" else _LLAMA_BLOCK
+    table = _GEMMA_BLOCK if arch == "gemma3" else {**_LLAMA_BLOCK, **_MOE} if arch == "qwen3moe" else _LLAMA_BLOCK
     part = m.group(2)
     if arch == "phi3" and part == "ffn_up":
         return f"model.layers.{m.group(1)}.mlp.gate_up_proj.{m.group(3)}"
     if part not in table:
         return None
     return f"model.layers.{m.group(1)}.{table[part]}.{m.group(3)}"
-
-
-def hf_config_from_meta(arch: str, meta: dict[str, Any], n_vocab: int | None, has_output: bool) -> dict[str, Any]:
-    """config.json for the HF model type of a GGUF architecture."""
-
-    def get(key: str, default: Any = None) -> Any:
-        return meta.get(f"{arch}.{key}", default)
-
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    vocab = int(get("vocab_size", n_vocab or 0))
-    if arch == "gpt2":
-        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab,
-                "n_embd": int(get("embedding_length")), "n_layer": int(get("block_count")),
-                "n_head": int(get("attention.head_count")), "n_positions": int(get("context_length")),
-                "n_inner": int(get("feed_forward_length")), "layer_norm_epsilon": float(get("attention.layer_norm_epsilon", 1e-5)),
-                "bos_token_id": bos, "eos_token_id": eos, "tie_word_embeddings": True}
-    hidden = int(get("embedding_length"))
-    heads = int(get("attention.head_count"))
-    head_dim = int(get("attention.key_length", hidden // heads))
-    layers = int(get("block_count"))
-    model_type = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                  "gemma3": "gemma3_text", "phi3": "phi3"}[arch]
-    cfg: dict[str, Any] = {
-        "model_type": model_type,
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "head_dim": head_dim,
-        "max_position_embeddings": int(get("context_length", 2048)),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "tie_word_embeddings": not has_output,
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "hidden_act": "silu",
-    }
-    rope_dims = get("rope.dimension_count")
-    if rope_dims and int(rope_dims) != head_dim:
-        cfg["partial_rotary_factor"] = int(rope_dims) / head_dim
-    scale_type, factor = get("rope.scaling.type"), get("rope.scaling.factor")
-    if scale_type == "linear" and factor and float(factor) != 1.0:
-        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
-    if arch == "qwen2":
-        cfg["attention_bias"] = True
-    if arch in ("mistral", "phi3") and get("attention.sliding_window"):
-        cfg["sliding_window"] = int(get("attention.sliding_window"))
-    if arch == "gemma3":
-        window = int(get("attention.sliding_window", 512))
-        cfg.update({
-            "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
-            "query_pre_attn_scalar": head_dim, "sliding_window": window, "rope_local_base_freq": 10000.0,
-            # llama.cpp's Gemma 3: every sixth layer attends globally, the rest in the window
-            "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
-        })
-    return cfg

@@ -1,5 +1,5 @@
 """GPT-2: learned position embeddings (indexed by the explicit positions), LayerNorm, fused c_attn,
-gelu_new, output head tied to the token embeddings.
+gelu_new, output head tied to the token embeddings (or the file's own output head).
 
 HF's Conv1D stores weights as [in, out] (transposed relative to nn.Linear); they are packed from
 their transpose. HF's scale_attn_weights / scale_attn_by_inverse_layer_idx options are honoured.
@@ -17,7 +17,7 @@ from kvcache.models.base import CausalLM
 from kvcache.models.config import ModelConfig
 from kvcache.models.gguf_tensor import GGUFTensor
 from kvcache.models.layers import activation, frozen, linear, pack_bias, packed_rows, strip_prefix
-from kvcache.models.weights import projection
+from kvcache.models.weights import embedding, projection
 
 
 def _conv1d(sd: dict, key: str, weights: str) -> tuple:
@@ -47,7 +47,11 @@ class GPT2ForCausalLM(CausalLM):
             sd = {f"transformer.{k}": v for k, v in sd.items()}
         sd = strip_prefix(sd, ("transformer.",))
         try:
-            self.lm_head = projection([sd["wte.weight"]], None, weights)  # [k, H, V / k]; the tied table, read for embeddings too
+            # [k, H, V / k]: the tied table, read for embeddings too; a separate head (a GGUF's
+            # output.weight) with its own table for the embeddings
+            head = sd.get("lm_head.weight")
+            self.lm_head = projection([sd["wte.weight"] if head is None else head], None, weights)
+            self.embed = None if head is None else embedding(sd["wte.weight"], weights)  # [V, H]
             self.wpe = frozen(sd["wpe.weight"])  # [P, H]
             self.layers = nn.ModuleList(GPT2Layer(sd, f"h.{i}", weights) for i in range(config.num_layers))
             self.lnf_w, self.lnf_b = frozen(sd["ln_f.weight"]), frozen(sd["ln_f.bias"])  # [H]
@@ -71,7 +75,7 @@ class GPT2ForCausalLM(CausalLM):
     ) -> torch.Tensor:  # [R or N, V] float32
         cfg = self.config
         n, heads, d, eps, hid = input_ids.shape[0], cfg.num_heads, cfg.head_dim, cfg.norm_eps, cfg.hidden_size
-        x = packed_rows(self.lm_head, input_ids).add_(self.wpe[positions])  # [N, H]
+        x = packed_rows(self.lm_head if self.embed is None else self.embed, input_ids).add_(self.wpe[positions])  # [N, H]
         for i, weights in enumerate(self.plan):
             ln1_w, ln1_b, qkv_w, qkv_b, o_w, o_b, ln2_w, ln2_b, fc_w, fc_b, proj_w, proj_b = weights
             h = F.layer_norm(x, (hid,), ln1_w, ln1_b, eps)

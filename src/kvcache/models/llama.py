@@ -64,6 +64,24 @@ class LlamaLayer(nn.Module):
             self.qk_norm = frozen(torch.cat((q_w.expand(hq, d), k_w.expand(hkv, d))))
 
 
+def rotary_of(config: ModelConfig, sd: dict) -> Rotary:
+    """The model's RoPE: its config's scaling, with a GGUF's factor tensors (``model.rope_freqs``,
+    llama3's scaling as llama.cpp's converter writes it; Phi-3's long and short factors)."""
+    rot = int(config.head_dim * config.partial_rotary_factor)
+    scaling = dict(config.rope_scaling) if config.rope_scaling else None
+    long_f, short_f = sd.get("model.rope_factors_long"), sd.get("model.rope_factors_short")
+    if long_f is not None or short_f is not None:
+        if long_f is None or short_f is None:
+            raise ModelLoadError("the file has one of rope_factors_long and rope_factors_short; longrope needs both")
+        scaling = {"rope_type": "longrope", **(scaling or {}),
+                   "long_factor": long_f.float().tolist(), "short_factor": short_f.float().tolist()}
+    if scaling is not None and scaling.get("rope_type") == "longrope":
+        scaling.setdefault("original_max_position_embeddings",
+                           config.raw.get("original_max_position_embeddings", config.max_position))
+    freqs = sd.get("model.rope_freqs")  # [rot / 2]
+    return Rotary(rot, config.rope_theta, scaling, config.max_position, None if freqs is None else freqs.float())
+
+
 class LlamaForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig, sd: dict, weights: str = "fp32") -> None:
         super().__init__()
@@ -83,8 +101,7 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = projection([embed if self.tied else head], None, weights)  # [k, H, V / k] (padded)
         # a tied table is read from the packed head: one copy of it in memory
         self.embed = None if self.tied else embedding(embed, weights)  # [V, H]
-        rot = int(config.head_dim * config.partial_rotary_factor)
-        self.rope = Rotary(rot, config.rope_theta, config.rope_scaling, config.max_position)
+        self.rope = rotary_of(config, sd)
         self.act = activation(config.hidden_act)
         self.act_kernel = ACT_KERNEL.get(config.hidden_act)
         # the per-layer tensors as plain tuples: the decode loop skips nn.Module attribute lookups

@@ -24,7 +24,7 @@ from kvcache.errors import ModelLoadError
 from kvcache.models.bundled import BUNDLED, DEFAULT, bundled_path, is_installed
 from kvcache.paths import cache_home
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,121 @@
+"""GGUF metadata -> the config.json of the HF model type of its architecture.
+
+Every key that changes the arithmetic lands here or is refused by models/gguf_check.py first; RoPE
+factor tensors (llama3's ``rope_freqs``, Phi-3's long and short factors) stay tensors: the model
+reads them from its weights (models/rope_factors.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+               "gemma3": "gemma3_text", "phi3": "phi3"}
+
+
+def _one(value: Any) -> Any:
+    """A key's value, or the one value of a per-layer array (gguf_check refuses non-uniform ones)."""
+    return value[0] if isinstance(value, list) and value else value
+
+
+def hf_config_from_meta(arch: str, meta: dict[str, Any], n_vocab: int | None, tensors: set[str]) -> dict[str, Any]:
+    """config.json for the HF model type of a GGUF architecture; ``tensors``: the file's tensor names."""
+
+    def get(key: str, default: Any = None) -> Any:
+        return _one(meta.get(f"{arch}.{key}", default))
+
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    vocab = int(get("vocab_size", n_vocab or 0))
+    has_output = "output.weight" in tensors
+    if arch == "gpt2":
+        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab,
+                "n_embd": int(get("embedding_length")), "n_layer": int(get("block_count")),
+                "n_head": int(get("attention.head_count")), "n_positions": int(get("context_length")),
+                "n_inner": int(get("feed_forward_length")), "layer_norm_epsilon": float(get("attention.layer_norm_epsilon", 1e-5)),
+                "bos_token_id": bos, "eos_token_id": eos, "tie_word_embeddings": not has_output}
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    layers = int(get("block_count"))
+    max_pos = int(get("context_length", 2048))
+    cfg: dict[str, Any] = {
+        "model_type": MODEL_TYPES[arch],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length", 0)),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "max_position_embeddings": max_pos,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": not has_output,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "hidden_act": "silu",
+    }
+    rope_dims = get("rope.dimension_count")
+    if rope_dims and int(rope_dims) != head_dim:
+        cfg["partial_rotary_factor"] = int(rope_dims) / head_dim
+    scaling = _rope_scaling(get, max_pos, tensors)
+    if scaling is not None:
+        cfg["rope_scaling"] = scaling
+    if arch == "qwen2":
+        cfg["attention_bias"] = True
+    if arch in ("mistral", "phi3") and get("attention.sliding_window"):
+        cfg["sliding_window"] = int(get("attention.sliding_window"))
+    if arch == "qwen3moe":
+        cfg.update({"num_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
+                    "moe_intermediate_size": int(get("expert_feed_forward_length", 0)),
+                    # llama.cpp's qwen3moe always renormalises the chosen experts' weights
+                    "norm_topk_prob": True, "mlp_only_layers": [], "decoder_sparse_step": 1})
+    if arch == "gemma3":
+        cfg.update(_gemma3(meta, get, layers, hidden, heads, head_dim))
+    return cfg
+
+
+def _rope_scaling(get: Any, max_pos: int, tensors: set[str]) -> dict[str, Any] | None:
+    """HF's rope_scaling dict of the file's rope.scaling.* keys (gguf_check refused other types)."""
+    kind, factor = get("rope.scaling.type"), get("rope.scaling.factor")
+    orig = get("rope.scaling.original_context_length")
+    if "rope_factors_long.weight" in tensors or kind == "longrope":
+        out: dict[str, Any] = {"rope_type": "longrope", "original_max_position_embeddings": int(orig or max_pos)}
+        if get("rope.scaling.attn_factor") is not None:
+            out["attention_factor"] = float(get("rope.scaling.attn_factor"))
+        return out
+    if kind == "linear" and factor and float(factor) != 1.0:
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        out = {"rope_type": "yarn", "factor": float(factor or 1.0), "original_max_position_embeddings": int(orig or max_pos)}
+        for key, name in (("yarn_attn_factor", "attention_factor"), ("yarn_beta_fast", "beta_fast"),
+                          ("yarn_beta_slow", "beta_slow")):
+            if get(f"rope.scaling.{key}") is not None:
+                out[name] = float(get(f"rope.scaling.{key}"))
+        return out
+    return None
+
+
+def _gemma3(meta: dict[str, Any], get: Any, layers: int, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    """Gemma 3's sliding layers (llama.cpp's rule: a window only when the file gives one; every
+    sixth layer global unless sliding_window_pattern says otherwise), local RoPE base, query
+    scale (the 27B model's is hidden / heads) and final soft cap."""
+    window = int(get("attention.sliding_window", 0) or 0)
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+    if window <= 0:
+        sliding = [False] * layers
+    elif isinstance(pattern, list):
+        sliding = [bool(b) for b in pattern][:layers]
+    else:
+        n = int(pattern)
+        sliding = [n == 0 or (i % n) < n - 1 for i in range(layers)]
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+        "sliding_window": window or None, "rope_local_base_freq": float(get("rope.freq_base_swa", 10000.0)),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+    }
+    if get("final_logit_softcapping"):
+        out["final_logit_softcapping"] = float(get("final_logit_softcapping"))
+    return out

@@ -1,0 +1,130 @@
+"""The family matrix: each family x feature as users' files are made.
+
+A tiny random HF model per row (tests/convert_matrix.py) is saved by transformers and converted by
+llama.cpp's own convert_hf_to_gguf.py to F32 and Q8_0. Then, at positions past 1,000 (so that a
+wrong rotary frequency shows):
+
+  kvcache on the F32 GGUF == kvcache on the HF folder == transformers   (fp32, atol 1e-4)
+  kvcache on the Q8_0 GGUF, its own int8 kernels == transformers on the same Q8_0 weights (dequantized)
+                                                   within the int8 activations' error
+
+Conversions run once per test session, in one child process. Without the unpacked converter
+(`make llama-src`) the module is skipped with that reason.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from convert_matrix import BPE_ROWS, ROWS, convert_all, converter, make_model
+from kvcache.attention.recompute import RecomputeContext
+from kvcache.models.config import ModelConfig
+from kvcache.models.loading import load_weights, model_weights, read_config, resolve_model
+from kvcache.models.registry import build_model
+
+pytestmark = pytest.mark.skipif(converter() is None, reason="llama.cpp's converter is not unpacked: run `make llama-src`")
+START, N = 1200, 24  # positions START .. START + N - 1
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory, monkeypatch_module):
+    """row -> (HF model, folder, F32 GGUF, Q8_0 GGUF), converted once."""
+    monkeypatch_module.setenv("KVCACHE_HOME", str(tmp_path_factory.mktemp("home")))
+    root = tmp_path_factory.mktemp("matrix")
+    bpe = resolve_model(None).path  # the bundled SmolLM2's byte-level BPE tokenizer
+    made, jobs = {}, []
+    for row in ROWS:
+        folder = root / row
+        hf = make_model(row, folder, bpe)
+        f32, q8 = root / f"{row}-f32.gguf", root / f"{row}-q8_0.gguf"
+        jobs += [(folder, "f32", f32), (folder, "q8_0", q8)]
+        made[row] = (hf, folder, f32, q8)
+    convert_all(jobs)
+    return made
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def ids_for(hf) -> torch.Tensor:  # [N] int64
+    top = min(int(hf.config.vocab_size), 300)
+    return torch.randint(3, top, (N,), generator=torch.Generator().manual_seed(7))
+
+
+@torch.inference_mode()
+def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:  # [N, V]
+    pos = torch.arange(START, START + N)[None]
+    return hf(input_ids=ids[None], position_ids=pos, use_cache=False).logits[0].float()
+
+
+@torch.inference_mode()
+def ours(spec: Path, weights: str, ids: torch.Tensor) -> torch.Tensor:  # [N, V]
+    resolved = resolve_model(spec)
+    config = ModelConfig.from_hf(read_config(resolved.path))
+    sd = model_weights(resolved, weights) if resolved.gguf is not None else load_weights(resolved.path)[1]
+    model = build_model(config, sd, weights)
+    pos = torch.arange(START, START + N)
+    return model(ids, pos, RecomputeContext([N], pos, config.layer_windows))
+
+
+def gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_f32_gguf_equals_folder_equals_transformers(matrix, row):
+    hf, folder, f32, _ = matrix[row]
+    ids = ids_for(hf)
+    ref = hf_logits(hf, ids)
+    assert ref.abs().max() > 1.0  # logits far from zero: a real comparison
+    from_folder = ours(folder, "fp32", ids)
+    from_gguf = ours(f32, "fp32", ids)
+    assert gap(from_folder, ref) < ATOL, f"{row}: folder vs transformers {gap(from_folder, ref):.3g}"
+    assert gap(from_gguf, ref) < ATOL, f"{row}: GGUF vs transformers {gap(from_gguf, ref):.3g}"
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_q8_gguf_with_its_int8_kernels_tracks_transformers_on_the_same_weights(matrix, row):
+    hf, _, _, q8 = matrix[row]
+    ids = ids_for(hf)
+    sd = model_weights(resolve_model(q8), "fp32")  # the Q8_0 file's weights, dequantized, HF names
+    hf_q8 = type(hf)(hf.config).float().eval()
+    missing, _ = hf_q8.load_state_dict({k: v for k, v in sd.items() if not k.startswith("model.rope_")}, strict=False)
+    assert not [m for m in missing if "rotary" not in m and m != "lm_head.weight"], missing
+    if "lm_head.weight" in missing:
+        hf_q8.tie_weights()
+    ref = hf_logits(hf_q8, ids)
+    assert gap(ref, hf_logits(hf, ids)) > 1e-3  # the Q8_0 weights really differ from the originals
+    assert gap(ours(q8, "fp32", ids), ref) < ATOL  # the file's weights, dequantized: transformers' logits
+    got = ours(q8, "file", ids)
+    scale = ref.abs().max().item()
+    # int8 activations on a tiny random model: 2-6% of the largest logit at most, 1-3% on average
+    assert gap(got, ref) < 0.08 * scale, f"{row}: {gap(got, ref):.3g}"
+    assert (got - ref).abs().mean() < 0.04 * ref.abs().mean()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+def test_the_matrix_covers_each_feature(matrix):
+    """The rows carry what they are meant to: the converter wrote llama3 scaling as rope_freqs,
+    longrope as factor tensors, yarn and linear as keys, Qwen2's biases, Gemma 3's window."""
+    from kvcache.models.gguf_convert import check_file
+
+    def has(row: str, what: str) -> bool:
+        rep = check_file(matrix[row][2])
+        assert rep.ok, rep.refused
+        return any(what in h for h in rep.honoured)
+
+    assert has("llama3", "rope_freqs") and not has("llama", "rope_freqs")
+    assert has("phi3_longrope", "rope_factors_long") and has("llama_yarn", "rope.scaling.type")
+    assert has("llama_linear", "rope.scaling.factor") and has("qwen2", "attn_q.bias")
+    assert has("gemma3", "sliding_window") and has("qwen3", "attn_q_norm") and has("llama_gqa8", "attn_q.bias")
+    assert BPE_ROWS <= set(ROWS)
