@@ -71,6 +71,9 @@ def hf_config(row: str, vocab: int) -> Any:
                                    query_pre_attn_scalar=16, rope_parameters={
                                        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    if row == "qwen3moe":  # 8 experts, 2 a token, renormalised (llama.cpp's qwen3moe always renormalises)
+        return tf.Qwen3MoeConfig(**c, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                 norm_topk_prob=True, tie_word_embeddings=False)
     if row == "gpt2":
         return tf.GPT2Config(vocab_size=vocab, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=2048, n_ctx=2048,
                              n_inner=4 * HIDDEN, initializer_range=0.15, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -78,9 +81,9 @@ def hf_config(row: str, vocab: int) -> Any:
 
 
 ROWS = ["llama", "llama3", "llama_yarn", "llama_linear", "llama_gqa8", "mistral", "qwen2", "qwen3", "phi3",
-        "phi3_longrope", "gemma3", "gpt2"]
+        "phi3_longrope", "gemma3", "qwen3moe", "gpt2"]
 # rows whose tokenizer is byte-level BPE (the bundled SmolLM2's): the converter needs a known one
-BPE_ROWS = {"gpt2"}
+BPE_ROWS = {"gpt2", "qwen3moe"}  # qwen3moe: the converter reads only a BPE tokenizer for it
 
 
 def spm_tokenizer(folder: Path, vocab: int) -> None:
@@ -142,3 +145,38 @@ def convert_all(jobs: list[tuple[Path, str, Path]]) -> None:
                           text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-3000:]}")
+
+
+def rewrite_gguf(src: Path, dst: Path, *, arch: str | None = None, drop: tuple[str, ...] = (),
+                 add: dict[str, Any] | None = None, add_tensors: dict[str, Any] | None = None) -> Path:
+    """A copy of the F32/F16 GGUF ``src`` as a hostile or damaged file might be: keys renamed to
+    another architecture (``arch``), tensors or keys named in ``drop`` left out, keys ``add``ed
+    (name -> value or (value, GGUFValueType)), tensors ``add_tensors``ed (name -> numpy array)."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(src))
+    old = str(reader.fields["general.architecture"].contents())
+    new = arch or old
+    writer = gguf.GGUFWriter(str(dst), new)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop:
+            continue
+        name = new + key[len(old):] if key.startswith(old + ".") else key
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), vtype, sub)
+    for key, value in (add or {}).items():
+        value, vtype = value if isinstance(value, tuple) else (value, gguf.GGUFValueType.get_type(value))
+        sub = gguf.GGUFValueType.get_type(value[0]) if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, vtype, sub)
+    for t in reader.tensors:
+        if t.name not in drop:
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    for name, arr in (add_tensors or {}).items():
+        writer.add_tensor(name, arr)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGUFValueType
 
 from convert_matrix import BPE_ROWS, ROWS, convert_all, converter, make_model
 from kvcache.attention.recompute import RecomputeContext
@@ -75,6 +76,25 @@ def ours(spec: Path, weights: str, ids: torch.Tensor) -> torch.Tensor:  # [N, V]
     return model(ids, pos, RecomputeContext([N], pos, config.layer_windows))
 
 
+def fused_experts(sd: dict) -> dict:
+    """Per-expert weights (as files and kvcache name them) as transformers holds them in memory:
+    experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I]; RoPE factor tensors left out."""
+    out, experts = {}, {}
+    for k, v in sd.items():
+        if ".mlp.experts." in k:
+            layer, rest = k.split(".mlp.experts.")
+            e, proj = rest.split(".")[:2]
+            experts.setdefault(layer, {}).setdefault(proj, {})[int(e)] = v
+        elif not k.startswith("model.rope_"):
+            out[k] = v
+    for layer, p in experts.items():
+        n = len(p["gate_proj"])
+        out[f"{layer}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat((p["gate_proj"][e], p["up_proj"][e])) for e in range(n)])
+        out[f"{layer}.mlp.experts.down_proj"] = torch.stack([p["down_proj"][e] for e in range(n)])
+    return out
+
+
 def gap(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape
     return (a - b).abs().max().item()
@@ -98,7 +118,7 @@ def test_q8_gguf_with_its_int8_kernels_tracks_transformers_on_the_same_weights(m
     ids = ids_for(hf)
     sd = model_weights(resolve_model(q8), "fp32")  # the Q8_0 file's weights, dequantized, HF names
     hf_q8 = type(hf)(hf.config).float().eval()
-    missing, _ = hf_q8.load_state_dict({k: v for k, v in sd.items() if not k.startswith("model.rope_")}, strict=False)
+    missing, _ = hf_q8.load_state_dict(fused_experts(sd), strict=False)
     assert not [m for m in missing if "rotary" not in m and m != "lm_head.weight"], missing
     if "lm_head.weight" in missing:
         hf_q8.tie_weights()
@@ -127,4 +147,53 @@ def test_the_matrix_covers_each_feature(matrix):
     assert has("phi3_longrope", "rope_factors_long") and has("llama_yarn", "rope.scaling.type")
     assert has("llama_linear", "rope.scaling.factor") and has("qwen2", "attn_q.bias")
     assert has("gemma3", "sliding_window") and has("qwen3", "attn_q_norm") and has("llama_gqa8", "attn_q.bias")
+    assert has("qwen3moe", "ffn_gate_exps") and has("qwen3moe", "expert_used_count")
     assert BPE_ROWS <= set(ROWS)
+
+
+# hostile or damaged files: each refused at load with one line naming the key or tensor
+REFUSALS = [
+    ("qwen2", dict(drop=("blk.0.attn_q.bias",)), "tensor blk.0.attn_q.bias is missing"),
+    ("qwen2", dict(add={"qwen2.logit_scale": 2.0}), "key qwen2.logit_scale is not honoured"),
+    ("llama", dict(add={"llama.attention.head_count": [4, 8]}), "key llama.attention.head_count gives per-layer values"),
+    ("llama", dict(add={"llama.expert_count": 8}), "key llama.expert_count is not honoured (a mixture of experts"),
+    ("llama", dict(add={"llama.rope.scaling.type": "su-weird"}), "key llama.rope.scaling.type is 'su-weird'"),
+    ("qwen3", dict(add_tensors={"blk.1.ffn_gate_inp.weight": "zeros"}), "tensor blk.1.ffn_gate_inp.weight is not honoured"),
+    ("qwen3", dict(drop=("tokenizer.ggml.eos_token_id",), add={"tokenizer.ggml.eos_token_id": 99999}),
+     "key tokenizer.ggml.eos_token_id is 99999, not a token id"),
+    ("llama3", dict(drop=("llama.block_count",), add={"llama.block_count": (4_000_000_000, GGUFValueType.UINT32)}),
+     "key llama.block_count is 4000000000 but the file has tensors for 2 layers"),
+]
+
+
+@pytest.mark.parametrize("row,change,message", REFUSALS, ids=[m.split(" is")[0] for _, _, m in REFUSALS])
+def test_a_file_with_what_kvcache_does_not_honour_is_refused_naming_it(matrix, tmp_path, row, change, message):
+    import numpy as np
+
+    from convert_matrix import rewrite_gguf
+    from kvcache import LLM
+    from kvcache.errors import ModelLoadError
+
+    tensors = {k: np.zeros((4, 64), np.float32) for k in change.get("add_tensors", {})}
+    bad = rewrite_gguf(matrix[row][2], tmp_path / "bad.gguf", **{**change, "add_tensors": tensors})
+    with pytest.raises(ModelLoadError) as e:
+        LLM(str(bad), prefix=False)
+    text = str(e.value)
+    assert message in text and "bad.gguf" in text and "\n" not in text, text
+    assert not list((Path(resolve_home()) / "models").glob(".converting-*"))  # nothing half-written left
+
+
+def resolve_home() -> str:
+    from kvcache.paths import cache_home
+
+    return str(cache_home())
+
+
+def test_an_unchanged_copy_loads(matrix, tmp_path):
+    """The rewriting itself keeps a file whole: the same weights, the same logits."""
+    from convert_matrix import rewrite_gguf
+
+    hf, _, f32, _ = matrix["qwen2"]
+    copy = rewrite_gguf(f32, tmp_path / "copy.gguf")
+    ids = ids_for(hf)
+    assert gap(ours(copy, "fp32", ids), ours(f32, "fp32", ids)) == 0.0
