@@ -197,3 +197,17 @@ def test_an_unchanged_copy_loads(matrix, tmp_path):
     copy = rewrite_gguf(f32, tmp_path / "copy.gguf")
     ids = ids_for(hf)
     assert gap(ours(copy, "fp32", ids), ours(f32, "fp32", ids)) == 0.0
+
+
+def test_models_check_reports_what_is_honoured_and_why_a_file_is_refused(matrix, tmp_path):
+    from conftest import run_kvcache
+    from convert_matrix import rewrite_gguf
+
+    good = run_kvcache("models", "--check", str(matrix["llama3"][2]))
+    assert good.returncode == 0, good.stderr
+    assert "rope_freqs.weight" in good.stdout and "kvcache runs this file" in good.stdout
+    bad = rewrite_gguf(matrix["qwen2"][2], tmp_path / "bad.gguf", drop=("blk.1.attn_v.bias",),
+                       add={"qwen2.embedding_scale": 3.0})
+    out = run_kvcache("models", "--check", str(bad))
+    assert out.returncode == 2
+    assert "tensor blk.1.attn_v.bias is missing" in out.stdout and "key qwen2.embedding_scale" in out.stdout

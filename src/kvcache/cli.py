@@ -130,9 +130,28 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_models(args: argparse.Namespace) -> int:
     from kvcache.models.loading import list_models
 
+    if args.check:
+        return check_model_file(args.check)
     for row in list_models():
         print(row)
     return 0
+
+
+def check_model_file(spec: str) -> int:
+    """`kvcache models --check FILE`: what a GGUF is, what kvcache honours, why it refuses it (exit 2)."""
+    from pathlib import Path
+
+    from kvcache.errors import ModelLoadError
+    from kvcache.models.bundled import BUNDLED, bundled_path
+    from kvcache.models.gguf_convert import check_file
+
+    path = bundled_path(spec) if spec in BUNDLED else Path(spec).expanduser()
+    if not path.is_file():
+        raise ModelLoadError(f"{spec}: no such GGUF file")
+    report = check_file(path)
+    for line in report.lines(path.name):
+        print(line)
+    return 0 if report.ok else 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,7 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue a conversation saved with --save (its KV cache is loaded, not recomputed)")
     c.set_defaults(func=cmd_chat)
 
-    m = sub.add_parser("models", help="list the bundled and converted models")
+    m = sub.add_parser("models", help="list the bundled and converted models; --check FILE: what kvcache makes of a GGUF")
+    m.add_argument("--check", default=None, metavar="FILE",
+                   help="report every key and tensor of a GGUF file (or a bundled model's name): honoured, of no "
+                        "effect, or the reason the file is refused (exit 2 when it is)")
     m.set_defaults(func=cmd_models)
 
     from kvcache.server.cli import add_serve_parser

@@ -94,6 +94,21 @@ class Report:
     def ok(self) -> bool:
         return not self.refused
 
+    def lines(self, name: str) -> list[str]:
+        """The report as `kvcache models --check` prints it."""
+        keys = [h for h in self.honoured if not h.startswith("tensor ")]
+        tensors = [h[len("tensor "):] for h in self.honoured if h.startswith("tensor ")]
+        out = [f"{name}: architecture {self.arch or '(none)'}",
+               f"honoured keys ({len(keys)}): {', '.join(keys) or '-'}",
+               f"honoured tensors ({len(tensors)} kinds): {', '.join(tensors) or '-'}",
+               f"keys with no effect on the outputs ({len(self.no_effect)}): {', '.join(self.no_effect) or '-'}"]
+        if self.ok:
+            out.append("verdict: every key and tensor is honoured or has no effect; kvcache runs this file")
+        else:
+            out.append(f"verdict: refused ({len(self.refused)} reasons):")
+            out.extend(f"  - {r}" for r in self.refused)
+        return out
+
 
 def check(meta: dict[str, Any], tensors: list[tuple[str, tuple[int, ...]]], n_vocab: int | None) -> Report:
     """Sort every key of ``meta`` (plain values; token lists may be absent) and every tensor

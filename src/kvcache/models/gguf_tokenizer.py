@@ -53,14 +53,17 @@ def write_tokenizer(gguf_path: Path, meta: dict[str, Any], out_dir: Path) -> Non
         "bos_token": tok.convert_ids_to_tokens(int(bos_id)) if bos_id is not None else None,
         "eos_token": tok.convert_ids_to_tokens(int(eos_id)) if eos_id is not None else None,
         "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "eos_token_ids": _end_of_turn_ids(tok, eos_id),
+        "eos_token_ids": _end_of_turn_ids(tok, eos_id, [meta.get("tokenizer.ggml.eot_token_id"),
+                                                        meta.get("tokenizer.ggml.eom_token_id")]),
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def _end_of_turn_ids(tok: Any, eos_id: Any) -> list[int]:
-    """EOS plus the chat templates' end-of-turn tokens that exist in this vocabulary."""
+def _end_of_turn_ids(tok: Any, eos_id: Any, file_ids: list[Any]) -> list[int]:
+    """EOS, the file's end-of-turn and end-of-message ids, and the chat templates' end-of-turn
+    tokens that exist in this vocabulary."""
     ids = [int(eos_id)] if eos_id is not None else []
+    ids += [int(i) for i in file_ids if i is not None and int(i) not in ids]
     vocab = tok.get_vocab()
     for name in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>"):
         if name in vocab and vocab[name] not in ids:
