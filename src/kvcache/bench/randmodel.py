@@ -218,7 +218,10 @@ def make(shape_text: str, ftypes: list[str], seed: int = 0, llama_bin: Path | No
     missing. Raises ShapeError for bad text, RuntimeError when llama-quantize is missing or fails."""
     from kvcache.bench.llamabench import convert, tool
 
-    name, shape = parse_shape(shape_text)
+    from kvcache.bench.randmoe import moe_shape, write_f16 as write_moe_f16
+
+    moe = moe_shape(shape_text)  # a qwen3moe shape (bench/randmoe.py), or None
+    name, shape = (shape_text.strip().lower(), moe) if moe is not None else parse_shape(shape_text)
     wanted = [f.strip().upper() for f in ftypes if f.strip()]
     for f in wanted:
         if not re.fullmatch(r"[A-Z0-9_]+", f):
@@ -231,7 +234,7 @@ def make(shape_text: str, ftypes: list[str], seed: int = 0, llama_bin: Path | No
         raise RuntimeError(f"no llama-quantize in {where}: build it with `make llamacpp` or pass --llama-cpp-bin DIR")
     f16 = d / f"{name}-{seed}-F16.gguf"
     if (todo or "F16" in wanted) and not f16.is_file():
-        write_f16(shape, f16, seed, name, progress)
+        (write_f16 if moe is None else write_moe_f16)(shape, f16, seed, name, progress)  # type: ignore[arg-type]
     for f in todo:
         why = convert(where, f16, f, path[f])
         if why is not None:
@@ -239,11 +242,18 @@ def make(shape_text: str, ftypes: list[str], seed: int = 0, llama_bin: Path | No
     return [path[f] for f in wanted]
 
 
+def _moe_names() -> list[str]:
+    from kvcache.bench.randmoe import MOE_SHAPES
+
+    return list(MOE_SHAPES)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvcache.bench.randmodel", description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="1b", help=f"{', '.join(SHAPES)}, or e.g. "
                    "'hidden=2048,layers=16,heads=32,kv_heads=8,ffn=8192' (also head_dim, rope_theta, context, "
-                   "eps, tied), or a named shape with overrides: '1b,layers=4'")
+                   "eps, tied), or a named shape with overrides: '1b,layers=4'; mixture-of-experts "
+                   "(qwen3moe) shapes: " + ", ".join(_moe_names()))
     p.add_argument("--ftype", default="Q4_0", help="comma-separated llama-quantize ftypes (F16: no quantizing)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--llama-cpp-bin", default=None, metavar="DIR")

@@ -1,0 +1,162 @@
+"""Mixture-of-experts benchmark models: ``qwen3moe`` GGUFs with random weights and a real tokenizer.
+
+The sparse sibling of bench/randmodel.py (which calls in here for the shapes named in
+``MOE_SHAPES``): ``write_f16`` writes an F16 GGUF of architecture ``qwen3moe``, as llama.cpp's
+converter lays out a Qwen3-MoE checkpoint: Qwen3's attention with per-head ``attn_q_norm`` and
+``attn_k_norm`` [head_dim] (F32), the router ``ffn_gate_inp`` [E, H] in F32, and each layer's
+experts as three 3-D tensors ``ffn_gate_exps`` / ``ffn_up_exps`` [E, I, H] and ``ffn_down_exps``
+[E, H, I] in F16. Weights are normal(0, 0.02), norms all ones, the tokenizer the bundled SmolLM2's.
+A 3-D tensor is generated and written one expert at a time, so memory stays at one expert's matrix
+whatever the model's size. ``randmodel.make`` then quantizes the file with ``llama-quantize``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvcache.bench.randmodel import STD, _random
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """A qwen3moe shape (every layer sparse, no shared expert)."""
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    used: int  # experts per token
+    expert_ffn: int
+    ffn: int = 0  # the file's feed_forward_length key (unused by a fully sparse model; 0: expert_ffn)
+    rope_theta: float = 1000000.0
+    context: int = 8192
+    eps: float = 1e-6
+    tied: bool = False
+
+
+MOE_SHAPES: dict[str, MoeShape] = {
+    # Qwen3-30B-A3B's shapes, 12 of its 48 layers
+    "qwen3-30b-a3b-12l": MoeShape(2048, 12, 32, 4, 128, 128, 8, 768, ffn=6144),
+    # the same with 2 layers (a quick load check)
+    "qwen3-30b-a3b-2l": MoeShape(2048, 2, 32, 4, 128, 128, 8, 768, ffn=6144),
+}
+
+
+def moe_shape(text: str) -> MoeShape | None:
+    """The MoE shape ``text`` names, or None when it names none."""
+    return MOE_SHAPES.get(text.strip().lower())
+
+
+def tensors(s: MoeShape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
+    """GGUF tensor names and numpy shapes in llama.cpp's order."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    e, i, h = s.experts, s.expert_ffn, s.hidden
+    out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (vocab, h))]
+    for n in range(s.layers):
+        b = f"blk.{n}."
+        out += [(b + "attn_norm.weight", (h,)), (b + "attn_q.weight", (q, h)), (b + "attn_k.weight", (kv, h)),
+                (b + "attn_v.weight", (kv, h)), (b + "attn_q_norm.weight", (s.head_dim,)),
+                (b + "attn_k_norm.weight", (s.head_dim,)), (b + "attn_output.weight", (h, q)),
+                (b + "ffn_norm.weight", (h,)), (b + "ffn_gate_inp.weight", (e, h)),
+                (b + "ffn_gate_exps.weight", (e, i, h)), (b + "ffn_up_exps.weight", (e, i, h)),
+                (b + "ffn_down_exps.weight", (e, h, i))]
+    out.append(("output_norm.weight", (h,)))
+    if not s.tied:
+        out.append(("output.weight", (vocab, h)))
+    return out
+
+
+def _dtype(name: str, shape: tuple[int, ...]) -> type:
+    return np.float32 if len(shape) == 1 or name.endswith("ffn_gate_inp.weight") else np.float16
+
+
+def _write_chunked(w, shape: tuple[int, ...], rng: np.random.Generator, done: Callable[[int], object]) -> None:
+    """Write the next tensor of ``w`` (a 3-D F16 one) one [rows, cols] slice at a time: what
+    GGUFWriter.write_tensor_data does for a whole array, without holding it."""
+    fout = next(f for f, t in zip(w.fout, w.tensors) if t)
+    tensors = w.tensors[w.fout.index(fout)]
+    info = tensors.pop(next(iter(tensors)))
+    assert info.nbytes == int(np.prod(shape)) * 2
+    w.write_padding(fout, fout.tell())
+    for _ in range(shape[0]):
+        _random(shape[1:], rng, done).tofile(fout)
+    w.write_padding(fout, info.nbytes)
+    from gguf.gguf_writer import WriterState
+
+    w.state = WriterState.WEIGHTS
+
+
+def write_f16(shape: MoeShape, out: Path, seed: int = 0, name: str = "random", progress: bool = True) -> Path:
+    """Write ``shape`` with random weights as a qwen3moe F16 GGUF at ``out``; returns ``out``."""
+    import gguf
+    from tqdm import tqdm
+
+    from kvcache.models.bundled import default_gguf
+
+    src = gguf.GGUFReader(str(default_gguf()), "r")
+    tok = {k: f for k, f in src.fields.items() if k.startswith("tokenizer.")}
+    vocab = len(tok["tokenizer.ggml.tokens"].data)
+    tmp = out.with_name(out.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), "qwen3moe")
+    w.add_type("model")
+    w.add_name(f"kvcache random {name} (seed {seed})")
+    w.add_description("random weights (normal, std 0.02) with SmolLM2's tokenizer: for speed benchmarks only")
+    w.add_vocab_size(vocab)
+    w.add_context_length(shape.context)
+    w.add_embedding_length(shape.hidden)
+    w.add_block_count(shape.layers)
+    w.add_feed_forward_length(shape.ffn or shape.expert_ffn)
+    w.add_head_count(shape.heads)
+    w.add_head_count_kv(shape.kv_heads)
+    w.add_key_length(shape.head_dim)
+    w.add_value_length(shape.head_dim)
+    w.add_rope_freq_base(shape.rope_theta)
+    w.add_layer_norm_rms_eps(shape.eps)
+    w.add_expert_count(shape.experts)
+    w.add_expert_used_count(shape.used)
+    w.add_expert_feed_forward_length(shape.expert_ffn)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, f in tok.items():
+        vtype = f.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1])
+        else:
+            w.add_key_value(key, f.contents(), vtype)
+    plan = tensors(shape, vocab)
+    for tname, tshape in plan:
+        dt = np.dtype(_dtype(tname, tshape))
+        w.add_tensor_info(tname, tshape, dt, int(np.prod(tshape)) * dt.itemsize)
+    del src
+    total = sum(int(np.prod(t)) * np.dtype(_dtype(n, t)).itemsize for n, t in plan if len(t) > 1)
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        with tqdm(total=total, unit="B", unit_scale=True, desc=out.name, disable=not progress) as bar:
+            for i, (tname, tshape) in enumerate(plan):
+                rng = np.random.default_rng([seed, i])  # each tensor its own stream
+                if len(tshape) == 3:
+                    _write_chunked(w, tshape, rng, bar.update)
+                    continue
+                if len(tshape) == 1:
+                    a = np.ones(tshape, np.float32)
+                elif _dtype(tname, tshape) is np.float32:
+                    a = rng.standard_normal(tshape, dtype=np.float32) * np.float32(STD)
+                    bar.update(a.nbytes)
+                else:
+                    a = _random(tshape, rng, bar.update)
+                w.write_tensor_data(a)
+                del a
+        w.close()
+    except BaseException:
+        w.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    tmp.replace(out)
+    return out
