@@ -371,3 +371,21 @@ def test_a_shared_expert_tensor_is_refused() -> None:
     sd["model.layers.0.mlp.shared_expert.gate_proj.weight"] = torch.zeros(32, 64)
     with pytest.raises(UnsupportedArchitecture, match="shared expert"):
         build_model(config, sd)
+
+
+def test_a_random_qwen3moe_benchmark_file_loads_and_generates(tmp_path) -> None:
+    """bench/randmoe.py's writer gives a qwen3moe GGUF kvcache loads as Qwen3-MoE (3-D expert
+    tensors as per-expert weights, q/k norms, the router) and generates from."""
+    from kvcache.bench.randmoe import MoeShape, write_f16
+    from kvcache.engine.params import SamplingParams
+    from kvcache.models.qwen3moe import Qwen3MoeForCausalLM
+
+    shape = MoeShape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=8, used=2, expert_ffn=32)
+    path = write_f16(shape, tmp_path / "moe.gguf", progress=False)
+    llm = LLM(str(path), prefix=False)
+    assert isinstance(llm.model, Qwen3MoeForCausalLM)
+    spec = llm.model.spec
+    assert (spec.num_experts, spec.top_k, spec.expert_size, spec.norm_topk) == (8, 2, 32, True)
+    assert len(llm.model.layers) == 2 and len(llm.model.layers[0].experts) == 8
+    out = llm.generate([[5, 17, 42]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4

@@ -144,17 +144,18 @@ def moe_block(x: torch.Tensor, h: torch.Tensor, router: Router, experts: nn.Modu
     k = weights.shape[1]
     flat = chosen.reshape(-1)  # [N K]: slot r * K + j is row r's j-th choice
     order = torch.argsort(flat, stable=True)  # [N K] slots grouped by expert
-    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    used, counts = torch.unique_consecutive(flat[order], return_counts=True)  # the chosen experts only
+    rows = torch.div(order, k, rounding_mode="floor")  # [N K]: the row of each grouped slot
     ys = torch.empty(n * k, hidden)  # [N K, H]: each slot's expert output
     start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
+    for e, c in zip(used.tolist(), counts.tolist()):
         slots = order[start : start + c]  # [c]
+        y = experts[e](h if n == 1 else h.index_select(0, rows[start : start + c]), act)  # [c, H]
+        ys.index_copy_(0, slots, y)
         start += c
-        ys[slots] = experts[e](h[torch.div(slots, k, rounding_mode="floor")], act)
     ys = ys.view(n, k, hidden)
     out = ys[:, 0] * weights[:, :1]  # [N, H]
+    tmp = torch.empty_like(out)
     for j in range(1, k):
-        out += ys[:, j] * weights[:, j : j + 1]
+        out += torch.mul(ys[:, j], weights[:, j : j + 1], out=tmp)
     x += out
