@@ -138,10 +138,18 @@ def moe_block(x: torch.Tensor, h: torch.Tensor, router: Router, experts: nn.Modu
               act: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """x [N, H] += sum over each row's chosen experts e_j (j in top-k order) of w_j * e_j(h), with
     h [N, H] the normed rows the router and the experts read. Rows are grouped by expert: each
-    chosen expert runs once, over all the rows that chose it."""
+    chosen expert runs once, over all the rows that chose it. A single row (a decode step) runs its
+    experts in its top-k order and sums them as the grouped path does: the same bits."""
     n, hidden = h.shape
     weights, chosen = router(h)  # [N, K] each
     k = weights.shape[1]
+    if n == 1:  # a decode step: the row's experts in its top-k order, no grouping to do
+        out = None
+        for j, e in enumerate(chosen[0].tolist()):
+            y = experts[e](h, act) * weights[:, j : j + 1]  # [1, H]
+            out = y if out is None else out.add_(y)
+        x += out
+        return
     flat = chosen.reshape(-1)  # [N K]: slot r * K + j is row r's j-th choice
     order = torch.argsort(flat, stable=True)  # [N K] slots grouped by expert
     used, counts = torch.unique_consecutive(flat[order], return_counts=True)  # the chosen experts only
@@ -150,7 +158,7 @@ def moe_block(x: torch.Tensor, h: torch.Tensor, router: Router, experts: nn.Modu
     start = 0
     for e, c in zip(used.tolist(), counts.tolist()):
         slots = order[start : start + c]  # [c]
-        y = experts[e](h if n == 1 else h.index_select(0, rows[start : start + c]), act)  # [c, H]
+        y = experts[e](h.index_select(0, rows[start : start + c]), act)  # [c, H]
         ys.index_copy_(0, slots, y)
         start += c
     ys = ys.view(n, k, hidden)
