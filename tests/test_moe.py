@@ -373,13 +373,14 @@ def test_a_shared_expert_tensor_is_refused() -> None:
         build_model(config, sd)
 
 
-def test_a_random_qwen3moe_benchmark_file_loads_and_generates(tmp_path) -> None:
+def test_a_random_qwen3moe_benchmark_file_loads_and_generates(tmp_path, monkeypatch) -> None:
     """bench/randmoe.py's writer gives a qwen3moe GGUF kvcache loads as Qwen3-MoE (3-D expert
     tensors as per-expert weights, q/k norms, the router) and generates from."""
     from kvcache.bench.randmoe import MoeShape, write_f16
     from kvcache.engine.params import SamplingParams
     from kvcache.models.qwen3moe import Qwen3MoeForCausalLM
 
+    monkeypatch.setenv("KVCACHE_HOME", str(tmp_path / "home"))  # the repacked weights' cache
     shape = MoeShape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=8, used=2, expert_ffn=32)
     path = write_f16(shape, tmp_path / "moe.gguf", progress=False)
     llm = LLM(str(path), prefix=False)
