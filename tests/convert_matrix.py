@@ -94,7 +94,7 @@ def spm_tokenizer(folder: Path, vocab: int) -> None:
     lines = [f"the cache holds keys and values of token {i} at position {i * 7}" for i in range(200)]
     lines += ["def main(): return sum(range(10)) + len('kvcache')", "Les modèles lisent le texte. Été, déjà."]
     spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(folder / "tokenizer"),
-                                   vocab_size=vocab, model_type="bpe", character_coverage=1.0,
+                                   vocab_size=vocab, model_type="bpe", character_coverage=1.0, byte_fallback=True,
                                    bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2)
     (folder / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True, "add_eos_token": False,
                                                             "tokenizer_class": "LlamaTokenizer"}))
@@ -113,7 +113,7 @@ def make_model(row: str, folder: Path, bpe_dir: Path) -> Any:
             shutil.copy(bpe_dir / f, folder / f)
         vocab = len(json.loads((bpe_dir / "tokenizer.json").read_text())["model"]["vocab"])
     else:
-        vocab = 320
+        vocab = 512  # 256 byte pieces (llama.cpp needs the byte fallback for unseen characters) and 256 more
         spm_tokenizer(folder, vocab)
     torch.manual_seed(sum(map(ord, row)))
     model = AutoModelForCausalLM.from_config(hf_config(row, vocab), attn_implementation="eager").float().eval()

@@ -211,3 +211,45 @@ def test_models_check_reports_what_is_honoured_and_why_a_file_is_refused(matrix,
     out = run_kvcache("models", "--check", str(bad))
     assert out.returncode == 2
     assert "tensor blk.1.attn_v.bias is missing" in out.stdout and "key qwen2.embedding_scale" in out.stdout
+
+
+def llama_cpp_bin() -> Path | None:
+    import os
+
+    from convert_matrix import ROOT
+
+    for d in (os.environ.get("KVCACHE_LLAMA_CPP_BIN"), ROOT / ".venv" / "llama.cpp" / "bin"):
+        if d and (Path(d) / "llama-perplexity").is_file():
+            return Path(d)
+    return None
+
+
+# llama.cpp cannot read the tiny SentencePiece vocabulary as a phi3 one (it looks up Phi-3's own
+# special tokens), so the phi3 rows have no peer here
+PPL_ROWS = [r for r in ROWS if not r.startswith("phi3")]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(llama_cpp_bin() is None, reason="llama-perplexity is not built (make llamacpp, then "
+                    "cmake --build .venv/llama.cpp/build --target llama-perplexity)")
+@pytest.mark.parametrize("row", PPL_ROWS)
+def test_q8_perplexity_beside_llama_cpp_on_the_same_file(matrix, row):
+    """The Q8_0 file through kvcache's own tokenizer and int8 kernels against llama-perplexity on the
+    same file and text (llama.cpp's chunks: 4 x 128 tokens, the second half of each scored)."""
+    import inspect
+    import textwrap
+
+    from kvcache import LLM
+    from kvcache.eval.cli_weights import llama_perplexity
+    from kvcache.eval.weights import chunks, perplexity
+
+    q8 = str(matrix[row][3])
+    text = inspect.getsource(textwrap)  # a text no row was trained or tuned on
+    llm = LLM(q8, prefix=False)
+    probe = llm.tokenizer.encode("a")
+    bos = llm.tokenizer.bos_token_id if probe and probe[0] == llm.tokenizer.bos_token_id else None
+    parts = chunks(llm.encode(text), 128, 4, bos)
+    ours_ppl = perplexity(llm, parts)
+    peer, note = llama_perplexity(str(llama_cpp_bin()), q8, text, 128, len(parts), 2)
+    assert peer is not None, note
+    assert abs(ours_ppl / peer - 1) < 0.005, f"{row}: kvcache {ours_ppl:.4f}, llama.cpp {peer:.4f}"
