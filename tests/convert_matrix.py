@@ -51,8 +51,8 @@ def hf_config(row: str, vocab: int) -> Any:
     if row == "llama_gqa8":  # 8 query heads sharing one KV head, head_dim != hidden / heads
         return tf.LlamaConfig(**{**c, "num_attention_heads": 8, "num_key_value_heads": 1}, head_dim=16,
                               attention_bias=True, tie_word_embeddings=False)
-    if row == "mistral":
-        return tf.MistralConfig(**c, head_dim=32, sliding_window=None)
+    if row == "mistral":  # GQA 4:1; the converter writes Mistral as llama and drops a sliding window
+        return tf.MistralConfig(**{**c, "num_attention_heads": 8}, head_dim=32, sliding_window=None)
     if row == "qwen2":
         return tf.Qwen2Config(**{**c, "num_key_value_heads": 4}, tie_word_embeddings=False)
     if row == "qwen3":

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-STD = 0.02  # weight std; norms are 1.0
-_CHUNK = 1 << 22  # values generated per step
+from kvcache.bench.randweights import STD, random_f16 as _random  # noqa: F401
+
 
 
 @dataclass(frozen=True)
@@ -122,17 +122,6 @@ def _tensors(s: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
     if not s.tied:
         out.append(("output.weight", (vocab, s.hidden)))
     return out
-
-
-def _random(shape: tuple[int, ...], rng: np.random.Generator, done: Callable[[int], object]) -> np.ndarray:
-    """normal(0, STD) in float16, made in chunks of rows so no float32 copy of the whole exists."""
-    a = np.empty(shape, dtype=np.float16)
-    rows = max(1, _CHUNK // shape[1])
-    for r in range(0, shape[0], rows):
-        chunk = a[r:r + rows]
-        chunk[...] = rng.standard_normal(chunk.shape, dtype=np.float32) * STD
-        done(chunk.nbytes)
-    return a
 
 
 def write_f16(shape: Shape, out: Path, seed: int = 0, name: str = "random", progress: bool = True) -> Path:

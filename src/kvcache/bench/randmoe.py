@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcache.bench.randmodel import STD, _random
+from kvcache.bench.randweights import STD, random_f16 as _random
 
 
 @dataclass(frozen=True)

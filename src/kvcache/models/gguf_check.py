@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcache.errors import UnsupportedArchitecture
-from kvcache.models.gguf_names import expected_tensors
+from kvcache.models.gguf_names import SUPPORTED, expected_tensors
 
 # Keys that only describe the file: provenance, licence, how it was quantized, sampling defaults a
 # client may read, the header (GGUF.*). None changes a logit. (general.alignment is honoured by the reader.)
@@ -113,8 +113,6 @@ class Report:
 def check(meta: dict[str, Any], tensors: list[tuple[str, tuple[int, ...]]], n_vocab: int | None) -> Report:
     """Sort every key of ``meta`` (plain values; token lists may be absent) and every tensor
     ``(name, numpy-order shape)`` of a file into honoured, no effect and refused."""
-    from kvcache.models.gguf_convert import SUPPORTED
-
     arch = str(meta.get("general.architecture", ""))
     rep = Report(arch)
     if arch not in SUPPORTED:

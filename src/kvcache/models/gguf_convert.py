@@ -20,11 +20,10 @@ import torch
 
 from kvcache.errors import ModelLoadError, UnsupportedArchitecture
 from kvcache.models.gguf_config import hf_config_from_meta
-from kvcache.models.gguf_names import hf_tensor_name
+from kvcache.models.gguf_names import SUPPORTED, hf_tensor_name
 from kvcache.models.gguf_tensor import GGUFTensor
 from kvcache.kernels.qweight import FORMAT_OF
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt2")
 
 
 def open_gguf(path: Path):  # -> gguf.GGUFReader

@@ -33,6 +33,7 @@ _GPT2_BLOCK = {
     "ffn_up": "mlp.c_fc",
     "ffn_down": "mlp.c_proj",
 }
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt2")  # GGUF architectures
 _MOE = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
         "ffn_up_exps": "mlp.experts.{e}.up_proj", "ffn_down_exps": "mlp.experts.{e}.down_proj"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
