@@ -178,8 +178,6 @@ def test_the_chat_template_renders_transformers_token_ids(qwen, hf_tok):
 
 
 @real
-@pytest.mark.xfail(strict=True, reason="kvcache's template environment uses jinja2's tojson (sorted keys, "
-                                        "HTML-escaped <>&'), transformers' writes JSON as given")
 def test_the_chat_template_with_tools_renders_transformers_token_ids(qwen, hf_tok):
     msgs = [{"role": "user", "content": "Run the tests in tests/."}]
     text = qwen.tokenizer.apply_chat_template(msgs, True, tools=TOOLS)

@@ -187,9 +187,10 @@ def model_fingerprint(path: Path) -> str:
 def list_models() -> list[str]:
     """Rows for `kvcache models`: bundled models, then converted ones in the cache."""
     rows = ["bundled:"]
+    width = max(len(name) for name in BUNDLED)
     for name, desc in BUNDLED.items():
         mark = "installed" if is_installed(name) else "not installed"
-        rows.append(f"  {name:<14} {desc} [{mark}]{'  (default)' if name == DEFAULT else ''}")
+        rows.append(f"  {name:<{width}} {desc} [{mark}]{'  (default)' if name == DEFAULT else ''}")
     rows.append(f"converted ({cache_home() / 'models'}):")
     found = False
     for d in sorted((cache_home() / "models").glob("*/kvcache.json")):

@@ -73,7 +73,11 @@ class Tokenizer:
         if self._template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            # as transformers renders templates (the models' training format): its tojson (keys in
+            # the order given, characters unescaped), loop controls, raise_exception, strftime_now
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(self.chat_template)
@@ -89,6 +93,15 @@ def _token_text(tok: Any) -> str | None:
     if isinstance(tok, dict):
         return tok.get("content")
     return tok
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """transformers' tojson filter: JSON with the keys in their order, non-ASCII and <>&' as they
+    are (Jinja's own sorts keys and escapes them for HTML)."""
+    import json
+
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise(message: str) -> None:
