@@ -239,6 +239,30 @@ def test_q8_experts_stay_close_to_fp32(folder) -> None:
     assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) >= 0.9
 
 
+@needs_kernels
+def test_a_quantized_expert_runs_in_one_native_call_with_each_rows_own_bits(folder) -> None:
+    """kv_q_expert (gate_up, SiLU, down in one call): a row alone, among 16, or among 3 gives the
+    same bits; and it computes what the two products with torch's SiLU between them compute, within
+    the int8 rounding of the activations."""
+    from kvcache.kernels.qweight import expert_mlp
+    from kvcache.models.layers import linear
+
+    path, _ = folder("norm")
+    q8 = LLM(str(path), weights="q8", prefix=False)
+    h = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+    for e in q8.model.layers[0].experts:
+        y = expert_mlp(h, e.gate_up, e.down, 0)
+        assert y is not None and y.shape == (16, 64)
+        assert torch.equal(expert_mlp(h[5:6], e.gate_up, e.down, 0), y[5:6])
+        assert torch.equal(expert_mlp(h[[9, 2, 14]].contiguous(), e.gate_up, e.down, 0), y[[9, 2, 14]])
+        i = e.size
+        gu = linear(h, e.gate_up)
+        two_calls = linear(torch.nn.functional.silu(gu[:, :i]) * gu[:, i:2 * i], e.down)[:, :64]
+        assert 0 < float((y - two_calls).abs().max()) < 0.02 * float(two_calls.abs().max())
+        assert torch.equal(e(h, q8.model.act), y)  # the expert takes the native call
+    assert expert_mlp(h, q8.model.layers[0].experts[0].gate_up, q8.model.layers[0].experts[0].down, None) is None
+
+
 def _gguf_state(hf: Any, folder_: Path, ggml: int) -> dict[str, Any]:
     """The HF model's weights as the GGUF loader gives them under ``file``: every expert's
     matrices (and attention's) quantized to ``ggml`` blocks in a file, left there as GGUFTensors;

@@ -579,6 +579,33 @@ KV_HIDDEN int mlp_valid(const QProj *gu, const QW *dn, int H, int I, int act) {
            (act == 0 || act == 1) && I % VL == 0;
 }
 
+/* One expert of a mixture in one call: y = down(act(gate) * up), [gate | up] = the gate_up projection
+ * of x as it is (no norm: the rows come normed). x [n, H] rows ldx apart, y [n, H] overwritten. The
+ * steps of kv_q_mlp in its order, each row's alone: a row's y is the same bits among any rows.
+ * Returns 0, 1 for bad arguments, 4 when scratch memory cannot be had. */
+int kv_q_expert(int n, int H, int I, const float *x, int64_t ldx, const int64_t *gu, const int64_t *dn, int act,
+                float *y, int n_threads) {
+    const QProj g = proj_of(gu, H), d = proj_of(dn, I);
+    if (n < 1 || d.n != 1 || !mlp_valid(&g, &d.p[0], H, I, act) || ldx < H || n_threads < 1) return 1;
+    char *buf = scratch_take(mlp_bytes(n, H, I, 0));
+    if (buf == NULL) return 4;
+    const Mlp m = mlp_at(buf, n, H, I, &g, &d.p[0], NULL, -1.f, proj_bias(gu), proj_bias(dn), act, NULL, 0.f);
+#pragma omp parallel num_threads(n_threads)
+    {
+#pragma omp for schedule(static)
+        for (int r = 0; r < n; r++) act_row(&m.a, r, H, x, ldx, NULL, -1.f);
+        mm_proj(&m.gu, n, &m.a, m.gu_b, NULL, m.h, 2 * I, 0);
+#pragma omp for schedule(static)
+        for (int r = 0; r < n; r++) {
+            float *hr = m.h + (size_t)r * 2 * I;
+            glu_row(m.act, I, hr);
+            act_row(&m.b, r, I, m.h, 2 * I, NULL, -1.f);
+        }
+        mm_rows(&m.dn, n, &m.b, m.dn_b, NULL, y, H, 0);
+    }
+    return 0;
+}
+
 /* A gated MLP in one call: x (+)= post_norm(down(act(gate) * up)), where [gate | up] = the gate_up
  * projection of (x * g_in / rms(x)) (eps >= 0; a folded RMSNorm) and post_norm is an RMSNorm with
  * weight post_w (Gemma 3's post-feedforward norm) or nothing (post_w NULL). x [n, H], rows ldx apart;

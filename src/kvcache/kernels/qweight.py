@@ -301,6 +301,27 @@ def fused_mlp(x: torch.Tensor, gate_up: object, down: object, act: int | None, e
     return True
 
 
+def expert_mlp(h: torch.Tensor, gate_up: object, down: object, act: int | None) -> torch.Tensor | None:
+    """down(act(gate) * up) of [gate | up] = gate_up(h), h [n, H] taken as it is (no norm) -> [n, H], in
+    one native call (kernels/qgemm.c kv_q_expert) when both weights are quantized and the activation
+    has a kernel; None: not done here. A row's result does not depend on the other rows."""
+    if act is None:
+        return None
+    (pg, gu), (pd, dn) = _projection(gate_up, None), _projection(down, None)
+    if (gu is None or dn is None or len(pd) != 1 or h.dtype != torch.float32 or h.dim() != 2 or not h.is_cpu
+            or h.stride(1) != 1 or h.shape[1] != gate_up.k  # type: ignore[attr-defined]
+            or down.out != gate_up.k or 2 * down.k != gate_up.out):  # type: ignore[attr-defined]
+        return None
+    y = torch.empty(h.shape[0], down.out)  # type: ignore[attr-defined]
+    rc = _lib().kv_q_expert(h.shape[0], pg[0].k, pd[0].k, h.data_ptr(), h.stride(0), gu.data_ptr(), dn.data_ptr(),
+                            act, y.data_ptr(), torch.get_num_threads())
+    if rc == 4:
+        raise MemoryError("the quantized expert could not allocate its activation buffers")
+    if rc:
+        raise RuntimeError(f"the quantized expert kernel refused its inputs ({rc})")
+    return y
+
+
 def attn_block(x: torch.Tensor, weights: tuple, heads: tuple[int, int, int], cos: torch.Tensor, sin: torch.Tensor,
                qk_norm: torch.Tensor | None, eps: float, scale: float, post_norm: torch.Tensor | None,
                flat: torch.Tensor, page_size: int, slots: torch.Tensor,

@@ -32,6 +32,9 @@ _TABLE = (
         ("n", "int"), ("H", "int"), ("I", "int"), ("x", "float *"), ("ldx", "int64_t"), ("g_in", "const float *"),
         ("eps", "float"), ("gu", "const int64_t *"), ("dn", "const int64_t *"), ("act", "int"),
         ("post_w", "const float *"), ("post_eps", "float"), ("n_threads", "int"))),
+    Signature("qgemm", "kv_q_expert", "int", (
+        ("n", "int"), ("H", "int"), ("I", "int"), ("x", "const float *"), ("ldx", "int64_t"),
+        ("gu", "const int64_t *"), ("dn", "const int64_t *"), ("act", "int"), ("y", "float *"), ("n_threads", "int"))),
     # qamx.c: whether the products of many rows use AMX tiles here, and why
     Signature("qgemm", "kv_amx_status", "const char *", ()),
     # qpack.c: repacking GGUF blocks, dequantizing rows

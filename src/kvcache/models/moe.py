@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from kvcache.errors import UnsupportedArchitecture
+from kvcache.kernels.qweight import expert_mlp
 from kvcache.models.config import ModelConfig
 from kvcache.models.layers import linear, pack
 from kvcache.models.weights import Part, as_fp32, projection
@@ -92,15 +93,20 @@ class Router(nn.Module):
 class Expert(nn.Module):
     """One expert: down(act(gate(h)) * up(h)), gate and up fused into one projection."""
 
-    def __init__(self, gate_up: list[Part], down: Part, mode: str, size: int) -> None:
+    def __init__(self, gate_up: list[Part], down: Part, mode: str, size: int, act_kernel: int | None = None) -> None:
         super().__init__()
         self.size = size
         self.gate_up = projection(gate_up, None, mode)  # [k, H, 2I / k] packed, or a QWeight [2I, H]
         self.down = projection([down], None, mode)  # [k, I, H / k] packed, or a QWeight [H, I]
+        self.act_kernel = act_kernel  # the activation's id in the native kernels (layers.ACT_KERNEL), or None
 
     def forward(self, h: torch.Tensor,  # type: ignore[override]
                 act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """h [n, H] -> [n, H]."""
+        """h [n, H] -> [n, H]. Quantized weights: one native call (gate_up, the activation, down),
+        whatever the number of rows; fp32 ones: the packed products and torch's activation."""
+        y = expert_mlp(h, self.gate_up, self.down, self.act_kernel)  # [n, H] or None
+        if y is not None:
+            return y
         i = self.size
         gu = linear(h, self.gate_up)  # [n, 2I (padded)]
         a = act(gu[:, :i]).mul_(gu[:, i : 2 * i])  # [n, I]

@@ -19,7 +19,7 @@ from kvcache.kernels.rotary import Rotary
 from kvcache.models.base import CausalLM
 from kvcache.models.config import ModelConfig
 from kvcache.models.layers import (
-    activation, attention_block, frozen, norm_linear, pack_bias, packed_rows, rms_norm, text_model_names,
+    ACT_KERNEL, activation, attention_block, frozen, norm_linear, pack_bias, packed_rows, rms_norm, text_model_names,
 )
 from kvcache.models.moe import Expert, MoeSpec, Router, expert_parts, moe_block
 from kvcache.models.weights import embedding, projection
@@ -48,7 +48,8 @@ class Qwen3MoeLayer(nn.Module):
         self.post_norm = frozen(sd[f"{p}.post_attention_layernorm.weight"])  # [H]
         self.router = Router(sd[f"{m}.gate.weight"], spec)
         self.experts = nn.ModuleList(
-            Expert(gate_up, down, weights, spec.expert_size) for gate_up, down in expert_parts(sd, m, spec))
+            Expert(gate_up, down, weights, spec.expert_size, ACT_KERNEL.get(cfg.hidden_act))
+            for gate_up, down in expert_parts(sd, m, spec))
 
 
 class Qwen3MoeForCausalLM(CausalLM):
