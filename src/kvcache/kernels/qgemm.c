@@ -606,6 +606,48 @@ int kv_q_expert(int n, int H, int I, const float *x, int64_t ldx, const int64_t 
     return 0;
 }
 
+/* One row's experts in one call (a decode step's mixture): out = (((y_0 * w_0) + y_1 * w_1) + ...) over
+ * the k experts in the given order, y_j = expert j of x [H] as kv_q_expert computes it (x's int8
+ * activations made once: they are the same for every expert). Each product and sum rounds once, in
+ * that order: the bits of kv_q_expert's outputs combined by separate multiplies and adds. gu, dn: k
+ * projections' fields, KVP_N each; w [k]; out [H]. Returns 0, 1 for bad arguments, 4 without memory. */
+int kv_q_experts_row(int H, int I, const float *x, int k, const int64_t *gu, const int64_t *dn, const float *w,
+                     int act, float *out, int n_threads) {
+    if (k < 1 || n_threads < 1) return 1;
+    for (int j = 0; j < k; j++) {
+        const QProj g = proj_of(gu + (size_t)j * KVP_N, H), d = proj_of(dn + (size_t)j * KVP_N, I);
+        if (d.n != 1 || !mlp_valid(&g, &d.p[0], H, I, act)) return 1;
+    }
+    const size_t one = mlp_bytes(1, H, I, 0);
+    char *buf = scratch_take(one + (size_t)H * sizeof(float) + 64);
+    if (buf == NULL) return 4;
+    float *y = (float *)(((uintptr_t)(buf + one) + 63) & ~(uintptr_t)63); /* [H]: one expert's output */
+#pragma omp parallel num_threads(n_threads)
+    for (int j = 0; j < k; j++) {
+        const QProj g = proj_of(gu + (size_t)j * KVP_N, H), d = proj_of(dn + (size_t)j * KVP_N, I);
+        const Mlp m = mlp_at(buf, 1, H, I, &g, &d.p[0], NULL, -1.f, proj_bias(gu + (size_t)j * KVP_N),
+                             proj_bias(dn + (size_t)j * KVP_N), act, NULL, 0.f);
+        if (j == 0) {
+#pragma omp single
+            act_row(&m.a, 0, H, x, H, NULL, -1.f);
+        }
+        mm_proj(&m.gu, 1, &m.a, m.gu_b, NULL, m.h, 2 * I, 0);
+#pragma omp single
+        {
+            glu_row(m.act, I, m.h);
+            act_row(&m.b, 0, I, m.h, 2 * I, NULL, -1.f);
+        }
+        mm_rows(&m.dn, 1, &m.b, m.dn_b, NULL, y, H, 0);
+        const float wj = w[j];
+#pragma omp for schedule(static)
+        for (int i = 0; i < H; i++) {
+            const float t = y[i] * wj;
+            out[i] = j == 0 ? t : out[i] + t;
+        }
+    }
+    return 0;
+}
+
 /* A gated MLP in one call: x (+)= post_norm(down(act(gate) * up)), where [gate | up] = the gate_up
  * projection of (x * g_in / rms(x)) (eps >= 0; a folded RMSNorm) and post_norm is an RMSNorm with
  * weight post_w (Gemma 3's post-feedforward norm) or nothing (post_w NULL). x [n, H], rows ldx apart;

@@ -322,6 +322,34 @@ def expert_mlp(h: torch.Tensor, gate_up: object, down: object, act: int | None) 
     return y
 
 
+def experts_row(h: torch.Tensor, experts: Sequence[tuple[object, object]], weights: torch.Tensor,
+                act: int | None) -> torch.Tensor | None:
+    """One row's mixture in one native call (kernels/qgemm.c kv_q_experts_row): sum over j of
+    weights[j] * expert_j(h), h [1, H], experts (gate_up, down) pairs in the row's order, weights [k]
+    fp32 -> [1, H]; the bits of ``expert_mlp`` per expert combined by separate multiplies and adds in
+    that order. None: not done here (an expert not quantized, no activation kernel)."""
+    if act is None or h.shape[0] != 1 or h.dtype != torch.float32 or not h.is_contiguous():
+        return None
+    gus, dns = [], []
+    for gate_up, down in experts:
+        (pg, gu), (pd, dn) = _projection(gate_up, None), _projection(down, None)
+        if (gu is None or dn is None or len(pd) != 1 or h.shape[1] != gate_up.k  # type: ignore[attr-defined]
+                or down.out != gate_up.k or 2 * down.k != gate_up.out):  # type: ignore[attr-defined]
+            return None
+        gus.append(gu)
+        dns.append(dn)
+    gu_all, dn_all = torch.cat(gus), torch.cat(dns)  # [k * KVP_N] int64 each
+    w = weights.to(torch.float32).contiguous()
+    out = torch.empty(1, h.shape[1])
+    rc = _lib().kv_q_experts_row(h.shape[1], pd[0].k, h.data_ptr(), len(gus), gu_all.data_ptr(), dn_all.data_ptr(),
+                                 w.data_ptr(), act, out.data_ptr(), torch.get_num_threads())
+    if rc == 4:
+        raise MemoryError("the quantized experts could not allocate their activation buffers")
+    if rc:
+        raise RuntimeError(f"the quantized experts kernel refused its inputs ({rc})")
+    return out
+
+
 def attn_block(x: torch.Tensor, weights: tuple, heads: tuple[int, int, int], cos: torch.Tensor, sin: torch.Tensor,
                qk_norm: torch.Tensor | None, eps: float, scale: float, post_norm: torch.Tensor | None,
                flat: torch.Tensor, page_size: int, slots: torch.Tensor,

@@ -35,6 +35,9 @@ _TABLE = (
     Signature("qgemm", "kv_q_expert", "int", (
         ("n", "int"), ("H", "int"), ("I", "int"), ("x", "const float *"), ("ldx", "int64_t"),
         ("gu", "const int64_t *"), ("dn", "const int64_t *"), ("act", "int"), ("y", "float *"), ("n_threads", "int"))),
+    Signature("qgemm", "kv_q_experts_row", "int", (
+        ("H", "int"), ("I", "int"), ("x", "const float *"), ("k", "int"), ("gu", "const int64_t *"),
+        ("dn", "const int64_t *"), ("w", "const float *"), ("act", "int"), ("out", "float *"), ("n_threads", "int"))),
     # qamx.c: whether the products of many rows use AMX tiles here, and why
     Signature("qgemm", "kv_amx_status", "const char *", ()),
     # qpack.c: repacking GGUF blocks, dequantizing rows

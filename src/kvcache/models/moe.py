@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from kvcache.errors import UnsupportedArchitecture
-from kvcache.kernels.qweight import expert_mlp
+from kvcache.kernels.qweight import expert_mlp, experts_row
 from kvcache.models.config import ModelConfig
 from kvcache.models.layers import linear, pack
 from kvcache.models.weights import Part, as_fp32, projection
@@ -150,6 +150,11 @@ def moe_block(x: torch.Tensor, h: torch.Tensor, router: Router, experts: nn.Modu
     weights, chosen = router(h)  # [N, K] each
     k = weights.shape[1]
     if n == 1:  # a decode step: the row's experts in its top-k order, no grouping to do
+        picked = [experts[e] for e in chosen[0].tolist()]
+        native = experts_row(h, [(ex.gate_up, ex.down) for ex in picked], weights[0], picked[0].act_kernel)
+        if native is not None:  # quantized experts: one native call, the same bits as the loop below
+            x += native
+            return
         out = None
         for j, e in enumerate(chosen[0].tolist()):
             y = experts[e](h, act) * weights[:, j : j + 1]  # [1, H]
