@@ -87,6 +87,38 @@ def test_quantized_products_give_the_same_bits_on_every_variant(t, fmt):
         same(deq, f"{t.name} dequantized rows")
 
 
+@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_K], ids=lambda t: t.name)
+def test_mixture_experts_give_the_same_bits_on_every_variant(t):
+    """kv_q_expert (an expert over 1, 3 and 17 rows) and kv_q_experts_row (a row's three experts
+    weighted and summed) on every variant."""
+    from kvcache.kernels.qweight import proj_fields
+
+    lib = libs("qgemm")
+    H, I = 256, 256
+    experts = [(repacked(t, 2 * I, H, seed=20 + e)[0], repacked(t, H, I, seed=30 + e)[0]) for e in range(3)]
+    fields = [(torch.tensor(proj_fields([g], 0)), torch.tensor(proj_fields([d], 0))) for g, d in experts]
+    rng = np.random.default_rng(13)
+    for n in (1, 3, 17):
+        x = rng.standard_normal((n, H)).astype(np.float32)
+        ys = {}
+        for name, lib_ in lib.items():
+            y = np.empty((n, H), np.float32)
+            assert lib_.kv_q_expert(n, H, I, x.ctypes.data, H, fields[1][0].data_ptr(), fields[1][1].data_ptr(), 0,
+                                    y.ctypes.data, 2) == 0
+            ys[name] = y
+        same(ys, f"{t.name} expert, {n} rows")
+    x = rng.standard_normal(H).astype(np.float32)
+    w = np.array([0.5, 0.3, 0.2], np.float32)
+    gu, dn = torch.cat([f[0] for f in fields]), torch.cat([f[1] for f in fields])
+    outs = {}
+    for name, lib_ in lib.items():
+        out = np.empty(H, np.float32)
+        assert lib_.kv_q_experts_row(H, I, x.ctypes.data, 3, gu.data_ptr(), dn.data_ptr(), w.ctypes.data, 0,
+                                     out.ctypes.data, 2) == 0
+        outs[name] = out
+    same(outs, f"{t.name} a row's three experts")
+
+
 def test_fp32_products_give_the_same_bits_on_every_variant():
     """kv_packed_matmul: whole register tiles, single vectors and single columns (which of them a
     column falls in depends on the vector width)."""
