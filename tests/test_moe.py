@@ -434,3 +434,24 @@ def test_a_random_qwen3moe_benchmark_file_loads_and_generates(tmp_path, monkeypa
     assert len(llm.model.layers) == 2 and len(llm.model.layers[0].experts) == 8
     out = llm.generate([[5, 17, 42]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv", ["dynamic,page_size=4", "dynamic,page_size=4,press=knorm,ratio=0.5,protect=4",
+                                "dynamic,int8,group_size=16,page_size=16"])
+def test_speculation_and_presses_compose_with_experts(folder, kv: str) -> None:
+    """Prompt-lookup speculation verifies several tokens a step (the grouped path) where plain decoding
+    runs one (the one-call row path): greedy text is the same, with a press and over int8 pages too,
+    and the pages are all accounted for after."""
+    from kvcache import SamplingParams
+
+    path, _ = folder("norm")
+    base = tokens(12, 8)
+    prompts = [base * 3, tokens(20, 9) + base * 2]  # repeats: the lookup finds its proposals
+    plain = LLM(str(path), weights="q8", kv=kv, prefix=False)
+    spec = LLM(str(path), weights="q8", kv=kv, prefix=False)
+    want = plain.generate(prompts, SamplingParams(max_tokens=24))
+    got = spec.generate(prompts, SamplingParams(max_tokens=24, prompt_lookup=4))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert sum(o.metrics.get("spec_accepted", 0) for o in got) > 0  # proposals were verified and kept
+    spec.check_integrity()
