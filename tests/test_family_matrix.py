@@ -253,3 +253,18 @@ def test_q8_perplexity_beside_llama_cpp_on_the_same_file(matrix, row):
     peer, note = llama_perplexity(str(llama_cpp_bin()), q8, text, 128, len(parts), 2)
     assert peer is not None, note
     assert abs(ours_ppl / peer - 1) < 0.005, f"{row}: kvcache {ours_ppl:.4f}, llama.cpp {peer:.4f}"
+
+
+def test_older_converters_keys_are_honoured_or_known_to_change_nothing(matrix, tmp_path):
+    """expert_count 0 (no experts), tensor_data_layout (a note), rope.scale_linear (linear scaling's
+    older key, read as llama.cpp reads it)."""
+    from convert_matrix import rewrite_gguf
+    from kvcache.models.gguf_convert import check_file, read_gguf
+
+    old = rewrite_gguf(matrix["llama"][2], tmp_path / "old.gguf",
+                       add={"llama.expert_count": 0, "llama.tensor_data_layout": "Meta AI original pth",
+                            "llama.rope.scale_linear": 4.0})
+    rep = check_file(old)
+    assert rep.ok, rep.refused
+    assert {"llama.expert_count", "llama.tensor_data_layout"} <= set(rep.no_effect)
+    assert read_gguf(old)[2]["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}

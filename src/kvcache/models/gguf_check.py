@@ -57,7 +57,7 @@ _COMMON = {
     "rope.freq_base", "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor",
     "rope.scaling.original_context_length", "rope.scaling.finetuned",
     "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor", "rope.scaling.yarn_beta_fast",
-    "rope.scaling.yarn_beta_slow",
+    "rope.scaling.yarn_beta_slow", "rope.scale_linear",
 }
 MODEL_KEYS: dict[str, set[str]] = {
     "llama": _COMMON,
@@ -78,6 +78,10 @@ _MEANS = {
     "attention.scale": "a custom attention scale", "logit_scale": "scaled logits",
     "embedding_scale": "scaled embeddings", "residual_scale": "scaled residuals",
 }
+# {arch}.KEY that change nothing at these values: no experts (older converters wrote expert_count 0),
+# and the note of which layout a pth checkpoint had (the tensors are what they are)
+_ZERO_IS_NONE = {"expert_count", "expert_used_count"}
+_DESCRIPTIVE = {"tensor_data_layout"}
 SCALINGS = {"none": None, "linear": "linear", "yarn": "yarn", "longrope": "longrope"}
 
 
@@ -126,6 +130,8 @@ def check(meta: dict[str, Any], tensors: list[tuple[str, tuple[int, ...]]], n_vo
             sub = key[len(arch) + 1:]
             if sub in own:
                 rep.honoured.append(key)
+            elif sub in _ZERO_IS_NONE and not meta[key] or sub in _DESCRIPTIVE:
+                rep.no_effect.append(key)
             else:
                 why = _MEANS.get(sub, "kvcache does not implement it")
                 rep.refused.append(f"key {key} is not honoured ({why})")

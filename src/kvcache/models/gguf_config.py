@@ -79,6 +79,8 @@ def hf_config_from_meta(arch: str, meta: dict[str, Any], n_vocab: int | None, te
 def _rope_scaling(get: Any, max_pos: int, tensors: set[str]) -> dict[str, Any] | None:
     """HF's rope_scaling dict of the file's rope.scaling.* keys (gguf_check refused other types)."""
     kind, factor = get("rope.scaling.type"), get("rope.scaling.factor")
+    if kind is None and get("rope.scale_linear") is not None:  # the older key of a linear scaling
+        kind, factor = "linear", get("rope.scale_linear")
     orig = get("rope.scaling.original_context_length")
     if "rope_factors_long.weight" in tensors or kind == "longrope":
         out: dict[str, Any] = {"rope_type": "longrope", "original_max_position_embeddings": int(orig or max_pos)}
