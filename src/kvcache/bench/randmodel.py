@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcache.bench.randweights import STD, random_f16 as _random  # noqa: F401
+from kvcache.bench.randweights import STD, add_llm_keys, copy_fields, random_f16 as _random  # noqa: F401
 
 
 
@@ -141,26 +141,12 @@ def write_f16(shape: Shape, out: Path, seed: int = 0, name: str = "random", prog
     w.add_name(f"kvcache random {name} (seed {seed})")
     w.add_description("random weights (normal, std 0.02) with SmolLM2's tokenizer: for speed benchmarks only")
     w.add_vocab_size(vocab)
-    w.add_context_length(shape.context)
-    w.add_embedding_length(shape.hidden)
-    w.add_block_count(shape.layers)
-    w.add_feed_forward_length(shape.ffn)
-    w.add_head_count(shape.heads)
-    w.add_head_count_kv(shape.kv_heads)
-    w.add_key_length(shape.dim)
-    w.add_value_length(shape.dim)
+    add_llm_keys(w, shape.context, shape.hidden, shape.layers, shape.ffn, shape.heads, shape.kv_heads, shape.dim,
+                 shape.rope_theta, shape.eps)
     w.add_rope_dimension_count(shape.dim)
-    w.add_rope_freq_base(shape.rope_theta)
-    w.add_layer_norm_rms_eps(shape.eps)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for key, f in tok.items():
-        vtype = f.types[0]
-        val = f.contents()
-        if vtype == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(key, val, vtype, sub_type=f.types[-1])
-        else:
-            w.add_key_value(key, val, vtype)
+    copy_fields(w, tok)
     plan = _tensors(shape, vocab)
     for tname, tshape in plan:
         dtype = np.float32 if len(tshape) == 1 else np.float16

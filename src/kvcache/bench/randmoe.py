@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcache.bench.randweights import STD, random_f16 as _random
+from kvcache.bench.randweights import STD, add_llm_keys, copy_fields, random_f16 as _random
 
 
 @dataclass(frozen=True)
@@ -107,27 +107,14 @@ def write_f16(shape: MoeShape, out: Path, seed: int = 0, name: str = "random", p
     w.add_name(f"kvcache random {name} (seed {seed})")
     w.add_description("random weights (normal, std 0.02) with SmolLM2's tokenizer: for speed benchmarks only")
     w.add_vocab_size(vocab)
-    w.add_context_length(shape.context)
-    w.add_embedding_length(shape.hidden)
-    w.add_block_count(shape.layers)
-    w.add_feed_forward_length(shape.ffn or shape.expert_ffn)
-    w.add_head_count(shape.heads)
-    w.add_head_count_kv(shape.kv_heads)
-    w.add_key_length(shape.head_dim)
-    w.add_value_length(shape.head_dim)
-    w.add_rope_freq_base(shape.rope_theta)
-    w.add_layer_norm_rms_eps(shape.eps)
+    add_llm_keys(w, shape.context, shape.hidden, shape.layers, shape.ffn or shape.expert_ffn, shape.heads,
+                 shape.kv_heads, shape.head_dim, shape.rope_theta, shape.eps)
     w.add_expert_count(shape.experts)
     w.add_expert_used_count(shape.used)
     w.add_expert_feed_forward_length(shape.expert_ffn)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for key, f in tok.items():
-        vtype = f.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1])
-        else:
-            w.add_key_value(key, f.contents(), vtype)
+    copy_fields(w, tok)
     plan = tensors(shape, vocab)
     for tname, tshape in plan:
         dt = np.dtype(_dtype(tname, tshape))

@@ -4,6 +4,7 @@ in float16, made a chunk of rows at a time so that no float32 copy of a whole te
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -20,3 +21,30 @@ def random_f16(shape: tuple[int, ...], rng: np.random.Generator, done: Callable[
         chunk[...] = rng.standard_normal(chunk.shape, dtype=np.float32) * STD
         done(chunk.nbytes)
     return a
+
+
+def add_llm_keys(w: Any, context: int, hidden: int, layers: int, ffn: int, heads: int, kv_heads: int,
+                 head_dim: int, theta: float, eps: float) -> None:
+    """The hyper-parameter keys every benchmark GGUF has, on the gguf writer ``w``."""
+    w.add_context_length(context)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(theta)
+    w.add_layer_norm_rms_eps(eps)
+
+
+def copy_fields(w: Any, fields: dict[str, Any]) -> None:
+    """GGUF reader fields (the bundled tokenizer's) written as they are by the writer ``w``."""
+    import gguf
+
+    for key, f in fields.items():
+        vtype = f.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1])
+        else:
+            w.add_key_value(key, f.contents(), vtype)

@@ -276,6 +276,21 @@ def _projection(w: object, bias: torch.Tensor | None) -> tuple[list[QWeight], to
     return hit
 
 
+def _mlp_weights(x: torch.Tensor, gate_up: object, down: object, act: int | None, gate_up_bias: torch.Tensor | None,
+                 down_bias: torch.Tensor | None) -> tuple | None:
+    """(gate_up's parts, its fields, down's parts, its fields) when a gated MLP of these weights runs
+    natively on rows x [N, H] (both quantized, down in one part, the shapes fitting, an activation
+    kernel); None otherwise."""
+    if act is None:
+        return None
+    (pg, gu), (pd, dn) = _projection(gate_up, gate_up_bias), _projection(down, down_bias)
+    if (gu is None or dn is None or len(pd) != 1 or x.dtype != torch.float32 or x.dim() != 2 or not x.is_cpu
+            or x.stride(1) != 1 or x.shape[1] != gate_up.k  # type: ignore[attr-defined]
+            or down.out != gate_up.k or 2 * down.k != gate_up.out):  # type: ignore[attr-defined]
+        return None
+    return pg, gu, pd, dn
+
+
 def fused_mlp(x: torch.Tensor, gate_up: object, down: object, act: int | None, eps: float,
               gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
               post_norm: torch.Tensor | None = None, post_eps: float = 0.0) -> bool:
@@ -283,13 +298,10 @@ def fused_mlp(x: torch.Tensor, gate_up: object, down: object, act: int | None, e
     native call (kernels/qgemm.c kv_q_mlp), when both weights are quantized (gate_up may be a QStack,
     see ``proj_parts``) and the activation has a kernel (``act``: 0 silu, 1 tanh GELU; None: none).
     False: not done here."""
-    if act is None:
+    fit = _mlp_weights(x, gate_up, down, act, gate_up_bias, down_bias)
+    if fit is None:
         return False
-    (pg, gu), (pd, dn) = _projection(gate_up, gate_up_bias), _projection(down, down_bias)
-    if (gu is None or dn is None or len(pd) != 1 or x.dtype != torch.float32 or x.dim() != 2 or not x.is_cpu
-            or x.stride(1) != 1 or x.shape[1] != gate_up.k  # type: ignore[attr-defined]
-            or down.out != gate_up.k or 2 * down.k != gate_up.out):  # type: ignore[attr-defined]
-        return False
+    pg, gu, pd, dn = fit
     rc = _lib().kv_q_mlp(
         x.shape[0], pg[0].k, pd[0].k, x.data_ptr(), x.stride(0), pg[0]._scale_ptr, eps, gu.data_ptr(), dn.data_ptr(),
         act, None if post_norm is None else _vector_ptr(post_norm, pd[0].out, "norm weight"), post_eps,
@@ -305,13 +317,10 @@ def expert_mlp(h: torch.Tensor, gate_up: object, down: object, act: int | None) 
     """down(act(gate) * up) of [gate | up] = gate_up(h), h [n, H] taken as it is (no norm) -> [n, H], in
     one native call (kernels/qgemm.c kv_q_expert) when both weights are quantized and the activation
     has a kernel; None: not done here. A row's result does not depend on the other rows."""
-    if act is None:
+    fit = _mlp_weights(h, gate_up, down, act, None, None)
+    if fit is None:
         return None
-    (pg, gu), (pd, dn) = _projection(gate_up, None), _projection(down, None)
-    if (gu is None or dn is None or len(pd) != 1 or h.dtype != torch.float32 or h.dim() != 2 or not h.is_cpu
-            or h.stride(1) != 1 or h.shape[1] != gate_up.k  # type: ignore[attr-defined]
-            or down.out != gate_up.k or 2 * down.k != gate_up.out):  # type: ignore[attr-defined]
-        return None
+    pg, gu, pd, dn = fit
     y = torch.empty(h.shape[0], down.out)  # type: ignore[attr-defined]
     rc = _lib().kv_q_expert(h.shape[0], pg[0].k, pd[0].k, h.data_ptr(), h.stride(0), gu.data_ptr(), dn.data_ptr(),
                             act, y.data_ptr(), torch.get_num_threads())
