@@ -268,3 +268,17 @@ def test_older_converters_keys_are_honoured_or_known_to_change_nothing(matrix, t
     assert rep.ok, rep.refused
     assert {"llama.expert_count", "llama.tensor_data_layout"} <= set(rep.no_effect)
     assert read_gguf(old)[2]["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
+def test_the_bundled_files_are_honoured_whole(name):
+    """Files someone else made (SmolLM2's Q4_1, Gemma 3 270M's Q4_K_M): every key and tensor honoured or
+    on the no-effect list."""
+    from kvcache.models.bundled import bundled_path, is_installed
+    from kvcache.models.gguf_convert import check_file
+
+    if not is_installed(name):
+        pytest.skip(f"{name} is not installed")
+    rep = check_file(bundled_path(name))
+    assert rep.ok, rep.refused
+    assert "tensor token_embd.weight" in rep.honoured and rep.no_effect

@@ -168,6 +168,17 @@ def test_the_file_is_the_pinned_one_and_loads_with_its_own_shapes(qwen):
 
 
 @real
+def test_every_key_and_tensor_of_the_file_is_honoured_or_of_no_effect():
+    """A file someone else made, accounted whole: nothing refused, its biases and RoPE base honoured."""
+    from kvcache.models.gguf_convert import check_file
+
+    rep = check_file(fetch_qwen.qwen_path())
+    assert rep.ok, rep.refused
+    assert {"tensor blk.*.attn_q.bias", "qwen2.rope.freq_base", "tokenizer.ggml.pre"} <= set(rep.honoured)
+    assert "general.name" in rep.no_effect
+
+
+@real
 def test_the_chat_template_renders_transformers_token_ids(qwen, hf_tok):
     for msgs in (MESSAGES, MESSAGES[1:2], MESSAGES[:3]):
         for gen in (True, False):
