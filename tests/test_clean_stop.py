@@ -147,3 +147,29 @@ def test_the_interpreters_exit_drains_an_unclosed_llm(tiny_dir, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     count, problems = _entries(tmp_path)
     assert not problems and count == 29
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_at_any_moment_of_start_up_stops_the_server(tmp_path, sig):
+    """Sent while Python imports, while the model loads and while uvicorn starts, to a server whose
+    SIGINT was ignored when it was started (as a shell's background job's is): it stops within
+    seconds and exits 0 with no traceback (a stop once it serves is the tests above)."""
+    import socket
+
+    for delay in (0.1, 0.8, 1.6, 2.4):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = subprocess.Popen([sys.executable, "-m", "kvcache", "serve", "--port", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        time.sleep(delay)
+        if proc.poll() is None:
+            proc.send_signal(sig)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"{sig.name} {delay} s into start-up was lost: the server still runs")
+        assert proc.returncode == 0, (delay, proc.returncode, err[-2000:])
+        assert "Traceback" not in err, err[-2000:]

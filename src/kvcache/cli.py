@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from kvcache.cliargs import (add_model_args, add_prefix_args, add_sampling_args, load_llm, prediction_text,
-                             sampling_params)
+                             sampling_params, stop_asked, stop_on_signals)
 from kvcache.fmt import human_bytes
 from kvcache.errors import KVCacheError
 
@@ -212,15 +212,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    stop_on_signals()  # Ctrl-C and SIGTERM stop every command from its first line
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if stop_asked():  # asked while the parser's imports ran, and swallowed there
+            raise KeyboardInterrupt
         return int(args.func(args) or 0)
     except KVCacheError as e:
         print(f"kvcache: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("", file=sys.stderr)
-        return 130
+        # a server stopped by a signal before it served stops cleanly, at whatever moment: nothing
+        # was served or written (kvcache serve itself says so once its parser has been built)
+        serving = list(sys.argv[1:] if argv is None else argv)[:1] == ["serve"]
+        return 0 if serving and stop_asked() else 130
     except BrokenPipeError:
         return 0

@@ -9,6 +9,7 @@ need it. Every console module (the top-level CLI, ``serve``, ``bench``, ``size``
 from __future__ import annotations
 
 import argparse
+import signal
 from typing import TYPE_CHECKING
 
 from kvcache.errors import InvalidParams
@@ -272,3 +273,27 @@ def _spec_alone(item: str) -> bool:
         return False
     return True
 
+
+
+# --- stopping from the first instant -------------------------------------------------------------
+
+_STOPS: list[int] = []  # the SIGINT/SIGTERM signals this process has received
+
+
+def stop_on_signals() -> None:
+    """SIGINT and SIGTERM raise KeyboardInterrupt from now on and are remembered (``stop_asked``), so
+    that a stop survives code that swallows the exception. Installed by the CLI's first line: a
+    command started where SIGINT is ignored (a shell's background job inherits SIG_IGN, and Python
+    keeps it) still stops on one."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stop)
+
+
+def stop_asked() -> bool:
+    """Whether a SIGINT or SIGTERM has come since ``stop_on_signals``."""
+    return bool(_STOPS)
+
+
+def _stop(signum: int, _frame: object) -> None:
+    _STOPS.append(signum)
+    raise KeyboardInterrupt(f"signal {signum}")

@@ -7,8 +7,9 @@ import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
-from kvcache.cliargs import add_model_args, add_prefix_args, load_llm
+from kvcache.cliargs import add_model_args, add_prefix_args, load_llm, stop_asked
 from kvcache.errors import InvalidParams
 from kvcache.server.replicas_cli import add_replica_args
 
@@ -94,23 +95,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvcache.fmt import human_bytes
     from kvcache.server.app import build_app
 
-    # SIGTERM while the model loads stops like Ctrl-C (nothing is written yet); once serving,
-    # both are a graceful shutdown (_signals_recorded)
-    signal.signal(signal.SIGTERM, _interrupt)
-    llm = load_llm(args, SERVE_BUDGET)
-    app = build_app(llm, args.served_model_name, scheduler=sched, auth=auth, limits=limits)
-    name = app.state.kv.model_name
-    who = f" · {len(keys)} API key(s), {len(admins)} admin" if not auth.open else " · open (no API keys)"
-    budget = llm.cache_config.budget
-    kv = f"kv={llm.cache_config.spec()}" + (f" (budget {human_bytes(budget)})" if budget else "")
-    print(f"kvcache serve · model {name!r} · {kv} · http://{args.host}:{args.port}/v1" + who,
-          file=sys.stderr, flush=True)
-    from kvcache.server.guard import GuardedH11
+    # SIGINT or SIGTERM before serving (main() made both raise from its first line) stops with
+    # nothing served or written: exit 0; once serving, both are a graceful shutdown (_signals_recorded)
+    llm = None
+    try:
+        if stop_asked():
+            raise KeyboardInterrupt
+        llm = load_llm(args, SERVE_BUDGET)
+        app = build_app(llm, args.served_model_name, scheduler=sched, auth=auth, limits=limits)
+        name = app.state.kv.model_name
+        who = f" · {len(keys)} API key(s), {len(admins)} admin" if not auth.open else " · open (no API keys)"
+        budget = llm.cache_config.budget
+        kv = f"kv={llm.cache_config.spec()}" + (f" (budget {human_bytes(budget)})" if budget else "")
+        print(f"kvcache serve · model {name!r} · {kv} · http://{args.host}:{args.port}/v1" + who,
+              file=sys.stderr, flush=True)
+        from kvcache.server.guard import GuardedH11
 
-    GuardedH11.head_timeout_s = args.head_timeout
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           http=GuardedH11))
-    with _signals_recorded():
+        GuardedH11.head_timeout_s = args.head_timeout
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                               http=GuardedH11))
+        if stop_asked():  # asked on the way, and swallowed by what was running then
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        if llm is not None:
+            llm.close()
+        print("kvcache serve: stopped before serving; nothing was served or written", file=sys.stderr)
+        return 0
+    with _signals_recorded(server):
         try:
             server.run()  # returns after a graceful shutdown; the app's lifespan stops the engine
         finally:
@@ -119,21 +130,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 @contextmanager
-def _signals_recorded() -> Iterator[None]:
+def _signals_recorded(server: Any) -> Iterator[None]:
     """SIGINT and SIGTERM only noted while uvicorn runs. uvicorn handles both (a graceful
     shutdown), then restores the handlers it found and raises each signal again: with Python's
     defaults that is a KeyboardInterrupt (SIGINT) or the process killed where it stands
     (SIGTERM), before the prefix cache's tiers could drain. With these, the stop goes on to
-    ``LLM.close`` and exits 0."""
-    seen: list[int] = []
+    ``LLM.close`` and exits 0. A signal that comes before uvicorn has put in its own handlers asks
+    the server to exit as soon as it runs (``should_exit``): none is lost in between."""
     handled = (signal.SIGINT, signal.SIGTERM)
-    before = {sig: signal.signal(sig, lambda signum, _frame: seen.append(signum)) for sig in handled}
+
+    def note(_signum: int, _frame: object) -> None:
+        server.should_exit = True
+
+    before = {sig: signal.signal(sig, note) for sig in handled}
+    if stop_asked():  # one that came just before these handlers
+        server.should_exit = True
     try:
         yield
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
-
-
-def _interrupt(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
