@@ -25,7 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcache.bench.randweights import STD, add_llm_keys, copy_fields, random_f16 as _random  # noqa: F401
+from kvcache.bench.randweights import (  # noqa: F401
+    STD, add_llm_keys, open_writer, random_f16 as _random, write_planned,
+)
 
 
 
@@ -127,49 +129,25 @@ def _tensors(s: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
 def write_f16(shape: Shape, out: Path, seed: int = 0, name: str = "random", progress: bool = True) -> Path:
     """Write ``shape`` with random weights as an F16 GGUF (1-D norms F32) at ``out``; returns ``out``."""
     import gguf
-    from tqdm import tqdm
 
-    from kvcache.models.bundled import default_gguf
-
-    src = gguf.GGUFReader(str(default_gguf()), "r")
-    tok = {k: f for k, f in src.fields.items() if k.startswith("tokenizer.")}
-    vocab = len(tok["tokenizer.ggml.tokens"].data)
-    arch = "llama"
     tmp = out.with_name(out.name + ".tmp")
-    w = gguf.GGUFWriter(str(tmp), arch)
-    w.add_type("model")
-    w.add_name(f"kvcache random {name} (seed {seed})")
-    w.add_description("random weights (normal, std 0.02) with SmolLM2's tokenizer: for speed benchmarks only")
-    w.add_vocab_size(vocab)
+    w, vocab = open_writer(tmp, "llama", name, seed)
     add_llm_keys(w, shape.context, shape.hidden, shape.layers, shape.ffn, shape.heads, shape.kv_heads, shape.dim,
                  shape.rope_theta, shape.eps)
     w.add_rope_dimension_count(shape.dim)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    copy_fields(w, tok)
     plan = _tensors(shape, vocab)
     for tname, tshape in plan:
         dtype = np.float32 if len(tshape) == 1 else np.float16
         w.add_tensor_info(tname, tshape, np.dtype(dtype), int(np.prod(tshape)) * np.dtype(dtype).itemsize)
-    del src
     total = sum(int(np.prod(t)) * 2 for _, t in plan if len(t) > 1)
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        with tqdm(total=total, unit="B", unit_scale=True, desc=out.name, disable=not progress) as bar:
-            for i, (tname, tshape) in enumerate(plan):
-                rng = np.random.default_rng([seed, i])  # each tensor its own stream: order-independent
-                a = np.ones(tshape, np.float32) if len(tshape) == 1 else _random(tshape, rng, bar.update)
-                w.write_tensor_data(a)
-                del a
-        w.close()
-    except BaseException:
-        w.close()
-        tmp.unlink(missing_ok=True)
-        raise
-    tmp.replace(out)
-    return out
+
+    def one(i: int, _name: str, tshape: tuple[int, ...], done: Callable[[int], object]) -> None:
+        rng = np.random.default_rng([seed, i])  # each tensor its own stream: order-independent
+        w.write_tensor_data(np.ones(tshape, np.float32) if len(tshape) == 1 else _random(tshape, rng, done))
+
+    return write_planned(w, tmp, out, plan, total, progress, one)
 
 
 def bin_dir(arg: str | None = None) -> Path:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcache.bench.randweights import STD, add_llm_keys, copy_fields, random_f16 as _random
+from kvcache.bench.randweights import STD, add_llm_keys, open_writer, random_f16 as _random, write_planned
 
 
 @dataclass(frozen=True)
@@ -94,19 +94,9 @@ def _write_chunked(w, shape: tuple[int, ...], rng: np.random.Generator, done: Ca
 def write_f16(shape: MoeShape, out: Path, seed: int = 0, name: str = "random", progress: bool = True) -> Path:
     """Write ``shape`` with random weights as a qwen3moe F16 GGUF at ``out``; returns ``out``."""
     import gguf
-    from tqdm import tqdm
 
-    from kvcache.models.bundled import default_gguf
-
-    src = gguf.GGUFReader(str(default_gguf()), "r")
-    tok = {k: f for k, f in src.fields.items() if k.startswith("tokenizer.")}
-    vocab = len(tok["tokenizer.ggml.tokens"].data)
     tmp = out.with_name(out.name + ".tmp")
-    w = gguf.GGUFWriter(str(tmp), "qwen3moe")
-    w.add_type("model")
-    w.add_name(f"kvcache random {name} (seed {seed})")
-    w.add_description("random weights (normal, std 0.02) with SmolLM2's tokenizer: for speed benchmarks only")
-    w.add_vocab_size(vocab)
+    w, vocab = open_writer(tmp, "qwen3moe", name, seed)
     add_llm_keys(w, shape.context, shape.hidden, shape.layers, shape.ffn or shape.expert_ffn, shape.heads,
                  shape.kv_heads, shape.head_dim, shape.rope_theta, shape.eps)
     w.add_expert_count(shape.experts)
@@ -114,36 +104,23 @@ def write_f16(shape: MoeShape, out: Path, seed: int = 0, name: str = "random", p
     w.add_expert_feed_forward_length(shape.expert_ffn)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    copy_fields(w, tok)
     plan = tensors(shape, vocab)
     for tname, tshape in plan:
         dt = np.dtype(_dtype(tname, tshape))
         w.add_tensor_info(tname, tshape, dt, int(np.prod(tshape)) * dt.itemsize)
-    del src
     total = sum(int(np.prod(t)) * np.dtype(_dtype(n, t)).itemsize for n, t in plan if len(t) > 1)
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        with tqdm(total=total, unit="B", unit_scale=True, desc=out.name, disable=not progress) as bar:
-            for i, (tname, tshape) in enumerate(plan):
-                rng = np.random.default_rng([seed, i])  # each tensor its own stream
-                if len(tshape) == 3:
-                    _write_chunked(w, tshape, rng, bar.update)
-                    continue
-                if len(tshape) == 1:
-                    a = np.ones(tshape, np.float32)
-                elif _dtype(tname, tshape) is np.float32:
-                    a = rng.standard_normal(tshape, dtype=np.float32) * np.float32(STD)
-                    bar.update(a.nbytes)
-                else:
-                    a = _random(tshape, rng, bar.update)
-                w.write_tensor_data(a)
-                del a
-        w.close()
-    except BaseException:
-        w.close()
-        tmp.unlink(missing_ok=True)
-        raise
-    tmp.replace(out)
-    return out
+
+    def one(i: int, tname: str, tshape: tuple[int, ...], done: Callable[[int], object]) -> None:
+        rng = np.random.default_rng([seed, i])  # each tensor its own stream
+        if len(tshape) == 3:
+            _write_chunked(w, tshape, rng, done)
+        elif len(tshape) == 1:
+            w.write_tensor_data(np.ones(tshape, np.float32))
+        elif _dtype(tname, tshape) is np.float32:
+            a = rng.standard_normal(tshape, dtype=np.float32) * np.float32(STD)
+            done(a.nbytes)
+            w.write_tensor_data(a)
+        else:
+            w.write_tensor_data(_random(tshape, rng, done))
+
+    return write_planned(w, tmp, out, plan, total, progress, one)

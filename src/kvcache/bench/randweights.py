@@ -48,3 +48,45 @@ def copy_fields(w: Any, fields: dict[str, Any]) -> None:
             w.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1])
         else:
             w.add_key_value(key, f.contents(), vtype)
+
+
+def open_writer(tmp: Any, arch: str, name: str, seed: int) -> tuple[Any, int]:
+    """A gguf writer of architecture ``arch`` at ``tmp`` with the description keys and the bundled
+    SmolLM2's tokenizer copied in (a real vocabulary); returns (writer, vocabulary size)."""
+    import gguf
+
+    from kvcache.models.bundled import default_gguf
+
+    src = gguf.GGUFReader(str(default_gguf()), "r")
+    tok = {k: f for k, f in src.fields.items() if k.startswith("tokenizer.")}
+    vocab = len(tok["tokenizer.ggml.tokens"].data)
+    w = gguf.GGUFWriter(str(tmp), arch)
+    w.add_type("model")
+    w.add_name(f"kvcache random {name} (seed {seed})")
+    w.add_description("random weights (normal, std 0.02) with SmolLM2's tokenizer: for speed benchmarks only")
+    w.add_vocab_size(vocab)
+    copy_fields(w, tok)
+    return w, vocab
+
+
+def write_planned(w: Any, tmp: Any, out: Any, plan: list, total: int, progress: bool,
+                  write_one: Callable[[int, str, tuple[int, ...], Callable[[int], object]], None]) -> Any:
+    """Write the header, the keys, the tensor table and then each tensor of ``plan`` ((name, shape)
+    in file order) by ``write_one(i, name, shape, done)``, with a progress bar over ``total`` bytes;
+    ``tmp`` renamed to ``out`` when whole, removed otherwise. Returns ``out``."""
+    from tqdm import tqdm
+
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        with tqdm(total=total, unit="B", unit_scale=True, desc=out.name, disable=not progress) as bar:
+            for i, (tname, tshape) in enumerate(plan):
+                write_one(i, tname, tshape, bar.update)
+        w.close()
+    except BaseException:
+        w.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    tmp.replace(out)
+    return out
