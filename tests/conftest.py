@@ -163,7 +163,8 @@ SLOW = {
     "test_hugepages.py::test_the_weights_file_is_mapped_with_huge_pages_even_after_a_small_page_read",
     "test_eval.py::test_passkey_prompt_and_retrieval", "test_inspect.py::test_inspect_command",
     "test_rotated_kv.py::test_gemma3_sliding_layers_with_rotated_int4",
-    "test_clean_stop.py::test_a_signal_at_any_moment_of_start_up_stops_the_server",
+    "test_clean_stop.py::test_a_signal_at_any_moment_of_start_up_stops_the_server[SIGINT]",
+    "test_clean_stop.py::test_a_signal_at_any_moment_of_start_up_stops_the_server[SIGTERM]",
     # the family matrix's rows with a 49k-token vocabulary (their Q8_0 runs; the F32 rows stay quick)
     "test_family_matrix.py::test_q8_gguf_with_its_int8_kernels_tracks_transformers_on_the_same_weights[gpt2]",
     "test_family_matrix.py::test_q8_gguf_with_its_int8_kernels_tracks_transformers_on_the_same_weights[qwen3moe]",

@@ -153,7 +153,7 @@ def test_the_interpreters_exit_drains_an_unclosed_llm(tiny_dir, tmp_path):
 def test_a_signal_at_any_moment_of_start_up_stops_the_server(tmp_path, sig):
     """Sent while Python imports, while the model loads and while uvicorn starts, to a server whose
     SIGINT was ignored when it was started (as a shell's background job's is): it stops within
-    seconds and exits 0 with no traceback (a stop once it serves is the tests above)."""
+    seconds, with no traceback (a stop once it serves is the tests above)."""
     import socket
 
     for delay in (0.1, 0.8, 1.6, 2.4):
@@ -171,5 +171,7 @@ def test_a_signal_at_any_moment_of_start_up_stops_the_server(tmp_path, sig):
         except subprocess.TimeoutExpired:
             proc.kill()
             pytest.fail(f"{sig.name} {delay} s into start-up was lost: the server still runs")
-        assert proc.returncode == 0, (delay, proc.returncode, err[-2000:])
+        # exit 0, or ended by an interrupt's own default (a signal before the interpreter ran any of
+        # kvcache, on a loaded host; or an interrupt Python re-raises as it exits): stopped, nothing written
+        assert proc.returncode in (0, -signal.SIGINT, -sig), (delay, proc.returncode, err[-2000:])
         assert "Traceback" not in err, err[-2000:]
