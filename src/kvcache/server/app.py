@@ -22,9 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvcache.engine.grammar import Constraint
 from kvcache.engine.llm import LLM
-from kvcache.engine.params import SamplingParams
 from kvcache.engine.loop import EngineLoop
 from kvcache.engine.request import Request
 from kvcache.engine.scheduler import Scheduler, SchedulerConfig
@@ -36,12 +34,12 @@ from kvcache.server.intake import (ClientGone, Limits, check_limits, check_unsup
                                    unknown_fields)
 from kvcache.server.logprobs import TokenText, completion_logprobs
 from kvcache.server.metrics import Metrics
-from kvcache.server.protocol import ApiError, ChatRequest, CompletionRequest, error_body, new_id
-from kvcache.server.responses import chat_response, completion_response
-from kvcache.server.streams import DISCONNECT_POLL_S, collect, exception_reply, sse, stream_chat, stream_completion
-from kvcache.server.tokens import encode_messages, encode_text
-from kvcache.server.tool_messages import check_messages
-from kvcache.server.tools import check_tools, render, tool_grammar, with_answer
+from kvcache.server.protocol import ApiError, CompletionRequest, error_body, new_id
+from kvcache.server.chat import chat_chunks, chat_reply, start_chat
+from kvcache.server.responses import completion_response
+from kvcache.server.streams import DISCONNECT_POLL_S, collect, exception_reply, sse, stream_completion
+from kvcache.server.submit import check_model, check_params, new_request, no_tools, prediction
+from kvcache.server.tokens import encode_text
 
 __all__ = ["ApiError", "DISCONNECT_POLL_S", "ServerState", "build_app"]
 
@@ -171,14 +169,14 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
         ignored = ignored_header(unknown_fields(raw, CompletionRequest, state.limits))
         response.headers.update(ignored)
         body = CompletionRequest.model_validate(raw)
-        _check_model(state, body.model)
+        check_model(state, body.model)
         prompts = _prompts(body.prompt)
         check_limits(state.limits, len(prompts), body.n, body.stop)
-        _no_tools(raw)
-        params = body.sampling(16, prediction=await _prediction(state, body))
-        await _check_params(state, params, body.constraint_field())
+        no_tools(raw)
+        params = body.sampling(16, prediction=await prediction(state, body))
+        await check_params(state, params, body.constraint_field())
         ids = await asyncio.to_thread(lambda: [_encode(state, p) for p in prompts])
-        reqs = [_request(state, i, body, params, caller, p if isinstance(p, str) else None, "prompt")
+        reqs = [new_request(state, i, body, params, caller, p if isinstance(p, str) else None, "prompt")
                 for i, p in zip(ids, prompts)]
         echoes = await _echoes(state, body, reqs) if body.echo else None
         rid = new_id("cmpl")
@@ -190,86 +188,13 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest, response: Response) -> Any:
         caller = state.caller(http)
-        raw = await read_json(http, state.limits)
-        check_unsupported(raw)
-        ignored = ignored_header(unknown_fields(raw, ChatRequest, state.limits))
-        response.headers.update(ignored)
-        body = ChatRequest.model_validate(raw)
-        _check_model(state, body.model)
-        check_limits(state.limits, 1, body.n, body.stop)
-        spec = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-        messages = [m.as_dict() for m in body.messages]
-        check_messages(messages)
-        messages, extra = render(messages, spec, llm.tokenizer.chat_template)
-        source = body.constraint_field()
-        if spec is not None:  # tools beside a text constraint: one grammar for the turn, or a 400
-            joined = with_answer(spec, body.constraint(), after_results=body.messages[-1].role == "tool")
-            if joined is None:
-                raise ApiError(400, f"{source} cannot be combined with tools under tool_choice 'auto' (a JSON "
-                                    "response_format or guided_json can: the model calls tools or answers in it)",
-                               param=source)
-            spec = joined
-        forced = tool_grammar(spec) if spec is not None else None
-        try:  # template and tokens off the event loop
-            ids = await asyncio.to_thread(encode_messages, llm, messages, extra)
-        except KVCacheError as e:
-            raise ApiError(400, str(e), param="messages") from None
-        room = max(1, llm.runner.capacity - len(ids))
-        body.max_tokens = body.max_completion_tokens or body.max_tokens
-        params = body.sampling(min(1024, room), Constraint("lark", forced) if forced is not None else None,
-                               await _prediction(state, body))
-        await _check_params(state, params, "tool_choice" if spec is not None and spec.forced else source)
-        req = _request(state, ids, body, params, caller, None, "messages")
-        rid = new_id("chatcmpl")
-        if body.stream:
-            return sse(stream_chat(state, http, rid, body, req, spec), ignored)
-        (done,) = await collect(state, http, [req], "messages")
-        return chat_response(rid, state.model_name, done, state.text_of, spec)
+        c = await start_chat(state, await read_json(http, state.limits), caller)
+        response.headers.update(c.ignored)
+        if c.body.stream:
+            return sse(chat_chunks(state, http, c), c.ignored)
+        return await chat_reply(state, http, c)
 
     return app
-
-
-# -- request handling ------------------------------------------------------------------------------
-def _check_model(state: ServerState, model: str) -> None:
-    if model != state.model_name:
-        raise ApiError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
-                       param="model", code="model_not_found")
-
-
-async def _prediction(state: ServerState, body: Any) -> list[int] | None:
-    """The token ids of the request's ``prediction`` (tokenized off the event loop), or None."""
-    text = body.prediction_text()
-    if not text:
-        return None
-    return await asyncio.to_thread(lambda: state.llm.tokenizer.encode(text, add_special_tokens=False))
-
-
-def _no_tools(raw: Any) -> None:
-    """Tools are called from a conversation: /v1/completions refuses them by name."""
-    for name, off in (("tools", (None, [])), ("tool_choice", (None, "none")), ("parallel_tool_calls", (None,))):
-        if isinstance(raw, dict) and raw.get(name, None) not in off:
-            raise ApiError(400, f"'{name}' works with /v1/chat/completions only: a completion has no conversation "
-                                "to call tools from", param=name)
-
-
-async def _check_params(state: ServerState, params: SamplingParams, source: str | None = None) -> None:
-    """Token ids within the vocabulary and the constraint compiled (once per schema or grammar,
-    on a worker thread) before any work is queued: a bad one gets 400 naming it."""
-    try:
-        params.check_vocab(state.llm.config.vocab_size)
-    except KVCacheError as e:
-        raise ApiError(400, str(e), param=str(e).split(":", 1)[0]) from None
-    if params.constraint is None:
-        return
-    try:
-        await asyncio.to_thread(state.llm.grammars.compile, params.constraint)
-    except KVCacheError as e:
-        raise ApiError(400, str(e), param=source or _constraint_field(params.constraint)) from None
-
-
-def _constraint_field(c: Constraint) -> str:
-    return {"json_schema": "response_format", "json_object": "response_format", "regex": "guided_regex",
-            "choice": "guided_choice"}.get(c.kind, "guided_grammar")
 
 
 def _prompts(prompt: Any) -> list[Any]:
@@ -292,32 +217,6 @@ def _encode(state: ServerState, prompt: Any) -> list[int]:
     if not prompt or any(t < 0 or t >= vocab for t in prompt):
         raise ApiError(400, f"token ids must be between 0 and {vocab - 1}", param="prompt")
     return list(prompt)
-
-
-def _request(state: ServerState, ids: list[int], body: Any, params: Any, caller: Caller,
-             text: str | None, param: str) -> Request:
-    """An engine request for ``ids``; ``param`` names the body field they came from in errors."""
-    if body.priority and not caller.admin:
-        raise ApiError(403, "only admin keys may set 'priority' (see --admin-key-file)", "permission_error",
-                       param="priority")
-    cap = state.llm.runner.capacity
-    if len(ids) >= cap:
-        raise ApiError(400, f"the prompt has {len(ids)} tokens, more than the {_context(state)} leaves room for",
-                       param=param, code="context_length_exceeded")
-    if params.max_tokens > cap - len(ids):
-        raise ApiError(400, f"max_tokens={params.max_tokens} is more than the {cap - len(ids)} tokens the "
-                            f"{_context(state)} leaves after the {len(ids)}-token prompt", param="max_tokens",
-                       code="context_length_exceeded")
-    return Request(new_id("req"), ids, params, salt=caller.salt, priority=body.priority, prompt=text)
-
-
-def _context(state: ServerState) -> str:
-    """What bounds a sequence: the model's context, or a static cache or the KV budget when smaller."""
-    runner = state.llm.runner
-    cache, cap = runner.cache, runner.capacity
-    bound = cache.capacity_per_sequence() if cache is not None else None
-    why = cache.capacity_reason() if cache is not None and bound == cap else None
-    return f"context of {cap} tokens" + (f" ({why})" if why else "")
 
 
 async def _echoes(state: ServerState, body: CompletionRequest, reqs: list[Request]) -> list[tuple[str, dict | None]]:
