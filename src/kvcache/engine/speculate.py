@@ -42,7 +42,7 @@ import torch
 from kvcache.engine.params import SamplingParams
 from kvcache.engine.proposers import DraftProposer, LookupProposer, PredictionProposer
 from kvcache.engine.sampler import Row, adjust, is_greedy, warp
-from kvcache.errors import InvalidParams
+from kvcache.errors import ConstraintFault, InvalidParams
 
 
 def speculative(params: SamplingParams, draft: bool = False) -> bool:
@@ -207,7 +207,7 @@ def verify_constrained(logits: torch.Tensor, draft: list[int], params: SamplingP
             assert d is not None
             out.append(d)
             if not matcher.consume_token(d):
-                raise InvalidParams(f"the constraint refused token {d}: {matcher.get_error()}")
+                raise ConstraintFault(f"the constraint refused token {d}: {matcher.get_error()}")
             taken += 1
             if d in stop_ids or matcher.is_stopped():
                 return out

@@ -12,8 +12,8 @@ class TextTracker:
     become the start of a stop string.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]) -> None:
-        self.decoder = IncrementalDecoder(tokenizer)
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...], keep: tuple[int, ...] = ()) -> None:
+        self.decoder = IncrementalDecoder(tokenizer, keep=frozenset(keep))
         self.stops = stops
         self.text = ""
         self.emitted = 0

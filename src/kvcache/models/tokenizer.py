@@ -62,8 +62,22 @@ class Tokenizer:
         # stalled every other thread for seconds); the ids are the same
         return list(self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, keep: frozenset[int] = frozenset()) -> str:
+        """Text of ``ids``; with ``skip_special_tokens``, special tokens are left out except those in ``keep``."""
+        ids = list(ids)
+        if not skip_special_tokens or not keep or keep.isdisjoint(ids):
+            return str(self.backend.decode(ids, skip_special_tokens=skip_special_tokens))
+        out, run = [], []
+        for t in ids:
+            if t in keep:
+                out += [str(self.backend.decode(run, skip_special_tokens=True)) if run else "",
+                        str(self.backend.decode([t], skip_special_tokens=False))]
+                run = []
+            else:
+                run.append(t)
+        if run:
+            out.append(str(self.backend.decode(run, skip_special_tokens=True)))
+        return "".join(out)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra: object) -> str:
         """The conversation as the model's template writes it; ``extra``: more variables for the
@@ -71,22 +85,94 @@ class Tokenizer:
         if not self.chat_template:
             raise InvalidParams("this model has no chat template: pass plain text, without --chat")
         if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            # as transformers renders templates (the models' training format): its tojson (keys in
-            # the order given, characters unescaped), loop controls, raise_exception, strftime_now
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
-            env.filters["tojson"] = _tojson
-            env.globals["raise_exception"] = _raise
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            self._template = _environment().from_string(self.chat_template)
+        return self._template.render(messages=_template_messages(messages), add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the templated conversation (the template writes any BOS itself)."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def _environment() -> Any:
+    """Jinja's sandbox set up as transformers sets it up for chat templates (the models' training
+    format): its tojson (keys in the order given, characters unescaped), loop controls,
+    ``raise_exception``, ``strftime_now``, a ``dict`` constructor, namespaces that refuse
+    underscore names, and the ``{% generation %}`` block (rendered as its body)."""
+    import jinja2
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, "jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _namespace
+    return env
+
+
+class _TemplateDict:
+    """``dict(...)`` in a template: a plain dict, nothing else of the type reachable."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _namespace(*args: Any, **kwargs: Any) -> Any:
+    """Jinja's namespace, refusing attribute names that begin with an underscore."""
+    from jinja2.exceptions import SecurityError
+    from jinja2.utils import Namespace
+
+    class Checked(Namespace):
+        def __setitem__(self, name: str, value: Any) -> None:
+            _check_attr(name, SecurityError)
+            super().__setitem__(name, value)
+
+    ns = Checked(*args, **kwargs)
+    for name in dict(*args, **kwargs):
+        _check_attr(name, SecurityError)
+    return ns
+
+
+def _check_attr(name: Any, error: type[Exception]) -> None:
+    if isinstance(name, str) and name.startswith("_"):
+        raise error(f"a chat template may not store {name!r} on a namespace (names must not begin with _)")
+
+
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _template_messages(messages: list[dict]) -> list[dict]:
+    """Messages as transformers hands them to a template: keys whose value is None dropped (a
+    template tests for a missing key, and would print "None"), and a message's reasoning under
+    ``reasoning_content`` and ``thinking`` both."""
+    out = []
+    for m in messages:
+        if not isinstance(m, dict):
+            out.append(m)
+            continue
+        m = {k: v for k, v in m.items() if v is not None}
+        reasoning = next((m[k] for k in REASONING_KEYS if m.get(k) is not None), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    return out
 
 
 def _token_text(tok: Any) -> str | None:
@@ -111,8 +197,9 @@ def _raise(message: str) -> None:
 class IncrementalDecoder:
     """Turns a stream of token ids into text deltas; holds back an incomplete UTF-8 character."""
 
-    def __init__(self, tokenizer: Tokenizer, window: int = 6) -> None:
+    def __init__(self, tokenizer: Tokenizer, window: int = 6, keep: frozenset[int] = frozenset()) -> None:
         self.tokenizer = tokenizer
+        self.keep = keep  # special token ids written into the text (Tokenizer.decode)
         self.ids: list[int] = []
         self.prefix = 0  # ids before this are fully emitted context
         self.emitted_text = ""
@@ -120,14 +207,14 @@ class IncrementalDecoder:
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids[self.prefix :])
+        text = self.tokenizer.decode(self.ids[self.prefix :], keep=self.keep)
         if text.endswith("\ufffd"):
             return ""  # wait for the rest of a multi-byte character
         delta = text[len(self.emitted_text) :]
         if len(self.ids) - self.prefix > self.window:
             # keep a short context window (spacing of word-piece decoders depends on it)
             self.prefix = len(self.ids) - 1
-            self.emitted_text = self.tokenizer.decode(self.ids[self.prefix :])
+            self.emitted_text = self.tokenizer.decode(self.ids[self.prefix :], keep=self.keep)
         else:
             self.emitted_text = text
         return delta

@@ -28,6 +28,7 @@ from kvcache.engine.request import Request
 from kvcache.engine.scheduler import Scheduler, SchedulerConfig
 from kvcache.engine.scoring import prompt_logprobs
 from kvcache.errors import KVCacheError
+from kvcache.server.anthropic_api import add_anthropic_routes
 from kvcache.server.auth import Auth, Caller
 from kvcache.server.depth import recursion_reply
 from kvcache.server.intake import (ClientGone, Limits, check_limits, check_unsupported, ignored_header, read_json,
@@ -194,6 +195,7 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
             return sse(chat_chunks(state, http, c), c.ignored)
         return await chat_reply(state, http, c)
 
+    add_anthropic_routes(app, state)  # /v1/messages, /v1/messages/count_tokens (server/anthropic_api.py)
     return app
 
 

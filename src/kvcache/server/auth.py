@@ -81,12 +81,19 @@ class Auth:
     def open(self) -> bool:
         return not self._keys
 
-    def caller(self, authorization: str | None) -> Caller | None:
-        """The caller a request's Authorization header names; None when it names no valid key."""
+    def caller(self, authorization: str | None, api_key: str | None = None) -> Caller | None:
+        """The caller a request's Authorization header names; None when it names no valid key.
+        ``api_key``: the key as Anthropic's clients send it (the ``x-api-key`` header), for the
+        endpoints that accept it. Either header names the same tenant for the same key; when both
+        are sent they must hold the same key."""
         if self.open:
             return OPEN
         auth = authorization or ""
-        presented = auth[7:].strip().encode() if auth[:7].lower() == "bearer " else b""
+        bearer = auth[7:].strip().encode() if auth[:7].lower() == "bearer " else b""
+        plain = (api_key or "").strip().encode()
+        if bearer and plain and not hmac.compare_digest(bearer, plain):
+            return None
+        presented = bearer or plain
         found: tuple[bytes, bool] | None = None
         for key, admin in self._keys:  # no early exit: the time taken does not tell which key matched
             if hmac.compare_digest(presented, key) and presented:

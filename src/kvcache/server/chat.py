@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request as HttpRequest
@@ -27,6 +27,7 @@ from kvcache.server.streams import collect, stream_chat
 from kvcache.server.submit import check_model, check_params, new_request, prediction
 from kvcache.server.tokens import encode_messages
 from kvcache.server.tool_messages import check_messages
+from kvcache.server.tool_formats import ToolFormat, tool_format
 from kvcache.server.tools import ToolSpec, check_tools, render, tool_grammar, with_answer
 
 if TYPE_CHECKING:
@@ -53,9 +54,12 @@ async def start_chat(state: "ServerState", raw: Any, caller: Caller) -> Chat:
     check_model(state, body.model)
     check_limits(state.limits, 1, body.n, body.stop)
     spec = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    fmt = model_tool_format(state)
+    if spec is not None:
+        spec = replace(spec, fmt=fmt)
     messages = [m.as_dict() for m in body.messages]
     check_messages(messages)
-    messages, extra = render(messages, spec, llm.tokenizer.chat_template)
+    messages, extra = render(messages, spec, llm.tokenizer.chat_template, fmt)
     source = body.constraint_field()
     if spec is not None:  # tools beside a text constraint: one grammar for the turn, or a 400
         joined = with_answer(spec, body.constraint(), after_results=body.messages[-1].role == "tool")
@@ -73,9 +77,19 @@ async def start_chat(state: "ServerState", raw: Any, caller: Caller) -> Chat:
     body.max_tokens = body.max_completion_tokens or body.max_tokens
     params = body.sampling(min(1024, room), Constraint("lark", forced) if forced is not None else None,
                            await prediction(state, body))
+    if spec is not None:  # the call markers reach the parser even where the tokenizer counts them special
+        params = replace(params, keep_special=fmt.keep_ids())
     await check_params(state, params, "tool_choice" if spec is not None and spec.forced else source)
     req = new_request(state, ids, body, params, caller, None, "messages")
     return Chat(body, req, spec, ignored)
+
+
+def model_tool_format(state: "ServerState") -> ToolFormat:
+    """The served model's tool-call format (read once from its template and vocabulary)."""
+    fmt = getattr(state, "_tool_format", None)
+    if fmt is None:
+        fmt = state._tool_format = tool_format(state.llm.tokenizer.chat_template, state.llm.tokenizer)
+    return fmt
 
 
 async def chat_reply(state: "ServerState", http: HttpRequest, chat: Chat) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from typing import Any
 
 from kvcache.engine.schema import closed_schema
 from kvcache.server.protocol import ApiError
+from kvcache.server.tool_formats import CALL_ID, DEFAULT, PYTHON_TAG, ToolFormat, tool_format
 
 MAX_TOOLS = 128
 MAX_SCHEMA_BYTES = 64 << 10  # a function's parameters schema, as JSON
@@ -54,6 +55,7 @@ class ToolSpec:
     # the text answer is JSON under a constraint: a call is only ever a <tool_call> block, and JSON
     # such as {"name": "get_time", ...} is the answer, never read as a bare call
     json_text: bool = False
+    fmt: ToolFormat = DEFAULT  # the format the model writes calls in (server/tool_formats.py)
 
     def names(self) -> frozenset[str]:
         return frozenset(f["name"] for f in self.tools)
@@ -213,15 +215,17 @@ def template_knows_tools(template: str | None) -> bool:
     return bool(template) and "tools" in template
 
 
-def render(messages: list[dict], spec: ToolSpec | None, template: str | None) -> tuple[list[dict], dict]:
+def render(messages: list[dict], spec: ToolSpec | None, template: str | None,
+           fmt: ToolFormat | None = None) -> tuple[list[dict], dict]:
     """The messages to hand the chat template, and extra keyword arguments for its render.
 
-    A template that knows tools gets ``tools=[{"type": "function", "function": f}, ...]`` and messages in
+    A template whose tool format kvcache reads (``fmt``, by default read from ``template``: see
+    server/tool_formats.py) gets ``tools=[{"type": "function", "function": f}, ...]`` and messages in
     Hugging Face's shape (tool call arguments as dicts). Any other template gets messages of ``role``
     and ``content`` only, in the default format: see ``tools_prompt`` and ``calls_text``. The messages
     must have passed ``check_messages`` (server/tool_messages.py).
     """
-    if template_knows_tools(template):
+    if (fmt or tool_format(template)).native:
         kwargs = {"tools": [{"type": "function", "function": f} for f in spec.tools]} if spec else {}
         return _hf_messages(messages), kwargs
     out = _default_messages(messages)
@@ -345,13 +349,18 @@ def _choice_line(spec: ToolSpec) -> str:
 
 
 def tool_grammar(spec: ToolSpec) -> str | None:
-    """For "required" or a named function: a Lark grammar (llguidance's dialect) admitting only calls.
+    """For "required" or a named function: a Lark grammar (llguidance's dialect) admitting only calls,
+    in the model's own format (``spec.fmt``; its markers as the tokens they are, where they are one).
 
-    The output is one ``<tool_call>`` block (one or more, a newline apart, when calls may be parallel)
-    whose JSON is ``{"name": <an allowed function>, "arguments": <an object its parameters admit>}``,
-    written with json.dumps's default separators. None for "auto".
+    A call's JSON is ``{"name": <an allowed function>, "arguments": <an object its parameters admit>}``
+    (``"parameters"`` in Llama 3's format), written with json.dumps's default separators. In the
+    hermes and default formats the output is one ``<tool_call>`` block (one or more, a newline apart,
+    when calls may be parallel); in the list formats one list of calls after the opening marker; in
+    Mistral's ``[ARGS]`` format the marker, the name, ``[ARGS]`` and the arguments, once or (parallel)
+    again and again; in Llama 3's the call object alone (one call a turn). None for "auto" without a
+    JSON answer.
 
-    With parallel calls, the turn may end after every complete block, and another one comes only when
+    With parallel blocks, the turn may end after every complete block, and another one comes only when
     the model opens it: after ``</tool_call>`` the grammar admits the end, ``\n<tool_call>``, or ``tail``
     (any text that does not start with ``\n<``, two tokens at most, then only the end). A model that
     would go on in prose after its call (a newline first, then words) thus ends the turn. Without the
@@ -360,19 +369,42 @@ def tool_grammar(spec: ToolSpec) -> str | None:
     """
     if not spec.shaped:
         return None
+    fmt = spec.fmt
     allowed = [f for f in spec.tools if spec.choice != "named" or f["name"] == spec.name]
-    if len(allowed) == 1:
-        schema = _call_schema(allowed[0], "#/properties/arguments")
+    rules: list[str] = []
+    if fmt.body == "named":  # [TOOL_CALLS]name[ARGS]{...}
+        names = []
+        for i, f in enumerate(allowed):
+            params = _rebase_refs(closed_schema(f.get("parameters") or {"type": "object"}), "#")
+            params["x-guidance"] = JSON_FORMAT
+            rules += [f"fn{i}: {json.dumps(f['name'])} {fmt.lark(fmt.args)} args{i}",
+                      f"args{i}: %json {json.dumps(params, ensure_ascii=False)}"]
+            names.append(f"fn{i}")
+        rules.append("fcall: " + " | ".join(names))
+        opened = f"{fmt.lark(fmt.open)} fcall"
+        calls = [f"({opened})+" if spec.parallel else opened]
     else:
-        schema = {"anyOf": [_call_schema(f, f"#/anyOf/{i}/properties/arguments") for i, f in enumerate(allowed)]}
-    schema["x-guidance"] = JSON_FORMAT
-    calls = ['block ("\\n" block)* tail?', TAIL] if spec.parallel else ["block"]
+        if len(allowed) == 1:
+            schema = _call_schema(allowed[0], "#/properties/" + fmt.args_key, fmt.args_key)
+        else:
+            schema = {"anyOf": [_call_schema(f, f"#/anyOf/{i}/properties/{fmt.args_key}", fmt.args_key)
+                                for i, f in enumerate(allowed)]}
+        schema["x-guidance"] = JSON_FORMAT
+        rules.append(f"call: %json {json.dumps(schema, ensure_ascii=False)}")
+        if fmt.body == "list":
+            items = 'call (", " call)*' if spec.parallel else "call"
+            closing = f" {fmt.lark(fmt.close)}" if fmt.close else ""
+            calls = [f'{fmt.lark(fmt.open)} "[" {items} "]"{closing}']
+        elif fmt.open is None:  # Llama 3: the call object is the turn
+            calls = ["call"]
+        else:
+            rules.append(f'block: {fmt.lark(fmt.open)} "\\n" call "\\n" {fmt.lark(fmt.close)}')
+            calls = ['block ("\\n" block)* tail?', TAIL] if spec.parallel else ["block"]
     if spec.forced:
         start = [f"start: {calls[0]}", *calls[1:]]
     else:  # "auto" with a JSON answer: calls, or the answer alone
         start = ["start: calls | answer", f"calls: {calls[0]}", *calls[1:], f"answer: %json {spec.answer}"]
-    return "\n".join([*start, f'block: "{OPEN}\\n" call "\\n{CLOSE}"',
-                       f"call: %json {json.dumps(schema, ensure_ascii=False)}", ""])
+    return "\n".join([*start, *rules, ""])
 
 
 def with_answer(spec: ToolSpec, constraint: Any, after_results: bool = False) -> ToolSpec | None:
@@ -400,12 +432,13 @@ def with_answer(spec: ToolSpec, constraint: Any, after_results: bool = False) ->
     return replace(spec, answer=json.dumps(schema, ensure_ascii=False))
 
 
-def _call_schema(fn: dict, at: str) -> dict:
+def _call_schema(fn: dict, at: str, key: str = "arguments") -> dict:
     """The schema of one call of ``fn``; its parameters (closed to their declared properties, as
-    response_format's schemas are: engine/schema.py) sit at JSON pointer ``at``, where local $refs now point."""
+    response_format's schemas are: engine/schema.py) sit under ``key`` at JSON pointer ``at``, where
+    local $refs now point."""
     params = _rebase_refs(closed_schema(fn.get("parameters") or {"type": "object"}), at)
-    return {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
-            "required": ["name", "arguments"], "additionalProperties": False}
+    return {"type": "object", "properties": {"name": {"const": fn["name"]}, key: params},
+            "required": ["name", key], "additionalProperties": False}
 
 
 def _rebase_refs(schema: Any, at: str) -> Any:
@@ -473,30 +506,42 @@ def _bare_calls(text: str, names: frozenset[str]) -> list[tuple[str, str]] | Non
     return [c for c in calls if c is not None]
 
 
-def _block_call(body: str, names: frozenset[str]) -> tuple[str, str] | None:
+def _block_calls(body: str, fmt: ToolFormat, names: frozenset[str]) -> list[tuple[str, str]] | None:
+    """The calls of one block's body in ``fmt``; None when it is not (all) calls of known functions."""
+    if fmt.body == "named":
+        name, sep, args = body.partition(fmt.args or "")
+        name = name.split(CALL_ID)[0]
+        if not sep or name.strip() not in names:
+            return None
+        obj = json_object(args.strip())
+        return None if obj is None else [(name.strip(), json.dumps(obj, ensure_ascii=False))]
     try:
         value = json.loads(body, parse_constant=_reject_constant)
     except (ValueError, RecursionError):
         return None
-    return read_call(value, names)
+    items = value if isinstance(value, list) and fmt.body == "list" else [value]
+    calls = [read_call(v, names) for v in items]
+    if not calls or any(c is None for c in calls):
+        return None
+    return [c for c in calls if c is not None]
 
 
-_CUT_HEAD = re.compile(r'\s*\{"name": "([^"\\]+)", "arguments": ')
-
-
-def _cut_call(body: str, names: frozenset[str]) -> tuple[str, str] | None:
+def _cut_call(body: str, fmt: ToolFormat, names: frozenset[str]) -> tuple[str, str] | None:
     """A forced call that max_tokens cut short (the grammar writes it with json.dumps's separators):
     its function's name and the arguments' JSON as far as it got, or None when the name is not out."""
-    head = _CUT_HEAD.match(body)
+    if fmt.body == "named":
+        name, sep, args = body.partition(fmt.args or "")
+        return (name.strip(), args) if sep and name.strip() in names else None
+    head = re.compile(r'\s*\[?\s*\{"name": "([^"\\]+)", "' + fmt.args_key + '": ').match(body)
     if head is None or head.group(1) not in names:
         return None
     return head.group(1), body[head.end():]
 
 
-def _partial_tag(text: str) -> int:
-    """Length of the longest end of ``text`` that could begin the opening tag."""
-    for n in range(min(len(text), len(OPEN) - 1), 0, -1):
-        if OPEN.startswith(text[-n:]):
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that could begin ``tag``."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
 
@@ -507,17 +552,22 @@ class ToolStream:
     Events: ``("content", text)``, then for each call ``("call", index, id, name)`` followed by one or more
     ``("args", index, fragment)`` whose fragments join into the arguments' JSON.
 
-    Content is given out as soon as it cannot begin a ``<tool_call>`` tag, except that a stretch of
-    whitespace only is held until it is known whether it merely separates calls (then it is dropped).
-    A ``<tool_call>`` block is given out when it closes (or at the end, unclosed), as a call when its JSON
-    names a known function and as content, untouched, otherwise. An output starting (after whitespace)
-    with ``{`` or ``[`` is held to the end: it may be, whole, a bare JSON call or a list of calls.
-    For a forced spec, what follows the first call and is not a call (the grammar's ``TAIL``, or a block
-    cut short) is dropped: a forced turn is calls only.
+    Calls are read in the spec's format (``spec.fmt``, server/tool_formats.py); what follows speaks of
+    the hermes format, ``<tool_call>`` blocks. Content is given out as soon as it cannot begin a
+    ``<tool_call>`` tag, except that a stretch of whitespace only is held until it is known whether it
+    merely separates calls (then it is dropped). A ``<tool_call>`` block is given out when it closes
+    (or at the end, unclosed), as a call when its JSON names a known function and as content,
+    untouched, otherwise. In the formats without a closing marker (Mistral's ``[TOOL_CALLS]``,
+    Granite's ``<|tool_call|>``) a block runs to the next opening marker or the end. An output starting
+    (after whitespace and Llama 3's ``<|python_tag|>``) with ``{`` or ``[`` is held to the end: it may
+    be, whole, a bare JSON call or a list of calls (Llama 3's format is only that). For a forced spec,
+    what follows the first call and is not a call (the grammar's ``TAIL``, or a block cut short) is
+    dropped: a forced turn is calls only.
     """
 
     def __init__(self, spec: ToolSpec) -> None:
         self.names = spec.names()
+        self.fmt = spec.fmt
         self._forced = spec.shaped
         self._bare = not spec.json_text  # whether an output opening with { or [ may be bare calls
         self._buf = ""
@@ -549,13 +599,23 @@ class ToolStream:
         events: list[Event] = []
         if self._mode == "start":
             head = self._buf.lstrip()
+            if self.fmt.name == "llama3":
+                if not final and PYTHON_TAG.startswith(head) and head:
+                    return events
+                head = head.removeprefix(PYTHON_TAG).lstrip()
             if not head and not final:
                 return events
             self._mode = "bare" if self._bare and head[:1] in ("{", "[") else "text"
         if self._mode == "bare":
             if not final:
                 return events
-            calls = _bare_calls(self._buf, self.names)
+            text = self._buf.strip()
+            if self.fmt.name == "llama3":
+                text = text.removeprefix(PYTHON_TAG)
+            calls = _bare_calls(text, self.names)
+            if calls is None and self._forced and self.fmt.open is None:
+                call = _cut_call(text, self.fmt, self.names)  # Llama 3's forced call cut by max_tokens
+                calls = [call] if call is not None else None
             if calls is not None:
                 self._buf = ""
                 for name, args in calls:
@@ -568,32 +628,41 @@ class ToolStream:
 
     def _step(self, final: bool, events: list[Event]) -> bool:
         """Consume what can be decided in the buffer; whether to go on."""
+        opener, closer = self.fmt.open, self.fmt.close
         if self._mode == "text":
-            at = self._buf.find(OPEN)
+            at = self._buf.find(opener) if opener else -1
             if at >= 0:
                 self._content(self._buf[:at], events)
-                self._buf, self._mode, self._scan = self._buf[at + len(OPEN):], "block", 0
+                self._buf, self._mode, self._scan = self._buf[at + len(opener):], "block", 0
                 return True
-            keep = 0 if final else _partial_tag(self._buf)
+            keep = 0 if final or not opener else _partial_tag(self._buf, opener)
             self._content(self._buf[:len(self._buf) - keep], events)
             self._buf = self._buf[len(self._buf) - keep:]
             return False
-        end = self._buf.find(CLOSE, self._scan)
+        assert opener is not None
+        ender = closer or opener  # without a closing marker a block runs to the next opening one
+        end = self._buf.find(ender, self._scan)
         if end < 0 and not final:
-            self._scan = max(0, len(self._buf) - len(CLOSE) + 1)
+            self._scan = max(0, len(self._buf) - len(ender) + 1)
             return False
         body = self._buf if end < 0 else self._buf[:end]
-        raw = OPEN + self._buf if end < 0 else OPEN + self._buf[:end + len(CLOSE)]
-        self._buf = "" if end < 0 else self._buf[end + len(CLOSE):]
-        self._mode = "text"
-        call = _block_call(body, self.names)
-        if call is None and end < 0 and self._forced:
-            call = _cut_call(body, self.names)  # max_tokens cut the forced call: OpenAI gives it as it stands
-        if call is None:
+        used = end + len(closer) if closer and end >= 0 else end
+        raw = opener + (self._buf if end < 0 else self._buf[:used])
+        self._buf = "" if end < 0 else self._buf[used:]
+        self._mode = "text" if closer or end < 0 else "block"
+        self._scan = 0
+        calls = _block_calls(body.strip() if self.fmt.body != "named" else body, self.fmt, self.names)
+        if calls is None and end < 0 and self._forced:
+            cut = _cut_call(body, self.fmt, self.names)  # max_tokens cut the forced call: OpenAI gives it as it stands
+            calls = [cut] if cut is not None else None
+        if calls is None:
             if not (self._forced and end < 0):  # a forced call cut before its name: no markup as text
                 self._content(raw, events)
         else:
-            self._emit_call(*call, events)
+            for call in calls:
+                self._emit_call(*call, events)
+        if self._mode == "block":  # the next block's opening marker was found: step past it
+            self._buf = self._buf[len(opener):]
         return end >= 0
 
     def _content(self, text: str, events: list[Event]) -> None:
