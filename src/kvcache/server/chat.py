@@ -53,13 +53,8 @@ async def start_chat(state: "ServerState", raw: Any, caller: Caller) -> Chat:
     body = ChatRequest.model_validate(raw)
     check_model(state, body.model)
     check_limits(state.limits, 1, body.n, body.stop)
-    spec = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    ids, spec = await chat_prompt(state, body)
     fmt = model_tool_format(state)
-    if spec is not None:
-        spec = replace(spec, fmt=fmt)
-    messages = [m.as_dict() for m in body.messages]
-    check_messages(messages)
-    messages, extra = render(messages, spec, llm.tokenizer.chat_template, fmt)
     source = body.constraint_field()
     if spec is not None:  # tools beside a text constraint: one grammar for the turn, or a 400
         joined = with_answer(spec, body.constraint(), after_results=body.messages[-1].role == "tool")
@@ -69,10 +64,6 @@ async def start_chat(state: "ServerState", raw: Any, caller: Caller) -> Chat:
                            param=source)
         spec = joined
     forced = tool_grammar(spec) if spec is not None else None
-    try:  # template and tokens off the event loop
-        ids = await asyncio.to_thread(encode_messages, llm, messages, extra)
-    except KVCacheError as e:
-        raise ApiError(400, str(e), param="messages") from None
     room = max(1, llm.runner.capacity - len(ids))
     body.max_tokens = body.max_completion_tokens or body.max_tokens
     params = body.sampling(min(1024, room), Constraint("lark", forced) if forced is not None else None,
@@ -82,6 +73,27 @@ async def start_chat(state: "ServerState", raw: Any, caller: Caller) -> Chat:
     await check_params(state, params, "tool_choice" if spec is not None and spec.forced else source)
     req = new_request(state, ids, body, params, caller, None, "messages")
     return Chat(body, req, spec, ignored)
+
+
+async def chat_prompt(state: "ServerState", body: ChatRequest,
+                      add_generation_prompt: bool = True) -> tuple[list[int], ToolSpec | None]:
+    """The prompt's token ids of a checked chat body (its messages and tools through the model's
+    template, off the event loop) and the tools the model may call (None: none)."""
+    llm = state.llm
+    spec = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    fmt = model_tool_format(state)
+    if spec is not None:
+        spec = replace(spec, fmt=fmt)
+    messages = [m.as_dict() for m in body.messages]
+    check_messages(messages)
+    messages, extra = render(messages, spec, llm.tokenizer.chat_template, fmt)
+    if not add_generation_prompt:
+        extra = {**extra, "add_generation_prompt": False}
+    try:
+        ids = await asyncio.to_thread(encode_messages, llm, messages, extra)
+    except KVCacheError as e:
+        raise ApiError(400, str(e), param="messages") from None
+    return ids, spec
 
 
 def model_tool_format(state: "ServerState") -> ToolFormat:

@@ -132,17 +132,25 @@ class _Common(BaseModel):
         if rf is None:
             return None
         kind = rf.get("type")
+        if kind not in RESPONSE_FORMAT_KEYS:
+            raise ApiError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                           param="response_format.type")
+        _only_keys(rf, RESPONSE_FORMAT_KEYS[kind], "response_format", f"with type {kind!r}")
         if kind == "text":
             return None
         if kind == "json_object":
-            return Constraint.json_object()
-        if kind != "json_schema":
-            raise ApiError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
-                           param="response_format.type")
+            if "schema" not in rf:
+                return Constraint.json_object()
+            # llama.cpp's server (and instructor's JSON_SCHEMA mode) put a schema beside json_object
+            try:
+                return Constraint.json_schema(_checked_schema(rf["schema"], "response_format.schema"))
+            except InvalidParams as e:
+                raise ApiError(400, f"response_format.schema: {e}", param="response_format.schema") from None
         js = rf.get("json_schema")
         if not isinstance(js, dict):
             raise ApiError(400, "response_format.json_schema must be an object with a 'schema'",
                            param="response_format.json_schema")
+        _only_keys(js, JSON_SCHEMA_KEYS, "response_format.json_schema", "")
         schema = js.get("schema", {})  # OpenAI's default: any JSON
         try:
             return Constraint.json_schema(_checked_schema(schema, "response_format.json_schema.schema"))
@@ -255,6 +263,18 @@ def _checked_schema(schema: Any, where: str) -> Any:
         raise ApiError(400, f"{where} is not a valid JSON Schema: {e.message}" + (f" (at {path})" if path else ""),
                        param=where) from None
     return schema
+
+
+# the keys of response_format kvcache reads, by type; any other is refused by name, never dropped
+RESPONSE_FORMAT_KEYS = {"text": ("type",), "json_object": ("type", "schema"), "json_schema": ("type", "json_schema")}
+JSON_SCHEMA_KEYS = ("name", "schema", "strict", "description")
+
+
+def _only_keys(value: dict, allowed: tuple[str, ...], where: str, note: str) -> None:
+    extra = [k for k in value if k not in allowed]
+    if extra:
+        raise ApiError(400, f"{where}.{extra[0]} is not a field of {where}{' ' + note if note else ''} "
+                            f"(it has {', '.join(allowed)})", param=f"{where}.{extra[0]}")
 
 
 def _param_of(message: str) -> str | None:
