@@ -4,7 +4,7 @@ The tokenizer and template come from Qwen2.5-Coder-1.5B-Instruct's own GGUF meta
 (``python -m kvcache.models.fetch_qwen --tokenizer``, run by ``make setup-test``): its 151,936
 tokens, its BPE merges, its special tokens (``<tool_call>`` and ``</tool_call>`` among them) and
 its tools-aware template. The weights are random (2 layers, hidden 64), so what the model says is
-noise, but every token id, template render, grammar and parser sees what a real Qwen2.5 file
+noise (save that it ends every JSON value as soon as it may: see below), but every token id, template render, grammar and parser sees what a real Qwen2.5 file
 gives it. The file is written once per seed into the user cache (a second call is instant).
 """
 
@@ -36,7 +36,7 @@ def tiny_qwen(seed: int = 0) -> Path:
     from kvcache.paths import cache_home
 
     src = tokenizer_gguf()
-    out = cache_home() / "testmodels" / f"qwen2-tiny-qwen-tokenizer-{seed}.gguf"
+    out = cache_home() / "testmodels" / f"qwen2-tiny-qwen-tokenizer-v3-{seed}.gguf"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -63,7 +63,17 @@ def tiny_qwen(seed: int = 0) -> Path:
     def rand(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape, dtype=np.float32) * 0.05).astype(np.float32)
 
-    w.add_tensor("token_embd.weight", rand(vocab, HIDDEN).astype(np.float16))
+    # one steady direction (dimension 0) through the residual stream, along which the tokens that end
+    # JSON values stand out, most of all the closing quote, then the closing brackets, then the
+    # comma: the model closes every string, number, array and object as soon as its grammar lets it,
+    # so that a schema without bounds (an agent's final_answer) ends within a few tokens instead of
+    # running to max_tokens
+    embd = rand(vocab, HIDDEN)
+    embd[:, 0] = 1.0
+    texts = [str(t) for t in tok["tokenizer.ggml.tokens"].contents()]
+    for text, weight in (('"', 3.0), ("}", 2.75), ("]", 2.75), (",", 2.5)):
+        embd[texts.index(text), 0] = weight
+    w.add_tensor("token_embd.weight", embd.astype(np.float16))
     w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
     for i in range(LAYERS):
         b = f"blk.{i}."

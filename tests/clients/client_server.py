@@ -10,10 +10,11 @@ from test_server import Server
 
 
 class LoggedServer(Server):
-    def __init__(self, *flags: str) -> None:
+    def __init__(self, *flags: str, model: str | None = None) -> None:
         from kvcache.models.bundled import default_gguf
 
-        super().__init__(str(default_gguf()), *flags)
+        self.model_path = model or str(default_gguf())
+        super().__init__(self.model_path, *flags)
         self.log: collections.deque[str] = collections.deque(maxlen=400)
         threading.Thread(target=self._drain, daemon=True).start()
         self.model = self.client().models.list().data[0].id

@@ -20,6 +20,8 @@ import pytest
 os.environ["OPENAI_AGENTS_DISABLE_TRACING"] = "1"
 os.environ["LANGSMITH_TRACING"] = "false"
 os.environ["LANGCHAIN_TRACING_V2"] = "false"
+os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"  # litellm would fetch its price list at import
+os.environ["LITELLM_TELEMETRY"] = "False"
 for _name in ("LANGSMITH_API_KEY", "LANGCHAIN_API_KEY", "LANGSMITH_ENDPOINT", "OPENAI_BASE_URL",
               "OPENAI_API_BASE", "LOGFIRE_TOKEN"):
     os.environ.pop(_name, None)
@@ -76,10 +78,21 @@ def no_network(monkeypatch):
     assert not tried, f"a client tried to reach the network: {tried}"
 
 
-@pytest.fixture(scope="session")
-def server():
-    """`kvcache serve` with its defaults on the bundled SmolLM2-135M-Instruct."""
-    s = LoggedServer()
+@pytest.fixture(scope="session", params=["smollm2", "qwen-tokens"])
+def server(request):
+    """`kvcache serve` with its defaults, on the bundled SmolLM2-135M-Instruct and on a tiny random
+    model that carries Qwen2.5's real tokenizer and chat template (tests/qwen_tiny.py): its tool tags
+    are single special tokens and its template renders the tools itself, where SmolLM2 writes tags as
+    text in kvcache's default format. What the tiny model says is noise: on it a test checks what the
+    server owes (calls, shapes, streams), never an answer's sense."""
+    if request.param == "smollm2":
+        s = LoggedServer()
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from qwen_tiny import tiny_qwen
+
+        s = LoggedServer(model=str(tiny_qwen()))
+    s.name = request.param
     yield s
     s.close()
 

@@ -13,8 +13,8 @@ from client_wire import KEY, Wire
 
 
 @pytest.fixture(scope="module")
-def spec_server():
-    s = LoggedServer("--prompt-lookup", "4")
+def spec_server(server):
+    s = LoggedServer("--prompt-lookup", "4", model=server.model_path)
     yield s
     s.close()
 
