@@ -170,7 +170,10 @@ SLOW = {
     "test_family_matrix.py::test_q8_gguf_with_its_int8_kernels_tracks_transformers_on_the_same_weights[qwen3moe]",
     # the client conformance suite (tests/clients/, kvcache[clients]): real client libraries on a real server
     "test_clients_openai.py", "test_clients_instructor.py", "test_clients_langchain.py", "test_clients_agents.py",
-    "test_clients_pydantic_ai.py", "test_clients_speculation.py",
+    "test_clients_pydantic_ai.py", "test_clients_speculation.py", "test_clients_responses.py",
+    # the Responses API on a real server (its translation and store units stay quick)
+    "test_responses_api.py::TestServer", "test_responses_api.py::TestRestart",
+    "test_responses_api.py::TestTemplate",
     # the anthropic SDK against a real server (the file's translation tests stay quick)
     "test_anthropic_api.py::TestSDK",
 }

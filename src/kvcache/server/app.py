@@ -38,6 +38,7 @@ from kvcache.server.metrics import Metrics
 from kvcache.server.protocol import ApiError, CompletionRequest, error_body, new_id
 from kvcache.server.chat import chat_chunks, chat_reply, start_chat
 from kvcache.server.responses import completion_response
+from kvcache.server.responses_api import add_responses
 from kvcache.server.streams import DISCONNECT_POLL_S, collect, exception_reply, sse, stream_completion
 from kvcache.server.submit import check_model, check_params, new_request, no_tools, prediction
 from kvcache.server.tokens import encode_text
@@ -196,6 +197,7 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
         return await chat_reply(state, http, c)
 
     add_anthropic_routes(app, state)  # /v1/messages, /v1/messages/count_tokens (server/anthropic_api.py)
+    add_responses(app, state)  # /v1/responses and its store (server/responses_api.py)
     return app
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from kvcache.cliargs import add_model_args, add_prefix_args, load_llm, stop_asked
 from kvcache.errors import InvalidParams
 from kvcache.server.replicas_cli import add_replica_args
+from kvcache.server.response_store import add_store_args, store_limits
 
 SERVE_BUDGET = "50%"  # a dynamic pool's budget when --kv-budget is not given: half the RAM
 
@@ -62,6 +63,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="/health answers 503 'stalled' when the engine has had work for this many seconds "
                         "without finishing a step (default 30)")
     s.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    add_store_args(s)  # --responses-max-count, --responses-max-bytes, --responses-max-age
     add_replica_args(s)
     s.set_defaults(func=cmd_serve)
 
@@ -80,6 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = Limits(max_request_bytes=args.max_request_bytes, max_prompts=args.max_prompts,
                     max_choices=args.max_choices, unknown_fields=args.unknown_fields,
                     body_timeout_s=args.body_timeout, stall_after_s=args.stall_after)
+    kept = store_limits(args)  # the stored responses' bounds, refused before the model loads
     from kvcache.server.auth import Auth, gather_keys
 
     # keys are checked before the model loads: an empty one is refused, never an open door
@@ -103,6 +106,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise KeyboardInterrupt
         llm = load_llm(args, SERVE_BUDGET)
         app = build_app(llm, args.served_model_name, scheduler=sched, auth=auth, limits=limits)
+        app.state.responses.set_limits(kept)
         name = app.state.kv.model_name
         who = f" · {len(keys)} API key(s), {len(admins)} admin" if not auth.open else " · open (no API keys)"
         budget = llm.cache_config.budget
