@@ -265,3 +265,17 @@ def test_served_auto_beside_a_json_answer_takes_the_tool_token_branch(served):
         assert m.tool_calls or m.content is not None
         if not m.tool_calls and r.choices[0].finish_reason == "stop":
             assert isinstance(json.loads(m.content), dict)
+
+
+def test_a_token_the_grammar_refuses_is_the_servers_fault():
+    """Not a 400 naming ``messages``: a 500 (server_error, no param); the scheduler logs it with the
+    request id."""
+    from kvcache.engine.request import error_kind
+    from kvcache.errors import ConstraintFault
+    from kvcache.server.streams import exception_reply
+
+    e = ConstraintFault("the constraint refused token 151657: forced bytes")
+    assert error_kind(e) == "internal"
+    reply = exception_reply(e, "messages")
+    assert reply.status == 500 and reply.body["error"]["param"] is None
+    assert reply.body["error"]["type"] == "server_error"
