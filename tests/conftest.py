@@ -171,6 +171,7 @@ SLOW = {
     # the client conformance suite (tests/clients/, kvcache[clients]): real client libraries on a real server
     "test_clients_openai.py", "test_clients_instructor.py", "test_clients_langchain.py", "test_clients_agents.py",
     "test_clients_pydantic_ai.py", "test_clients_speculation.py", "test_clients_responses.py",
+    "test_clients_litellm.py", "test_clients_smolagents.py",
     # the Responses API on a real server (its translation and store units stay quick)
     "test_responses_api.py::TestServer", "test_responses_api.py::TestRestart",
     "test_responses_api.py::TestTemplate",

@@ -40,6 +40,7 @@ from kvcache.server.chat import chat_chunks, chat_reply, start_chat
 from kvcache.server.responses import completion_response
 from kvcache.server.responses_api import add_responses
 from kvcache.server.streams import DISCONNECT_POLL_S, collect, exception_reply, sse, stream_completion
+from kvcache.server.tokenize_api import add_token_routes
 from kvcache.server.submit import check_model, check_params, new_request, no_tools, prediction
 from kvcache.server.tokens import encode_text
 
@@ -141,6 +142,12 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
                                             "owned_by": "kvcache"}]}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(http: HttpRequest, model_id: str) -> dict[str, Any]:
+        state.caller(http)
+        check_model(state, model_id)
+        return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "kvcache"}
+
     @app.get("/metrics")
     async def metrics(http: HttpRequest) -> PlainTextResponse:
         if not state.auth.metrics_public:
@@ -198,6 +205,7 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
 
     add_anthropic_routes(app, state)  # /v1/messages, /v1/messages/count_tokens (server/anthropic_api.py)
     add_responses(app, state)  # /v1/responses and its store (server/responses_api.py)
+    add_token_routes(app, state)  # /tokenize, /detokenize (server/tokenize_api.py)
     return app
 
 
