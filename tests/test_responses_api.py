@@ -295,6 +295,9 @@ def test_stored_responses_survive_a_restart_and_keep_their_bounds(tmp_path):
     assert again.get(_entry(3).id, "other") is None
     again.set_limits(StoreLimits(max_count=1))
     assert len(list(folder.iterdir())) == 1
+    s.put(_entry(7, tenant="t"))  # written by the first process after the second opened the folder
+    assert again.get(_entry(7).id, "t") is not None and again.get(_entry(8).id, "t") is None
+    assert again.nbytes == sum(f.stat().st_size for f in folder.iterdir())
 
 
 def test_a_damaged_forged_or_planted_file_is_a_miss_never_a_crash(tmp_path, caplog):

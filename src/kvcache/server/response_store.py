@@ -14,7 +14,8 @@ also a file, and a later process finds it: files are written whole (a temporary 
 0600 in a 0700 folder, and each carries a keyed BLAKE2b MAC made with the prefix tiers' secret (a
 plain BLAKE2b digest under ``--tier-unsigned``) over its id and content. A file that is not a
 regular file, is too large, or whose magic, digest, id or content is wrong is a miss: logged,
-removed, never read further.
+removed, never read further. Several processes may share the folder (servers on one machine):
+each finds the entries the others wrote; each bounds what it knows of.
 
 Locking: one lock around the index and the files; the server calls it through
 ``asyncio.to_thread``.
@@ -151,6 +152,8 @@ class ResponseStore:
             return None
         with self._lock:
             slot = self._slots.get(rid)
+            if slot is None and self.folder is not None:  # written since by another process sharing the folder
+                slot = self._slots[rid] = _Slot(None, time.time(), 0, None)
             if slot is None:
                 return None
             if slot.entry is None:
@@ -159,6 +162,9 @@ class ResponseStore:
                     self._drop(rid)
                     return None
                 slot.tenant, slot.created = slot.entry.tenant, slot.entry.created
+                if not slot.size:
+                    slot.size = HEADER + len(slot.entry.to_bytes())
+                    self._nbytes += slot.size
             if time.time() - slot.created > self.limits.max_age_s:
                 self._drop(rid)
                 return None
