@@ -43,7 +43,7 @@ from kvcache.server.intake import ClientGone, read_json
 from kvcache.server.protocol import ApiError
 
 if TYPE_CHECKING:
-    from kvcache.server.app import ServerState
+    from kvcache.server.state import ServerState
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}

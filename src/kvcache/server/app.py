@@ -23,9 +23,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvcache.engine.llm import LLM
-from kvcache.engine.loop import EngineLoop
 from kvcache.engine.request import Request
-from kvcache.engine.scheduler import Scheduler, SchedulerConfig
+from kvcache.engine.scheduler import SchedulerConfig
 from kvcache.engine.scoring import prompt_logprobs
 from kvcache.errors import KVCacheError
 from kvcache.server.anthropic_api import add_anthropic_routes
@@ -33,51 +32,18 @@ from kvcache.server.auth import Auth, Caller
 from kvcache.server.depth import recursion_reply
 from kvcache.server.intake import (ClientGone, Limits, check_limits, check_unsupported, ignored_header, read_json,
                                    unknown_fields)
-from kvcache.server.logprobs import TokenText, completion_logprobs
-from kvcache.server.metrics import Metrics
+from kvcache.server.logprobs import completion_logprobs
 from kvcache.server.protocol import ApiError, CompletionRequest, error_body, new_id
 from kvcache.server.chat import chat_chunks, chat_reply, start_chat
 from kvcache.server.responses import completion_response
 from kvcache.server.responses_api import add_responses
 from kvcache.server.streams import DISCONNECT_POLL_S, collect, exception_reply, sse, stream_completion
 from kvcache.server.tokenize_api import add_token_routes
+from kvcache.server.state import ServerState
 from kvcache.server.submit import check_model, check_params, new_request, no_tools, prediction
 from kvcache.server.tokens import encode_text
 
 __all__ = ["ApiError", "DISCONNECT_POLL_S", "ServerState", "build_app"]
-
-
-class ServerState:
-    def __init__(self, llm: LLM, model_name: str, auth: Auth, scheduler: SchedulerConfig, limits: Limits) -> None:
-        self.llm, self.model_name, self.auth, self.limits = llm, model_name, auth, limits
-        self.sched = Scheduler(llm.runner, llm.tokenizer, scheduler, llm.grammars)
-        self.engine = EngineLoop(self.sched)
-        self.metrics = Metrics()
-        self.text_of = TokenText(llm.tokenizer)
-
-    def caller(self, http: HttpRequest) -> Caller:
-        """Who sent the request (its tenant salt and whether it is an admin); 401 without a valid key."""
-        caller = self.auth.caller(http.headers.get("authorization"))
-        if caller is None:
-            raise ApiError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
-                           "authentication_error", code="invalid_api_key")
-        return caller
-
-    def gauges(self) -> dict[str, float]:
-        """Read on the engine thread (between steps)."""
-        sched, llm = self.sched, self.llm
-        out: dict[str, float] = {"requests_running": len(sched.running), "requests_waiting": len(sched.waiting),
-                                 "preemptions_total": sched.preemptions, "engine_steps_total": sched.steps}
-        st = llm.kv_stats()
-        if st is not None:
-            out.update(kv_pages=st.pages_total, kv_pages_used=st.pages_used, kv_pages_cached=st.pages_cached,
-                       kv_pages_in_use=st.pages_in_use, kv_bytes_allocated=st.bytes_allocated,
-                       kv_usage_ratio=st.pages_in_use / st.pages_total if st.pages_total else 0.0)
-        ps = llm.prefix_stats()
-        if ps is not None:
-            out.update(prefix_hit_rate=ps.hit_rate, prefix_hit_tokens_total=ps.hit_tokens,
-                       prefix_evicted_pages_total=ps.evicted_pages)
-        return out
 
 
 def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...] = (),

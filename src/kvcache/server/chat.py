@@ -27,11 +27,11 @@ from kvcache.server.streams import collect, stream_chat
 from kvcache.server.submit import check_model, check_params, new_request, prediction
 from kvcache.server.tokens import encode_messages
 from kvcache.server.tool_messages import check_messages
-from kvcache.server.tool_formats import ToolFormat, tool_format
+from kvcache.server.tool_formats import ToolFormat
 from kvcache.server.tools import ToolSpec, check_tools, render, tool_grammar, with_answer
 
 if TYPE_CHECKING:
-    from kvcache.server.app import ServerState
+    from kvcache.server.state import ServerState
 
 
 @dataclass
@@ -97,11 +97,8 @@ async def chat_prompt(state: "ServerState", body: ChatRequest,
 
 
 def model_tool_format(state: "ServerState") -> ToolFormat:
-    """The served model's tool-call format (read once from its template and vocabulary)."""
-    fmt = getattr(state, "_tool_format", None)
-    if fmt is None:
-        fmt = state._tool_format = tool_format(state.llm.tokenizer.chat_template, state.llm.tokenizer)
-    return fmt
+    """The served model's tool-call format (read once, when the server state is built)."""
+    return state.tool_format
 
 
 async def chat_reply(state: "ServerState", http: HttpRequest, chat: Chat) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from kvcache.server.responses_reply import Events, assistant_message, echo, outp
 from kvcache.server.responses_request import ResponsesBody, bad, check_body, new_id, to_chat
 
 if TYPE_CHECKING:
-    from kvcache.server.app import ServerState
+    from kvcache.server.state import ServerState
 
 
 def add_responses(app: FastAPI, state: "ServerState") -> None:

@@ -22,7 +22,7 @@ from kvcache.server.responses import chat_chunk, completion_chunk, usage_chunk
 from kvcache.server.tools import ToolStream, ToolSpec
 
 if TYPE_CHECKING:
-    from kvcache.server.app import ServerState
+    from kvcache.server.state import ServerState
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 ERROR_STATUS = {"invalid": (400, "invalid_request_error", None), "capacity": (503, "server_error", "kv_cache_full"),

@@ -17,7 +17,7 @@ from kvcache.server.auth import Caller
 from kvcache.server.protocol import ApiError, new_id
 
 if TYPE_CHECKING:
-    from kvcache.server.app import ServerState
+    from kvcache.server.state import ServerState
 
 
 def check_model(state: "ServerState", model: str) -> None:

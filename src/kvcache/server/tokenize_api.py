@@ -23,7 +23,7 @@ from kvcache.server.protocol import ApiError, ChatRequest
 from kvcache.server.submit import check_model
 
 if TYPE_CHECKING:
-    from kvcache.server.app import ServerState
+    from kvcache.server.state import ServerState
 
 TOKENIZE_KEYS = {"model", "prompt", "messages", "tools", "tool_choice", "add_special_tokens", "add_generation_prompt",
                  "return_token_strs"}
