@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.testclient import TestClient
 
 from kvcache.engine.nesting import MAX_DEPTH, text_depth, value_depth
+from kvcache.errors import InvalidParams
 from kvcache.server.depth import check_depth, recursion_reply
 from kvcache.server.intake import Limits, read_json
 from kvcache.server.protocol import ApiError
@@ -50,7 +51,7 @@ DEEP = [  # route, body fields, the field named
     ("completions", {"guided_grammar": "root ::= " + "(" * 100 + '"a"' + ")" * 100}, "guided_grammar"),
     ("chat", {"messages": USER, "guided_grammar": "start: " + "(" * 100 + '"a"' + ")" * 100}, "guided_grammar"),
     ("completions", {"guided_regex": "(a|" * 100 + "b" + ")" * 100}, "guided_regex"),
-    ("chat", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": _schema(40)}}]},
+    ("chat", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": _schema(70)}}]},
      "tools.0.function.parameters"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "meta": _nest(100)}]}]},
      "messages.0.content"),
@@ -152,3 +153,22 @@ def test_a_recursion_error_while_handling_a_request_is_a_400_naming_the_deepest_
                                      "type": "invalid_request_error", "param": "guided_json", "code": None}
     assert "Traceback" not in caplog.text and not any(r.exc_info for r in caplog.records)
     assert "guided_json nested too deeply" in caplog.text
+
+
+def test_schemas_are_bounded_in_schema_levels_not_json_levels():
+    """A schema 40 objects deep is 81 JSON levels (each object's ``properties`` map is one): its 41
+    schema levels are within the bound, in every field that holds a schema, and it compiles; 65
+    schema levels are refused by name."""
+    from kvcache.engine.grammar import Constraint
+    from kvcache.engine.nesting import schema_depth
+
+    assert schema_depth(_schema(40)) == 41 and value_depth(_schema(40)) == 81
+    assert schema_depth({"anyOf": [{"type": "object", "properties": {"a": {"enum": [[["x"]]]}}}]}) == 6
+    tool = {"type": "function", "function": {"name": "f", "parameters": _schema(40)}}
+    for body in ({"tools": [tool]}, _rf(_schema(40)), _rf(json.dumps(_schema(40))), {"guided_json": _schema(40)},
+                 {"response_format": {"type": "json_object", "schema": _schema(40)}}):
+        assert check_depth({"model": "m", **body}) is not None
+    Constraint.json_schema(_schema(40)).source()
+    with pytest.raises(InvalidParams, match="nested deeper than 64 levels"):
+        Constraint.json_schema(_schema(64))
+

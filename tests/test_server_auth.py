@@ -73,6 +73,20 @@ def test_keys_from_a_file_and_the_environment_do_not_show_in_ps(keyed):
     assert b"tenant-a-7Qx" not in cmdline and b"tenant-b-9Kp" not in cmdline and b"root-3Zt" not in cmdline
 
 
+def test_the_api_description_and_its_pages_need_a_key(keyed, tiny_dir):
+    open_server = Server(str(tiny_dir("llama")[0]))
+    try:
+        for path in ("/openapi.json", "/docs", "/redoc"):
+            assert keyed.get(path)[0] == 401, path
+            code, body = keyed.get(path, "tenant-a-7Qx")
+            assert code == 200 and ("openapi" in body or "/openapi.json" in body), path
+            assert open_server.get(path)[0] == 200, path  # an open server shows them to everyone
+    finally:
+        open_server.close()
+    spec = json.loads(keyed.get("/openapi.json", "tenant-a-7Qx")[1])
+    assert "/v1/chat/completions" in spec["paths"] and "/docs" not in spec["paths"]
+
+
 def test_metrics_need_a_key(keyed, tiny_dir):
     assert keyed.get("/metrics")[0] == 401
     assert keyed.get("/metrics", "tenant-a-7Qx")[0] == 200

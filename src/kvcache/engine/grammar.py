@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from kvcache.engine.masks import MaskWorker
-from kvcache.engine.nesting import MAX_DEPTH, grammar_syntax, text_depth
+from kvcache.engine.nesting import MAX_DEPTH, MAX_SCHEMA_JSON_DEPTH, grammar_syntax, text_depth
 from kvcache.engine.schema import bounded_whitespace, closed_schema
 from kvcache.errors import InvalidParams
 
@@ -61,7 +61,7 @@ class Constraint:
         their declared properties and whitespace bounded (engine/schema.py)."""
         if isinstance(schema, str):
             try:
-                schema = json.loads(_shallow(schema, "json", "JSON schema"))
+                schema = json.loads(_shallow(schema, "json", "JSON schema", MAX_SCHEMA_JSON_DEPTH))
             except json.JSONDecodeError as e:
                 raise InvalidParams(f"the JSON schema is not valid JSON: {e.msg} at character {e.pos}") from None
         if isinstance(schema, bool):
@@ -123,8 +123,8 @@ class Constraint:
         return m.grammar_from_lark(self.text)
 
 
-def _shallow(text: str, syntax: str, noun: str) -> str:
-    if text_depth(text, syntax) > MAX_DEPTH:
+def _shallow(text: str, syntax: str, noun: str, limit: int = MAX_DEPTH) -> str:
+    if text_depth(text, syntax) > limit:
         raise InvalidParams(f"the {noun} is nested deeper than {MAX_DEPTH} levels")
     return text
 

@@ -15,6 +15,12 @@ import re
 from typing import Any
 
 MAX_DEPTH = 64  # levels; Python's recursion (jsonschema's checks, the GBNF converter) breaks near 100-400
+# a JSON schema's levels are its subschemas: the maps and lists that hold subschemas ("properties",
+# "anyOf") are not levels of their own, so one schema level may take two JSON levels
+MAX_SCHEMA_JSON_DEPTH = 2 * MAX_DEPTH + 2
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+DATA_KEYWORDS = ("const", "enum", "default", "examples")
 
 _STR = r'"(?:[^"\\]|\\.)*"'
 _CLASS = r"\[(?:\\.|[^\]\\])*\]"
@@ -45,6 +51,34 @@ def value_depth(value: Any, limit: int | None = None) -> int:
         if limit is not None and deepest > limit:
             return deepest
         stack.extend((c, depth + 1) for c in items if isinstance(c, (dict, list)))
+    return deepest
+
+
+def schema_depth(schema: Any, limit: int | None = None) -> int:
+    """The nesting of a JSON schema in schema levels: a subschema is one level deeper than the schema
+    holding it, whether it sits under ``items`` or inside ``properties`` or ``anyOf`` (those maps and
+    lists are not levels); the data of ``const``, ``enum``, ``default`` and ``examples`` counts its
+    own JSON levels from where it sits. With ``limit``, counting stops once it is passed."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    while stack:
+        s, depth = stack.pop()
+        if not isinstance(s, dict):
+            if isinstance(s, list):  # a schema where a list is (items as a list, in older drafts)
+                stack.extend((c, depth) for c in s if isinstance(c, (dict, list)))
+            continue
+        deepest = max(deepest, depth)
+        if limit is not None and deepest > limit:
+            return deepest
+        for key, v in s.items():
+            if key in DATA_KEYWORDS:
+                deepest = max(deepest, depth + value_depth(v, limit))
+            elif key in SCHEMA_MAPS and isinstance(v, dict):
+                stack.extend((c, depth + 1) for c in v.values() if isinstance(c, (dict, list)))
+            elif key in SCHEMA_LISTS and isinstance(v, list):
+                stack.extend((c, depth + 1) for c in v if isinstance(c, (dict, list)))
+            elif isinstance(v, (dict, list)):
+                stack.append((v, depth + 1))
     return deepest
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcache.engine.nesting import MAX_DEPTH, value_depth
+from kvcache.engine.nesting import MAX_DEPTH, MAX_SCHEMA_JSON_DEPTH, schema_depth, value_depth
 from kvcache.errors import InvalidParams
 
 WHITESPACE = r"(| |\n{1,2}[ \t]{0,20})"  # llama.cpp's SPACE_RULE
@@ -45,8 +45,9 @@ def closed_schema(schema: dict[str, Any]) -> dict[str, Any]:
     bad ``x-kvcache``, raises InvalidParams."""
     if not isinstance(schema, dict):
         raise InvalidParams(f"a JSON schema must be an object, got {type(schema).__name__}")
-    if value_depth(schema, MAX_DEPTH) > MAX_DEPTH:
-        raise InvalidParams(f"the JSON schema is nested deeper than {MAX_DEPTH} levels")
+    if (value_depth(schema, MAX_SCHEMA_JSON_DEPTH) > MAX_SCHEMA_JSON_DEPTH
+            or schema_depth(schema, MAX_DEPTH) > MAX_DEPTH):
+        raise InvalidParams(f"the JSON schema is nested deeper than {MAX_DEPTH} levels (of subschemas)")
     out = dict(schema)
     own = out.pop(OWN_KEY, None)
     if _open_default(own):

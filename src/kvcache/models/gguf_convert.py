@@ -234,6 +234,9 @@ def convert_gguf(path: Path, out_dir: Path, show_progress: bool = True, weights:
 
     from kvcache.models.gguf_tokenizer import write_tokenizer
 
+    from kvcache.models.config import ModelConfig
+    from kvcache.models.shapes import check_shapes
+
     reader, arch, config = read_gguf(path)
     out_dir.mkdir(parents=True, exist_ok=True)
     if weights:
@@ -241,8 +244,11 @@ def convert_gguf(path: Path, out_dir: Path, show_progress: bool = True, weights:
                    disable=not show_progress, leave=False)
         tensors = convert_weights(reader, arch, config, bar.update)
         bar.close()
+        check_shapes(ModelConfig.from_hf(config), tensors)
         save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     else:
-        convert_weights(reader, arch, config, keep_quantized=str(path))  # settles tie_word_embeddings
+        # settles tie_word_embeddings; every tensor's shape against the hyper-parameters, before a
+        # converted folder exists (a file whose tensors and keys disagree leaves nothing behind)
+        check_shapes(ModelConfig.from_hf(config), convert_weights(reader, arch, config, keep_quantized=str(path)))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     write_tokenizer(path, metadata(reader), out_dir)

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,41 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+OWNER = "owner.pid"  # in a .converting-* folder: the process writing it
+STALE_S = 3600.0  # a .converting-* folder with no readable owner is left alone this long
+
+
+def _converting(parent: Path) -> Path:
+    """A new temporary folder for a conversion in ``parent``, marked with this process's id, after
+    removing the ones a killed process left behind (their owner no longer runs)."""
+    _sweep(parent)
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=parent))
+    (tmp / OWNER).write_text(str(os.getpid()))
+    return tmp
+
+
+def _sweep(parent: Path) -> None:
+    for old in parent.glob(".converting-*"):
+        try:
+            pid = int((old / OWNER).read_text())
+        except (OSError, ValueError):
+            pid = None
+        try:
+            if pid is not None:
+                os.kill(pid, 0)
+                continue  # its owner still runs
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's live process
+        try:
+            if pid is None and time.time() - old.stat().st_mtime < STALE_S:
+                continue  # being made right now by a process that has not written its mark yet
+        except OSError:
+            continue
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def ensure_converted(gguf: Path, show_progress: bool = True) -> Path:
     """The converted folder of ``gguf`` (config and tokenizer), converting it now if needed
     (atomically: a temporary folder renamed into place, so an interrupted conversion leaves
@@ -59,11 +95,12 @@ def ensure_converted(gguf: Path, show_progress: bool = True) -> Path:
     if (target / "kvcache.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    tmp = _converting(target.parent)
     try:
         convert_gguf(gguf, tmp, show_progress=show_progress, weights=False)
         info = {"source": str(gguf.resolve()), "fingerprint": _file_sha256(gguf), "format": FORMAT_VERSION}
         (tmp / "kvcache.json").write_text(json.dumps(info, indent=2))
+        (tmp / OWNER).unlink(missing_ok=True)
         try:
             tmp.rename(target)
         except OSError:  # another process finished first
@@ -82,7 +119,7 @@ def ensure_fp32(resolved: ResolvedModel, show_progress: bool = True) -> None:
 
     if resolved.gguf is None or (resolved.path / "model.safetensors").is_file():
         return
-    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=resolved.path.parent))
+    tmp = _converting(resolved.path.parent)
     try:
         convert_gguf(resolved.gguf, tmp, show_progress=show_progress, weights=True)
         os.replace(tmp / "model.safetensors", resolved.path / "model.safetensors")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from kvcache.errors import UnsupportedArchitecture
 from kvcache.models.base import CausalLM
 from kvcache.models.config import FAMILIES, ModelConfig
+from kvcache.models.shapes import check_shapes
 
 
 def build_model(config: ModelConfig, state_dict: dict, weights: str = "fp32") -> CausalLM:
@@ -15,6 +16,7 @@ def build_model(config: ModelConfig, state_dict: dict, weights: str = "fp32") ->
         raise UnsupportedArchitecture(
             f"unsupported architecture {config.model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
         )
+    check_shapes(config, state_dict)
     family = config.family
     if family == "llama":
         from kvcache.models.llama import LlamaForCausalLM as cls

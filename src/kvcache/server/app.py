@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request as HttpRequest, Response
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -59,8 +60,25 @@ def build_app(llm: LLM, model_name: str | None = None, api_keys: tuple[str, ...]
         yield
         state.engine.close()
 
-    app = FastAPI(title="kvcache", lifespan=lifespan)
+    # the API's own description and its pages answer whoever may call the API: behind the key when
+    # keys are set (FastAPI's defaults would serve them to anyone)
+    app = FastAPI(title="kvcache", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.state.kv = state
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(http: HttpRequest) -> JSONResponse:
+        state.caller(http)
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(http: HttpRequest) -> Response:
+        state.caller(http)
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="kvcache")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(http: HttpRequest) -> Response:
+        state.caller(http)
+        return get_redoc_html(openapi_url="/openapi.json", title="kvcache")
 
     @app.exception_handler(ApiError)
     async def _api_error(_: HttpRequest, e: ApiError) -> JSONResponse:

@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 
-from kvcache.engine.nesting import MAX_DEPTH, grammar_syntax, text_depth
+from kvcache.engine.nesting import MAX_DEPTH, MAX_SCHEMA_JSON_DEPTH, grammar_syntax, text_depth
 from kvcache.server.protocol import ApiError, error_body
 
 log = logging.getLogger("kvcache.server")
@@ -29,7 +29,12 @@ STATE_KEY = "kvcache_deepest"  # http.state's name for the body's deepest field
 ANY = "*"  # a list index in a pattern
 # fields measured from their own start, not from the top-level field that holds them
 FIELDS = (("response_format", "json_schema", "schema"), ("tools", ANY, "function", "parameters"),
-          ("messages", ANY, "content"), ("messages", ANY, "tool_calls"), ("prediction", "content"))
+          ("messages", ANY, "content"), ("messages", ANY, "tool_calls"), ("prediction", "content"),
+          ("response_format", "schema"))
+# fields that hold a JSON schema: bounded in schema levels (engine/nesting.py, schema_depth) where
+# the schema is read, and here only by MAX_SCHEMA_JSON_DEPTH JSON levels (a schema level may take two)
+SCHEMAS = (("response_format", "json_schema", "schema"), ("tools", ANY, "function", "parameters"),
+           ("response_format", "schema"), ("guided_json",))
 # text fields that carry a structure, and its syntax ("grammar": GBNF or Lark, told apart by the text)
 TEXT_FIELDS = {("guided_json",): "json", ("response_format", "json_schema", "schema"): "json",
                ("messages", ANY, "tool_calls", ANY, "function", "arguments"): "json",
@@ -62,7 +67,8 @@ def check_depth(body: Any) -> tuple[str, int] | None:
             continue
         children: Any = value.items() if isinstance(value, dict) else enumerate(value)
         depth = len(parts) - root + 1
-        if depth > MAX_DEPTH:
+        if depth > MAX_DEPTH and (depth > MAX_SCHEMA_JSON_DEPTH
+                                  or not any(_matches(parts[:root], f) for f in SCHEMAS)):
             field = _name(parts[:root])
             raise ApiError(400, f"{field} is nested deeper than {MAX_DEPTH} levels", param=field if root else None)
         if deepest is None or depth > deepest[1]:
@@ -84,7 +90,8 @@ def check_depth(body: Any) -> tuple[str, int] | None:
 def _check_text(text: str, parts: tuple) -> None:
     for pattern, syntax in TEXT_FIELDS.items():
         if _matches(parts, pattern):
-            if text_depth(text, grammar_syntax(text) if syntax == "grammar" else syntax) > MAX_DEPTH:
+            limit = MAX_SCHEMA_JSON_DEPTH if any(_matches(parts, f) for f in SCHEMAS) else MAX_DEPTH
+            if text_depth(text, grammar_syntax(text) if syntax == "grammar" else syntax) > limit:
                 raise ApiError(400, f"{_name(parts)} is nested deeper than {MAX_DEPTH} levels", param=_name(parts))
             return
 

@@ -1,0 +1,81 @@
+"""A model file is checked against itself before anything is sized by it, and a failed load leaves
+nothing behind: a tensor whose shape disagrees with the file's hyper-parameters refuses the file in
+one line naming it (no traceback, no converted folder), and the ``.converting-*`` folders a killed
+process left are removed by the next conversion, while a live one's is left alone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _copy_with(src: Path, out: Path, change) -> Path:
+    """``src`` rewritten with ``change(name, array)`` applied to each tensor."""
+    import gguf
+
+    from kvcache.bench.randweights import copy_fields
+
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(out), str(r.fields["general.architecture"].contents()))
+    copy_fields(w, {k: f for k, f in r.fields.items() if not k.startswith("GGUF.") and k != "general.architecture"})
+    for t in r.tensors:
+        a = np.array(t.data)
+        a = a.reshape([int(x) for x in reversed(t.shape)]) if len(t.shape) > 1 else a
+        w.add_tensor(t.name, change(t.name, a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Path:
+    from qwen_tiny import tiny_qwen
+
+    return tiny_qwen()  # in the user cache, before a test points KVCACHE_HOME elsewhere
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCACHE_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def test_a_tensor_that_disagrees_with_the_hyper_parameters_refuses_the_file(tiny, tmp_path, home):
+    bad = _copy_with(tiny, tmp_path / "bad.gguf",
+                     lambda name, a: a[:50] if name == "blk.1.ffn_norm.weight" else a)
+    p = subprocess.run([sys.executable, "-m", "kvcache", "generate", "--model", str(bad), "-n", "2", "hi"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "KVCACHE_HOME": str(home)})
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    line = p.stderr.strip().splitlines()[-1]
+    assert "post_attention_layernorm" in line and "[50]" in line and "needs [64]" in line, line
+    left = [x.name for x in (home / "models").iterdir()] if (home / "models").exists() else []
+    assert left == [], left  # no converted folder, no .converting-* folder
+
+
+def test_stale_conversion_folders_are_swept(home):
+    from kvcache.models.loading import OWNER, STALE_S, _converting
+
+    models = home / "models"
+    models.mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone, alive, fresh, old = (models / f".converting-{n}" for n in ("gone", "alive", "fresh", "old"))
+    for d in (gone, alive, fresh, old):
+        d.mkdir()
+    (gone / OWNER).write_text(str(dead.pid))
+    (alive / OWNER).write_text(str(os.getpid()))
+    os.utime(old, (time.time() - STALE_S - 10, time.time() - STALE_S - 10))
+    tmp = _converting(models)
+    assert not gone.exists() and not old.exists()  # a killed owner's, and an unmarked one long untouched
+    assert alive.exists() and fresh.exists()  # a live owner's, and one being made right now
+    assert (tmp / OWNER).read_text() == str(os.getpid())
