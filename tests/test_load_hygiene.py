@@ -79,3 +79,19 @@ def test_stale_conversion_folders_are_swept(home):
     assert not gone.exists() and not old.exists()  # a killed owner's, and an unmarked one long untouched
     assert alive.exists() and fresh.exists()  # a live owner's, and one being made right now
     assert (tmp / OWNER).read_text() == str(os.getpid())
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("attention.head_count", 0, "must be a positive integer"),
+    ("attention.head_count_kv", 3, "does not divide head_count 4"),
+    ("attention.layer_norm_rms_epsilon", -1.0, "must be a positive finite number"),
+    ("rope.freq_base", float("nan"), "must be a positive finite number"),
+    ("block_count", 0, "must be a positive integer"),
+])
+def test_hyper_parameters_that_would_divide_by_zero_or_compute_noise_are_refused(key, value, words):
+    from kvcache.models.gguf_check import check
+
+    meta = {"general.architecture": "qwen2", "qwen2.attention.head_count": 4, "qwen2.attention.head_count_kv": 2,
+            "qwen2.block_count": 1, f"qwen2.{key}": value}
+    lines = [line for line in check(meta, [], None).lines("f.gguf") if words in line]
+    assert lines and f"qwen2.{key}" in lines[0], check(meta, [], None).lines("f.gguf")

@@ -173,6 +173,7 @@ def _check_values(arch: str, meta: dict[str, Any], n_vocab: int | None) -> list[
         why = _uniform(meta, f"{arch}.{sub}")
         if why:
             out.append(why)
+    out += _check_numbers(arch, meta)
     k_len, v_len = get("attention.key_length"), get("attention.value_length")
     if k_len is not None and v_len is not None and int(k_len) != int(v_len):
         out.append(f"key {arch}.attention.value_length ({v_len}) differs from key_length ({k_len}); "
@@ -203,6 +204,37 @@ def _check_values(arch: str, meta: dict[str, Any], n_vocab: int | None) -> list[
         tid = meta.get(key)
         if tid is not None and (not isinstance(tid, int) or tid < 0 or (vocab and tid >= vocab)):
             out.append(f"key {key} is {tid!r}, not a token id of the vocabulary of {vocab}")
+    return out
+
+
+# hyper-parameters that size or scale the model: (key under the architecture, what it must be)
+POSITIVE_INTS = ("block_count", "embedding_length", "feed_forward_length", "context_length", "attention.head_count",
+                 "attention.head_count_kv", "attention.key_length", "attention.value_length",
+                 "rope.dimension_count", "expert_feed_forward_length")  # expert counts may be 0: a dense model
+POSITIVE_FLOATS = ("rope.freq_base", "rope.freq_base_swa", "attention.layer_norm_rms_epsilon",
+                   "attention.layer_norm_epsilon")
+
+
+def _check_numbers(arch: str, meta: dict[str, Any]) -> list[str]:
+    """Sizes are positive integers and scales positive finite numbers, and the KV heads divide the
+    query heads: a zero, a negative or a NaN here would divide by zero or compute noise."""
+    import math
+
+    out = []
+    for sub in POSITIVE_INTS:
+        v = meta.get(f"{arch}.{sub}")
+        for x in (v if isinstance(v, list) else [v] if v is not None else []):
+            if isinstance(x, bool) or not isinstance(x, int) or x <= 0:
+                out.append(f"key {arch}.{sub} is {x!r}; it must be a positive integer")
+                break
+    for sub in POSITIVE_FLOATS:
+        v = meta.get(f"{arch}.{sub}")
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)
+                              or v <= 0):
+            out.append(f"key {arch}.{sub} is {v!r}; it must be a positive finite number")
+    heads, kv = meta.get(f"{arch}.attention.head_count"), meta.get(f"{arch}.attention.head_count_kv")
+    if isinstance(heads, int) and isinstance(kv, int) and heads > 0 and kv > 0 and heads % kv:
+        out.append(f"key {arch}.attention.head_count_kv is {kv}, which does not divide head_count {heads}")
     return out
 
 
