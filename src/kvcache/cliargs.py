@@ -52,6 +52,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "one): it proposes 8 tokens at a time for every request that allows it; the text is the "
                         "text without it")
     p.add_argument("--draft-weights", default="file", choices=WEIGHTS, help="how the draft model's weights are held")
+    p.add_argument("--template-timeout", type=float, default=None, metavar="SECONDS",
+                   help="longest a chat template may take to render a prompt (default 1); a template that "
+                        "cannot render a short conversation in it refuses the model at load")
 
 
 def add_prefix_args(p: argparse.ArgumentParser) -> None:
@@ -199,8 +202,12 @@ def load_llm(args: argparse.Namespace, default_budget: str | None = None) -> LLM
     from kvcache.engine.llm import LLM
 
     kv = kv_config(args, default_budget)
+    timeout = getattr(args, "template_timeout", None)
+    if timeout is not None and not timeout > 0:
+        raise InvalidParams(f"--template-timeout must be a positive number of seconds, got {timeout}")
     return LLM(args.model, kv=kv, threads=args.threads, prefix=prefix_config(args), weights=args.weights,
-               draft_model=getattr(args, "draft_model", None), draft_weights=getattr(args, "draft_weights", "file"))
+               draft_model=getattr(args, "draft_model", None), draft_weights=getattr(args, "draft_weights", "file"),
+               template_timeout=getattr(args, "template_timeout", None))
 
 
 def prefix_config(args: argparse.Namespace) -> PrefixConfig:

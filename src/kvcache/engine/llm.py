@@ -58,7 +58,9 @@ class LLM:
     ``prefix``: automatic prefix caching (on by default; False turns it off; a PrefixConfig sets
     its budget, eviction policy and disk/Redis tiers). ``weights``: ``file`` (the GGUF's own
     quantized types, multiplied by int8 kernels), ``fp32``, ``q8`` or ``q4`` (quantized at load);
-    see kvcache.models.weights.
+    see kvcache.models.weights. ``template_timeout``: seconds the chat template may take to render
+    (default 1; models/templates.py); a template that cannot render a short conversation refuses
+    the model at load.
     """
 
     def __init__(
@@ -70,19 +72,21 @@ class LLM:
         weights: str = "file",
         draft_model: str | None = None,
         draft_weights: str = "file",
+        template_timeout: float | None = None,
     ) -> None:
         torch.set_num_threads(threads or default_threads())
         t0 = time.perf_counter()
         mode = effective_mode(check_mode(weights))
         resolved = resolve_model(model)
         self.config: ModelConfig = ModelConfig.from_hf(read_config(resolved.path))  # refuse early
+        self.tokenizer = Tokenizer.from_dir(resolved.path, template_timeout)
+        self.tokenizer.check_chat_template()  # a template that cannot render a short chat refuses the model
         state_dict = model_weights(resolved, mode)
         # a GGUF's repacked weights are kept beside its converted folder and mapped by later loads
         gguf = resolved.gguf if mode == "file" else None
         with repack_store(resolved.path if gguf is not None else None, gguf.stat().st_size if gguf else 0):
             self.model = build_model(self.config, state_dict, mode)
         del state_dict
-        self.tokenizer = Tokenizer.from_dir(resolved.path)
         self.model.replay_prompt = replay_prompt(self.tokenizer)  # press=kvzip's replay request
         self.model_path = str(resolved.source)
         self.model_name = resolved.name

@@ -1,20 +1,28 @@
-"""Run-time tokenizer: tokenizer.json through the `tokenizers` library, chat templates with jinja2."""
+"""Run-time tokenizer: tokenizer.json through the `tokenizers` library, chat templates through
+models/templates.py (Jinja's sandbox, bounded in time and size)."""
 
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from kvcache.errors import InvalidParams, ModelLoadError
+from kvcache.models.template_limits import DEFAULT_TIMEOUT, text_limit
 
 
 class Tokenizer:
-    def __init__(self, backend: Any, config: dict[str, Any], hf_config: dict[str, Any]) -> None:
+    """A model's tokenizer and chat template. The template renders within ``template_timeout``
+    seconds and writes at most ``template_chars`` characters (a cap tied to the model's context:
+    models/template_limits.py), or fails with one ``InvalidParams``."""
+
+    def __init__(self, backend: Any, config: dict[str, Any], hf_config: dict[str, Any],
+                 template_timeout: float | None = None) -> None:
         self.backend = backend  # tokenizers.Tokenizer
         self.config = config
         self.chat_template: str | None = config.get("chat_template")
+        self.template_timeout = DEFAULT_TIMEOUT if template_timeout is None else template_timeout
+        self.template_chars = text_limit(hf_config.get("max_position_embeddings", hf_config.get("n_positions")))
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         ids = list(config.get("eos_token_ids") or [])
@@ -34,7 +42,7 @@ class Tokenizer:
         return bool(self.chat_template) and name in self.chat_template  # type: ignore[operator]
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "Tokenizer":
+    def from_dir(cls, path: str | Path, template_timeout: float | None = None) -> "Tokenizer":
         from tokenizers import Tokenizer as Backend
 
         path = Path(path)
@@ -51,7 +59,7 @@ class Tokenizer:
         if not config.get("chat_template") and (path / "chat_template.jinja").is_file():
             config["chat_template"] = (path / "chat_template.jinja").read_text()
         hf_config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
-        return cls(backend, config, hf_config)
+        return cls(backend, config, hf_config, template_timeout)
 
     @property
     def vocab_size(self) -> int:
@@ -85,7 +93,9 @@ class Tokenizer:
         if not self.chat_template:
             raise InvalidParams("this model has no chat template: pass plain text, without --chat")
         if self._template is None:
-            self._template = _environment().from_string(self.chat_template)
+            from kvcache.models.templates import ChatTemplate
+
+            self._template = ChatTemplate(self.chat_template, self.template_timeout, self.template_chars)
         return self._template.render(messages=_template_messages(messages), add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
 
@@ -93,66 +103,24 @@ class Tokenizer:
         """Token ids of the templated conversation (the template writes any BOS itself)."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
+    def check_chat_template(self) -> None:
+        """Render a short conversation (system, user, assistant, user) as a model's load does: a
+        template that passes a bound on it (time, size), or that the sandbox or Jinja's parser
+        refuses, refuses the model (``ModelLoadError``). A template that fails it by itself (its
+        ``raise_exception``, such as "system role not supported", or an error of its own code) is
+        tried again without the system turn, and is kept either way: each request it fails gets
+        its 400, and no request waits on it."""
+        from kvcache.models.templates import PROBES, TemplateError
 
-def _environment() -> Any:
-    """Jinja's sandbox set up as transformers sets it up for chat templates (the models' training
-    format): its tojson (keys in the order given, characters unescaped), loop controls,
-    ``raise_exception``, ``strftime_now``, a ``dict`` constructor, namespaces that refuse
-    underscore names, and the ``{% generation %}`` block (rendered as its body)."""
-    import jinja2
-    from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(Extension):
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller: Any) -> str:
-            return caller()
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, "jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _namespace
-    return env
-
-
-class _TemplateDict:
-    """``dict(...)`` in a template: a plain dict, nothing else of the type reachable."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
-        return dict.fromkeys(*args, **kwargs)
-
-
-def _namespace(*args: Any, **kwargs: Any) -> Any:
-    """Jinja's namespace, refusing attribute names that begin with an underscore."""
-    from jinja2.exceptions import SecurityError
-    from jinja2.utils import Namespace
-
-    class Checked(Namespace):
-        def __setitem__(self, name: str, value: Any) -> None:
-            _check_attr(name, SecurityError)
-            super().__setitem__(name, value)
-
-    ns = Checked(*args, **kwargs)
-    for name in dict(*args, **kwargs):
-        _check_attr(name, SecurityError)
-    return ns
-
-
-def _check_attr(name: Any, error: type[Exception]) -> None:
-    if isinstance(name, str) and name.startswith("_"):
-        raise error(f"a chat template may not store {name!r} on a namespace (names must not begin with _)")
+        if not self.chat_template:
+            return
+        for messages in PROBES:
+            try:
+                self.apply_chat_template(messages)
+                return
+            except TemplateError as e:
+                if not e.own:
+                    raise ModelLoadError(f"{e} (a short conversation rendered at load; the model is refused)") from None
 
 
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
@@ -179,19 +147,6 @@ def _token_text(tok: Any) -> str | None:
     if isinstance(tok, dict):
         return tok.get("content")
     return tok
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    """transformers' tojson filter: JSON with the keys in their order, non-ASCII and <>&' as they
-    are (Jinja's own sorts keys and escapes them for HTML)."""
-    import json
-
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _raise(message: str) -> None:
-    raise InvalidParams(f"chat template: {message}")
 
 
 class IncrementalDecoder:
