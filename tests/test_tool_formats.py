@@ -172,13 +172,15 @@ def test_qwen_markers_are_its_tool_tokens(qwen):
 
 
 def test_qwen_prompt_with_tools_is_transformers_to_the_token(qwen):
-    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast
 
     from kvcache.server.tools import render
-    from qwen_tiny import tokenizer_gguf
 
-    src = tokenizer_gguf()
-    theirs = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    # transformers' tokenizer of the same vocabulary (the file's, as transformers converted it at
+    # load) with its own renderer: the template, the tools' JSON and the special tokens in the text
+    # go through transformers' code, not kvcache's
+    theirs = PreTrainedTokenizerFast(tokenizer_object=type(qwen.tokenizer.backend).from_str(qwen.tokenizer.backend.to_str()))
+    theirs.chat_template = qwen.tokenizer.chat_template
     messages = [{"role": "system", "content": "Tu es un assistant météo."},
                 {"role": "user", "content": "Quel temps à Paris ?"},
                 {"role": "assistant", "content": None, "tool_calls": [
