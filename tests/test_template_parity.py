@@ -161,3 +161,29 @@ def test_the_parser_reads_the_calls_each_template_writes(templates):
     assert {"Qwen-Qwen2.5-7B-Instruct", "Qwen-Qwen3-0.6B", "meta-llama-Llama-3.1-8B-Instruct",
             "mistralai-Mistral-Nemo-Instruct-2407", "unsloth-mistral-Devstral-Small-2507",
             "Mistral-Small-3.2-24B-Instruct-2506", "unsloth-Apriel-1.5"} <= set(checked)
+
+
+def test_mistral_templates_get_call_ids_of_nine_characters(templates):
+    """Mistral's templates refuse a call id that is not 9 letters or digits; kvcache's are
+    ``call_`` and 24 hex digits, so the history's ids are written as 9 of them (the same for the call
+    and its result), and the conversation renders."""
+    from kvcache.server.tool_formats import tool_format
+    from kvcache.server.tools import ToolSpec, render
+
+    call_id = "call_" + "ab12" * 6
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": call_id, "type": "function", "function": {"name": "get_weather",
+                                                                    "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": call_id, "content": "21 C"}]
+    for name in ("mistralai-Mistral-Nemo-Instruct-2407", "Mistral-Small-3.2-24B-Instruct-2506"):
+        fmt = tool_format(templates[name])
+        msgs, extra = render(messages, ToolSpec((WEATHER["function"],), "auto", None, True, fmt=fmt),
+                             templates[name], fmt)
+        short = msgs[1]["tool_calls"][0]["id"]
+        assert len(short) == 9 and short.isalnum() and msgs[2]["tool_call_id"] == short
+        ours, theirs = _render_both(templates[name], msgs, extra["tools"])
+        assert isinstance(ours, str) and ours == theirs and short in ours, (name, ours)
+        raw, _ = _render_both(templates[name], [dict(m) for m in msgs[:1]] + [
+            {**msgs[1], "tool_calls": [{**msgs[1]["tool_calls"][0], "id": call_id}]}], extra["tools"])
+        assert isinstance(raw, Exception) and "9" in str(raw)  # what the ids as they came would give

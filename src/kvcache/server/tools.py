@@ -16,6 +16,7 @@ Every refusal is an ``ApiError(400, ...)`` with one line naming the problem and 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import secrets
@@ -225,9 +226,11 @@ def render(messages: list[dict], spec: ToolSpec | None, template: str | None,
     and ``content`` only, in the default format: see ``tools_prompt`` and ``calls_text``. The messages
     must have passed ``check_messages`` (server/tool_messages.py).
     """
-    if (fmt or tool_format(template)).native:
+    fmt = fmt or tool_format(template)
+    if fmt.native:
         kwargs = {"tools": [{"type": "function", "function": f} for f in spec.tools]} if spec else {}
-        return _hf_messages(messages), kwargs
+        # Mistral's templates refuse call ids that are not 9 letters or digits
+        return _hf_messages(messages, _nine if fmt.name.startswith("mistral") else None), kwargs
     out = _default_messages(messages)
     return (_with_tools_prompt(out, tools_prompt(spec)) if spec else out), {}
 
@@ -242,7 +245,14 @@ def _call_args(call: dict) -> dict:
     return json_object(call["function"]["arguments"]) or {}
 
 
-def _hf_messages(messages: list[dict]) -> list[dict]:
+def _nine(call_id: str) -> str:
+    """A call id as 9 letters and digits, the same for the call and the tool message answering it."""
+    return call_id if len(call_id) == 9 and call_id.isalnum() else hashlib.sha256(call_id.encode()).hexdigest()[:9]
+
+
+def _hf_messages(messages: list[dict], ids: Any = None) -> list[dict]:
+    """``ids``: how call ids are written for the template (None: as they are)."""
+    ids = ids or (lambda i: i)
     names: dict[str, str] = {}  # tool call id -> function name, for the tool messages that answer them
     out = []
     for m in messages:
@@ -250,12 +260,12 @@ def _hf_messages(messages: list[dict]) -> list[dict]:
         msg: dict[str, Any] = {"role": m["role"], "content": _text(m.get("content"))}
         if m["role"] == "assistant" and calls:
             msg["content"] = _text(m["content"]) if m.get("content") is not None else None
-            msg["tool_calls"] = [{"id": c["id"], "type": "function",
+            msg["tool_calls"] = [{"id": ids(c["id"]), "type": "function",
                                   "function": {"name": c["function"]["name"], "arguments": _call_args(c)}}
                                  for c in calls]
             names.update((c["id"], c["function"]["name"]) for c in calls)
         if m["role"] == "tool":
-            msg["tool_call_id"] = m["tool_call_id"]
+            msg["tool_call_id"] = ids(m["tool_call_id"])
             if m["tool_call_id"] in names:
                 msg["name"] = names[m["tool_call_id"]]
         out.append(msg)
