@@ -174,6 +174,7 @@ SLOW = {
     "test_clients_litellm.py", "test_clients_smolagents.py",
     # a whole `kvcache generate` on a file refused at load (a fresh KVCACHE_HOME: no cached conversion)
     "test_load_hygiene.py::test_a_tensor_that_disagrees_with_the_hyper_parameters_refuses_the_file",
+    "test_load_hygiene.py::test_shapes_are_checked_before_any_tensor_is_read",
     # the Responses API on a real server (its translation and store units stay quick)
     "test_responses_api.py::TestServer", "test_responses_api.py::TestRestart",
     "test_responses_api.py::TestTemplate",

@@ -95,3 +95,37 @@ def test_hyper_parameters_that_would_divide_by_zero_or_compute_noise_are_refused
             "qwen2.block_count": 1, f"qwen2.{key}": value}
     lines = [line for line in check(meta, [], None).lines("f.gguf") if words in line]
     assert lines and f"qwen2.{key}" in lines[0], check(meta, [], None).lines("f.gguf")
+
+
+def test_shapes_are_checked_before_any_tensor_is_read(tiny, tmp_path):
+    """A Q bias of 30 values where 64 are needed was numpy's "cannot reshape array" at conversion."""
+    from kvcache.errors import ModelLoadError
+    from kvcache.models.gguf_convert import convert_gguf
+
+    bad = _copy_with(tiny, tmp_path / "bad.gguf", lambda name, a: a[:30] if name == "blk.0.attn_q.bias" else a)
+    with pytest.raises(ModelLoadError, match=r"self_attn\.q_proj\.bias has shape \[30\] .* needs \[64\]"):
+        convert_gguf(bad, tmp_path / "out", show_progress=False, weights=True)
+    assert not (tmp_path / "out").exists()
+
+
+def test_every_weight_shape_is_checked_against_the_configuration():
+    from kvcache.errors import ModelLoadError
+    from kvcache.models.config import ModelConfig
+    from kvcache.models.shapes import check_shapes
+
+    cfg = ModelConfig.from_hf({"model_type": "qwen2", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "max_position_embeddings": 256})
+    good = {"model.embed_tokens.weight": (100, 64), "model.norm.weight": (64,),
+            "model.layers.0.input_layernorm.weight": (64,), "model.layers.0.self_attn.q_proj.weight": (64, 64),
+            "model.layers.0.self_attn.q_proj.bias": (64,), "model.layers.0.self_attn.k_proj.weight": (32, 64),
+            "model.layers.0.self_attn.v_proj.bias": (32,), "model.layers.0.self_attn.o_proj.weight": (64, 64),
+            "model.layers.0.mlp.gate_proj.weight": (128, 64), "model.layers.0.mlp.down_proj.weight": (64, 128),
+            "lm_head.weight": (100, 64), "model.layers.0.something_new.weight": (7,)}
+    check_shapes(cfg, good)
+    for name, shape in good.items():
+        if "something_new" in name:
+            continue
+        wrong = {**good, name: tuple(x + 1 for x in shape)}
+        with pytest.raises(ModelLoadError, match=name.replace(".", r"\.")):
+            check_shapes(cfg, wrong)

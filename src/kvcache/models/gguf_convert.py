@@ -238,17 +238,18 @@ def convert_gguf(path: Path, out_dir: Path, show_progress: bool = True, weights:
     from kvcache.models.shapes import check_shapes
 
     reader, arch, config = read_gguf(path)
+    # every tensor's shape against the hyper-parameters before any is read or reshaped, and before a
+    # converted folder exists: a file whose tensors and keys disagree leaves nothing behind
+    check_shapes(ModelConfig.from_hf(config), {hf_tensor_name(arch, t.name): tuple(int(x) for x in reversed(t.shape))
+                                               for t in reader.tensors if "{e}" not in (hf_tensor_name(arch, t.name) or "{e}")})
     out_dir.mkdir(parents=True, exist_ok=True)
     if weights:
         bar = tqdm(total=len(reader.tensors), desc=f"converting {path.name} to fp32", unit="tensor",
                    disable=not show_progress, leave=False)
         tensors = convert_weights(reader, arch, config, bar.update)
         bar.close()
-        check_shapes(ModelConfig.from_hf(config), tensors)
         save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     else:
-        # settles tie_word_embeddings; every tensor's shape against the hyper-parameters, before a
-        # converted folder exists (a file whose tensors and keys disagree leaves nothing behind)
-        check_shapes(ModelConfig.from_hf(config), convert_weights(reader, arch, config, keep_quantized=str(path)))
+        convert_weights(reader, arch, config, keep_quantized=str(path))  # settles tie_word_embeddings
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     write_tokenizer(path, metadata(reader), out_dir)

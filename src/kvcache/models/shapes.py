@@ -36,12 +36,13 @@ def _rules(c: ModelConfig) -> list[tuple[re.Pattern, tuple[int, ...]]]:
 
 
 def check_shapes(config: ModelConfig, state_dict: dict[str, Any]) -> None:
-    """ModelLoadError naming the first weight whose shape is not the one ``config`` asks for."""
+    """ModelLoadError naming the first weight whose shape is not the one ``config`` asks for; the
+    values are tensors (anything with a ``shape``) or shapes as tuples."""
     if config.family == "gpt2":
         return  # its own names and layouts: its builder checks them
     rules = _rules(config)
     for name, w in state_dict.items():
-        shape = tuple(int(x) for x in getattr(w, "shape", ()))
+        shape = tuple(int(x) for x in (w if isinstance(w, tuple) else getattr(w, "shape", ())))
         for pattern, want in rules:
             if pattern.search(name):
                 if shape != want:
