@@ -13,20 +13,25 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvcache.engine.generate import RequestRun
 from kvcache.engine.params import RequestOutput, SamplingParams
-from kvcache.engine.runner import Seq
+from kvcache.engine.runner import ModelRunner, Seq
 from kvcache.errors import InvalidParams
+from kvcache.models.tokenizer import Tokenizer
 from kvcache.prefix.radix import common_prefix
 
-if TYPE_CHECKING:
-    from kvcache.engine.llm import LLM
+class Engine(Protocol):
+    """What a session needs of the LLM that opened it (kvcache.engine.llm.LLM is one)."""
+
+    runner: ModelRunner
+    tokenizer: Tokenizer
+    fingerprint: str
 
 
 class ChatSession:
-    def __init__(self, llm: "LLM", system: str | None = None, salt: str | None = None) -> None:
+    def __init__(self, llm: Engine, system: str | None = None, salt: str | None = None) -> None:
         self.llm = llm
         self.salt = salt
         self.messages: list[dict[str, str]] = []
@@ -108,7 +113,7 @@ class ChatSession:
                 runner.release(seq, self.salt)
 
     @classmethod
-    def resume(cls, llm: "LLM", path: str, salt: str | None = None) -> "ChatSession":
+    def resume(cls, llm: Engine, path: str, salt: str | None = None) -> "ChatSession":
         """A session continuing the conversation saved in ``path``; its K/V are loaded, not
         recomputed (checked against this model and cache layout)."""
         from kvcache.cache.persist import read_meta

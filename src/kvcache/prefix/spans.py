@@ -19,15 +19,21 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from kvcache.cache.paged import PagedKVCache
 from kvcache.cache.sequence import SeqKV
 
-if TYPE_CHECKING:
-    from kvcache.prefix.span_tiers import SpanLink
+
+
+class SpanStore(Protocol):
+    """Where spans go beyond this process (kvcache.prefix.span_tiers.SpanLink is one)."""
+
+    def find(self, tokens: list[int], salt: str, limit: int) -> "SpanEntry | None": ...
+
+    def write(self, entry: "SpanEntry") -> None: ...
 
 
 @dataclass
@@ -161,7 +167,7 @@ class SpanIndex:
 
 
 def span_lookup(index: SpanIndex, cache: PagedKVCache, tokens: list[int], salt: str, whole: bool,
-                link: "SpanLink | None" = None) -> tuple[SeqKV, int]:
+                link: "SpanStore | None" = None) -> tuple[SeqKV, int]:
     """A new sequence holding the longest compressed prompt that begins ``tokens`` (never all of
     them unless ``whole``): from RAM, else from the tiers through ``link``; or an empty one."""
     limit = len(tokens) if whole else len(tokens) - 1
@@ -177,7 +183,7 @@ def span_lookup(index: SpanIndex, cache: PagedKVCache, tokens: list[int], salt: 
 
 
 def span_release(index: SpanIndex, cache: PagedKVCache, seq: SeqKV, tokens: list[int], salt: str,
-                 link: "SpanLink | None" = None) -> None:
+                 link: "SpanStore | None" = None) -> None:
     """Index every prompt the finished sequence compressed (the tokens before each compression
     point still sit in its first slots), then free it."""
     from kvcache.cache.retention import cut_point
