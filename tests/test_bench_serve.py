@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from conftest import run_kvcache
 
 from kvcache.bench.local_redis import free_port
@@ -79,3 +81,30 @@ def test_the_load_generators_read_a_real_servers_streams():
         assert text and case.errors == 0 and case.tokens == 4 and case.prompt > 0 and len(case.ttft_s) == 1
         complete(f"{url}/nowhere", "x", 3, level, lock)  # a 404: counted as an error, not raised
         assert level.errors == 1
+
+
+def test_mixed_refusals(capsys):
+    assert "--mixed (the document's tokens) must be at least 16" in _refused(capsys, "serve", "--mixed", "4", "--peers", "")
+    assert "--mixed does not apply to the decode suite (only to serve)" in _refused(capsys, "decode", "--mixed", "100")
+    assert "--max-batch-tokens must be at least 1" in _refused(capsys, "serve", "--max-batch-tokens", "0")
+
+
+@pytest.mark.slow
+def test_mixed_reports_short_chats_beside_a_long_document(tmp_path):
+    """``bench serve --mixed``: short chats alone and beside one document, on a real `kvcache serve`
+    (sizes small enough for a test; the figures are in BENCHMARKS.md)."""
+    import json
+
+    out = tmp_path / "mixed.json"
+    p = run_kvcache("bench", "serve", "--mixed", "600", "--peers", "", "--streams", "1", "--requests", "2",
+                    "--new-tokens", "2", "--prefill", "16", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "short TTFT alone p50/max s" in p.stdout and "doc total s" in p.stdout
+    data = json.loads(out.read_text())
+    assert data["meta"]["long_tokens"] == 600 and data["meta"]["clients"] == 1
+    (row,) = data["results"]
+    assert row["system"] == "kvcache" and row["errors"] == 0 and row["note"] == ""
+    assert row["short_alone"] == 2 and 0 < row["ttft_alone_p50_s"] <= row["ttft_alone_max_s"]
+    assert 0 < row["long_ttft_s"] <= row["long_total_s"]
+    if row["short_beside"]:  # sent while the document was prefilled (it may be done before the first)
+        assert row["ttft_beside_p50_s"] <= row["ttft_beside_max_s"]

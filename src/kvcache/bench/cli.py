@@ -1,6 +1,7 @@
 """``kvcache bench SUITE``: the parser and the dispatch to the suites; each suite is one module
 (bench/decode.py, nocache.py, context_lengths.py, memory.py, growth.py, prefix.py, throughput.py,
-hfbridge.py, serving.py, structured.py, spec.py, attention.py) whose ``run(args)`` measures, prints its table and writes its JSON."""
+hfbridge.py, serving.py, structured.py, spec.py, attention.py; longctx.py for context --long,
+serving_mixed.py for serve --mixed) whose ``run(args)`` measures, prints its table and writes its JSON."""
 
 from __future__ import annotations
 
@@ -97,6 +98,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="throughput with --replicas: also long documents with and without M prefill replicas")
     b.add_argument("--streams", default=None, metavar="N,N",
                    help="serve: concurrent streams, one level each (default 8,32; --quick 4)")
+    b.add_argument("--mixed", type=int, default=None, metavar="LONG_TOKENS",
+                   help="serve: short chats beside one document of LONG_TOKENS prompt tokens instead of the "
+                        "streams levels: the short chats' TTFT (median, max) alone and while the document is "
+                        "prefilled, and the document's total time; --streams: short-chat clients (default 2), "
+                        "--prefill: a short chat's tokens (default 64), --requests: short chats alone (default 5), "
+                        "--new-tokens: tokens out of each (default 8)")
+    b.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
+                   help="serve: kvcache serve's --max-batch-tokens (default: the server's, 256)")
     b.add_argument("--threads", type=int, default=None, help="torch threads for every system")
     b.add_argument("--quick", action="store_true",
                    help="a short run: decode 16 tokens, 1 repeat, prefill 512, depth 512; context 256,1024 with 16 tokens, 1 repeat, "
@@ -118,7 +127,8 @@ OPTIONS = {
     "throughput": ("requests", "new_tokens", "peers", "kv", "weights", "replicas", "prefill_replicas", "redis"),
     "cache-vs-none": ("new_tokens", "time_budget", "peers", "weights"),
     "memory": ("context", "new_tokens", "kv", "peers", "budget", "weights"),
-    "serve": ("new_tokens", "requests", "peers", "kv", "weights", "prefill", "streams", "llama_cpp_bin"),
+    "serve": ("new_tokens", "requests", "peers", "kv", "weights", "prefill", "streams", "llama_cpp_bin", "mixed",
+              "max_batch_tokens"),
     "hf": ("new_tokens", "repeats", "kv", "peers", "contexts"),
     "structured": ("new_tokens", "repeats", "requests", "peers"),
     "spec": ("new_tokens", "repeats", "weights", "peers", "llama_cpp_bin"),
@@ -126,7 +136,7 @@ OPTIONS = {
 }
 _FLAGS = ("new_tokens", "repeats", "rounds", "kv", "peers", "contexts", "max_context", "system_tokens", "redis", "requests",
           "time_budget", "context", "budget", "weights", "prefill", "depth", "llama_cpp_bin", "replicas",
-          "prefill_replicas", "streams")
+          "prefill_replicas", "streams", "mixed", "max_batch_tokens")
 
 
 LONG_ONLY = ("peers", "llama_cpp_bin")  # options the context suite reads with --long only
@@ -178,7 +188,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    module = "longctx" if args.suite == "context" and getattr(args, "long", False) else SUITE_MODULES[args.suite]
+    module = SUITE_MODULES[args.suite]
+    if args.suite == "context" and getattr(args, "long", False):
+        module = "longctx"
+    elif args.suite == "serve" and getattr(args, "mixed", None) is not None:
+        module = "serving_mixed"
     return importlib.import_module(f"kvcache.bench.{module}").run(args)
 
 

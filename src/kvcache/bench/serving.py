@@ -5,7 +5,8 @@ requests one after the other (a closed loop) to the OpenAI ``/v1/completions`` e
 every prompt a distinct slice of real English text of about ``PROMPT_TOKENS`` tokens (no shared
 prefixes), ``new_tokens`` tokens out (EOS ignored), greedy. Measured by the client: output tokens
 per second (all completion tokens / wall time of the level), TTFT (request sent -> first streamed
-text) p50 and p99, and the time per output token after the first.
+text) p50 and p99, and the time per output token after the first. (``--mixed LONG_TOKENS``: short
+chats beside one long document instead, serving_mixed.py.)
 
 Each server is a child process on 127.0.0.1 with the same thread count; one that fails to start
 or dies is a row marked skipped, never a failed run. The servers run one after the other, so they
@@ -170,6 +171,8 @@ def kvcache_cmd(args: argparse.Namespace, port: int, threads: int, streams: int)
         cmd += ["--weights", args.weights]
     if args.kv:
         cmd += ["--kv", args.kv]
+    if getattr(args, "max_batch_tokens", None) is not None:
+        cmd += ["--max-batch-tokens", str(args.max_batch_tokens)]
     return cmd
 
 
@@ -187,16 +190,14 @@ def run(args: argparse.Namespace) -> int:
     from kvcache.bench.local_redis import free_port
     from kvcache.models.loading import resolve_model
 
-    streams = _int_list(args.streams or ("4" if args.quick else "8,32"), "--streams")
+    check_budget(args)
+    streams = int_list(args.streams or ("4" if args.quick else "8,32"), "--streams")
     prompt = int(args.prefill) if args.prefill else (64 if args.quick else PROMPT_TOKENS)
     new = args.new_tokens if args.new_tokens is not None else (8 if args.quick else 64)
     per_stream = args.requests if args.requests is not None else (1 if args.quick else 3)
     if prompt < 8 or new < 2 or per_stream < 1:
         raise InvalidParams("--prefill (prompt tokens) must be at least 8, --new-tokens at least 2, --requests at least 1")
-    peers = [p for p in (args.peers if args.peers is not None else ",".join(PEERS)).split(",") if p]
-    for p in peers:
-        if p not in PEERS:
-            raise InvalidParams(f"unknown serve peer {p!r}; peers: {', '.join(PEERS)}")
+    peers = serve_peers(args)
     threads = args.threads or len(os.sched_getaffinity(0))
     gguf = resolve_model(args.model).gguf
     binary = None
@@ -237,7 +238,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _int_list(text: str, flag: str) -> list[int]:
+def check_budget(args: argparse.Namespace) -> None:
+    """``--max-batch-tokens`` (kvcache serve's), refused before any server starts when below 1."""
+    if getattr(args, "max_batch_tokens", None) is not None and args.max_batch_tokens < 1:
+        raise InvalidParams(f"--max-batch-tokens must be at least 1, got {args.max_batch_tokens}")
+
+
+def serve_peers(args: argparse.Namespace) -> list[str]:
+    """The peers named by ``--peers`` (default all), each one checked."""
+    peers = [p for p in (args.peers if args.peers is not None else ",".join(PEERS)).split(",") if p]
+    for p in peers:
+        if p not in PEERS:
+            raise InvalidParams(f"unknown serve peer {p!r}; peers: {', '.join(PEERS)}")
+    return peers
+
+
+def int_list(text: str, flag: str) -> list[int]:
     try:
         out = [int(x) for x in str(text).split(",") if x.strip()]
     except ValueError:

@@ -13,7 +13,22 @@ Every ``step`` runs one model forward over a batch of sequences of different len
    the last prompt token is recomputed for its logits);
 2. the batch is planned: every decoding sample feeds its last token, then samples still
    prefilling feed a chunk of their prompt, so at most ``max_batch_tokens`` tokens go into one
-   forward and a long prompt never stalls the others' decoding (chunked prefill);
+   forward and a long prompt never stalls the others' decoding (chunked prefill). The prompts
+   share the tokens the decodes leave max-min fairly (``fair_shares``, water-filling): a prompt
+   whose remainder is within the equal share goes in whole, the others split what is left
+   equally. So a short chat that arrives while a long document is prefilled has its first
+   token after the next step instead of after the whole document, and the document still
+   advances at least every other step, however many short prompts keep coming.
+   Shortest-remaining-first would give short prompts the same first step but lets a steady flow
+   of them starve a long one; fixed round-robin quanta would split a short prompt that fits the
+   equal share, or leave part of the budget unused. One exception keeps that first step short:
+   when the split would finish some prompt, the prompts longer than a whole step
+   (``max_batch_tokens``) sit that step out, never two steps in a row. A chunk deep in a long
+   document costs many times a short prompt (each of its tokens attends to every token before
+   it), so the newcomer waits for the step already running and for its own prompt, not for a
+   document chunk as well; the document loses a short prompt's time. Under the priority policy
+   each priority level shares what the higher levels leave. Chunking never changes a sequence's
+   bits (batch invariance): how the budget is split decides when tokens come, never which;
 3. the step's pages are asked of the cache's page manager (``runner.reserve``) before the forward
    runs, so attention only writes pages it was given; when the pool cannot give them (a typed
    refusal), the latest-admitted, lowest-priority request is preempted: its
@@ -52,7 +67,7 @@ from kvcache.errors import CacheFull, InvalidParams, KVCacheError
 from kvcache.models.tokenizer import Tokenizer
 from kvcache.prefix.radix import common_prefix
 
-__all__ = ["Item", "Request", "Sample", "Scheduler", "SchedulerConfig", "error_kind"]
+__all__ = ["Item", "Request", "Sample", "Scheduler", "SchedulerConfig", "error_kind", "fair_shares"]
 log = logging.getLogger("kvcache.engine")
 
 
@@ -75,7 +90,7 @@ SPEC_MAX_DECODES = 8  # with this many decodes in a step, no sample speculates (
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_batch_tokens: int = 256  # tokens per forward: decodes first, then prefill chunks
+    max_batch_tokens: int = 256  # tokens per forward: decodes first, then prefill chunks (shared fairly)
     max_running: int = 32  # requests served at once
     policy: str = "fifo"  # fifo | priority (higher first, then arrival)
     prompt_lookup: int = 0  # prompt lookup for requests that leave it None (serve --prompt-lookup; 0: off)
@@ -103,6 +118,7 @@ class Scheduler:
         self.preemptions = 0
         self.steps = 0
         self._held_back = False  # a preemption happened: admit nothing more until a request ends
+        self._sat_out = False  # the last step left out the prompts longer than a whole step (_plan)
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -364,9 +380,14 @@ class Scheduler:
 
     def _plan(self) -> list[Item]:
         """Decodes first, one token each (with their proposed tokens when they speculate and the
-        step has room), then prefill chunks in admission order, up to ``max_batch_tokens``. With
-        ``SPEC_MAX_DECODES`` or more decodes in the step, nothing is proposed: the batch already
-        reads each weight once for many tokens, and verifying proposals would only add work."""
+        step has room), then the prompts still prefilling share what is left of
+        ``max_batch_tokens`` (``fair_shares``; under the priority policy a higher level's prompts
+        first). When that would finish some prompt, the prompts with more than
+        ``max_batch_tokens`` still to feed sit the step out (never two steps in a row), so the
+        step that gives a newcomer its first token is not also a chunk of a document at depth.
+        With ``SPEC_MAX_DECODES`` or more decodes in the step, nothing is proposed: the batch
+        already reads each weight once for many tokens, and verifying proposals would only add
+        work."""
         budget = self.config.max_batch_tokens
         batch: list[Item] = []
         decodes = [(req, s) for req in self.running for s in req.samples
@@ -381,13 +402,30 @@ class Scheduler:
                 s.draft = keep
             batch.append(Item(req, s, len(s.feed)))
             budget -= len(s.feed)
-        for req in self.running:  # then prefill chunks, in admission order
-            for s in req.samples:
-                if s.reason is None and s.feed and not (s.tokens and len(s.feed) == 1 + s.draft) and budget > 0:
-                    n = min(len(s.feed), budget)
-                    batch.append(Item(req, s, n))
+        prefills = [(req, s) for req in self.running for s in req.samples  # in admission order
+                    if s.reason is None and s.feed and not (s.tokens and len(s.feed) == 1 + s.draft)]
+        chunks = self._chunks(prefills, budget)  # then prompt chunks, shared fairly
+        step = self.config.max_batch_tokens
+        longer = any(len(c.sample.feed) > step for c in chunks)
+        if longer and not self._sat_out and any(c.n == len(c.sample.feed) for c in chunks):
+            chunks = self._chunks([(r, s) for r, s in prefills if len(s.feed) <= step], budget)
+            self._sat_out = True
+        else:
+            self._sat_out = False
+        return batch + chunks
+
+    def _chunks(self, prefills: list[tuple[Request, Sample]], budget: int) -> list[Item]:
+        """The prompts' chunks: ``budget`` tokens shared by ``fair_shares`` (under the priority
+        policy each level shares what the higher levels leave, highest first)."""
+        levels = sorted({req.priority for req, _ in prefills}, reverse=True) if self.config.policy == "priority" else [None]
+        out = []
+        for level in levels:
+            group = [(req, s) for req, s in prefills if level is None or req.priority == level]
+            for (req, s), n in zip(group, fair_shares([len(s.feed) for _, s in group], budget)):
+                if n:
+                    out.append(Item(req, s, n))
                     budget -= n
-        return batch
+        return out
 
     def _sample(self, ready: list[tuple[int, Item]], logits: torch.Tensor, masks: torch.Tensor | None,
                 mask_row: dict[int, int], done: list[Request]) -> None:
@@ -629,6 +667,30 @@ class Scheduler:
         if req.error_kind == "internal":  # the server's fault: the operator hears of it, with the request's id
             log.error("request %s failed: %s", req.request_id, req.error)
         done.append(req)
+
+
+def fair_shares(remaining: list[int], budget: int) -> list[int]:
+    """How many of ``budget`` tokens each prompt feeds in a step, given the ``remaining`` tokens of
+    each (listed in admission order): max-min fair (water-filling). A prompt whose remainder is
+    within the equal share feeds it whole; what it leaves is shared equally by the others. Tokens
+    that do not divide evenly go one each to the earliest admitted, and so do all of them when
+    there are fewer tokens than prompts. Nothing is left over while a prompt still has tokens."""
+    give = [0] * len(remaining)
+    todo = list(range(len(remaining)))
+    left = budget
+    while todo and left > 0:
+        share = left // len(todo)
+        whole = [i for i in todo if remaining[i] <= share]
+        if not whole:
+            spare = left - share * len(todo)
+            for k, i in enumerate(todo):
+                give[i] = share + (k < spare)
+            break
+        for i in whole:
+            give[i] = remaining[i]
+            left -= remaining[i]
+        todo = [i for i in todo if remaining[i] > share]
+    return give
 
 
 def _allowed(matcher: Any, tok: int, eos: set[int]) -> bool:
