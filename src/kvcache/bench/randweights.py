@@ -56,8 +56,9 @@ def open_writer(tmp: Any, arch: str, name: str, seed: int) -> tuple[Any, int]:
     import gguf
 
     from kvcache.models.bundled import default_gguf
+    from kvcache.models.gguf_reader import gguf_reader
 
-    src = gguf.GGUFReader(str(default_gguf()), "r")
+    src = gguf_reader(default_gguf())
     tok = {k: f for k, f in src.fields.items() if k.startswith("tokenizer.")}
     vocab = len(tok["tokenizer.ggml.tokens"].data)
     w = gguf.GGUFWriter(str(tmp), arch)

@@ -28,14 +28,14 @@ from kvcache.kernels.qweight import FORMAT_OF
 
 def open_gguf(path: Path):  # -> gguf.GGUFReader
     """Open and validate a GGUF file; a one-line ModelLoadError when it is not a whole GGUF."""
-    import gguf
+    from kvcache.models.gguf_reader import gguf_reader
 
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelLoadError(f"{path} is not a GGUF file (no GGUF magic bytes)")
     try:
-        reader = gguf.GGUFReader(str(path), "r")
+        reader = gguf_reader(path)
     except Exception as e:  # the reader raises many kinds of errors on damaged files
         raise ModelLoadError(f"{path} is a corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
     size = path.stat().st_size
@@ -226,9 +226,10 @@ def _read_table(folder: Path, path: Path) -> dict[str, Any] | None:
     return out
 
 
-def convert_gguf(path: Path, out_dir: Path, show_progress: bool = True, weights: bool = True) -> None:
-    """Write config.json and the tokenizer files of ``path`` into ``out_dir``, and with
-    ``weights`` model.safetensors (every tensor as fp32)."""
+def convert_gguf(path: Path, out_dir: Path, show_progress: bool = True, weights: bool = True,
+                 tokenizer: bool = True) -> None:
+    """Write config.json and (with ``tokenizer``) the tokenizer files of ``path`` into ``out_dir``,
+    and with ``weights`` model.safetensors (every tensor as fp32)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
@@ -252,4 +253,5 @@ def convert_gguf(path: Path, out_dir: Path, show_progress: bool = True, weights:
     else:
         convert_weights(reader, arch, config, keep_quantized=str(path))  # settles tie_word_embeddings
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    write_tokenizer(path, metadata(reader), out_dir)
+    if tokenizer:
+        write_tokenizer(path, metadata(reader), out_dir)

@@ -121,7 +121,8 @@ def ensure_fp32(resolved: ResolvedModel, show_progress: bool = True) -> None:
         return
     tmp = _converting(resolved.path.parent)
     try:
-        convert_gguf(resolved.gguf, tmp, show_progress=show_progress, weights=True)
+        # the folder has its tokenizer already: only the weights (a vocabulary's conversion takes seconds)
+        convert_gguf(resolved.gguf, tmp, show_progress=show_progress, weights=True, tokenizer=False)
         os.replace(tmp / "model.safetensors", resolved.path / "model.safetensors")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
