@@ -103,6 +103,17 @@ def tiny_dir(tmp_path_factory):
     return get
 
 
+def fresh_home(path: Path) -> Path:
+    """An empty KVCACHE_HOME at ``path`` (no converted model, repacked weights or tier secret) whose
+    kernels folder is this user's: a library's name is a hash of its sources, flags and compiler,
+    so the same file is right for both, and compiling one takes seconds."""
+    from kvcache.kernels.build import kernel_dir
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "kernels").symlink_to(kernel_dir(), target_is_directory=True)
+    return path
+
+
 def run_kvcache(*args: str, stdin: str | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """The console command in a fresh process, as a user runs it."""
     return subprocess.run([sys.executable, "-m", "kvcache", *args], capture_output=True, text=True,

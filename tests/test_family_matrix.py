@@ -20,6 +20,7 @@ import pytest
 import torch
 from gguf import GGUFValueType
 
+from conftest import fresh_home
 from convert_matrix import BPE_ROWS, ROWS, convert_all, converter, make_model
 from kvcache.attention.recompute import RecomputeContext
 from kvcache.models.config import ModelConfig
@@ -34,9 +35,9 @@ ATOL = 1e-4
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory, monkeypatch_module):
     """row -> (HF model, folder, F32 GGUF, Q8_0 GGUF), converted once."""
-    monkeypatch_module.setenv("KVCACHE_HOME", str(tmp_path_factory.mktemp("home")))
+    bpe = resolve_model(None).path  # the bundled SmolLM2's byte-level BPE tokenizer, converted once for every test
+    monkeypatch_module.setenv("KVCACHE_HOME", str(fresh_home(tmp_path_factory.mktemp("home"))))
     root = tmp_path_factory.mktemp("matrix")
-    bpe = resolve_model(None).path  # the bundled SmolLM2's byte-level BPE tokenizer
     made, jobs = {}, []
     for row in ROWS:
         folder = root / row

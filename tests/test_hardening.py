@@ -25,6 +25,7 @@ from kvcache.prefix.entry import decode_entry, encode_entry, mac_key
 from kvcache.prefix.tiers import DiskTier, TierChain
 from kvcache.bench.local_redis import free_port
 
+from conftest import fresh_home
 from test_cli_errors import assert_one_line_error, run_cli
 from test_fault_suite import _beside_streams, _complete, _long_prompts, _reference, _settled
 from test_server import Server, _model
@@ -184,7 +185,7 @@ def test_a_tier_that_does_not_answer_is_waited_for_a_bounded_time(tmp_path):
 def disk_server(tiny_path, tmp_path_factory):
     d, home = tmp_path_factory.mktemp("tier"), tmp_path_factory.mktemp("home")
     s = Server(tiny_path, "--kv", "dynamic,page_size=4", "--prefix-dir", str(d), "--prefix-tokens", "0",
-               "--max-batch-tokens", "64", env={"KVCACHE_HOME": str(home)})
+               "--max-batch-tokens", "64", env={"KVCACHE_HOME": str(fresh_home(home))})
     s.dir, s.home = d, home
     yield s
     s.close()
@@ -246,7 +247,7 @@ def _until_asleep(port: int) -> None:
 def test_a_redis_that_sleeps_ten_seconds_never_stops_the_engine(tiny_path, tmp_path):
     proc, port = _redis_with_debug()
     s = Server(tiny_path, "--kv", "dynamic,page_size=4", "--redis", f"redis://127.0.0.1:{port}/0",
-               "--prefix-tokens", "0", env={"KVCACHE_HOME": str(tmp_path)})
+               "--prefix-tokens", "0", env={"KVCACHE_HOME": str(fresh_home(tmp_path / "home"))})
     try:
         prompt = _long_prompts(1, 60)[0]
         want = _reference(tiny_path, [prompt], 6)[0]
@@ -317,7 +318,7 @@ def test_default_tiers_carry_a_mac_with_the_installations_secret(tiny_path, disk
 def test_unsigned_tiers_are_an_explicit_choice(tiny_path, tmp_path):
     prompt = _long_prompts(1, 48)[0]
     s = Server(tiny_path, "--kv", "dynamic,page_size=4", "--prefix-dir", str(tmp_path / "d"), "--prefix-tokens", "0",
-               "--tier-unsigned", env={"KVCACHE_HOME": str(tmp_path / "home")})
+               "--tier-unsigned", env={"KVCACHE_HOME": str(fresh_home(tmp_path / "home"))})
     try:
         _complete(s, prompt, 6)
         s.flush()  # the tier writes are done

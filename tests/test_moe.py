@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import VOCAB, write_tiny_tokenizer
+from conftest import VOCAB, fresh_home, write_tiny_tokenizer
 from kvcache import LLM
 from kvcache.attention.recompute import RecomputeContext
 from kvcache.errors import UnsupportedArchitecture
@@ -424,7 +424,7 @@ def test_a_random_qwen3moe_benchmark_file_loads_and_generates(tmp_path, monkeypa
     from kvcache.engine.params import SamplingParams
     from kvcache.models.qwen3moe import Qwen3MoeForCausalLM
 
-    monkeypatch.setenv("KVCACHE_HOME", str(tmp_path / "home"))  # the repacked weights' cache
+    monkeypatch.setenv("KVCACHE_HOME", str(fresh_home(tmp_path / "home")))  # the repacked weights' cache
     shape = MoeShape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=8, used=2, expert_ffn=32)
     path = write_f16(shape, tmp_path / "moe.gguf", progress=False)
     llm = LLM(str(path), prefix=False)

@@ -211,7 +211,7 @@ def test_kernels_leave_denormals_alone():
 def test_kernel_folder_is_private_and_cc_may_carry_arguments(tmp_path):
     env = {**os.environ, "KVCACHE_HOME": str(tmp_path), "CC": "gcc -Wno-unused-function"}
     code = ("from kvcache.kernels import build\n"
-            "print(build.build('qgemm', build.GENERIC))\n")
+            "print(build.build('pgemm', build.GENERIC))\n")  # the smallest library: a compile of a second
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr
     folder = tmp_path / "kernels"
