@@ -10,10 +10,12 @@ and products, and must give the VNNI bits too.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -132,34 +134,46 @@ def test_env_reports_the_amx_line():
     assert p.returncode == 0 and "off (KVCACHE_AMX=0)" in p.stdout
 
 
-def emulated_library(tmp: Path) -> Path | None:
+def emulated_library() -> Path | None:
     """qgemm.c and qamx.c built as the avx512vnni variant with the tile instructions emulated, or
-    None where that variant cannot run or there is no compiler."""
+    None where that variant cannot run or there is no compiler. Built once and kept in the kernels
+    folder under a hash of its sources, compiler and flags, as the libraries are (a build takes
+    seconds)."""
     cc = build.compiler()
     if AVX512 is None or not build.runnable(AVX512) or cc is None:
         return None
-    out, objs = tmp / "qgemm-amx-emulated.so", []
-    procs = []
-    for name in ("qgemm", "qamx"):  # compiled side by side, then linked
-        objs.append(tmp / f"{name}.o")
-        procs.append(subprocess.Popen([*cc, *build.MATH, *AVX512.flags, "-fopenmp", "-fPIC", "-DKV_AMX_EMULATE",
-                                       f"-I{build.SOURCES}", "-c", str(build.SOURCES / f"{name}.c"), "-o",
-                                       str(objs[-1])], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for p in procs:
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err
-    p = subprocess.run([*cc, *build.COMMON, *map(str, objs), "-o", str(out), "-lm"], capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stderr
+    flags = [*build.MATH, *AVX512.flags, "-fopenmp", "-fPIC", "-DKV_AMX_EMULATE"]
+    h = hashlib.sha256()
+    for f in [build.SOURCES / "qgemm.c", build.SOURCES / "qamx.c", *sorted(build.SOURCES.glob("*.h"))]:
+        h.update(f.read_bytes())
+    h.update(" ".join([*cc, *flags, *build.COMMON]).encode())
+    out = build.kernel_dir() / f"qgemm-amx-emulated-{h.hexdigest()[:16]}.so"
+    if out.is_file():
+        return out
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        objs, procs = [], []
+        for name in ("qgemm", "qamx"):  # compiled side by side, then linked
+            objs.append(Path(tmp) / f"{name}.o")
+            procs.append(subprocess.Popen([*cc, *flags, f"-I{build.SOURCES}", "-c", str(build.SOURCES / f"{name}.c"),
+                                           "-o", str(objs[-1])], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True))
+        for p in procs:
+            _, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err
+        so = Path(tmp) / out.name
+        p = subprocess.run([*cc, *build.COMMON, *map(str, objs), "-o", str(so), "-lm"], capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 0, p.stderr
+        os.replace(so, out)
     return out
 
 
-def test_products_have_the_same_bits_with_amx_and_without(tmp_path):
+def test_products_have_the_same_bits_with_amx_and_without():
     """The default library with its own choice and with KVCACHE_AMX=0 (on an AMX host: tiles
     against VNNI), and the emulated-tile build both ways: one set of bits for all four."""
     if kernels.qgemm() is None:
         pytest.skip("no native kernels here")
-    emu = emulated_library(tmp_path)
+    emu = emulated_library()
     paths = ["", *([str(emu)] if emu else [])]
     on, off = run_checks(paths)
     expected_reason(on[""]["status"])
