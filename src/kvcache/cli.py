@@ -223,10 +223,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvcache: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("", file=sys.stderr)
-        # a server stopped by a signal before it served stops cleanly, at whatever moment: nothing
-        # was served or written (kvcache serve itself says so once its parser has been built)
-        serving = list(sys.argv[1:] if argv is None else argv)[:1] == ["serve"]
-        return 0 if serving and stop_asked() else 130
+        return _interrupted(argv)
     except BrokenPipeError:
         return 0
+    except Exception as e:
+        # a signal that came while a module's classes were being made surfaces wrapped (Python
+        # reports an exception from __set_name__ as a RuntimeError caused by it): still a stop
+        if stop_asked() and _caused_by_interrupt(e):
+            return _interrupted(argv)
+        raise
+
+
+def _interrupted(argv: Sequence[str] | None) -> int:
+    print("", file=sys.stderr)
+    # a server stopped by a signal before it served stops cleanly, at whatever moment: nothing
+    # was served or written (kvcache serve itself says so once its parser has been built)
+    serving = list(sys.argv[1:] if argv is None else argv)[:1] == ["serve"]
+    return 0 if serving and stop_asked() else 130
+
+
+def _caused_by_interrupt(e: BaseException | None) -> bool:
+    seen = 0
+    while e is not None and seen < 16:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
