@@ -23,7 +23,7 @@ from kvcache.server.tool_formats import DEFAULT, FORMATS, ToolFormat, tool_forma
 from kvcache.server.tools import ToolSpec, parse_output, tool_grammar
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_tools import find_tokenizer  # noqa: E402
+from test_tools import lltok  # noqa: E402,F401 (a fixture)
 
 WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}
@@ -48,11 +48,8 @@ def spec(fmt: ToolFormat, choice: str = "required", parallel: bool = True, name:
 
 
 @pytest.fixture(scope="module")
-def smol():
-    path = find_tokenizer()
-    if path is None:
-        pytest.skip("no tokenizer.json under ~/.cache/kvcache/models")
-    return llguidance.LLTokenizer(path.read_text())
+def smol(lltok):
+    return lltok  # llguidance's view of a cached vocabulary (SmolLM2's), as test_tools.py builds it
 
 
 def accepts(tok, grammar: str, text: str | list[int]) -> bool:
