@@ -191,6 +191,9 @@ SLOW = {
     "test_responses_api.py::TestTemplate",
     # the anthropic SDK against a real server (the file's translation tests stay quick)
     "test_anthropic_api.py::TestSDK",
+    # kvcache env on every kernel variant (quick: its digest line on this CPU's variant, and the
+    # variants' bits in test_variants.py's greedy generations)
+    "test_variants.py::test_env_prints_the_same_digest_on_every_variant",
 }
 
 
