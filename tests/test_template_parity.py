@@ -56,14 +56,20 @@ def _backend():
     return backend
 
 
-def _render_both(template: str, messages: list[dict], tools: list[dict] | None):
-    """(kvcache's text or its error, transformers' text or its error)."""
-    from transformers import PreTrainedTokenizerFast
-
+def _ours(template: str):
+    """kvcache's tokenizer with ``template`` (compiled on its first render, once, as a model's is)."""
     from kvcache.models.tokenizer import Tokenizer
 
+    return Tokenizer(_backend(), {"chat_template": template, "bos_token": "<s>", "eos_token": "</s>"}, {})
+
+
+def _render_both(template: str, messages: list[dict], tools: list[dict] | None, ours=None):
+    """(kvcache's text or its error, transformers' text or its error); ``ours``: kvcache's tokenizer
+    with ``template`` (a new one by default)."""
+    from transformers import PreTrainedTokenizerFast
+
     extra = {"tools": copy.deepcopy(tools)} if tools else {}
-    ours = Tokenizer(_backend(), {"chat_template": template, "bos_token": "<s>", "eos_token": "</s>"}, {})
+    ours = ours if ours is not None else _ours(template)
     theirs = PreTrainedTokenizerFast(tokenizer_object=_backend(), bos_token="<s>", eos_token="</s>")
     out = []
     for render in (lambda: ours.apply_chat_template(copy.deepcopy(messages), **extra),
@@ -86,8 +92,9 @@ def templates():
 def test_every_template_renders_as_transformers_renders_it(templates):
     rendered, refused, differ = 0, 0, []
     for name, template in templates.items():
+        tok = _ours(template)  # one tokenizer a template, rendering every conversation (transformers caches too)
         for what, (messages, tools) in CONVERSATIONS.items():
-            ours, theirs = _render_both(template, messages, tools)
+            ours, theirs = _render_both(template, messages, tools, tok)
             if isinstance(theirs, Exception):  # not a render both can do (kvcache may: it passes no
                 refused += 1                     # tools=None to a template that iterates tools)
                 continue
