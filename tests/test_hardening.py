@@ -348,12 +348,24 @@ def test_a_secret_file_others_can_read_is_refused(tmp_path, monkeypatch):
 @pytest.mark.parametrize("spec,needle", [
     ("static,max_tokens=99999999999999999999", "out of range"),
     ("static,max_tokens=1000000000", "would preallocate"),
+])
+def test_kv_values_that_conflict_or_cannot_fit_exit_2(tiny_path, spec, needle):
+    """Through `kvcache generate`: a value out of range (the spec's parser) and a static cache the
+    machine cannot hold (at load); the parser's other refusals below, where the command takes them."""
+    assert_one_line_error(run_cli("generate", "t5 t6", "--model", tiny_path, "--kv", spec, "-n", "2"), needle)
+
+
+@pytest.mark.parametrize("spec,needle", [
     ("int4,int8", "'int4' and 'int8' both set encoding"),
     ("static,dynamic", "'static' and 'dynamic' both set capacity"),
     ("window=64,window=128", "both set window"),
 ])
-def test_kv_values_that_conflict_or_cannot_fit_exit_2(tiny_path, spec, needle):
-    assert_one_line_error(run_cli("generate", "t5 t6", "--model", tiny_path, "--kv", spec, "-n", "2"), needle)
+def test_kv_values_that_conflict_are_refused(spec, needle):
+    from kvcache.cache.config import parse_kv_spec
+
+    with pytest.raises(InvalidParams, match=needle) as e:
+        parse_kv_spec(spec)
+    assert "\n" not in str(e.value)
 
 
 def test_a_preset_may_be_refined():
