@@ -81,18 +81,19 @@ def test_the_cache_after_speculation_is_the_cache_without():
 
 
 @pytest.mark.parametrize("kv", ["int8", "int4,residual=8", "fp16", "window=96,sinks=4,page_size=4"])
-def test_lossy_encodings_speculate_and_keep_their_accounting(kv):
+def test_lossy_encodings_speculate_and_keep_their_accounting(kv, exact_text):
     """A lossy encoding takes proposals back too (the residual buffer and sealed pages as a
     sequence that never saw them); its text may differ from one-at-a-time decoding by the
     encoding's rounding, as a prefill chunk's does (the verified tokens attend to each other at
     full precision), so only the accounting is compared. Sinks likewise (a verified block sits
     at the cache positions of its step, where one-token steps shift them token by token). A
-    window without sinks is exact and in the greedy test above."""
+    window without sinks is exact and in the greedy test above. The predictions: the exact text
+    with every third token wrong."""
     llm = LLM(kv=f"dynamic,{kv}")
-    want = _plain(llm, PROMPTS)
-    got = llm.generate_batch(PROMPTS, [SamplingParams(max_tokens=48, prediction=_wrong(o.token_ids, 3)) for o in want],
-                             chat=True)
+    got = llm.generate_batch(PROMPTS, [SamplingParams(max_tokens=48, prediction=_wrong(o.token_ids, 3))
+                                       for o in exact_text[:4]], chat=True)
     assert sum(o.metrics.get("spec_pred_rejected", 0) for o in got) > 0
+    assert sum(o.metrics.get("spec_pred_accepted", 0) for o in got) > 0
     llm.check_integrity()
     assert llm.kv_stats().pages_in_use == 0
 
@@ -115,17 +116,17 @@ def test_prefill_presses_speculate_with_the_text_unchanged(kv):
 @pytest.mark.parametrize("kv", ["dynamic,press=h2o,ratio=0.3", "dynamic,press=tova,ratio=0.3",
                                 "int8,press=h2o,ratio=0.3", "int4,press=snapkv,ratio=0.5",
                                 "dynamic,press=snapkv,ratio=0.5,window=128,page_size=4"])
-def test_lossy_presses_speculate_and_keep_their_accounting(kv):
+def test_lossy_presses_speculate_and_keep_their_accounting(kv, exact_text):
     """Decode-time presses (only kept tokens' queries count, press/state.py ``commit``), quantized
     presses (a verifying forward seals only pages of tokens from before it, so a cut never falls
     in a sealed page) and a press with a window: proposals are refused and cut, and the cache
-    holds nothing afterwards."""
+    holds nothing afterwards. The predictions: the exact text with every third token wrong."""
     llm = LLM(kv=kv)
-    want = _plain(llm, PROMPTS)
-    got = llm.generate_batch(PROMPTS, [SamplingParams(max_tokens=48, prediction=_wrong(o.token_ids, 3)) for o in want],
-                             chat=True)
+    got = llm.generate_batch(PROMPTS, [SamplingParams(max_tokens=48, prediction=_wrong(o.token_ids, 3))
+                                       for o in exact_text[:4]], chat=True)
     assert all(o.finish_reason in ("stop", "length") for o in got)
     assert sum(o.metrics["spec_pred_rejected"] for o in got) > 0
+    assert sum(o.metrics["spec_pred_accepted"] for o in got) > 0
     llm.check_integrity()
     assert llm.kv_stats().pages_in_use == 0
 
