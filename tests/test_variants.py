@@ -187,33 +187,37 @@ def test_float_attention_gives_the_same_bits_on_every_variant(window):
     same(pools, f"the K/V the fused decode attention wrote, window {window}")
 
 
+PROMPTS = ["Water boils at", "def fibonacci(n):", "Photosynthesis converts light into", "The three laws of motion are",
+           "Über die Brücke ging"]
 GENERATE = textwrap.dedent("""
     import sys
     from kvcache import LLM
     from kvcache.envinfo import logits_digest
     llm = LLM(None if sys.argv[1] == "-" else sys.argv[1], kv=sys.argv[2], prefix=False, threads=2)
+    prompts = sys.argv[4].split("\\n")
     for steps in map(int, sys.argv[3].split(",")):
-        for p in ["Water boils at", "def fibonacci(n):", "Photosynthesis converts light into",
-                  "The three laws of motion are", "Über die Brücke ging"]:
-            digest, tokens = logits_digest(llm, p, steps)
-            print(steps, digest, *tokens)
+        for i in map(int, sys.argv[5].split(",")):
+            digest, tokens = logits_digest(llm, prompts[i], steps)
+            print(steps, i, digest, *tokens)
 """)
 
 
-def _generate(variant: str, model: str, kv: str, steps: list[int], torch_isa: str | None = None) -> dict[int, str]:
-    """{greedy steps: the five prompts' lines (digest, tokens)} from one process on ``variant``."""
+def _generate(variant: str, model: str, kv: str, steps: list[int], torch_isa: str | None = None,
+              prompts: tuple[int, ...] = tuple(range(len(PROMPTS)))) -> dict[tuple[int, int], str]:
+    """{(greedy steps, prompt): the line (digest, tokens)} of each of ``prompts`` (indices into
+    PROMPTS) from one process on ``variant``."""
     env = {**os.environ, "KVCACHE_KERNEL_VARIANT": variant}
     if torch_isa:
         env["ATEN_CPU_CAPABILITY"] = torch_isa  # torch's own vector code, as on another host
-    p = subprocess.run([sys.executable, "-c", GENERATE, model, kv, ",".join(map(str, steps))], capture_output=True,
-                       text=True, timeout=600, env=env)
+    p = subprocess.run([sys.executable, "-c", GENERATE, model, kv, ",".join(map(str, steps)), "\n".join(PROMPTS),
+                        ",".join(map(str, prompts))], capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
-    out: dict[int, list[str]] = {}
+    out = {}
     for line in p.stdout.splitlines():
-        n, rest = line.split(" ", 1)
-        out.setdefault(int(n), []).append(rest)
-    assert sorted(out) == sorted(steps) and all(len(v) == 5 for v in out.values()), p.stdout
-    return {n: "\n".join(v) for n, v in out.items()}
+        n, i, rest = line.split(" ", 2)
+        out[int(n), int(i)] = rest
+    assert sorted(out) == sorted((n, i) for n in steps for i in prompts), p.stdout
+    return out
 
 
 def _runs() -> list[tuple[str, str | None]]:
@@ -231,9 +235,11 @@ def test_greedy_generations_give_the_same_logits_on_every_variant(model, kv):
     of a few greedy tokens are the same bits from every variant (and with torch's AVX2 code); the
     vector variants, a few milliseconds a forward, go on to 12 greedy tokens (quantized pages: 6)
     and agree there too. The scalar generic variant, up to a second a forward, stops at the short
-    run: a prefill of every prompt and decodes that read the K/V a decode wrote (the bundled
-    model's cross a page of 4) run every kernel the longer run does. Every cache strategy gives
-    these bits on one variant (test_batch_invariance.py), so one of them stands for all."""
+    run of three of the prompts (3, 5 and 8 tokens on the bundled model): prefills and decodes that
+    read the K/V a decode wrote (the bundled model's cross a page of 4) run every kernel the longer
+    run does (and every row count of a kernel, test_quantized_products_... above). Every cache
+    strategy gives these bits on one variant (test_batch_invariance.py), so one of them stands for
+    all."""
     if model != "-":
         from conftest import gemma_installed
 
@@ -244,14 +250,15 @@ def test_greedy_generations_give_the_same_logits_on_every_variant(model, kv):
     # the bundled run's 4 tokens cross a page of 4; Gemma's (pages of 16) write and read back their own K/V in 2
     short, long = (3, 6) if quantized else (4, 12) if model == "-" else (2, 12)
     runs = [(v, None) for v, _ in _runs()] if quantized else _runs()
-    outs = {f"{v}{'+torch ' + t if t else ''}": _generate(v, model, kv, [short] if v == "generic" else [short, long], t)
-            for v, t in runs}
-    for steps in (short, long):
-        ran = {name: out[steps] for name, out in outs.items() if steps in out}
-        first = next(iter(ran.values()))
-        for name, out in ran.items():
-            assert out == first, f"{model} {kv}, {steps} steps: {name} gives other logits than {next(iter(ran))}"
-    assert len(outs) >= 2 and all(short in out for out in outs.values())
+    outs = {f"{v}{'+torch ' + t if t else ''}": _generate(v, model, kv, [short], t, (0, 2, 4)) if v == "generic"
+            else _generate(v, model, kv, [short, long], t) for v, t in runs}
+    for key in sorted({k for out in outs.values() for k in out}):
+        ran = {name: out[key] for name, out in outs.items() if key in out}
+        first = next(iter(ran))
+        for name, line in ran.items():
+            assert line == ran[first], f"{model} {kv}, {key[0]} steps, {PROMPTS[key[1]]!r}: {name} gives other " \
+                                       f"logits than {first}"
+    assert len(outs) >= 2 and all((short, i) in out for out in outs.values() for i in (0, 2, 4))
 
 
 def _env_digest(variant: str | None = None, torch_isa: str | None = None) -> str:
