@@ -51,6 +51,17 @@ def test_help_and_bad_subcommand():
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
 
 
+def test_the_parser_loads_no_torch():
+    """The whole command line (every subcommand's options, the models `size` knows) is built
+    without importing torch: --help and a mistyped option answer at once."""
+    import subprocess
+    import sys
+
+    code = "import sys; from kvcache.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.split() == ["False"], p.stdout + p.stderr[-2000:]
+
+
 def test_bench_decode_smoke(tmp_path):
     out = tmp_path / "bench.json"
     p = kvcache("bench", "decode", "--new-tokens", "4", "--repeats", "1", "--kv", "dynamic",

@@ -17,7 +17,7 @@ DEFAULT_SPECS = "dynamic;fp16;int8;int4;int2;sink"
 
 
 def add_size_parser(sub: argparse._SubParsersAction) -> None:
-    from kvcache.inspect.size import known_names
+    from kvcache.inspect.known_models import known_names
 
     s = sub.add_parser("size", help="KV cache bytes of a model under each strategy, and what fits a budget",
                        description=f"Known models: {known_names()}; or a config.json, model folder or GGUF file.")
