@@ -198,13 +198,14 @@ def kv_config(args: argparse.Namespace, default_budget: str | None = None) -> Ca
 
 def load_llm(args: argparse.Namespace, default_budget: str | None = None) -> LLM:
     """The model of ``add_model_args`` with the prefix cache of ``add_prefix_args`` (off or at its
-    defaults where the command has no such options). A bad spec is refused before the model loads."""
-    from kvcache.engine.llm import LLM
-
+    defaults where the command has no such options). A bad spec is refused before the model loads
+    (and before torch is imported)."""
     kv = kv_config(args, default_budget)
     timeout = getattr(args, "template_timeout", None)
     if timeout is not None and not timeout > 0:
         raise InvalidParams(f"--template-timeout must be a positive number of seconds, got {timeout}")
+    from kvcache.engine.llm import LLM
+
     return LLM(args.model, kv=kv, threads=args.threads, prefix=prefix_config(args), weights=args.weights,
                draft_model=getattr(args, "draft_model", None), draft_weights=getattr(args, "draft_weights", "file"),
                template_timeout=getattr(args, "template_timeout", None))

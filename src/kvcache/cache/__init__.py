@@ -21,10 +21,18 @@ Owns pages (through its page manager alone), page tables, lengths and the cache'
 (attention/) or know what a prefix index keeps beyond the Evictor contract (prefix/).
 """
 
-from kvcache.cache.allocator import PageAllocator
-from kvcache.cache.paged import CacheStats, PagedKVCache
-from kvcache.cache.plan import ForwardPlan, ReadPlan
-from kvcache.cache.pool import PagePool
-from kvcache.cache.sequence import SeqKV
+from __future__ import annotations
 
-__all__ = ["CacheStats", "ForwardPlan", "PageAllocator", "PagedKVCache", "PagePool", "ReadPlan", "SeqKV"]
+import importlib
+from typing import Any
+
+# imported on first use, so that the pure modules (config.py, budget.py, ...) load without torch
+_EXPORTS = {"PageAllocator": "allocator", "CacheStats": "paged", "PagedKVCache": "paged", "ForwardPlan": "plan",
+            "ReadPlan": "plan", "PagePool": "pool", "SeqKV": "sequence"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"kvcache.cache.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'kvcache.cache' has no attribute {name!r}")

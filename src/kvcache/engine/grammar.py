@@ -21,14 +21,15 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvcache.engine.masks import MaskWorker
 from kvcache.engine.nesting import MAX_DEPTH, MAX_SCHEMA_JSON_DEPTH, grammar_syntax, text_depth
 from kvcache.engine.schema import bounded_whitespace, closed_schema
 from kvcache.errors import InvalidParams
+
+if TYPE_CHECKING:  # torch is imported where a mask is made: a request's parameters are checked without it
+    import torch
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "gbnf")
 MAX_CONSTRAINT_BYTES = 64 << 10  # a schema or grammar larger than this is refused
@@ -218,6 +219,8 @@ class Grammars:
             raise InvalidParams(f"the {_noun(constraint.kind)} cannot be used: {_line(e)}") from None
         if m.is_error():
             raise InvalidParams(f"the {_noun(constraint.kind)} cannot be used: {_line(m.get_error())}")
+        import torch
+
         mask = torch.zeros(self.words, dtype=torch.int32)
         m.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
         if m.is_error():
@@ -272,6 +275,7 @@ def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """int32 bitmasks [R, W] -> allowed [R, vocab] (bool): token t is bit t % 32 of word t // 32
     (little-endian words, so byte t // 8, bit t % 8)."""
     import numpy as np
+    import torch
 
     words = bitmask.contiguous().numpy()
     if words.dtype.byteorder == ">" or (words.dtype.byteorder == "=" and np.little_endian is False):

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def _background() -> None:
@@ -36,6 +37,8 @@ class MaskWorker:
     def __init__(self, words: int, threads: int = 2) -> None:
         import os
 
+        import torch
+
         self.words = words
         self.spare_core = (os.cpu_count() or 1) > torch.get_num_threads()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvcache-masks", initializer=_background)
@@ -56,6 +59,7 @@ class MaskWorker:
         import time
 
         import llguidance
+        import torch
 
         t0 = time.perf_counter()
         out = torch.zeros(len(matchers), self.words, dtype=torch.int32)
