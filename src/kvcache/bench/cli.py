@@ -1,7 +1,8 @@
 """``kvcache bench SUITE``: the parser and the dispatch to the suites; each suite is one module
 (bench/decode.py, nocache.py, context_lengths.py, memory.py, growth.py, prefix.py, throughput.py,
 hfbridge.py, serving.py, structured.py, spec.py, attention.py; longctx.py for context --long,
-serving_mixed.py for serve --mixed) whose ``run(args)`` measures, prints its table and writes its JSON."""
+serving_mixed.py for serve --mixed) whose ``run(args)`` measures, prints its table and writes its JSON;
+``bench report DIR ...`` (bench/headline.py) reads those JSON files back into one table per host kind."""
 
 from __future__ import annotations
 
@@ -20,7 +21,13 @@ SUITES = tuple(SUITE_MODULES)
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="benchmarks beside transformers, in the same run")
-    b.add_argument("suite", help=f"suite to run: {', '.join(SUITES)}, or all (every suite, one report)")
+    b.add_argument("suite", help=f"suite to run: {', '.join(SUITES)}, or all (every suite, one report); "
+                                 "report DIR ...: one markdown table per host kind from the suites' JSON files "
+                                 "under DIR (kvcache beside its peer, the ratio, each row's date and file)")
+    b.add_argument("dirs", nargs="*", metavar="DIR",
+                   help="report: folders (or files) of suite JSON written by --out/--json, e.g. docs/bench")
+    b.add_argument("--since", default=None, metavar="YYYY-MM-DD",
+                   help="report: only runs of this date or later")
     b.add_argument("--model", "-m", default=None,
                    help="model (default: bundled SmolLM2-135M-Instruct); random:SHAPE:FTYPE makes (once, cached) a "
                         "model of that shape with random weights and SmolLM2's tokenizer, quantized by llama.cpp's "
@@ -114,7 +121,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--json", default=None, help="write results to this JSON file")
     b.add_argument("--out", default=None, metavar="DIR",
                    help="write SUITE.json, SUITE.png and a markdown report SUITE.md (machine, versions, command, "
-                        "table) into DIR")
+                        "table) into DIR; report: the markdown file to write the tables to")
     b.set_defaults(func=cmd_bench)
 
 
@@ -173,12 +180,37 @@ def random_model(args: argparse.Namespace) -> None:
     args.model = str(path)
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    """``kvcache bench report DIR ...``: the tables, printed (and written to --out); notes on the
+    files skipped go to stderr."""
+    given = [n for n in _FLAGS if getattr(args, n) is not None]
+    given += [n for n in ("model", "json", "threads") if getattr(args, n, None) is not None]
+    given += [n for n in ("quick", "long") if getattr(args, n, False)]
+    if given:
+        raise InvalidParams(f"--{given[0].replace('_', '-')} does not apply to 'bench report' "
+                            "(it takes DIR ..., --since and --out)")
+    if not args.dirs:
+        raise InvalidParams("bench report: give the folders of suite JSON to read, e.g. kvcache bench report docs/bench")
+    from kvcache.bench.headline import report
+
+    text = report(args.dirs, since=args.since, out=args.out)
+    print(text, end="")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.suite == "report":
+        return cmd_report(args)
+    if args.dirs:
+        raise InvalidParams(f"unexpected arguments after the suite: {' '.join(args.dirs)}")
+    if args.since is not None:
+        raise InvalidParams(f"--since does not apply to the {args.suite} suite (only to report)")
     random_model(args)
     if args.suite == "all":
         return cmd_all(args)
     if args.suite not in SUITES:
-        raise InvalidParams(f"unknown bench suite {args.suite!r}; suites: {', '.join(SUITES)}, all")
+        raise InvalidParams(f"unknown bench suite {args.suite!r}; suites: {', '.join(SUITES)}, all "
+                            "(or report DIR ... to tabulate their JSON)")
     _refuse_foreign(args)
     if args.out:
         from kvcache.bench.report import run_with_report

@@ -34,14 +34,16 @@ def cell(x: float | None, spec: str = ".1f") -> str:
 
 def run_meta(**extra: object) -> dict[str, object]:
     """The ``meta`` of a suite's JSON: the machine, its CPU features, the kernel variant, threads,
-    torch, and the suite's own settings (``extra``)."""
+    torch, the date and time of the run (UTC; ``kvcache bench report`` dates its rows by it), and
+    the suite's own settings (``extra``)."""
     import torch
 
     from kvcache.envinfo import cpu, kernel_variant
 
     name, feats = cpu()
     return {"machine": name, "cpu_features": feats, "kernel_variant": kernel_variant(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, **extra}
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), **extra}
 
 
 def machine() -> dict[str, str]:
