@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -158,3 +159,13 @@ def test_report_loads_no_torch():
             "print(rc, 'torch' in sys.modules)\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert p.stdout.split() == ["0", "False"], p.stderr
+
+
+def test_readme_figures_are_what_the_command_above_them_prints(monkeypatch):
+    """README's Figures table is the output of the command written above it, on the committed JSON
+    (the source column names files relative to the repository root, where the command is run)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Figures\n"):readme.index("## Layout\n")]
+    (command,) = re.findall(r"```sh\n\.venv/bin/kvcache bench report ([^\n]*)\n```", section)
+    monkeypatch.chdir(ROOT)
+    assert report(command.split(), notes=io.StringIO()).strip() in section
