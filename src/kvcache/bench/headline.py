@@ -8,8 +8,9 @@ rows (kvcache beside a peer measured in the same run) with one small function pe
 markdown table per host kind: what, kvcache, the peer, the ratio, the date and the file of each row.
 Where several files hold the same row, the newest run's counts.
 
-It imports no torch and runs nothing: it reads files. A file it cannot read or does not know is
-skipped with one line on stderr.
+It imports no torch and measures nothing: it reads files (and asks git when a file was committed,
+where nothing else dates it). A file it cannot read or does not know is skipped with one line on
+stderr.
 """
 
 from __future__ import annotations
