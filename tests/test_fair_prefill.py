@@ -42,7 +42,7 @@ def _step_until_first_token(sched: Scheduler, req: Request, limit: int) -> int:
 
 
 def test_a_short_request_beside_a_long_prefill_gets_its_first_token_at_once(tiny_llm):
-    sched = Scheduler(tiny_llm.runner, tiny_llm.tokenizer, SchedulerConfig(max_batch_tokens=16))
+    sched = Scheduler(tiny_llm.runner, tiny_llm.tokenizer, SchedulerConfig(max_batch_tokens=16, count_work=False))
     long = Request("long", LONG, SamplingParams(max_tokens=4, ignore_eos=True))
     sched.add(long)
     sched.step()
@@ -88,7 +88,8 @@ def test_a_flow_of_short_prompts_does_not_starve_a_long_one(tiny_llm):
 
 
 def test_under_the_priority_policy_a_higher_prompt_takes_the_budget_first(tiny_llm):
-    sched = Scheduler(tiny_llm.runner, tiny_llm.tokenizer, SchedulerConfig(max_batch_tokens=16, policy="priority"))
+    sched = Scheduler(tiny_llm.runner, tiny_llm.tokenizer, SchedulerConfig(max_batch_tokens=16, policy="priority",
+                                                                                  count_work=False))
     low = Request("low", LONG, SamplingParams(max_tokens=2, ignore_eos=True), priority=0)
     sched.add(low)
     sched.step()
@@ -132,3 +133,80 @@ def test_the_long_prompts_greedy_text_is_its_text_alone_with_short_requests_inte
     for r, ids in zip(added, shorts):
         assert r.output().token_ids == llm.generate([ids], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
     llm.check_integrity()
+
+
+# -- the budget counts work -----------------------------------------------------------------------
+
+def _config(**kw):
+    from kvcache.models.config import ModelConfig
+
+    base = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                num_heads=9, num_kv_heads=3, head_dim=64, max_position=32768)
+    return ModelConfig(**{**base, **kw})
+
+
+def test_a_tokens_work_grows_with_its_depth_and_stops_at_a_window():
+    from kvcache.engine.step_work import token_work
+
+    work = token_work(_config())
+    assert work(0) == 1.0
+    assert 1.0 < work(1000) < work(8000) < work(28000)
+    assert work(28000) - 1 == pytest.approx(28 * (work(1000) - 1))  # linear in the keys attended
+    assert 5 < work(28000) < 20  # SmolLM2's shape: attention at 28k is several times the weights
+    # Gemma 3's pattern: five windowed layers of six; past the window only the global layers grow
+    windows = tuple(None if i % 6 == 5 else 512 for i in range(30))
+    gemma = token_work(_config(layer_windows=windows))
+    assert gemma(512) == pytest.approx(work(512))
+    assert gemma(8512) - gemma(512) == pytest.approx((work(8512) - work(512)) * 5 / 30)
+    # a mixture reads its routed experts only: attention weighs more against its smaller step
+    moe = token_work(_config(raw={"num_experts_per_tok": 2, "moe_intermediate_size": 256}))
+    assert moe(8000) > work(8000)
+
+
+def test_work_shares_give_a_deep_prompt_fewer_tokens_and_keep_the_step_within_budget():
+    # the short prompt whole, the deep one what is left of the work
+    assert fair_shares([28000, 60], 256, [8.0, 1.0]) == [24, 60]
+    assert fair_shares([28000, 60], 256, [1.0, 1.0]) == fair_shares([28000, 60], 256)
+    assert fair_shares([500, 500], 100, [3.0, 1.0]) == [16, 52]  # about equal work; the rounding's rest where it pays
+    assert fair_shares([300, 5], 4, [9.0, 1.0]) == [0, 4]  # a prompt whose token costs more than its share waits
+    assert fair_shares([300], 4, [9.0]) == [1]  # but some prompt always advances
+    for remaining, cost in (([9, 1, 400, 33, 2], [1.0, 2.5, 7.0, 1.2, 30.0]), ([1000, 1000], [11.0, 1.0])):
+        for budget in (1, 4, 64, 256, 2000):
+            got = fair_shares(remaining, budget, cost)
+            work = sum(g * c for g, c in zip(got, cost))
+            assert all(0 <= g <= r for g, r in zip(got, remaining)) and any(got)
+            assert work <= budget + 1e-9 or sum(got) == 1
+            # nothing left over that would pay for another token of an unfinished prompt
+            assert all(g == r or budget - work < c for g, r, c in zip(got, remaining, cost))
+
+
+def test_a_long_prompts_chunks_shrink_with_depth_and_its_text_is_unchanged(tiny_llm):
+    """Alone, a long prompt feeds fewer tokens a step as it goes deeper (each step about the same
+    work), and its greedy tokens are those of a run that counts tokens."""
+    from kvcache.engine.step_work import token_work
+
+    work = token_work(tiny_llm.runner.config)
+    assert work(len(LONG)) > 1.2  # the tiny model's attention is heavy beside its weights: chunks do shrink
+    outs = {}
+    for count_work in (True, False):
+        sched = Scheduler(tiny_llm.runner, tiny_llm.tokenizer, SchedulerConfig(max_batch_tokens=32, count_work=count_work))
+        req = Request("long", LONG, SamplingParams(max_tokens=5, ignore_eos=True))
+        sched.add(req)
+        chunks = []
+        def depth():
+            return len(req.samples[0].seq.tokens) if req.samples and req.samples[0].seq is not None else 0
+
+        while not (req.samples and req.samples[0].tokens):
+            before = depth()
+            sched.step()
+            chunks.append((before, depth() - before))
+        while sched.has_work:
+            sched.step()
+        outs[count_work] = req.output().token_ids
+        if count_work:
+            assert chunks[0][1] == 32 and chunks[-2][1] < 32  # whole at depth 0, fewer tokens deeper
+            assert all(n * work(d) <= 32 + 1e-9 for d, n in chunks[:-1])
+        else:
+            assert [n for _, n in chunks[:-1]] == [32] * (len(chunks) - 1)
+    assert outs[True] == outs[False]
+    tiny_llm.check_integrity()

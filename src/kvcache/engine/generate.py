@@ -44,7 +44,7 @@ class RequestRun:
         salt: str | None = None,
     ) -> None:
         check_prompt(prompt_ids, runner.capacity)
-        whole_prompt = SchedulerConfig(max_batch_tokens=len(prompt_ids) + params.n, max_running=1)
+        whole_prompt = SchedulerConfig(max_batch_tokens=len(prompt_ids) + params.n, max_running=1, count_work=False)
         self.scheduler = Scheduler(runner, tokenizer, whole_prompt)
         self.request = Request("0", list(prompt_ids), params, salt=salt, prompt=prompt, seq=seq,
                                keep_seq=keep_seq, record_stats=True)

@@ -26,8 +26,11 @@ Every ``step`` runs one model forward over a batch of sequences of different len
    (``max_batch_tokens``) sit that step out, never two steps in a row. A chunk deep in a long
    document costs many times a short prompt (each of its tokens attends to every token before
    it), so the newcomer waits for the step already running and for its own prompt, not for a
-   document chunk as well; the document loses a short prompt's time. Under the priority policy
-   each priority level shares what the higher levels leave. Chunking never changes a sequence's
+   document chunk as well; the document loses a short prompt's time. The budget counts work,
+   not tokens (``step_work``): a prompt token at depth ``p`` costs its attention over ``p`` keys
+   besides its weights, so a step deep in a document is about as long as one at its start, and
+   the step a newcomer waits for is short too. Under the priority policy each priority level
+   shares what the higher levels leave. Chunking never changes a sequence's
    bits (batch invariance): how the budget is split decides when tokens come, never which;
 3. the step's pages are asked of the cache's page manager (``runner.reserve``) before the forward
    runs, so attention only writes pages it was given; when the pool cannot give them (a typed
@@ -62,6 +65,7 @@ from kvcache.engine.params import MAX_LOOKUP
 from kvcache.engine.runner import ModelRunner
 from kvcache.engine.sampler import Row, choose, log_probs, make_generator, token_logprob
 from kvcache.engine.speculate import Speculator, speculative, verify, verify_constrained, verify_rows
+from kvcache.engine.step_work import token_work
 from kvcache.engine.stops import TextTracker
 from kvcache.errors import CacheFull, InvalidParams, KVCacheError
 from kvcache.models.tokenizer import Tokenizer
@@ -94,6 +98,10 @@ class SchedulerConfig:
     max_running: int = 32  # requests served at once
     policy: str = "fifo"  # fifo | priority (higher first, then arrival)
     prompt_lookup: int = 0  # prompt lookup for requests that leave it None (serve --prompt-lookup; 0: off)
+    # the prompts' share of max_batch_tokens counts work (step_work: a token deep in a long prompt
+    # costs its attention too), so a step deep in a document is as short as one at its start;
+    # False: tokens (a single run that prefills its whole prompt in one forward)
+    count_work: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.max_running < 1:
@@ -119,6 +127,7 @@ class Scheduler:
         self.steps = 0
         self._held_back = False  # a preemption happened: admit nothing more until a request ends
         self._sat_out = False  # the last step left out the prompts longer than a whole step (_plan)
+        self._work = token_work(runner.config) if self.config.count_work else None
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -414,17 +423,21 @@ class Scheduler:
             self._sat_out = False
         return batch + chunks
 
-    def _chunks(self, prefills: list[tuple[Request, Sample]], budget: int) -> list[Item]:
-        """The prompts' chunks: ``budget`` tokens shared by ``fair_shares`` (under the priority
-        policy each level shares what the higher levels leave, highest first)."""
+    def _chunks(self, prefills: list[tuple[Request, Sample]], budget: float) -> list[Item]:
+        """The prompts' chunks: ``budget`` (work: ``step_work``, in tokens at depth 0) shared by
+        ``fair_shares`` (under the priority policy each level shares what the higher levels leave,
+        highest first)."""
         levels = sorted({req.priority for req, _ in prefills}, reverse=True) if self.config.policy == "priority" else [None]
         out = []
         for level in levels:
             group = [(req, s) for req, s in prefills if level is None or req.priority == level]
-            for (req, s), n in zip(group, fair_shares([len(s.feed) for _, s in group], budget)):
+            cost = None if self._work is None else [
+                self._work(len(s.seq.tokens) if s.seq is not None else 0) for _, s in group]
+            shares = fair_shares([len(s.feed) for _, s in group], budget, cost)
+            for k, ((req, s), n) in enumerate(zip(group, shares)):
                 if n:
                     out.append(Item(req, s, n))
-                    budget -= n
+                    budget -= n * (1.0 if cost is None else cost[k])
         return out
 
     def _sample(self, ready: list[tuple[int, Item]], logits: torch.Tensor, masks: torch.Tensor | None,
@@ -669,12 +682,51 @@ class Scheduler:
         done.append(req)
 
 
-def fair_shares(remaining: list[int], budget: int) -> list[int]:
+def fair_shares(remaining: list[int], budget: int, cost: list[float] | None = None) -> list[int]:
     """How many of ``budget`` tokens each prompt feeds in a step, given the ``remaining`` tokens of
     each (listed in admission order): max-min fair (water-filling). A prompt whose remainder is
     within the equal share feeds it whole; what it leaves is shared equally by the others. Tokens
     that do not divide evenly go one each to the earliest admitted, and so do all of them when
-    there are fewer tokens than prompts. Nothing is left over while a prompt still has tokens."""
+    there are fewer tokens than prompts. Nothing is left over while a prompt still has tokens.
+
+    With ``cost`` (each prompt's work per token, >= 1: ``step_work``), the budget and the shares
+    are work: a prompt deep in a long document gets as much of the step's work as a short one, so
+    fewer tokens. The first prompt still feeds one token when the budget is below its cost, so
+    every step advances some prompt."""
+    if cost is None:
+        return _shares(remaining, budget)
+    give = [0] * len(remaining)
+    todo = list(range(len(remaining)))
+    left = float(budget)
+    while todo and left > 0:
+        share = left / len(todo)
+        whole = [i for i in todo if remaining[i] * cost[i] <= share]
+        if not whole:
+            for i in todo:
+                give[i] = min(remaining[i], int(share / cost[i]))
+                left -= give[i] * cost[i]
+            paid = True
+            while paid:  # what the rounding left: a token each to the earliest, while it pays for one
+                paid = False
+                for i in todo:
+                    if give[i] < remaining[i] and cost[i] <= left + 1e-9:
+                        give[i] += 1
+                        left -= cost[i]
+                        paid = True
+            break
+        for i in whole:
+            give[i] = remaining[i]
+            left -= remaining[i] * cost[i]
+        todo = [i for i in todo if remaining[i] * cost[i] > share]
+    if budget > 0 and remaining and not any(give):
+        first = next((i for i, r in enumerate(remaining) if r), None)
+        if first is not None:
+            give[first] = 1
+    return give
+
+
+def _shares(remaining: list[int], budget: int) -> list[int]:
+    """fair_shares counted in tokens."""
     give = [0] * len(remaining)
     todo = list(range(len(remaining)))
     left = budget

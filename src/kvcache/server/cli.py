@@ -36,7 +36,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="serve /metrics without a key (by default it needs one when keys are set)")
     s.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
     s.add_argument("--max-batch-tokens", type=int, default=256,
-                   help="tokens per forward: decodes first, then prompt chunks (default 256)")
+                   help="work per forward, in prompt tokens at depth 0: decodes first, then prompt chunks "
+                        "(a token deep in a long prompt counts its attention too; default 256)")
     s.add_argument("--max-running", type=int, default=32, help="requests served at once (default 32)")
     s.add_argument("--prompt-lookup", type=int, default=0, metavar="K",
                    help="speculative decoding for every request that allows it: up to K tokens proposed per "
