@@ -130,7 +130,7 @@ def _crashing_llama_bench(folder) -> str:
 
 
 def test_long_rows_bytes_share_of_wall_memory_and_plot(tmp_path, tiny_gguf, monkeypatch):
-    from kvcache.bench.longctx_table import REFERENCE
+    from kvcache.bench.longctx import REFERENCE
     from kvcache.cache.config import parse_kv_spec
     from kvcache.inspect.size import kv_size, load_model_config
     from kvcache.inspect.weight_size import parameter_groups
@@ -207,11 +207,12 @@ def test_long_beside_the_real_llama_bench(tmp_path, tiny_gguf, monkeypatch):
 
 
 def test_long_without_llama_bench_skips_its_rows_with_the_reason(tmp_path):
-    from kvcache.bench import longctx_llama
+    from kvcache.bench import longctx
+    from kvcache.bench.peers import find_tool
 
-    exe, why = longctx_llama.find_bench(str(tmp_path))
+    exe, why = find_tool(str(tmp_path), "llama-bench")
     assert exe is None and why == f"no executable llama-bench in {tmp_path} (`make llamacpp` builds one)"
-    rows = longctx_llama.measure(exe, why, tmp_path / "m.gguf", ["f16", "q4_0"], [4096, 16384], 8, 1, 2, 512)
+    rows = longctx.llama_side(exe, why, tmp_path / "m.gguf", ["f16", "q4_0"], [4096, 16384], 8, 1, 2, 512)
     assert [(r.test, r.kv, r.context) for r in rows] == [
         ("prefill", "f16", 512), ("prefill", "f16", 4096), ("prefill", "f16", 16384), ("decode", "f16", 4096),
         ("decode", "f16", 16384), ("decode", "q4_0", 4096), ("decode", "q4_0", 16384)]
@@ -219,7 +220,7 @@ def test_long_without_llama_bench_skips_its_rows_with_the_reason(tmp_path):
 
 
 def test_long_table_arithmetic():
-    from kvcache.bench.longctx_table import DepthRow, summarize
+    from kvcache.bench.longctx import DepthRow, summarize
 
     rows = [DepthRow("kvcache", "int8", "decode", 4096, [10.0, 12.0, 11.0], kv_bytes_per_token=1000.0,
                      weight_bytes=500_000_000, new=32),

@@ -15,10 +15,7 @@ import pytest
 
 from conftest import run_kvcache
 
-from kvcache.bench import llamabench
-from kvcache.bench.child import run
-
-from kvcache.bench.llamapeer import default_bin
+from kvcache.bench.peers import default_bin, quantize, run
 
 # what `make llamacpp` built, else a prebuilt copy
 LLAMA_BIN = default_bin() or Path("/opt/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin")
@@ -156,7 +153,7 @@ def test_a_crashing_llama_quantize_leaves_no_file(tmp_path):
     src = tmp_path / "model.Q4_1.gguf"
     src.write_bytes(b"GGUF")
     out = tmp_path / "model.Q8_0.gguf"
-    assert llamabench.convert(tmp_path, src, "Q8_0", out) == "llama-quantize crashed: SIGSEGV"
+    assert quantize(tmp_path, src, "Q8_0", out) == "llama-quantize crashed: SIGSEGV"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama-quantize", "model.Q4_1.gguf"]
 
 

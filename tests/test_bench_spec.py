@@ -70,25 +70,22 @@ def test_transformers_rows_in_a_child_process():
 def test_llama_server_rows_on_the_same_file():
     """llama-server (when `make llamacpp` built it) with and without its n-gram lookup, on the
     bundled GGUF and kvcache's prompt ids; without the binary, skipped rows that say why."""
-    from kvcache.bench import spec_llama
-    from kvcache.bench.llamabench import tool
-    from kvcache.bench.llamapeer import check_bin
+    from kvcache.bench.peers import llama_server
     from kvcache.models.loading import resolve_model
     from kvcache.models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(resolve_model(None).path)
     ids = tok.encode_chat([{"role": "user", "content": "Say 'the cat sat on the mat' three times."}])
-    where = check_bin(None)
-    binary = tool(where, "llama-server") if where else None
     gguf = resolve_model(None).gguf
-    (row,) = spec_llama.rows(binary, gguf, {"free text": ids}, 12, 1, 3, 1, "file (Q4_1)", "n-gram lookup 3")
+    binary, _ = llama_server(None, gguf)
+    (row,) = sb.llama_rows(binary, gguf, {"free text": ids}, 12, 1, 3, 1, "file (Q4_1)", "n-gram lookup 3")
     if binary is None:
         assert row["spec_tok_s"] is None and "llama-server not built" in row["note"]
         return
     assert row["system"] == "llama-server" and row["pair"] == "file" and 1 < row["tokens"] <= 12
     assert row["plain_tok_s"] > 0 and row["spec_tok_s"] > 0 and row["identical"] is True
     assert row["proposed"] >= row["accepted"] >= 0 and row["forwards"] >= 1 and row["token_ids"]
-    (none,) = spec_llama.rows(None, gguf, {"free text": ids}, 12, 1, 3, 1, "file (Q4_1)", "n-gram lookup 3")
+    (none,) = sb.llama_rows(None, gguf, {"free text": ids}, 12, 1, 3, 1, "file (Q4_1)", "n-gram lookup 3")
     assert none["spec_tok_s"] is None and "not built" in none["note"]
 
 

@@ -145,13 +145,14 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidParams(f"unknown peer {p!r}; choose from none, dynamic, static (transformers' caches), "
                                 "llama.cpp")
     from kvcache.bench import llamapeer
+    from kvcache.bench.peers import check_bin
     from kvcache.models.config import ModelConfig
     from kvcache.models.loading import read_config, resolve_model
 
     weights = weights_list(args, DEFAULT_WEIGHTS)
     for s in strategies:
         parse_kv_spec(s)  # a bad spec is refused before anything loads
-    bin_dir = llamapeer.check_bin(args.llama_cpp_bin) if "llama.cpp" in peers else None
+    bin_dir = check_bin(args.llama_cpp_bin) if "llama.cpp" in peers else None
     resolved = resolve_model(args.model)
     context = ModelConfig.from_hf(read_config(resolved.path)).max_position
     prefill = parse_lengths(args.prefill if args.prefill is not None
@@ -204,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
 
             rows += hfpeer.rows(str(fp32_folder(args.model)), ids, hf, new, repeats, prompts, threads, bar.update)
         if "llama.cpp" in peers:
-            from kvcache.bench.llamabench import Work
+            from kvcache.bench.llamapeer import Work
 
             work = Work(len(ids), ids, new, repeats, threads, prompts, depth_ids, depth_new, kv_f32)
             src = Path(str(resolved.source)) if resolved.source is not None else None

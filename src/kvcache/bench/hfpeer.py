@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvcache.bench.child import child_main, run_module
+from kvcache.bench.peers import child_main, run_module
 from kvcache.bench.rows import Row, Tick, step_bytes
 
 if TYPE_CHECKING:

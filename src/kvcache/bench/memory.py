@@ -136,14 +136,14 @@ class Row:
 
 def run_probe(system: str, cache: str, context: int, new: int, model: str | None, threads: int | None,
               weights: str = "fp32") -> Row:
-    from kvcache.bench import child
+    from kvcache.bench.peers import run as run_child
 
     row = Row(system, cache, context, weights)
     cmd = [sys.executable, "-m", "kvcache.bench.memory", system, cache, str(context), str(new), weights]
     env = dict(os.environ)
     if threads:
         env["KVCACHE_THREADS"] = str(threads)
-    out = child.run(cmd + ([model] if model else []), f"{system} probe", env=env)
+    out = run_child(cmd + ([model] if model else []), f"{system} probe", env=env)
     if not out.ok:
         row.note = out.note
         return row

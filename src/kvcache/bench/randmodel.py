@@ -152,7 +152,7 @@ def write_f16(shape: Shape, out: Path, seed: int = 0, name: str = "random", prog
 
 def bin_dir(arg: str | None = None) -> Path:
     """--llama-cpp-bin, else $KVCACHE_LLAMA_CPP_BIN, else ``make llamacpp``'s folder."""
-    from kvcache.bench.llamapeer import default_bin
+    from kvcache.bench.peers import default_bin
 
     return Path(arg).expanduser() if arg else default_bin() or Path(sys.prefix) / "llama.cpp" / "bin"
 
@@ -169,7 +169,7 @@ def make(shape_text: str, ftypes: list[str], seed: int = 0, llama_bin: Path | No
          progress: bool = True) -> list[Path]:
     """The cached GGUF of ``shape_text`` in each ftype (``F16``: the unquantized file), made when
     missing. Raises ShapeError for bad text, RuntimeError when llama-quantize is missing or fails."""
-    from kvcache.bench.llamabench import convert, tool
+    from kvcache.bench.peers import quantize, tool
 
     from kvcache.bench.randmoe import moe_shape, write_f16 as write_moe_f16
 
@@ -189,7 +189,7 @@ def make(shape_text: str, ftypes: list[str], seed: int = 0, llama_bin: Path | No
     if (todo or "F16" in wanted) and not f16.is_file():
         (write_f16 if moe is None else write_moe_f16)(shape, f16, seed, name, progress)  # type: ignore[arg-type]
     for f in todo:
-        why = convert(where, f16, f, path[f])
+        why = quantize(where, f16, f, path[f])
         if why is not None:
             raise RuntimeError(f"{f}: {why}")
     return [path[f] for f in wanted]

@@ -71,41 +71,23 @@ class Case:
 def _stream(url: str, messages: list[dict[str, str]], new: int, case: Case, lock: threading.Lock,
             long: bool = False) -> str:
     """One streamed chat turn; returns its text and records its figures in ``case``."""
-    from kvcache.bench.serving import sse_events
+    from kvcache.bench.peers import stream
 
-    body = {"model": "default", "messages": messages, "max_tokens": new, "ignore_eos": True, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first = last = None
-    text, usage, failed = [], None, False
-    try:
-        for ev in sse_events(f"{url}/chat/completions", body, 600):
-            failed = failed or "error" in ev
-            usage = ev.get("usage") or usage
-            for ch in ev.get("choices", []):
-                piece = ch.get("delta", {}).get("content")
-                if piece:
-                    last = time.perf_counter()
-                    first = first or last
-                    text.append(piece)
-    except (OSError, ValueError):
-        failed = True
+    got = stream(f"{url}/chat/completions", {"messages": messages, "max_tokens": new})
     with lock:
-        case.errors += failed
-        if first is not None:
-            (case.long_ttft_s if long else case.ttft_s).append(first - t0)
-        if usage:
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-            if long:
-                case.doc_prompt += usage["prompt_tokens"]
-                case.doc_cached += cached
-            else:
-                case.prompt += usage["prompt_tokens"]
-                case.cached += cached
-            case.tokens += usage["completion_tokens"]
-            if first is not None and last is not None and usage["completion_tokens"] > 1:
-                case.tpot_s.append((last - first) / (usage["completion_tokens"] - 1))
-    return "".join(text)
+        case.errors += bool(got.error)
+        if got.ttft_s is not None:
+            (case.long_ttft_s if long else case.ttft_s).append(got.ttft_s)
+        if long:
+            case.doc_prompt += got.prompt_tokens
+            case.doc_cached += got.cached_tokens
+        else:
+            case.prompt += got.prompt_tokens
+            case.cached += got.cached_tokens
+        case.tokens += got.tokens
+        if got.tpot_s is not None:
+            case.tpot_s.append(got.tpot_s)
+    return got.text
 
 
 def run_workload(url: str, systems: list[str], turns: int, new: int, case: Case,

@@ -18,25 +18,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from kvcache.bench.measure import english_slices
+from kvcache.bench.peers import llama_server, llama_server_cmd, server, stream
 from kvcache.bench.report import cell, percentile, run_meta
 from kvcache.errors import InvalidParams
 
 PROMPT_TOKENS = 256
 PEERS = ("llama-server",)
-START_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -61,46 +57,20 @@ class Level:
                 "tpot_p50_ms": None if tpot is None else tpot * 1000, "note": self.note}
 
 
-def sse_events(url: str, body: dict, timeout: float) -> Iterator[dict]:
-    """The JSON events of a streamed OpenAI response to ``body`` POSTed at ``url`` (its ``data:``
-    lines up to ``[DONE]``); a failed connection or a bad status raises OSError."""
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if line.startswith("data: ") and line != "data: [DONE]":
-                yield json.loads(line[6:])
-
-
 def complete(url: str, prompt: str, new: int, level: Level | None, lock: threading.Lock) -> None:
     """One streamed completion; its figures go into ``level`` (None: a warm-up, not counted)."""
-    body = {"model": "default", "prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first = last = None
-    chunks, usage, failed = 0, None, False
-    try:
-        for ev in sse_events(f"{url}/v1/completions", body, 900):
-            failed = failed or "error" in ev
-            usage = ev.get("usage") or usage
-            if any(ch.get("text") for ch in ev.get("choices", [])):
-                last = time.perf_counter()
-                first = first or last
-                chunks += 1
-    except (OSError, ValueError):
-        failed = True
+    got = stream(f"{url}/v1/completions", {"prompt": prompt, "max_tokens": new})
     if level is None:
         return
-    done = usage["completion_tokens"] if usage else chunks  # llama-server without usage: one token a chunk
     with lock:
         level.requests += 1
-        level.errors += failed or done != new
-        level.tokens += done
-        level.prompt_tokens += usage["prompt_tokens"] if usage else 0
-        if first is not None:
-            level.ttft_s.append(first - t0)
-            if last is not None and done > 1:
-                level.tpot_s.append((last - first) / (done - 1))
+        level.errors += bool(got.error) or got.tokens != new
+        level.tokens += got.tokens
+        level.prompt_tokens += got.prompt_tokens
+        if got.ttft_s is not None:
+            level.ttft_s.append(got.ttft_s)
+        if got.tpot_s is not None:
+            level.tpot_s.append(got.tpot_s)
 
 
 def run_level(url: str, texts: list[str], streams: int, per_stream: int, new: int, level: Level) -> None:
@@ -121,47 +91,6 @@ def run_level(url: str, texts: list[str], streams: int, per_stream: int, new: in
     level.wall_s = time.perf_counter() - t0
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> str | None:
-    """None when ``url`` answers /health with 200; else why not (the process ended, or too slow)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
-            return f"exited with {proc.returncode}" + (f": {tail[0][:160]}" if tail else "")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return None
-        except (OSError, urllib.error.HTTPError):
-            pass
-        time.sleep(0.5)
-    return f"not ready after {timeout:.0f} s"
-
-
-@contextmanager
-def server(cmd: list[str], port: int, label: str) -> Iterator[tuple[str | None, str]]:
-    """Start ``cmd`` (a server listening on ``port``); yields (url or None, why not), and stops it."""
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory(prefix="kvcache-bench-serve-") as tmp:
-        log = Path(tmp) / "server.log"
-        with open(log, "wb") as out:
-            try:
-                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            except OSError as e:
-                yield None, f"{label} did not start: {e}"
-                return
-            try:
-                why = _wait_ready(url, proc, log, START_TIMEOUT_S)
-                yield (None, f"{label} {why}") if why else (url, "")
-            finally:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-
-
 def kvcache_cmd(args: argparse.Namespace, port: int, threads: int, streams: int) -> list[str]:
     cmd = [sys.executable, "-m", "kvcache", "serve", "--port", str(port), "--threads", str(threads),
            "--max-running", str(max(32, streams)), "--log-level", "warning", "--no-prefix-cache", "--served-model-name", "default"]
@@ -176,18 +105,7 @@ def kvcache_cmd(args: argparse.Namespace, port: int, threads: int, streams: int)
     return cmd
 
 
-def llama_server_cmd(binary: Path, gguf: Path, port: int, threads: int, streams: int, prompt: int,
-                     new: int) -> list[str]:
-    """llama-server with one slot per stream and room for each slot's prompt and output."""
-    ctx = streams * (prompt + new + 64)
-    return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-            "-tb", str(threads), "-np", str(streams), "-c", str(ctx), "--no-webui", "--log-disable"]
-
-
 def run(args: argparse.Namespace) -> int:
-    from kvcache.bench.llamabench import tool
-    from kvcache.bench.llamapeer import check_bin
-    from kvcache.bench.local_redis import free_port
     from kvcache.models.loading import resolve_model
 
     check_budget(args)
@@ -200,31 +118,16 @@ def run(args: argparse.Namespace) -> int:
     peers = serve_peers(args)
     threads = args.threads or len(os.sched_getaffinity(0))
     gguf = resolve_model(args.model).gguf
-    binary = None
-    if peers:
-        where = check_bin(args.llama_cpp_bin)
-        binary = tool(where, "llama-server") if where else None
+    binary, missing = llama_server(args.llama_cpp_bin, gguf) if peers else (None, "")
     texts = english_slices(args.model, max(streams) * per_stream + 1, prompt, skip=0)
     results: list[dict[str, object]] = []
-    systems = [("kvcache", None)] + [(p, binary) for p in peers]
-    for name, peer_bin in systems:
+    for name in ["kvcache"] + peers:
         for c in streams:
             level = Level(name, c)
             print(f"bench serve: {name}, {c} streams...", file=sys.stderr, flush=True)
-            port = free_port()
-            if name == "kvcache":
-                cmd = kvcache_cmd(args, port, threads, c)
-            elif peer_bin is None or gguf is None:
-                level.note = ("no GGUF file for this model" if gguf is None else
-                              "llama-server not built: `make llamacpp`, then `cmake --build .venv/llama.cpp/build "
-                              "--target llama-server`: skipped")
-                results.append(level.summary())
-                continue
-            else:
-                cmd = llama_server_cmd(peer_bin, gguf, port, threads, c, prompt, new)
-            with server(cmd, port, name) as (url, why):
+            with system_server(args, name, threads, c, c * (prompt + new + 64), binary, gguf, missing) as (url, why):
                 if url is None:
-                    level.note = why + ": skipped"
+                    level.note = why
                 else:
                     run_level(url, texts, c, per_stream, new, level)
                     if level.errors:
@@ -236,6 +139,23 @@ def run(args: argparse.Namespace) -> int:
                         threads=threads, model=str(gguf or args.model or "bundled"))
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     return 0
+
+
+@contextmanager
+def system_server(args: argparse.Namespace, name: str, threads: int, slots: int, ctx: int, binary: Path | None,
+                  gguf: Path | None, missing: str) -> Iterator[tuple[str | None, str]]:
+    """``kvcache serve`` (``name`` kvcache) or llama-server (``binary``, ``slots`` slots sharing
+    ``ctx`` tokens) on a free port: yields (its url, "") or (None, why it is skipped), and stops it."""
+    from kvcache.bench.local_redis import free_port
+
+    if name != "kvcache" and (binary is None or gguf is None):
+        yield None, missing
+        return
+    port = free_port()
+    cmd = (kvcache_cmd(args, port, threads, slots) if name == "kvcache"
+           else llama_server_cmd(binary, gguf, port, threads, slots, ctx))  # type: ignore[arg-type]
+    with server(cmd, port, name) as (url, why):
+        yield url, "" if url else why + ": skipped"
 
 
 def check_budget(args: argparse.Namespace) -> None:

@@ -23,27 +23,14 @@ import json
 import os
 import sys
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvcache.bench.peers import Stream, llama_server, stream
 from kvcache.bench.report import cell, percentile, run_meta
-from kvcache.bench.serving import sse_events
 from kvcache.errors import InvalidParams
 
 SETTLE_S = 1.0  # after the document is sent, before the first short chat goes out
-TIMEOUT_S = 3600.0
-
-
-@dataclass
-class Stream:
-    """One streamed request's outcome."""
-
-    ttft_s: float | None = None
-    total_s: float = 0.0
-    tokens: int = 0
-    error: str = ""
 
 
 @dataclass
@@ -64,39 +51,8 @@ class Mixed:
                 "long_total_s": self.long.total_s or None, "errors": self.errors, "note": self.note}
 
 
-def stream(url: str, path: str, body: dict, on_first: Callable[[], object] | None = None) -> Stream:
-    """POST ``body`` (streamed) to ``url + path``; its TTFT (first non-empty text, when
-    ``on_first`` is called), total time and completion tokens. A failure is an ``error`` text,
-    never raised."""
-    body = {**body, "model": "default", "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    out = Stream()
-    t0 = time.perf_counter()
-    pieces = 0
-    try:
-        for ev in sse_events(url + path, body, TIMEOUT_S):
-            if "error" in ev:
-                out.error = str(ev["error"])[:160]
-            if ev.get("usage"):
-                out.tokens = ev["usage"]["completion_tokens"]
-            for ch in ev.get("choices", []):
-                if ch.get("text") or (ch.get("delta") or {}).get("content"):
-                    if out.ttft_s is None:
-                        out.ttft_s = time.perf_counter() - t0
-                        if on_first is not None:
-                            on_first()
-                    pieces += 1
-    except (OSError, ValueError) as e:
-        out.error = f"{type(e).__name__}: {e}"[:160]
-    out.total_s = time.perf_counter() - t0
-    out.tokens = out.tokens or pieces
-    if not out.error and out.ttft_s is None:
-        out.error = "no text came back"
-    return out
-
-
 def _chat(url: str, text: str, new: int) -> Stream:
-    return stream(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": new})
+    return stream(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": new})
 
 
 def run_mixed(url: str, long_text: str, shorts: list[str], clients: int, alone: int, new: int, level: Mixed) -> None:
@@ -112,7 +68,7 @@ def run_mixed(url: str, long_text: str, shorts: list[str], clients: int, alone: 
     pool = iter(shorts[alone:-1])
 
     def document() -> None:
-        level.long = stream(url, "/v1/completions", {"prompt": long_text, "max_tokens": new}, prefilled.set)
+        level.long = stream(url + "/v1/completions", {"prompt": long_text, "max_tokens": new}, prefilled.set)
         prefilled.set()  # also when it failed
 
     def client(i: int) -> None:
@@ -143,11 +99,8 @@ def run_mixed(url: str, long_text: str, shorts: list[str], clients: int, alone: 
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvcache.bench.llamabench import tool
-    from kvcache.bench.llamapeer import check_bin
-    from kvcache.bench.local_redis import free_port
     from kvcache.bench.measure import english_slices
-    from kvcache.bench.serving import check_budget, int_list, kvcache_cmd, llama_server_cmd, serve_peers, server
+    from kvcache.bench.serving import check_budget, int_list, serve_peers, system_server
     from kvcache.models.loading import resolve_model
 
     check_budget(args)
@@ -162,26 +115,18 @@ def run(args: argparse.Namespace) -> int:
                             "tokens) at least 8, --new-tokens at least 2, --requests and --streams at least 1")
     threads = args.threads or len(os.sched_getaffinity(0))
     gguf = resolve_model(args.model).gguf
-    where = check_bin(args.llama_cpp_bin) if peers else None
-    binary = tool(where, "llama-server") if where else None
+    binary, missing = llama_server(args.llama_cpp_bin, gguf) if peers else (None, "")
     (long_text,) = english_slices(args.model, 1, long_tokens, skip=0)
     shorts = english_slices(args.model, alone + 200 + 1, short, skip=long_tokens + 11)
     results: list[dict[str, object]] = []
+    slots = clients + 1
     for name in ["kvcache"] + peers:
         level = Mixed(name)
         print(f"bench serve --mixed: {name}...", file=sys.stderr, flush=True)
-        port = free_port()
-        if name == "kvcache":
-            cmd = kvcache_cmd(args, port, threads, clients + 1)
-        elif binary is None or gguf is None:
-            level.note = "no GGUF file for this model" if gguf is None else "llama-server not built: skipped"
-            results.append(level.summary())
-            continue
-        else:
-            cmd = llama_server_cmd(binary, gguf, port, threads, clients + 1, long_tokens + 64, new)
-        with server(cmd, port, name) as (url, why):
+        ctx = slots * (long_tokens + 64 + new + 64)
+        with system_server(args, name, threads, slots, ctx, binary, gguf, missing) as (url, why):
             if url is None:
-                level.note = why + ": skipped"
+                level.note = why
             else:
                 run_mixed(url, long_text, shorts, clients, alone, new, level)
                 if level.errors and not level.note:

@@ -1,6 +1,6 @@
 """``kvcache bench spec``: speculative decoding against decoding one token per forward, batch 1,
 greedy, on three workloads, beside transformers' prompt lookup on the same fp32 weights and
-llama-server's n-gram lookup on the same GGUF file (bench/spec_llama.py).
+llama-server's n-gram lookup on the same GGUF file.
 
 Workloads (chat prompts, at most ``--new-tokens`` new tokens, EOS ends a text):
 - code edit: a 62-line Python file and an instruction to rename one of its functions. Speculation
@@ -46,6 +46,12 @@ of the same weights on a CPU; several times faster a token than fp32 there), 8 t
 forward (``num_assistant_tokens``), its proposals counted by wrapping the assisted candidate
 generator.
 
+llama-server (the other peer) serves the model's own GGUF file twice, without speculation and
+with its n-gram prompt lookup (``--spec-type ngram-simple``, at most ``lookup`` tokens proposed a
+forward), on the very prompt token ids kvcache reads: ``/completion`` with the prompt as token
+ids, greedy, ``n_predict`` new tokens at most, the prompt cache off, the tokens returned; the two
+take turns per repeat after one untimed request each.
+
 Run as ``python -m kvcache.bench.spec`` with a JSON request on stdin: transformers' rows.
 """
 
@@ -57,13 +63,14 @@ import json
 import statistics
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcache.bench.child import child_main, run_module
+from kvcache.bench.peers import child_main, run_module
 from kvcache.bench.report import cell, run_meta
 from kvcache.bench.spec_texts import EDIT, EDIT_PREDICTION, MISS, QUESTION, STORY
 from kvcache.errors import InvalidParams
@@ -88,6 +95,29 @@ def method_label(method: str, lookup: int = LOOKUP) -> str:
     return {"prediction": "prediction: the file", "miss": "prediction: another file",
             "ceiling": "prediction: its output",
             "lookup": f"prompt lookup {lookup}", "draft": "draft: its GGUF"}[method]
+
+
+def spec_row(system: str, weights: str, pair: str, workload: str, method: str, label: str, prompt_tokens: int,
+             note: str = "", **measured: Any) -> dict[str, Any]:
+    """One row of the suite, whichever system made it: the measured figures (``tokens``,
+    ``plain_tok_s``, ``spec_tok_s``, ``proposed``, ``accepted``, ``forwards``, the ms per forward
+    each side, ``runs``, ``mismatches`` and any more), the figures derived from them, and None for
+    what was not measured (a skipped row carries only its ``note``)."""
+    r: dict[str, Any] = {"system": system, "weights": weights, "pair": pair, "workload": workload, "method": method,
+                         "speculation": label, "prompt_tokens": prompt_tokens, "tokens": None, "plain_tok_s": None,
+                         "spec_tok_s": None, "speedup": None, "proposed": None, "accepted": None,
+                         "acceptance": None, "forwards": None, "tokens_per_forward": None,
+                         "plain_ms_per_forward": None, "spec_ms_per_forward": None, "forward_cost": None, "runs": 0,
+                         "mismatches": 0, "identical": None, **measured, "note": note}
+    if r["spec_tok_s"] is None:
+        return r
+    plain, spec, n, fwd = r["plain_tok_s"], r["spec_tok_s"], r["tokens"], r["forwards"]
+    pms, sms = r["plain_ms_per_forward"], r["spec_ms_per_forward"]
+    r.update(speedup=spec / plain if plain else None, identical=r["mismatches"] == 0,
+             acceptance=r["accepted"] / r["proposed"] if r["proposed"] else None,
+             tokens_per_forward=(n - 1) / fwd if fwd and fwd > 0 else None,
+             forward_cost=sms / pms if sms is not None and pms else None)
+    return r
 
 
 # -- kvcache's side -------------------------------------------------------------------------------
@@ -177,26 +207,16 @@ def bench_workload(llm: Any, workload: str, ids: list[int], methods: tuple[str, 
         best = max(runs[m], key=lambda r: r.tok_s)
         n = len(ref.tokens)
         proposed, accepted = best.metrics.get("spec_proposed", 0), best.metrics.get("spec_accepted", 0)
-        tpf = (n - 1) / best.forwards if best.forwards else None
-        cost = (best.ms_per_forward / plain.ms_per_forward
-                if best.ms_per_forward is not None and plain.ms_per_forward else None)
-        rows.append({
-            "system": "kvcache", "weights": weights_label(llm), "pair": llm.weights, "workload": workload,
-            "method": m, "speculation": method_label(m, lookup), "prompt_tokens": len(ids), "tokens": n,
-            "plain_tok_s": plain.tok_s, "spec_tok_s": best.tok_s,
-            "speedup": best.tok_s / plain.tok_s if plain.tok_s else None,
-            "proposed": int(proposed), "accepted": int(accepted),
-            "acceptance": accepted / proposed if proposed else None,
-            "verifying_forwards": int(best.metrics.get("spec_forwards", 0)), "forwards": best.forwards,
-            "plain_forwards": plain.forwards, "tokens_per_forward": tpf,
-            "plain_ms_per_forward": plain.ms_per_forward, "spec_ms_per_forward": best.ms_per_forward,
-            "forward_cost": cost, "runs": checked[m], "mismatches": mismatches[m],
-            "identical": mismatches[m] == 0,
-            "plain_tok_s_runs": [r.tok_s for r in runs["plain"]], "spec_tok_s_runs": [r.tok_s for r in runs[m]],
-            "speedup_median": statistics.median(a.tok_s / b.tok_s for a, b in zip(runs[m], runs["plain"])),
-            "prediction_tokens": len(prediction[m]) if m in prediction else n if m == "ceiling" else None,
-            "text": llm.tokenizer.decode(ref.tokens), "note": "",
-        })
+        rows.append(spec_row(
+            "kvcache", weights_label(llm), llm.weights, workload, m, method_label(m, lookup), len(ids), tokens=n,
+            plain_tok_s=plain.tok_s, spec_tok_s=best.tok_s, proposed=int(proposed), accepted=int(accepted),
+            verifying_forwards=int(best.metrics.get("spec_forwards", 0)), forwards=best.forwards,
+            plain_forwards=plain.forwards, plain_ms_per_forward=plain.ms_per_forward,
+            spec_ms_per_forward=best.ms_per_forward, runs=checked[m], mismatches=mismatches[m],
+            plain_tok_s_runs=[r.tok_s for r in runs["plain"]], spec_tok_s_runs=[r.tok_s for r in runs[m]],
+            speedup_median=statistics.median(a.tok_s / b.tok_s for a, b in zip(runs[m], runs["plain"])),
+            prediction_tokens=len(prediction[m]) if m in prediction else n if m == "ceiling" else None,
+            text=llm.tokenizer.decode(ref.tokens)))
     return rows, ref.tokens
 
 
@@ -261,12 +281,7 @@ ASSISTANT_TOKENS = 8
 def _peer_skipped(workload: str, prompt_tokens: int, lookup: int, note: str,
                   method: str = "lookup") -> dict[str, object]:
     label = method_label("lookup", lookup) if method == "lookup" else ASSISTANT
-    return {"system": "transformers", "weights": "fp32", "pair": "fp32", "workload": workload, "method": method,
-            "speculation": label, "prompt_tokens": prompt_tokens, "tokens": None,
-            "plain_tok_s": None, "spec_tok_s": None, "speedup": None, "proposed": None, "accepted": None,
-            "acceptance": None, "forwards": None, "tokens_per_forward": None, "plain_ms_per_forward": None,
-            "spec_ms_per_forward": None, "forward_cost": None, "runs": 0, "mismatches": 0, "identical": None,
-            "note": note}
+    return spec_row("transformers", "fp32", "fp32", workload, method, label, prompt_tokens, note)
 
 
 def _peer_child(req: dict[str, Any]) -> list[dict[str, object]]:
@@ -398,17 +413,96 @@ def _peer_workload(model: Any, workload: str, ids: list[int], new: int, repeats:
     plain_best, spec_best = max(plain_tok_s), max(spec_tok_s)
     plain_ms = 1000 / plain_best if plain_best else None  # one token per forward
     spec_ms = (n - 1) / spec_best / fwd * 1000 if spec_best and fwd > 0 else None
-    return {"system": "transformers", "weights": "fp32", "pair": "fp32", "workload": workload, "method": method,
-            "speculation": label, "prompt_tokens": len(ids), "tokens": n,
-            "plain_tok_s": plain_best, "spec_tok_s": spec_best,
-            "speedup": spec_best / plain_best if plain_best else None,
-            "proposed": sc.proposed, "accepted": max(0, made - sc.forwards),
-            "acceptance": max(0, made - sc.forwards) / sc.proposed if sc.proposed else None,
-            "forwards": fwd, "plain_forwards": pfwd, "tokens_per_forward": (n - 1) / fwd if fwd > 0 else None,
-            "plain_ms_per_forward": plain_ms, "spec_ms_per_forward": spec_ms,
-            "forward_cost": spec_ms / plain_ms if spec_ms and plain_ms else None,
-            "runs": checked, "mismatches": mismatches, "identical": mismatches == 0,
-            "plain_tok_s_runs": plain_tok_s, "spec_tok_s_runs": spec_tok_s, "token_ids": ref, "note": ""}
+    return spec_row("transformers", "fp32", "fp32", workload, method, label, len(ids), tokens=n,
+                    plain_tok_s=plain_best, spec_tok_s=spec_best, proposed=sc.proposed,
+                    accepted=max(0, made - sc.forwards), forwards=fwd, plain_forwards=pfwd,
+                    plain_ms_per_forward=plain_ms, spec_ms_per_forward=spec_ms, runs=checked, mismatches=mismatches,
+                    plain_tok_s_runs=plain_tok_s, spec_tok_s_runs=spec_tok_s, token_ids=ref)
+
+
+# -- llama-server, on the model's GGUF file ---------------------------------------------------------
+
+
+def _complete(url: str, ids: list[int], new: int) -> dict[str, Any]:
+    """One greedy /completion of the token ids ``ids`` (prompt cache off, tokens returned): its answer."""
+    body = {"prompt": ids, "n_predict": new, "temperature": 0, "cache_prompt": False, "return_tokens": True}
+    req = urllib.request.Request(f"{url}/completion", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=PEER_TIMEOUT_S) as resp:
+        return json.load(resp)
+
+
+def _server_tok_s(answer: dict[str, Any]) -> float:
+    t = answer["timings"]
+    n = int(t["predicted_n"])
+    return (n - 1) / (float(t["predicted_ms"]) / 1000) if n > 1 and float(t["predicted_ms"]) > 0 else 0.0
+
+
+def llama_rows(binary: Path | None, gguf: Path | None, prompts: dict[str, list[int]], new: int, repeats: int,
+               lookup: int, threads: int, weights: str, label: str, tick: Any = None) -> list[dict[str, object]]:
+    """llama-server's row per workload (see the module doc): two servers, without and with its
+    n-gram lookup, both started before timing, taking turns; ``weights`` and ``label`` name the file
+    and the speculation as kvcache's rows do. A server that does not start or a request that fails
+    is a skipped row with the reason."""
+    from kvcache.bench.local_redis import free_port
+    from kvcache.bench.peers import NO_SERVER, llama_server_cmd, server
+
+    def skipped(w: str, why: str) -> dict[str, Any]:
+        return spec_row("llama-server", weights, "file", w, "lookup", label, len(prompts[w]), why)
+
+    if binary is None or gguf is None:
+        return [skipped(w, "no GGUF file for this model: skipped" if gguf is None else NO_SERVER) for w in prompts]
+    ctx = max(len(ids) for ids in prompts.values()) + new + 64
+    out: list[dict[str, object]] = []
+    with ExitStack() as stack:
+        urls = {}
+        for side, k in (("plain", None), ("spec", lookup)):
+            port = free_port()
+            url, why = stack.enter_context(server(llama_server_cmd(binary, gguf, port, threads, 1, ctx, k), port,
+                                                  f"llama-server ({side})"))
+            if url is None:
+                return [skipped(w, why + ": skipped") for w in prompts]
+            urls[side] = url
+        for w, ids in prompts.items():
+            try:
+                out.append(_server_workload(urls, w, ids, new, repeats, weights, label))
+            except (OSError, ValueError, KeyError) as e:
+                out.append(skipped(w, f"llama-server request failed ({e}): skipped"))
+            if tick:
+                tick()
+    return out
+
+
+def _server_workload(urls: dict[str, str], workload: str, ids: list[int], new: int, repeats: int, weights: str,
+                     label: str) -> dict[str, object]:
+    """Decode tok/s is kvcache's definition: the tokens after the first over the server's
+    generation time (``timings.predicted_ms``, from the prompt's forward's first token on).
+    Acceptance is ``draft_n_accepted / draft_n``; the forwards after the prompt's are
+    ``predicted_n - 1 - draft_n_accepted`` (each gives its kept proposals and one token)."""
+    ref = _complete(urls["plain"], ids, new)  # untimed, each side
+    first = _complete(urls["spec"], ids, new)
+    runs: dict[str, list[dict[str, Any]]] = {"plain": [], "spec": []}
+    mismatches, checked = int(first["tokens"] != ref["tokens"]), 1
+    for rep in range(repeats):
+        for side in (("plain", "spec") if rep % 2 == 0 else ("spec", "plain")):
+            a = _complete(urls[side], ids, new)
+            runs[side].append(a)
+            if side == "spec":
+                checked += 1
+                mismatches += a["tokens"] != ref["tokens"]
+    plain, spec = max(runs["plain"], key=_server_tok_s), max(runs["spec"], key=_server_tok_s)
+    n = int(spec["timings"]["predicted_n"])
+    accepted = int(spec["timings"].get("draft_n_accepted") or 0)
+    forwards = max(1, n - 1 - accepted)
+    return spec_row("llama-server", weights, "file", workload, "lookup", label, len(ids), tokens=n,
+                    plain_tok_s=_server_tok_s(plain), spec_tok_s=_server_tok_s(spec),
+                    proposed=int(spec["timings"].get("draft_n") or 0), accepted=accepted, forwards=forwards,
+                    plain_ms_per_forward=float(plain["timings"]["predicted_ms"]) / max(
+                        1, int(plain["timings"]["predicted_n"]) - 1),
+                    spec_ms_per_forward=float(spec["timings"]["predicted_ms"]) / forwards, runs=checked,
+                    mismatches=mismatches, plain_tok_s_runs=[_server_tok_s(a) for a in runs["plain"]],
+                    spec_tok_s_runs=[_server_tok_s(a) for a in runs["spec"]],
+                    token_ids=[int(t) for t in ref["tokens"]])
 
 
 # -- the suite ----------------------------------------------------------------------------------
@@ -514,17 +608,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _llama_rows(args: argparse.Namespace, prompts: dict[str, list[int]], new: int, repeats: int, threads: int,
                 label: str, eos: list[int], texts: dict[str, list[int]] | None) -> list[dict[str, Any]]:
-    """llama-server's rows on the model's GGUF file (bench/spec_llama.py), its texts compared with
-    kvcache's on the same file."""
-    from kvcache.bench import spec_llama
-    from kvcache.bench.llamabench import tool
-    from kvcache.bench.llamapeer import check_bin
+    """llama-server's rows on the model's GGUF file, its texts compared with kvcache's on the same file."""
+    from kvcache.bench.peers import llama_server
     from kvcache.models.loading import resolve_model
 
-    where = check_bin(getattr(args, "llama_cpp_bin", None))
-    binary = tool(where, "llama-server") if where else None
     gguf = resolve_model(args.model).gguf
-    got = spec_llama.rows(binary, gguf, prompts, new, repeats, LOOKUP, threads, label,
+    binary, _ = llama_server(getattr(args, "llama_cpp_bin", None), gguf)
+    got = llama_rows(binary, gguf, prompts, new, repeats, LOOKUP, threads, label,
                           f"n-gram lookup {LOOKUP}")
     for r in got:
         ids = r.get("token_ids")
