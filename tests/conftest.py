@@ -179,6 +179,7 @@ SLOW = {
     # the family matrix's rows with a 49k-token vocabulary (their Q8_0 runs; the F32 rows stay quick)
     "test_family_matrix.py::test_q8_gguf_with_its_int8_kernels_tracks_transformers_on_the_same_weights[gpt2]",
     "test_family_matrix.py::test_q8_gguf_with_its_int8_kernels_tracks_transformers_on_the_same_weights[qwen3moe]",
+    "test_family_matrix.py::test_q8_gguf_with_its_int8_kernels_tracks_transformers_on_the_same_weights[mixtral]",
     # the client conformance suite (tests/clients/, kvcache[clients]): real client libraries on a real server
     "test_clients_openai.py", "test_clients_instructor.py", "test_clients_langchain.py", "test_clients_agents.py",
     "test_clients_pydantic_ai.py", "test_clients_speculation.py", "test_clients_responses.py",

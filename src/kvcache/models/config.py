@@ -18,6 +18,7 @@ FAMILIES: dict[str, str] = {
     "qwen2": "llama",
     "qwen3": "llama",
     "qwen3_moe": "qwen3moe",
+    "mixtral": "qwen3moe",  # Mixtral: Mistral's attention (no q/k norm) with the same sparse MLP
     "phi3": "llama",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
@@ -139,7 +140,7 @@ def _layer_windows(cfg: dict[str, Any], n_layers: int) -> tuple[int | None, ...]
     if types:
         return tuple(window if t == "sliding_attention" else None for t in types)
     mt = cfg.get("model_type")
-    if mt in ("mistral", "phi3") and window:
+    if mt in ("mistral", "phi3", "mixtral") and window:
         return (int(window),) * n_layers
     if mt in ("qwen2", "qwen3") and window and cfg.get("use_sliding_window"):
         upto = int(cfg.get("max_window_layers", n_layers))

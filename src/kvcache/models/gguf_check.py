@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcache.errors import UnsupportedArchitecture
-from kvcache.models.gguf_names import SUPPORTED, expected_tensors
+from kvcache.models.gguf_names import SUPPORTED, expected_tensors, has_experts
 
 # Keys that only describe the file: provenance, licence, how it was quantized, sampling defaults a
 # client may read, the header (GGUF.*). None changes a logit. (general.alignment is honoured by the reader.)
@@ -60,7 +60,7 @@ _COMMON = {
     "rope.scaling.yarn_beta_slow", "rope.scale_linear",
 }
 MODEL_KEYS: dict[str, set[str]] = {
-    "llama": _COMMON,
+    "llama": _COMMON | {"expert_count", "expert_used_count"},  # Mixtral: llama with experts
     "mistral": _COMMON | {"attention.sliding_window"},
     "qwen2": _COMMON,
     "qwen3": _COMMON,
@@ -73,7 +73,7 @@ MODEL_KEYS: dict[str, set[str]] = {
 }
 # keys that mean a different model altogether, with the reason a reader understands
 _MEANS = {
-    "expert_count": "a mixture of experts, which kvcache runs only for qwen3moe",
+    "expert_count": "a mixture of experts, which kvcache runs for qwen3moe and llama (Mixtral)",
     "expert_shared_count": "shared experts", "expert_shared_feed_forward_length": "shared experts",
     "attention.scale": "a custom attention scale", "logit_scale": "scaled logits",
     "embedding_scale": "scaled embeddings", "residual_scale": "scaled residuals",
@@ -128,10 +128,10 @@ def check(meta: dict[str, Any], tensors: list[tuple[str, tuple[int, ...]]], n_vo
             rep.honoured.append(key)
         elif key.startswith(f"{arch}."):
             sub = key[len(arch) + 1:]
-            if sub in own:
-                rep.honoured.append(key)
-            elif sub in _ZERO_IS_NONE and not meta[key] or sub in _DESCRIPTIVE:
+            if sub in _ZERO_IS_NONE and not meta[key] and arch != "qwen3moe" or sub in _DESCRIPTIVE:
                 rep.no_effect.append(key)
+            elif sub in own:
+                rep.honoured.append(key)
             else:
                 why = _MEANS.get(sub, "kvcache does not implement it")
                 rep.refused.append(f"key {key} is not honoured ({why})")
@@ -141,6 +141,14 @@ def check(meta: dict[str, Any], tensors: list[tuple[str, tuple[int, ...]]], n_vo
             rep.refused.append(f"key {key} is not honoured (not a key of a {arch} model that kvcache knows)")
     rep.refused.extend(_check_values(arch, meta, n_vocab))
     _check_tensors(arch, meta, tensors, rep)
+    if has_experts(arch, meta):  # Mixtral: say so first when the file is not one
+        count = meta[f"{arch}.expert_count"]
+        if not any(name.endswith("ffn_gate_inp.weight") for name, _ in tensors):
+            rep.refused.insert(0, f"key {arch}.expert_count is {count} but the file has no expert tensors "
+                                  "(blk.*.ffn_gate_inp, ffn_*_exps)")
+        if not meta.get(f"{arch}.expert_used_count"):
+            rep.refused.insert(0, f"key {arch}.expert_count is {count} but {arch}.expert_used_count (experts "
+                                  "per token) is missing")
     return rep
 
 

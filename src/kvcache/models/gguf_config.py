@@ -71,6 +71,10 @@ def hf_config_from_meta(arch: str, meta: dict[str, Any], n_vocab: int | None, te
                     "moe_intermediate_size": int(get("expert_feed_forward_length", 0)),
                     # llama.cpp's qwen3moe always renormalises the chosen experts' weights
                     "norm_topk_prob": True, "mlp_only_layers": [], "decoder_sparse_step": 1})
+    if arch == "llama" and int(get("expert_count", 0) or 0) > 0:  # Mixtral, as llama.cpp's converter writes it
+        cfg.update({"model_type": "mixtral", "num_local_experts": int(get("expert_count")),
+                    "num_experts_per_tok": int(get("expert_used_count")),
+                    "moe_intermediate_size": int(get("feed_forward_length"))})
     if arch == "gemma3":
         cfg.update(_gemma3(meta, get, layers, hidden, heads, head_dim))
     return cfg

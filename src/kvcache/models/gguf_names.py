@@ -68,8 +68,10 @@ def expected_tensors(arch: str, meta: dict[str, Any]) -> tuple[dict[str, bool], 
         layer.update({"attn_q_norm.weight": True, "attn_k_norm.weight": True})
     if arch == "gemma3":
         layer.update({"post_attention_norm.weight": True, "post_ffw_norm.weight": True})
-    if arch == "qwen3moe":
+    if arch == "qwen3moe" or has_experts(arch, meta):
         layer.update({f"{p}.weight": True for p in _MOE})
+        if arch == "llama":
+            top["rope_freqs.weight"] = False
         return top, layer
     layer.update({f"{p}.weight": True for p in ("ffn_gate", "ffn_up", "ffn_down")})
     if arch != "gemma3":
@@ -77,6 +79,13 @@ def expected_tensors(arch: str, meta: dict[str, Any]) -> tuple[dict[str, bool], 
     if arch == "llama":
         top["rope_freqs.weight"] = False
     return top, layer
+
+
+def has_experts(arch: str, meta: dict[str, Any]) -> bool:
+    """Whether a llama file is a mixture of experts (Mixtral: ``llama.expert_count`` > 0)."""
+    value = meta.get(f"{arch}.expert_count") if arch == "llama" else None
+    value = value[0] if isinstance(value, list) and value else value
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def hf_tensor_name(arch: str, name: str) -> str | None:
@@ -101,7 +110,7 @@ def hf_tensor_name(arch: str, name: str) -> str | None:
     m = _BLOCK.match(name)
     if not m:
         return None
-    table = _GEMMA_BLOCK if arch == "gemma3" else {**_LLAMA_BLOCK, **_MOE} if arch == "qwen3moe" else _LLAMA_BLOCK
+    table = _GEMMA_BLOCK if arch == "gemma3" else {**_LLAMA_BLOCK, **_MOE} if arch in ("qwen3moe", "llama") else _LLAMA_BLOCK
     part = m.group(2)
     if arch == "phi3" and part == "ffn_up":
         return f"model.layers.{m.group(1)}.mlp.gate_up_proj.{m.group(3)}"

@@ -55,14 +55,17 @@ class MoeSpec:
             raise refuse("a shared expert")
         if raw.get("use_sliding_window"):
             raise refuse("sliding-window attention (use_sliding_window)")
+        mixtral = mt == "mixtral"  # each expert as wide as intermediate_size; the chosen weights renormalised
         try:  # transformers 5 writes num_experts as num_local_experts
             n = int(raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"])
-            k, size = int(raw["num_experts_per_tok"]), int(raw["moe_intermediate_size"])
+            k = int(raw["num_experts_per_tok"])
+            size = int(raw.get("moe_intermediate_size") or raw["intermediate_size"] if mixtral
+                       else raw["moe_intermediate_size"])
         except KeyError as e:
             raise UnsupportedArchitecture(f"{mt}: config.json lacks {e.args[0]!r}") from None
         if not 1 <= k <= n or size < 1:
             raise refuse(f"{k} experts per token of {n} (moe_intermediate_size {size})")
-        return cls(n, k, size, bool(raw.get("norm_topk_prob", False)))
+        return cls(n, k, size, mixtral or bool(raw.get("norm_topk_prob", False)))
 
 
 class Router(nn.Module):

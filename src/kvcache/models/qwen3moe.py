@@ -1,5 +1,9 @@
 """Qwen3-MoE (transformers' Qwen3MoeForCausalLM): Qwen3's attention (per-head RMSNorm of q and k,
-grouped-query heads) with a sparse mixture of experts in place of every layer's MLP.
+grouped-query heads) with a sparse mixture of experts in place of every layer's MLP; and Mixtral
+(MixtralForCausalLM), the same block with Mistral's attention (no q/k norm, a sliding window where
+the config has one) and the chosen experts' weights always renormalised (models/moe.py MoeSpec).
+Mixtral's checkpoints name the block ``block_sparse_moe`` and its experts' matrices w1 (gate), w3
+(up) and w2 (down): read under Qwen3-MoE's names (``_mixtral_names``).
 
 Attention is built as in models/llama.py: Q/K/V fused into one projection with the input RMSNorm
 folded in, o apart, biases where the checkpoint has them. The feed-forward half (models/moe.py)
@@ -43,8 +47,10 @@ class Qwen3MoeLayer(nn.Module):
         self.qkv_b = pack_bias(qkv_b, self.qkv)
         self.o = projection([sd[f"{a}.o_proj.weight"]], None, weights)  # [k, Hq D, H / k]
         self.o_b = pack_bias(sd.get(f"{a}.o_proj.bias"), self.o)
-        q_w, k_w = sd[f"{a}.q_norm.weight"].float(), sd[f"{a}.k_norm.weight"].float()  # [D] each
-        self.qk_norm = frozen(torch.cat((q_w.expand(hq, d), k_w.expand(hkv, d))))  # [Hq + Hkv, D]
+        self.qk_norm = None  # Mixtral
+        if cfg.qk_norm or f"{a}.q_norm.weight" in sd:
+            q_w, k_w = sd[f"{a}.q_norm.weight"].float(), sd[f"{a}.k_norm.weight"].float()  # [D] each
+            self.qk_norm = frozen(torch.cat((q_w.expand(hq, d), k_w.expand(hkv, d))))  # [Hq + Hkv, D]
         self.post_norm = frozen(sd[f"{p}.post_attention_layernorm.weight"])  # [H]
         self.router = Router(sd[f"{m}.gate.weight"], spec)
         self.experts = nn.ModuleList(
@@ -58,7 +64,7 @@ class Qwen3MoeForCausalLM(CausalLM):
         self.config = config
         self.spec = MoeSpec.of(config)
         self.act = activation(config.hidden_act)
-        sd = text_model_names(sd)
+        sd = _mixtral_names(text_model_names(sd))
         try:
             embed = sd["model.embed_tokens.weight"]  # [V, H]
             self.layers = nn.ModuleList(
@@ -104,6 +110,26 @@ class Qwen3MoeForCausalLM(CausalLM):
             held = sum(_nbytes(w) for ex in ly.experts for w in (ex.gate_up, ex.down))
             total -= held * (n - k) // n
         return total
+
+
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _mixtral_names(sd: dict) -> dict:
+    """Mixtral's ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.{e}.w1/w3/w2`` under
+    Qwen3-MoE's ``mlp.gate`` and ``mlp.experts.{e}.gate_proj/up_proj/down_proj``; other names kept."""
+    if not any(".block_sparse_moe." in k for k in sd):
+        return sd
+    out = {}
+    for k, v in sd.items():
+        if ".block_sparse_moe." in k:
+            head, rest = k.split(".block_sparse_moe.", 1)
+            parts = rest.split(".")
+            if parts[0] == "experts" and len(parts) == 4 and parts[2] in _MIXTRAL_EXPERT:
+                rest = f"experts.{parts[1]}.{_MIXTRAL_EXPERT[parts[2]]}.{parts[3]}"
+            k = f"{head}.mlp.{rest}"
+        out[k] = v
+    return out
 
 
 def _nbytes(w: object) -> int:
