@@ -160,14 +160,17 @@ def _native_steps(path, spec: str, prompt: list[int], steps: int) -> list[torch.
 
 
 @pytest.mark.parametrize("spec", ["sinks=2,window=10,page_size=4", "int4,sinks=2,window=24,group_size=8,residual=8",
-                                  "window=10,page_size=4"])
+                                  "window=10,page_size=4", "int4,rotate,group_size=8,residual=8",
+                                  "int8,rotate,sinks=2,window=24,group_size=8,residual=8"])
 def test_sinks_and_windows_match_kvcache_engine(tiny_dir, spec):
     """A prompt inside the window, then one token at a time far past it: the bridge gives the
-    logits of kvcache's own engine (sinks re-rotated to sit just before the window)."""
+    logits of kvcache's own engine (sinks re-rotated to sit just before the window; rotated
+    encodings turned and quantized as the engine does)."""
     path, hf = tiny_dir("llama")
     steps = 30
     native = _native_steps(path, spec, PROMPT[:6], steps)
     cache = make_cache(hf, spec)
+    assert cache.config.rotate == ("rotate" in spec) == ("rotate" in repr(cache))
     ids = torch.tensor([PROMPT[:6]])
     with torch.no_grad():
         for step in range(steps):

@@ -16,7 +16,7 @@ from test_cache_matrix import test_combination as check_combination
 from test_rollback import _run as rollback_run
 from test_rollback import made  # noqa: F401
 
-from kvcache import LLM, PrefixConfig
+from kvcache import LLM, PrefixConfig, SamplingParams
 from kvcache.cache import quant
 from kvcache.cache.config import parse_kv_spec
 from kvcache.cache.qpool import QuantPool
@@ -298,3 +298,17 @@ def test_gemma3_sliding_layers_with_rotated_int4():
     assert any(HOLE in table for table in seq.kv.tables)  # a sliding group gave back pages left of its window
     runner.free(seq)
     runner.check_integrity()
+
+
+
+def test_stats_name_the_rotation_of_the_pages(capsys):
+    """--stats (cli.print_stats) and the cache's statistics say that the pages are rotated."""
+    from kvcache.cli import print_stats
+
+    for spec, shown in (("int4,rotate", "int4,rotate"), ("int4", "int4")):
+        llm = LLM(kv=spec, prefix=False)  # the bundled model (head size 64: int4's groups of 32)
+        llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=2))
+        stats = llm.kv_stats()
+        assert stats is not None and stats.encoding == shown
+        print_stats(stats)
+        assert f"· {shown} · page" in capsys.readouterr().err

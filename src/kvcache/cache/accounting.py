@@ -35,7 +35,7 @@ class CacheStats:
     tokens_stored: int  # sum of the sequences' lengths
     bytes_allocated: int
     bytes_used: int
-    encoding: str = "fp32"
+    encoding: str = "fp32"  # the pages' encoding, with ",rotate" where K/V are rotated before quantizing
     pages_cached: int = 0  # held only by the prefix index (evictable); part of pages_used
     per_layer: tuple[LayerStats, ...] = field(default=())
 
@@ -91,7 +91,7 @@ def cache_stats(cache: CacheParts) -> CacheStats:
         tokens_stored=sum(s.length for s in cache.sequences.values()),
         bytes_allocated=sum(s.bytes_allocated for s in layers),
         bytes_used=sum(s.bytes_used for s in layers),
-        encoding=cache.config.encoding,
+        encoding=cache.config.encoding + (",rotate" if cache.config.rotate else ""),  # what the pages hold
         pages_cached=sum(cached_pages(cache).values()),
         per_layer=tuple(layers),
     )
