@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kvcache.bench.measure import english_prompt, pregrow, resolve_spec, use_config, weight_bytes
-from kvcache.bench.report import cell, run_meta
+from kvcache.bench.report import cell, median, run_meta
 from kvcache.bench.rows import step_bytes
 from kvcache.cache.config import CacheConfig, parse_kv_spec
 from kvcache.cliargs import one_weights, split_specs
@@ -81,9 +80,7 @@ class ContextRow:
     note: str = ""
 
     def summary(self) -> dict[str, object]:
-        def med(xs: list[float]) -> float | None:
-            return statistics.median(xs) if xs else None
-
+        med = median
         return {
             "spec": self.spec, "config": self.config, "context": self.context,
             "tok_s": med(self.tok_s), "tok_s_min": min(self.tok_s, default=None),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kvcache.bench.report import cell, run_meta
+from kvcache.bench.report import cell, median, run_meta
 from kvcache.cache.config import CacheConfig
 from kvcache.errors import InvalidParams
 from kvcache.models.config import ModelConfig
@@ -53,10 +52,7 @@ class Bucket:
     transformers_us: list[float] = field(default_factory=list)
 
     def summary(self) -> dict[str, object]:
-        def med(xs: list[float]) -> float | None:
-            return statistics.median(xs) if xs else None
-
-        kv, hf = med(self.kvcache_us), med(self.transformers_us)
+        kv, hf = median(self.kvcache_us), median(self.transformers_us)
         return {
             "bucket": bucket_label(self.start, self.end), "start": self.start, "end": self.end,
             "tokens": self.end - self.start,
@@ -188,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     for r in results:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.1f}x"
         print(f"{r['bucket']:<11} {cell(r['kvcache_us']):>10} {cell(r['transformers_us']):>15} {ratio:>20}")
-    med = {k: (statistics.median(v) if v else None) for k, v in totals.items()}
+    med = {k: median(v) for k, v in totals.items()}
     ratio = f"{med['transformers'] / med['kvcache']:.1f}x" if med["transformers"] and med["kvcache"] else "-"
     print(f"{'total s':<11} {cell(med['kvcache'], '.2f'):>10} {cell(med['transformers'], '.2f'):>15} {ratio:>20}")
     print("kvcache: PagedKVCache reserve + write per layer (pages, pool doubling when full); "

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from kvcache.bench.report import median
 from kvcache.errors import InvalidParams
 
 PEERS = ("dynamic", "static", "quantized")  # transformers' DynamicCache, StaticCache, QuantizedCache
@@ -38,10 +38,8 @@ class HFRow:
     note: str = ""
 
     def summary(self) -> dict[str, object]:
-        med = statistics.median
         return {"system": self.system, "cache": self.cache, "context": self.context,
-                "tok_s": med(self.tok_s) if self.tok_s else None,
-                "prefill_s": med(self.prefill_s) if self.prefill_s else None,
+                "tok_s": median(self.tok_s), "prefill_s": median(self.prefill_s),
                 "kv_bytes": self.kv_bytes, "kv_bytes_per_token": self.kv_bytes / self.tokens if self.tokens else None,
                 "note": self.note}
 
@@ -109,12 +107,13 @@ def run_one(model: Any, ids: torch.Tensor, make: Callable[[], Any], new: int) ->
 
 def bench_hf(model_dir: str, contexts: list[int], specs: list[str], peers: list[str], new: int, repeats: int,
              tick: Callable[[], object] | None = None) -> list[HFRow]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from kvcache.bench.peers import transformers_model
     from kvcache.hf import make_cache
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = transformers_model(model_dir)
     rows: list[HFRow] = []
     for ctx in contexts:
         ids = torch.tensor([english_ids(tok, ctx)])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvcache.bench.peers import child_main, run_module
+from kvcache.bench.peers import NO_TRANSFORMERS, child_main, run_module, transformers_model
 from kvcache.bench.rows import Row, Tick, step_bytes
 
 if TYPE_CHECKING:
@@ -45,12 +45,9 @@ def _measure(req: dict[str, Any]) -> list[dict[str, object]]:
     import torch
 
     torch.set_num_threads(int(req["threads"]))
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        return [vars(Row("transformers", "fp32", CACHES[c], "fp32", note="transformers not installed: skipped"))
-                for c in req["caches"]]
-    model = AutoModelForCausalLM.from_pretrained(req["model_dir"], dtype=torch.float32).eval()
+    model = transformers_model(req["model_dir"])
+    if model is None:
+        return [vars(Row("transformers", "fp32", CACHES[c], "fp32", note=NO_TRANSFORMERS)) for c in req["caches"]]
     ids, new, repeats = list(req["ids"]), int(req["new"]), int(req["repeats"])
     out = [_decode(model, ids, c, new, repeats) for c in req["caches"]]
     out += [_prefill(model, int(n), p, repeats) for n, p in req["prefill"].items()]

@@ -95,13 +95,13 @@ def probe_kvcache(spec: str, context: int, new: int, model: str | None, weights:
 
 def probe_transformers(cache: str, context: int, new: int, model: str | None) -> dict[str, object]:
     import torch
-    from transformers import AutoModelForCausalLM
 
+    from kvcache.bench.peers import transformers_model
     from kvcache.models.loading import fp32_folder
     from kvcache.models.tokenizer import Tokenizer
 
     path = fp32_folder(model)
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    hf = transformers_model(path)
     ids = _prompt_ids(Tokenizer.from_dir(path).encode, context)
     kwargs: dict[str, object] = {"cache_implementation": "static"} if cache == "StaticCache" else {}
     loaded = rss_bytes()

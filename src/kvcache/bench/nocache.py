@@ -125,9 +125,9 @@ def run(args: argparse.Namespace) -> int:
     runs = [bench_kvcache(llm, ids, spec, new, budget if spec == "none" else float("inf"), bar.update)
             for spec in ("dynamic", "none")]
     if peers:
-        from transformers import AutoModelForCausalLM
+        from kvcache.bench.peers import transformers_model
 
-        model = AutoModelForCausalLM.from_pretrained(str(fp32_folder(args.model)), dtype=torch.float32).eval()
+        model = transformers_model(fp32_folder(args.model))
         runs += [bench_transformers(model, ids, p == "dynamic", new, budget if p != "dynamic" else float("inf"),
                                     bar.update) for p in peers]
     bar.close()

@@ -8,6 +8,8 @@ failed benchmark).
   saying why there is none: the signal that killed it (``crashed: SIGSEGV``), its exit status with
   the last line of its error output, or the time limit it ran past. ``run_module`` sends a JSON
   request to ``python -m MODULE``, whose side is ``child_main``.
+- transformers: ``transformers_model`` loads the fp32 folder kvcache converted, or says it is
+  not installed.
 - llama.cpp's tools (llama-bench, llama-quantize, llama-server): ``--llama-cpp-bin DIR``,
   ``$KVCACHE_LLAMA_CPP_BIN`` or what ``make llamacpp`` built (``<venv>/llama.cpp/bin``):
   ``check_bin``, ``find_tool``, ``llama_server``.
@@ -38,6 +40,7 @@ from kvcache.errors import InvalidParams
 
 DEFAULT_TIMEOUT_S = 3600.0
 START_TIMEOUT_S = 300.0  # a server's time to answer /health
+NO_TRANSFORMERS = "transformers not installed: skipped"
 NO_SERVER = ("llama-server not built: `make llamacpp`, then `cmake --build .venv/llama.cpp/build --target "
              "llama-server`: skipped")
 
@@ -163,6 +166,22 @@ def child_main(handler: Callable[[dict[str, Any]], object]) -> int:
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()
     return 0
+
+
+# -- transformers ---------------------------------------------------------------------------------
+
+
+def transformers_model(model_dir: str | Path) -> Any | None:
+    """transformers' causal LM of ``model_dir`` in fp32, in eval mode (kvcache's fp32 folder,
+    ``models.loading.fp32_folder``: the weights of kvcache's ``fp32`` mode); None when transformers
+    is not installed (its rows then say ``NO_TRANSFORMERS``)."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return None
+    import torch
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 
 
 # -- llama.cpp's tools ------------------------------------------------------------------------------

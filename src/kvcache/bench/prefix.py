@@ -134,14 +134,16 @@ def bench_transformers(model_dir: str, llm: LLM, system: str, repeats: int,
                        progress: Callable[[], None] | None = None) -> Case:
     """Prefill + deepcopy: the documented way to reuse a prompt's cache in transformers."""
     case = Case("transformers prefill + deepcopy")
-    try:
-        from transformers import AutoModelForCausalLM, DynamicCache
-    except ImportError:
-        case.note = "transformers not installed: skipped"
+    from kvcache.bench.peers import NO_TRANSFORMERS, transformers_model
+
+    model = transformers_model(model_dir)
+    if model is None:
+        case.note = NO_TRANSFORMERS
         return case
+    from transformers import DynamicCache
+
     from kvcache.prefix.radix import common_prefix
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     # generate() asks for the last position's logits only; a forward does too when it can
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     qs = [QUESTIONS[i % len(QUESTIONS)] for i in range(repeats)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import platform
+import statistics
 import sys
 from datetime import datetime, timezone
 from importlib import metadata
@@ -25,6 +26,11 @@ def percentile(xs: list[float], q: float) -> float | None:
         return None
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def median(xs: list[float]) -> float | None:
+    """The median of ``xs`` (None for no values)."""
+    return statistics.median(xs) if xs else None
 
 
 def cell(x: float | None, spec: str = ".1f") -> str:

@@ -9,9 +9,10 @@ kvcache weights mode a row compares with (a peer's F32 row pairs with ``fp32``, 
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from kvcache.bench.report import median
 
 Tick = Callable[[], None]
 
@@ -36,9 +37,7 @@ class Row:
     note: str = ""
 
     def summary(self) -> dict[str, object]:
-        def med(xs: list[float]) -> float | None:
-            return statistics.median(xs) if xs else None
-
+        med = median
         tok = med(self.tok_s)
         return {
             "system": self.system, "weights": self.weights, "cache": self.cache, "pair": self.pair,

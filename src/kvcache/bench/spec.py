@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcache.bench.peers import child_main, run_module
+from kvcache.bench.peers import NO_TRANSFORMERS, child_main, run_module, transformers_model
 from kvcache.bench.report import cell, run_meta
 from kvcache.bench.spec_texts import EDIT, EDIT_PREDICTION, MISS, QUESTION, STORY
 from kvcache.errors import InvalidParams
@@ -290,11 +290,9 @@ def _peer_child(req: dict[str, Any]) -> list[dict[str, object]]:
     torch.set_num_threads(int(req["threads"]))
     prompts = {w: list(ids) for w, ids in req["prompts"].items()}
     lookup = int(req["lookup"])
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        return [_peer_skipped(w, len(ids), lookup, "transformers not installed: skipped") for w, ids in prompts.items()]
-    model = AutoModelForCausalLM.from_pretrained(req["model_dir"], dtype=torch.float32).eval()
+    model = transformers_model(req["model_dir"])
+    if model is None:
+        return [_peer_skipped(w, len(ids), lookup, NO_TRANSFORMERS) for w, ids in prompts.items()]
     eos = req.get("eos") or model.generation_config.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else [int(t) for t in eos or []]
     gen: dict[str, Any] = {"do_sample": False, "pad_token_id": eos_ids[0] if eos_ids else None}

@@ -106,12 +106,6 @@ class _Clock:
         pass
 
 
-def _hf_model(model_dir: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
 def bench_hf_sequential(model, prompts: list[list[int]], new: int, tick: Callable[[], None]) -> Result:
     res = Result("transformers generate, one at a time")
     pad = model.config.eos_token_id
@@ -238,7 +232,9 @@ def run(args: argparse.Namespace) -> int:
         del llm
         gc.collect()
     if peers:
-        model = _hf_model(str(fp32_folder(args.model)))
+        from kvcache.bench.peers import transformers_model
+
+        model = transformers_model(fp32_folder(args.model))
         runs = {"sequential": bench_hf_sequential, "padded": bench_hf_padded, "generate_batch": bench_hf_generate_batch}
         for p in peers:
             rows.append(runs[p](model, prompts, new, bar.update))
