@@ -210,3 +210,44 @@ def test_a_long_prompts_chunks_shrink_with_depth_and_its_text_is_unchanged(tiny_
             assert [n for _, n in chunks[:-1]] == [32] * (len(chunks) - 1)
     assert outs[True] == outs[False]
     tiny_llm.check_integrity()
+
+
+def test_a_documents_share_of_a_step_is_capped_and_short_prompts_still_go_whole(tiny_llm):
+    """With ``document_work``, a prompt longer than the step's budget feeds at most that much work
+    a step (fewer tokens as it goes deeper); a short prompt beside it still goes in whole; the
+    text is the text without the cap."""
+    from kvcache.engine.step_work import token_work
+
+    work = token_work(tiny_llm.runner.config)
+    outs = {}
+    for cap in (None, 8):
+        sched = Scheduler(tiny_llm.runner, tiny_llm.tokenizer,
+                          SchedulerConfig(max_batch_tokens=32, document_work=cap))
+        long = Request("long", LONG, SamplingParams(max_tokens=4, ignore_eos=True))
+        sched.add(long)
+
+        def depth():
+            return len(long.samples[0].seq.tokens) if long.samples and long.samples[0].seq is not None else 0
+
+        fed = []
+        for step in range(6):
+            if step == 3:
+                short = Request("short", [7, 8, 9, 10, 11, 12], SamplingParams(max_tokens=2, ignore_eos=True))
+                sched.add(short)
+            before = depth()
+            sched.step()
+            fed.append((before, depth() - before))
+            if step == 3:
+                assert short.samples[0].tokens  # the short prompt whole, in the step after it came
+        if cap is not None:
+            assert all(n * work(d) <= cap + work(d) for d, n in fed) and any(n for _, n in fed)
+            assert max(n for _, n in fed) <= cap
+        else:
+            assert fed[0][1] == 32
+        while sched.has_work:
+            sched.step()
+        outs[cap] = long.output().token_ids
+    assert outs[None] == outs[8]
+    with pytest.raises(Exception, match="document-step-work"):
+        SchedulerConfig(document_work=0)
+    tiny_llm.check_integrity()

@@ -113,6 +113,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         "--new-tokens: tokens out of each (default 8)")
     b.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
                    help="serve: kvcache serve's --max-batch-tokens (default: the server's, 256)")
+    b.add_argument("--document-step-work", type=int, default=None, metavar="N",
+                   help="serve --mixed: kvcache serve's --document-step-work (default: the server's, none)")
     b.add_argument("--threads", type=int, default=None, help="torch threads for every system")
     b.add_argument("--quick", action="store_true",
                    help="a short run: decode 16 tokens, 1 repeat, prefill 512, depth 512; context 256,1024 with 16 tokens, 1 repeat, "
@@ -135,7 +137,7 @@ OPTIONS = {
     "cache-vs-none": ("new_tokens", "time_budget", "peers", "weights"),
     "memory": ("context", "new_tokens", "kv", "peers", "budget", "weights"),
     "serve": ("new_tokens", "requests", "peers", "kv", "weights", "prefill", "streams", "llama_cpp_bin", "mixed",
-              "max_batch_tokens"),
+              "max_batch_tokens", "document_step_work"),
     "hf": ("new_tokens", "repeats", "kv", "peers", "contexts"),
     "structured": ("new_tokens", "repeats", "requests", "peers"),
     "spec": ("new_tokens", "repeats", "weights", "peers", "llama_cpp_bin"),
@@ -143,7 +145,7 @@ OPTIONS = {
 }
 _FLAGS = ("new_tokens", "repeats", "rounds", "kv", "peers", "contexts", "max_context", "system_tokens", "redis", "requests",
           "time_budget", "context", "budget", "weights", "prefill", "depth", "llama_cpp_bin", "replicas",
-          "prefill_replicas", "streams", "mixed", "max_batch_tokens")
+          "prefill_replicas", "streams", "mixed", "max_batch_tokens", "document_step_work")
 
 
 LONG_ONLY = ("peers", "llama_cpp_bin")  # options the context suite reads with --long only

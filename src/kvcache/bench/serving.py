@@ -102,6 +102,8 @@ def kvcache_cmd(args: argparse.Namespace, port: int, threads: int, streams: int)
         cmd += ["--kv", args.kv]
     if getattr(args, "max_batch_tokens", None) is not None:
         cmd += ["--max-batch-tokens", str(args.max_batch_tokens)]
+    if getattr(args, "document_step_work", None) is not None:
+        cmd += ["--document-step-work", str(args.document_step_work)]
     return cmd
 
 
@@ -159,9 +161,12 @@ def system_server(args: argparse.Namespace, name: str, threads: int, slots: int,
 
 
 def check_budget(args: argparse.Namespace) -> None:
-    """``--max-batch-tokens`` (kvcache serve's), refused before any server starts when below 1."""
+    """``--max-batch-tokens`` and ``--document-step-work`` (kvcache serve's), refused before any
+    server starts when below 1."""
     if getattr(args, "max_batch_tokens", None) is not None and args.max_batch_tokens < 1:
         raise InvalidParams(f"--max-batch-tokens must be at least 1, got {args.max_batch_tokens}")
+    if getattr(args, "document_step_work", None) is not None and args.document_step_work < 1:
+        raise InvalidParams(f"--document-step-work must be at least 1, got {args.document_step_work}")
 
 
 def serve_peers(args: argparse.Namespace) -> list[str]:

@@ -133,20 +133,21 @@ def run(args: argparse.Namespace) -> int:
                     level.note = f"{level.errors} request(s) failed"
         results.append(level.summary())
     budget = getattr(args, "max_batch_tokens", None) or 256
-    _print(results, long_tokens, short, new, clients, threads, budget)
+    doc_work = getattr(args, "document_step_work", None)
+    _print(results, long_tokens, short, new, clients, threads, budget, doc_work)
     if args.json:
         meta = run_meta(long_tokens=long_tokens, short_tokens=short, new_tokens=new, clients=clients,
-                        short_alone=alone, threads=threads, max_batch_tokens=budget,
+                        short_alone=alone, threads=threads, max_batch_tokens=budget, document_step_work=doc_work,
                         model=str(gguf or args.model or "bundled"))
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     return 0
 
 
 def _print(results: list[dict[str, object]], long_tokens: int, short: int, new: int, clients: int,
-           threads: int, budget: int) -> None:
+           threads: int, budget: int, doc_work: int | None = None) -> None:
     print(f"\nserve --mixed: short chats of about {short} tokens ({new} out) alone, then from {clients} client(s) "
           f"while a {long_tokens}-token document is prefilled; greedy, streamed, {threads} threads; "
-          f"kvcache --max-batch-tokens {budget}")
+          f"kvcache --max-batch-tokens {budget}" + (f" --document-step-work {doc_work}" if doc_work else ""))
     print(f"{'system':<14} {'short TTFT alone p50/max s':>27} {'beside p50/max s':>17} {'n':>4} {'ratio':>6} "
           f"{'doc TTFT s':>10} {'doc total s':>11}  note")
     for r in results:

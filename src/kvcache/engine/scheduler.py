@@ -29,8 +29,11 @@ Every ``step`` runs one model forward over a batch of sequences of different len
    document chunk as well; the document loses a short prompt's time. The budget counts work,
    not tokens (``step_work``): a prompt token at depth ``p`` costs its attention over ``p`` keys
    besides its weights, so a step deep in a document is about as long as one at its start, and
-   the step a newcomer waits for is short too. Under the priority policy each priority level
-   shares what the higher levels leave. Chunking never changes a sequence's
+   the step a newcomer waits for is short too. ``document_work`` (serve --document-step-work)
+   caps what a prompt longer than a whole step takes of any step, so that even the steps that
+   carry only a document are short: a newcomer's wait for the step already running shrinks with
+   it, and the document pays in steps. Under the priority policy each priority level shares what
+   the higher levels leave. Chunking never changes a sequence's
    bits (batch invariance): how the budget is split decides when tokens come, never which;
 3. the step's pages are asked of the cache's page manager (``runner.reserve``) before the forward
    runs, so attention only writes pages it was given; when the pool cannot give them (a typed
@@ -102,10 +105,16 @@ class SchedulerConfig:
     # costs its attention too), so a step deep in a document is as short as one at its start;
     # False: tokens (a single run that prefills its whole prompt in one forward)
     count_work: bool = True
+    # work a prompt longer than max_batch_tokens (a document) may take of a step: steps that carry
+    # only a document stay this short, so a newcomer waits less for the step already running, at
+    # the price of the document's own speed (None: the whole budget; serve --document-step-work)
+    document_work: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.max_running < 1:
             raise InvalidParams("max_batch_tokens and max_running must be at least 1")
+        if self.document_work is not None and self.document_work < 1:
+            raise InvalidParams(f"--document-step-work must be at least 1, got {self.document_work}")
         if not 0 <= self.prompt_lookup <= MAX_LOOKUP:
             raise InvalidParams(f"--prompt-lookup must be between 0 (off) and {MAX_LOOKUP}, got {self.prompt_lookup}")
         if self.policy not in ("fifo", "priority"):
@@ -434,7 +443,10 @@ class Scheduler:
             cost = None if self._work is None else [
                 self._work(len(s.seq.tokens) if s.seq is not None else 0) for _, s in group]
             shares = fair_shares([len(s.feed) for _, s in group], budget, cost)
+            cap = self.config.document_work
             for k, ((req, s), n) in enumerate(zip(group, shares)):
+                if cap is not None and len(s.feed) > self.config.max_batch_tokens:  # a document: its own cap
+                    n = min(n, max(1, int(cap / (1.0 if cost is None else cost[k]))))
                 if n:
                     out.append(Item(req, s, n))
                     budget -= n * (1.0 if cost is None else cost[k])

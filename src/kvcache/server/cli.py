@@ -38,6 +38,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-batch-tokens", type=int, default=256,
                    help="work per forward, in prompt tokens at depth 0: decodes first, then prompt chunks "
                         "(a token deep in a long prompt counts its attention too; default 256)")
+    s.add_argument("--document-step-work", type=int, default=None, metavar="N",
+                   help="the most work a prompt longer than --max-batch-tokens takes of a step, in tokens at "
+                        "depth 0: steps that carry only a long document stay short, so a request that arrives "
+                        "meanwhile waits less, and the document itself goes slower (default: the whole budget)")
     s.add_argument("--max-running", type=int, default=32, help="requests served at once (default 32)")
     s.add_argument("--prompt-lookup", type=int, default=0, metavar="K",
                    help="speculative decoding for every request that allows it: up to K tokens proposed per "
@@ -77,7 +81,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvcache.engine.scheduler import SchedulerConfig
 
     sched = SchedulerConfig(max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
-                            policy=args.policy, prompt_lookup=args.prompt_lookup)  # refused before the model loads
+                            policy=args.policy, prompt_lookup=args.prompt_lookup,
+                            document_work=args.document_step_work)  # refused before the model loads
     from kvcache.server.intake import Limits
 
     limits = Limits(max_request_bytes=args.max_request_bytes, max_prompts=args.max_prompts,
