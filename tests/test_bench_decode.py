@@ -64,6 +64,35 @@ def test_quick_gives_file_q8_and_fp32_rows(tmp_path):
     assert all(v > 0 for v in data["meta"]["products_gb_s"].values())
 
 
+def test_profile_splits_a_decode_step_into_the_kernels_and_the_host(tmp_path):
+    """bench decode --profile: per decode step the time in the native kernels and outside them."""
+    out = tmp_path / "profile.json"
+    p = run_kvcache("bench", "decode", "--profile", "--new-tokens", "6", "--repeats", "1", "--json", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    prof = json.loads(out.read_text())["profile"]
+    assert prof["step_ms"] > prof["kernels_ms"] > 0 and prof["calls_per_step"] >= 1
+    assert prof["host_ms"] == pytest.approx(prof["step_ms"] - prof["kernels_ms"])
+    assert 0 < prof["host_share"] < 1 and "outside them" in p.stdout
+    bad = run_kvcache("bench", "context", "--profile")
+    assert bad.returncode == 2 and "--profile" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_kernel_profile_counts_native_calls_in_process():
+    code = ("from kvcache import kernels, LLM, SamplingParams\n"
+            "kernels.profile()\n"
+            "llm = LLM(prefix=False)\n"
+            "c0, t0 = kernels.profiled()\n"
+            "llm.generate(['Hello'], SamplingParams(max_tokens=3, ignore_eos=True))\n"
+            "c1, t1 = kernels.profiled()\n"
+            "kernels.profile(False)\n"
+            "llm.generate(['Hello'], SamplingParams(max_tokens=3, ignore_eos=True))\n"
+            "print(c1 - c0, t1 - t0, kernels.profiled())\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    calls, seconds, after = p.stdout.split(" ", 2)
+    assert int(calls) >= 3 and float(seconds) > 0 and after.strip() == "(0, 0.0)"
+
+
 def test_products_alone_read_every_quantized_weight_a_step_multiplies_by():
     from kvcache import LLM
     from kvcache.bench.measure import products_bandwidth

@@ -42,6 +42,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="timed runs per system (default: decode 3, context 2, growth 1; structured 3 alternating "
                         "free/constrained runs, the best counts; spec 3 runs without and with speculation, "
                         "taking turns, the best counts)")
+    b.add_argument("--profile", action="store_true", default=None,
+                   help="decode: where a decode step's time goes, in the native kernels or in the host code "
+                        "around them (Python, torch's small operations, the sampler), per step; kvcache alone")
     b.add_argument("--rounds", type=int, default=None,
                    help="decode: measure every system this many times in turn, pooling the samples (default 1): "
                         "the host's memory speed drifts over minutes, so one pass can leave one system in a slow "
@@ -129,7 +132,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 # options each suite reads (the others are refused when given)
 OPTIONS = {
-    "decode": ("new_tokens", "repeats", "rounds", "kv", "peers", "weights", "prefill", "depth", "llama_cpp_bin"),
+    "decode": ("new_tokens", "repeats", "rounds", "kv", "peers", "weights", "prefill", "depth", "llama_cpp_bin",
+               "profile"),
     "context": ("new_tokens", "repeats", "kv", "contexts", "weights", "peers", "llama_cpp_bin"),
     "growth": ("repeats", "max_context"),
     "prefix": ("repeats", "system_tokens", "redis", "new_tokens", "weights"),
@@ -145,7 +149,7 @@ OPTIONS = {
 }
 _FLAGS = ("new_tokens", "repeats", "rounds", "kv", "peers", "contexts", "max_context", "system_tokens", "redis", "requests",
           "time_budget", "context", "budget", "weights", "prefill", "depth", "llama_cpp_bin", "replicas",
-          "prefill_replicas", "streams", "mixed", "max_batch_tokens", "document_step_work")
+          "prefill_replicas", "streams", "mixed", "max_batch_tokens", "document_step_work", "profile")
 
 
 LONG_ONLY = ("peers", "llama_cpp_bin")  # options the context suite reads with --long only

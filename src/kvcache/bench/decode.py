@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -128,6 +129,58 @@ def parse_lengths(text: str, limit: int) -> list[int]:
     return sorted(set(out))
 
 
+def profile_decode(llm: LLM, ids: list[int], new: int, repeats: int) -> dict[str, float]:
+    """Where a decode step's time goes: in the native kernels, or in the host code around them
+    (Python, torch's small operations, the sampler). Each repeat times a run of ``new`` decode steps
+    against a run of one (the same prefill), in wall time and in the kernels' own time
+    (``kernels.profile``, on before the model loaded); medians over the repeats, per step."""
+    from kvcache import kernels
+
+    def timed(n: int) -> tuple[float, float, int]:
+        calls0, in0 = kernels.profiled()
+        t0 = time.perf_counter()
+        llm.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))
+        wall = time.perf_counter() - t0
+        calls1, in1 = kernels.profiled()
+        return wall, in1 - in0, calls1 - calls0
+
+    timed(2)  # warm-up
+    walls, inside, calls = [], [], []
+    for _ in range(repeats):
+        w1, k1, c1 = timed(1)
+        wn, kn, cn = timed(1 + new)
+        walls.append((wn - w1) / new)
+        inside.append((kn - k1) / new)
+        calls.append((cn - c1) / new)
+    step, kern = statistics.median(walls), statistics.median(inside)
+    return {"step_ms": step * 1e3, "kernels_ms": kern * 1e3, "host_ms": (step - kern) * 1e3,
+            "host_share": (step - kern) / step if step > 0 else 0.0, "calls_per_step": statistics.median(calls)}
+
+
+def run_profile(args: argparse.Namespace, new: int, repeats: int) -> int:
+    """``bench decode --profile``: one decode after the chat prompt, split into the kernels' time
+    and the host's time outside them, per step."""
+    from kvcache import kernels
+    from kvcache.envinfo import host_line
+
+    kernels.profile()  # before the model loads: every native call it makes is counted
+    mode = weights_list(args, DEFAULT_WEIGHTS)[0]
+    spec = [s for s in (args.kv or "dynamic").split(",") if s][0]  # the first strategy named
+    llm = LLM(args.model, threads=args.threads, weights=mode, prefix=False, kv=spec)
+    ids = llm.encode(PROMPT, chat=True)
+    p = profile_decode(llm, ids, new, repeats)
+    print(f"\nbench decode --profile: {llm.model_name}, weights {mode}, kv {spec}, {len(ids)}-token prompt, "
+          f"{new} new tokens, median of {repeats}; {host_line()}")
+    print(f"decode step {p['step_ms']:.2f} ms: in the kernels {p['kernels_ms']:.2f} ms, "
+          f"outside them {p['host_ms']:.2f} ms ({100 * p['host_share']:.1f}% of the step); "
+          f"{p['calls_per_step']:.0f} native calls a step")
+    if args.json:
+        meta = run_meta(model=llm.model_name, new_tokens=new, repeats=repeats, weights=[mode], kv=[spec],
+                        prompt_tokens=len(ids), host=host_line())
+        Path(args.json).write_text(json.dumps({"meta": meta, "profile": p}, indent=2))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     quick = args.quick
     new = args.new_tokens if args.new_tokens is not None else (16 if quick else 200)
@@ -135,6 +188,10 @@ def run(args: argparse.Namespace) -> int:
     rounds = args.rounds if args.rounds is not None else 1
     if new < 2 or repeats < 1:
         raise InvalidParams("--new-tokens must be >= 2 and --repeats >= 1")
+    if getattr(args, "profile", False):
+        for s in (args.kv or "dynamic").split(","):
+            parse_kv_spec(s)
+        return run_profile(args, new, repeats)
     if rounds < 1:
         raise InvalidParams("--rounds must be >= 1")
     strategies = [s for s in (args.kv if args.kv is not None else "dynamic").split(",") if s]

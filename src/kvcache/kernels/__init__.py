@@ -36,6 +36,44 @@ import torch
 from kvcache.kernels import build, signatures
 
 _LIBS: dict[str, ctypes.CDLL | bool] = {}  # name -> library, or False: unavailable here
+_PROFILE: list[float] | None = None  # [native calls, seconds in them] while profiling (profile())
+
+
+def profile(on: bool = True) -> None:
+    """Count the native calls and the time spent in them (``profiled()``), for every library loaded
+    now or later in this process (``kvcache bench decode --profile``); ``on=False`` stops counting."""
+    global _PROFILE
+    _PROFILE = [0.0, 0.0] if on else None
+    if on:
+        for lib in _LIBS.values():
+            if lib:
+                _time_calls(lib)  # type: ignore[arg-type]
+
+
+def profiled() -> tuple[int, float]:
+    """(native calls, seconds spent in them) since ``profile()``; (0, 0.0) when not profiling."""
+    return (0, 0.0) if _PROFILE is None else (int(_PROFILE[0]), _PROFILE[1])
+
+
+def _time_calls(lib: ctypes.CDLL) -> None:
+    """Wrap each bound function of ``lib`` so that its calls add to the profile's counters."""
+    import time
+
+    for attr, fn in list(vars(lib).items()):
+        if not isinstance(fn, ctypes._CFuncPtr) or getattr(fn, "__wrapped__", None) is not None:  # type: ignore[attr-defined]
+            continue
+
+        def timed(*args, _fn=fn):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args)
+            finally:
+                if _PROFILE is not None:
+                    _PROFILE[0] += 1
+                    _PROFILE[1] += time.perf_counter() - t0
+
+        timed.__wrapped__ = fn  # type: ignore[attr-defined]
+        setattr(lib, attr, timed)
 
 
 def variant() -> str:
@@ -52,6 +90,8 @@ def _load(name: str) -> ctypes.CDLL | None:
         else:
             try:
                 _LIBS[name] = signatures.bind(ctypes.CDLL(str(build.build(name, build.select()))), name)
+                if _PROFILE is not None:
+                    _time_calls(_LIBS[name])  # type: ignore[arg-type]
             except (OSError, RuntimeError, AttributeError) as e:
                 warnings.warn(f"kvcache: native kernel {name} unavailable ({e}); using the torch path", stacklevel=3)
                 _LIBS[name] = False
