@@ -132,15 +132,17 @@ def decode_rows(d: dict) -> list[Row]:
     return rows
 
 
+def _suite(d: dict) -> tuple[dict, list[dict], str]:
+    """A suite file's meta, its result rows and the model they name."""
+    return d["meta"], d["results"], _model(d["meta"])
+
+
 def serve_rows(d: dict) -> list[Row]:
     """``bench serve``: output tok/s of ``kvcache serve`` beside llama-server on the same GGUF, at
     each level of concurrent streams."""
-    meta, results = d["meta"], d["results"]
-    model = _model(meta)
+    meta, results, model = _suite(d)
     rows = []
-    for k in results:
-        if k["system"] != "kvcache":
-            continue
+    for k in (r for r in results if r["system"] == "kvcache"):
         p = next(x for x in results if x["system"] != "kvcache" and x["streams"] == k["streams"])
         what = (f"{model}: serving, {k['streams']} concurrent streams, {meta['prompt_tokens']}-token prompts, "
                 f"{meta['new_tokens']} out, output tok/s")
@@ -271,12 +273,9 @@ _LLAMA_KV = {"fp16": "f16", "int8": "q8_0", "int4": "q4_0"}
 def long_context_rows(d: dict) -> list[Row]:
     """``bench context --long``: decode at depth with each KV encoding beside llama.cpp's KV type of
     the same width, and prefill of the longest prompt (fp16 beside f16), on the same GGUF."""
-    meta, results = d["meta"], d["results"]
-    model = _model(meta)
+    meta, results, model = _suite(d)
     rows = []
-    for k in results:
-        if k["system"] != "kvcache":
-            continue
+    for k in (r for r in results if r["system"] == "kvcache"):
         peer_kv = _LLAMA_KV.get(k["kv"])
         p = next((x for x in results if x["system"] != "kvcache" and x["kv"] == peer_kv
                   and x["test"] == k["test"] and x["context"] == k["context"]), None)

@@ -45,8 +45,6 @@ def local_redis(timeout: float = 10.0) -> Iterator[str | None]:
                 time.sleep(0.05)
             yield f"redis://127.0.0.1:{port}/0"
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            from kvcache.bench.peers import stop_process
+
+            stop_process(proc, 5)

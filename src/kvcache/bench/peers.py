@@ -296,12 +296,7 @@ def server(cmd: list[str], port: int, label: str) -> Iterator[tuple[str | None, 
                 why = _wait_ready(url, proc, log, START_TIMEOUT_S)
                 yield (None, f"{label} {why}") if why else (url, "")
             finally:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                stop_process(proc, 30)
 
 
 def sse_events(url: str, body: dict, timeout: float) -> Iterator[dict]:
@@ -370,3 +365,13 @@ def stream(url: str, body: dict, on_first: Callable[[], object] | None = None,
     if not out.error and out.ttft_s is None:
         out.error = "no text came back"
     return out
+
+
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """Ask ``proc`` to stop (SIGTERM); kill it when it has not within ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
