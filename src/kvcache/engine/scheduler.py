@@ -136,7 +136,7 @@ class Scheduler:
         self.steps = 0
         self._held_back = False  # a preemption happened: admit nothing more until a request ends
         self._sat_out = False  # the last step left out the prompts longer than a whole step (_plan)
-        self._work = token_work(runner.config) if self.config.count_work else None
+        self._work = token_work(runner.config) if self.config.count_work else (lambda position: 1.0)
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -440,16 +440,15 @@ class Scheduler:
         out = []
         for level in levels:
             group = [(req, s) for req, s in prefills if level is None or req.priority == level]
-            cost = None if self._work is None else [
-                self._work(len(s.seq.tokens) if s.seq is not None else 0) for _, s in group]
+            cost = [self._work(len(s.seq.tokens) if s.seq is not None else 0) for _, s in group]
             shares = fair_shares([len(s.feed) for _, s in group], budget, cost)
             cap = self.config.document_work
-            for k, ((req, s), n) in enumerate(zip(group, shares)):
+            for (req, s), n, c in zip(group, shares, cost):
                 if cap is not None and len(s.feed) > self.config.max_batch_tokens:  # a document: its own cap
-                    n = min(n, max(1, int(cap / (1.0 if cost is None else cost[k]))))
+                    n = min(n, max(1, int(cap / c)))
                 if n:
                     out.append(Item(req, s, n))
-                    budget -= n * (1.0 if cost is None else cost[k])
+                    budget -= n * c
         return out
 
     def _sample(self, ready: list[tuple[int, Item]], logits: torch.Tensor, masks: torch.Tensor | None,
@@ -694,19 +693,19 @@ class Scheduler:
         done.append(req)
 
 
-def fair_shares(remaining: list[int], budget: int, cost: list[float] | None = None) -> list[int]:
-    """How many of ``budget`` tokens each prompt feeds in a step, given the ``remaining`` tokens of
-    each (listed in admission order): max-min fair (water-filling). A prompt whose remainder is
-    within the equal share feeds it whole; what it leaves is shared equally by the others. Tokens
-    that do not divide evenly go one each to the earliest admitted, and so do all of them when
-    there are fewer tokens than prompts. Nothing is left over while a prompt still has tokens.
+def fair_shares(remaining: list[int], budget: float, cost: list[float] | None = None) -> list[int]:
+    """How many tokens each prompt feeds in a step, given the ``remaining`` tokens of each (listed
+    in admission order) and the step's ``budget``: max-min fair (water-filling). A prompt whose
+    remainder is within the equal share feeds it whole; what it leaves is shared equally by the
+    others. What does not divide evenly goes a token each to the earliest admitted, and so does all
+    of it when there is less than a token a prompt. Nothing is left over while a prompt still has
+    tokens it could pay for.
 
-    With ``cost`` (each prompt's work per token, >= 1: ``step_work``), the budget and the shares
-    are work: a prompt deep in a long document gets as much of the step's work as a short one, so
+    ``cost`` is each prompt's work per token (>= 1, ``step_work``; default 1: the budget counts
+    tokens): a prompt deep in a long document gets as much of the step's work as a short one, so
     fewer tokens. The first prompt still feeds one token when the budget is below its cost, so
     every step advances some prompt."""
-    if cost is None:
-        return _shares(remaining, budget)
+    cost = cost if cost is not None else [1.0] * len(remaining)
     give = [0] * len(remaining)
     todo = list(range(len(remaining)))
     left = float(budget)
@@ -730,30 +729,10 @@ def fair_shares(remaining: list[int], budget: int, cost: list[float] | None = No
             give[i] = remaining[i]
             left -= remaining[i] * cost[i]
         todo = [i for i in todo if remaining[i] * cost[i] > share]
-    if budget > 0 and remaining and not any(give):
+    if budget > 0 and not any(give):
         first = next((i for i, r in enumerate(remaining) if r), None)
         if first is not None:
             give[first] = 1
-    return give
-
-
-def _shares(remaining: list[int], budget: int) -> list[int]:
-    """fair_shares counted in tokens."""
-    give = [0] * len(remaining)
-    todo = list(range(len(remaining)))
-    left = budget
-    while todo and left > 0:
-        share = left // len(todo)
-        whole = [i for i in todo if remaining[i] <= share]
-        if not whole:
-            spare = left - share * len(todo)
-            for k, i in enumerate(todo):
-                give[i] = share + (k < spare)
-            break
-        for i in whole:
-            give[i] = remaining[i]
-            left -= remaining[i]
-        todo = [i for i in todo if remaining[i] > share]
     return give
 
 

@@ -46,7 +46,7 @@ def token_work(config: ModelConfig) -> Callable[[int], float]:
     windows = config.layer_windows or (None,) * config.num_layers
     per_key = 2.0 * config.num_heads * config.head_dim * ATTENTION_WEIGHT / weights  # K·q and w·V, a layer
     full = sum(1 for w in windows if w is None)
-    capped = sorted(w for w in windows if w is not None)
+    capped = [w for w in windows if w is not None]
 
     def work(position: int) -> float:
         keys = full * position + sum(min(position, w) for w in capped)
