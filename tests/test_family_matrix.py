@@ -295,3 +295,21 @@ def test_the_bundled_files_are_honoured_whole(name):
     rep = check_file(bundled_path(name))
     assert rep.ok, rep.refused
     assert "tensor token_embd.weight" in rep.honoured and rep.no_effect
+
+
+def test_a_mixture_missing_its_qk_norm_is_refused_and_mixtral_needs_none(matrix):
+    """Qwen3-MoE's q/k norms are required (a folder without one is refused naming it); Mixtral's
+    attention has none, so its folder loads without them."""
+    from kvcache.errors import ModelLoadError
+
+    for row in ("qwen3moe", "mixtral"):
+        folder = matrix[row][1]
+        config = ModelConfig.from_hf(read_config(folder))
+        sd = dict(load_weights(folder)[1])
+        assert any("q_norm" in k for k in sd) == (row == "qwen3moe")
+        if row == "qwen3moe":
+            sd.pop("model.layers.1.self_attn.q_norm.weight")
+            with pytest.raises(ModelLoadError, match="model.layers.1.self_attn.q_norm.weight"):
+                build_model(config, sd, "fp32")
+        else:
+            assert all(ly.qk_norm is None for ly in build_model(config, sd, "fp32").layers)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvcache.models.gguf_names import has_experts
+
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
                "gemma3": "gemma3_text", "phi3": "phi3"}
 
@@ -71,7 +73,7 @@ def hf_config_from_meta(arch: str, meta: dict[str, Any], n_vocab: int | None, te
                     "moe_intermediate_size": int(get("expert_feed_forward_length", 0)),
                     # llama.cpp's qwen3moe always renormalises the chosen experts' weights
                     "norm_topk_prob": True, "mlp_only_layers": [], "decoder_sparse_step": 1})
-    if arch == "llama" and int(get("expert_count", 0) or 0) > 0:  # Mixtral, as llama.cpp's converter writes it
+    if has_experts(arch, meta):  # Mixtral, as llama.cpp's converter writes it
         cfg.update({"model_type": "mixtral", "num_local_experts": int(get("expert_count")),
                     "num_experts_per_tok": int(get("expert_used_count")),
                     "moe_intermediate_size": int(get("feed_forward_length"))})

@@ -59,8 +59,10 @@ class MoeSpec:
         try:  # transformers 5 writes num_experts as num_local_experts
             n = int(raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"])
             k = int(raw["num_experts_per_tok"])
-            size = int(raw.get("moe_intermediate_size") or raw["intermediate_size"] if mixtral
-                       else raw["moe_intermediate_size"])
+            if mixtral:
+                size = int(raw.get("moe_intermediate_size") or raw["intermediate_size"])
+            else:
+                size = int(raw["moe_intermediate_size"])
         except KeyError as e:
             raise UnsupportedArchitecture(f"{mt}: config.json lacks {e.args[0]!r}") from None
         if not 1 <= k <= n or size < 1:

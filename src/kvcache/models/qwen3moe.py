@@ -47,8 +47,8 @@ class Qwen3MoeLayer(nn.Module):
         self.qkv_b = pack_bias(qkv_b, self.qkv)
         self.o = projection([sd[f"{a}.o_proj.weight"]], None, weights)  # [k, Hq D, H / k]
         self.o_b = pack_bias(sd.get(f"{a}.o_proj.bias"), self.o)
-        self.qk_norm = None  # Mixtral
-        if cfg.qk_norm or f"{a}.q_norm.weight" in sd:
+        self.qk_norm = None  # Mixtral's attention has none; Qwen3-MoE's requires it (KeyError names it)
+        if cfg.model_type != "mixtral":
             q_w, k_w = sd[f"{a}.q_norm.weight"].float(), sd[f"{a}.k_norm.weight"].float()  # [D] each
             self.qk_norm = frozen(torch.cat((q_w.expand(hq, d), k_w.expand(hkv, d))))  # [Hq + Hkv, D]
         self.post_norm = frozen(sd[f"{p}.post_attention_layernorm.weight"])  # [H]
