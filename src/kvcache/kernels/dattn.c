@@ -145,13 +145,16 @@ static AttnHalf attn_at(char *buf, int N, int H, int QKV, int HD, int post, floa
  * q|k|v rows (p->qkv) and the pool layer (p->kv), c the attention's plan over them. */
 static void attn_in_region(const AttnHalf *a, const Prep *p, const CAttn *c, float *x, int64_t ldx, int *bad) {
     const int N = a->N, HD = a->wo.K;
+    const QProj o = qproj1(&a->wo);
+    Scratch sx = a->sx, so = a->so; /* the activation orders the projections take */
+    sx.need = proj_acts(&a->wqkv), so.need = proj_acts(&o);
 #pragma omp for schedule(static)
-    for (int r = 0; r < N; r++) act_row(&a->sx, r, a->H, x, ldx, a->g_in, a->eps);
-    mm_proj(&a->wqkv, N, &a->sx, a->qkv_b, a->eps >= 0.f ? a->sx.inv : NULL, p->qkv, a->wqkv.out, 0);
+    for (int r = 0; r < N; r++) act_row(&sx, r, a->H, x, ldx, a->g_in, a->eps);
+    mm_proj(&a->wqkv, N, &sx, a->qkv_b, a->eps >= 0.f ? sx.inv : NULL, p->qkv, a->wqkv.out, 0);
     attend_in_region(p, c, bad);
 #pragma omp for schedule(static)
-    for (int r = 0; r < N; r++) act_row(&a->so, r, HD, a->att, HD, NULL, -1.f);
-    mm_residual(&a->wo, N, &a->so, a->o_b, x, ldx, a->y, a->post_w, a->post_eps);
+    for (int r = 0; r < N; r++) act_row(&so, r, HD, a->att, HD, NULL, -1.f);
+    mm_residual(&a->wo, N, &so, a->o_b, x, ldx, a->y, a->post_w, a->post_eps);
 }
 
 /* The attention half of a layer with quantized weights (see the top of the file), N rows:

@@ -30,7 +30,10 @@
  * signed bytes q - offset (TDPBSSD): the sums are the VNNI tile's, which takes offset * the
  * activations' sum back (integer sums are exact). The C tiles are stored; block b + 1's sums are
  * taken before block b's float steps, which each row's accumulators take in qtile512.h's order with
- * the same intrinsics; a pass ends in mm_store, every kernel's tail. The tile configuration is
+ * the same intrinsics; a pass ends in mm_store, every kernel's tail. The K-quant formats take their
+ * own order (qgemm.c): the A tiles hold the activations rounded per 256 inputs, each block's sums
+ * are multiplied by the file's integer scales into one int32 sum a super-block, and only the
+ * super-block's two float steps remain (amx_ks_pass). The tile configuration is
  * loaded at the start of every call and released at its end: a thread's tile state is never
  * assumed.
  *
@@ -286,10 +289,13 @@ static ALWAYS void amx_unpack(const int HI, const int OFS, const uint8_t *wb, ui
     }
 }
 
-typedef struct { /* a pass's activations from its first row on (Scratch's arrays) */
+typedef struct { /* a pass's activations from its first row on (Scratch's arrays; q: the K-quant order's
+                  kq for its formats) */
     const int8_t *q;
     const float *da, *sa;
     int K, nb;
+    const float *dk;
+    const int16_t *k32;
 } Rows;
 
 /* The integer sums of block b for the np rows of a pass (np a multiple of 16) into C [NS][MAXR][NCOL]:
@@ -397,6 +403,59 @@ static ALWAYS AMX_TARGET void amx_pass(const int NIB, const int HI, const int SG
     }
 }
 
+/* The K-quant order (qgemm.c) for the np rows of a pass: each block's integer sums from the tile
+ * unit (Q6_KS unpacked as q - 32, signed, so a sum is qtile512.h's with its offset taken back), times
+ * the file's integer scales into one int32 sum a super-block (S), then qtile512.h's two float steps
+ * (ks_close, the same instructions). */
+static ALWAYS AMX_TARGET void amx_ks_pass(const int HI, const int KS, const int NG, int np, Rows a, const uint8_t *w,
+                                          int64_t gq, const uint8_t *dv, int64_t gs, float acc[MAXR][NCOL]) {
+    const int NS = KS == 2 ? 2 : 1, OFS = KS == 2 ? 32 : 0, nsb = a.nb / 8;
+    uint8_t buf[2][512] __attribute__((aligned(64)));
+    int32_t C[4][MAXR][NCOL] __attribute__((aligned(64)));
+    int32_t S[MAXR][NCOL] __attribute__((aligned(64)));
+    for (int r = 0; r < np; r++)
+        for (int c = 0; c < NCOL; c++) acc[r][c] = 0.f;
+    const uint8_t *b0, *b1;
+    amx_weights(1, HI, OFS, NG, w, gq, 0, buf, &b0, &b1);
+    amx_sums(OFS, NS, NG, np, a, 0, b0, b1, C);
+    for (int b = 0; b < a.nb; b++) {
+        if (b + 1 < a.nb) {
+            amx_weights(1, HI, OFS, NG, w, gq, b + 1, buf, &b0, &b1);
+            amx_sums(OFS, NS, NG, np, a, b + 1, b0, b1, C + NS * ((b + 1) & 1));
+        }
+        int32_t(*Cb)[MAXR][NCOL] = C + NS * (b & 1);
+        const int j = b & 7, sb = b >> 3;
+        __m512i sc[2][2];
+#pragma GCC unroll 2
+        for (int g = 0; g < NG; g++)
+#pragma GCC unroll 2
+            for (int h = 0; h < NS; h++) sc[g][h] = ks_scales16(KS, dv + g * gs + (int64_t)sb * KVQ_KSB, j, h);
+        for (int r = 0; r < np; r++)
+#pragma GCC unroll 2
+            for (int g = 0; g < NG; g++) {
+                __m512i t = j ? _mm512_loadu_si512(&S[r][KVQ_NC * g]) : _mm512_setzero_si512();
+#pragma GCC unroll 2
+                for (int h = 0; h < NS; h++)
+                    t = _mm512_add_epi32(t, _mm512_mullo_epi32(_mm512_loadu_si512(&Cb[h][r][KVQ_NC * g]), sc[g][h]));
+                _mm512_storeu_si512(&S[r][KVQ_NC * g], t);
+            }
+        MEMBAR(Cb); /* block b's sums read before the tiles store block b + 2's over them */
+        if (j < 7) continue;
+#pragma GCC unroll 2
+        for (int g = 0; g < NG; g++) {
+            const uint8_t *sp = dv + g * gs + (int64_t)sb * KVQ_KSB;
+            __m512i mp[4];
+            if (KS == 1)
+                for (int p = 0; p < 4; p++) mp[p] = ks_min_pair(sp, p);
+            for (int r = 0; r < np; r++) {
+                const __m512 v = ks_close(KS, _mm512_loadu_ps(&acc[r][KVQ_NC * g]), _mm512_loadu_si512(&S[r][KVQ_NC * g]),
+                                          sp, a.dk[(int64_t)r * nsb + sb], a.k32 + (int64_t)r * a.nb + 8 * sb, mp);
+                _mm512_storeu_ps(&acc[r][KVQ_NC * g], v);
+            }
+        }
+    }
+}
+
 typedef void (*PassFn)(int ng, int np, Rows a, const uint8_t *w, int64_t gq, const void *dv, const void *mv,
                        int64_t gs, float acc[MAXR][NCOL]);
 #define PASS_FN(name, NIB, HI, SGN, F16, NS, OFS) \
@@ -419,9 +478,19 @@ PASS_FN(p_q5_f16, 1, 1, 0, 1, 1, 0)
 PASS_FN(p_q5_f32, 1, 1, 0, 0, 1, 0)
 PASS_FN(p_q4o_f16, 1, 0, 0, 1, 1, 8)
 PASS_FN(p_q5o_f16, 1, 1, 0, 1, 1, 16)
-PASS_FN(p_q4_ks, 1, 0, 0, 2, 1, 0)
-PASS_FN(p_q5_ks, 1, 1, 0, 2, 1, 0)
-PASS_FN(p_q6_ks, 1, 2, 0, 3, 2, 32)
+/* the K-quant formats: their own order (above) */
+#define KS_PASS_FN(name, HI, KS) \
+    static AMX_TARGET void name(int ng, int np, Rows a, const uint8_t *w, int64_t gq, const void *dv, \
+                                const void *mv, int64_t gs, float acc[MAXR][NCOL]) { \
+        (void)mv; \
+        if (ng == 2) \
+            amx_ks_pass(HI, KS, 2, np, a, w, gq, (const uint8_t *)dv, gs, acc); \
+        else \
+            amx_ks_pass(HI, KS, 1, np, a, w, gq, (const uint8_t *)dv, gs, acc); \
+    }
+KS_PASS_FN(p_q4_ks, 0, 1)
+KS_PASS_FN(p_q5_ks, 1, 1)
+KS_PASS_FN(p_q6_ks, 2, 2)
 static const PassFn PASSES[KVQ_NFMT] = {p_q4_f16, p_q4_f32, p_s8_f16, p_s8_f32_16, p_u8_f16, p_u8_f32, p_u8_f32_16,
                                         p_q5_f16, p_q5_f32, p_q4o_f16, p_q5o_f16, p_q4_ks, p_q5_ks, p_q6_ks};
 static const char *const FMT_NAMES[KVQ_NFMT] = {"q4_f16", "q4_f32", "s8_f16", "s8_f32_16", "u8_f16",
@@ -442,7 +511,8 @@ static __attribute__((noinline)) AMX_TARGET void amx_run(const QW *wt, int t, in
     T_CFG(&CFG[KVQ_NS[fmt] - 1]);
     for (int p = r0; p < r0 + n; p += MAXR) {
         const int np = r0 + n - p < MAXR ? r0 + n - p : MAXR;
-        const Rows a = {s->q + (int64_t)p * K, s->da + (int64_t)p * nb, s->sa + (int64_t)p * 3 * nb, K, nb};
+        const Rows a = {(KVQ_KS[fmt] ? s->kq : s->q) + (int64_t)p * K, s->da + (int64_t)p * nb,
+                        s->sa + (int64_t)p * 3 * nb, K, nb, s->dk + (int64_t)p * (nb / 8), s->k32 + (int64_t)p * nb};
         PASSES[fmt](ng, np, a, w, gq, dv, mv, gs, acc);
         mm_store(np, cols, acc[0], NCOL, rscale ? rscale + p : NULL, bias ? bias + c0 : NULL,
                  y + (int64_t)p * ldy + c0, ldy, accumulate);

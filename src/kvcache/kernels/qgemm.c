@@ -3,9 +3,10 @@
  *
  * act_row quantizes a row of activations per block of 32 to int8 (scale amax / 127) and keeps the
  * integer sums of each 16-half (for offset and signed weights) and their scaled sums (for
- * minimums); with a norm weight it multiplies the input by it first, and it gives 1 / rms(x) so
- * that an RMSNorm before the projection is folded in: the products are scale-free per block, and
- * the row scale multiplies the result.
+ * minimums); for K-quant weights (Q4_K, Q5_K, Q6_K) it quantizes per super-block of 256 instead
+ * (their order: see "the K-quant formats' order" below); with a norm weight it multiplies the
+ * input by it first, and it gives 1 / rms(x) so that an RMSNorm before the projection is folded
+ * in: the products are scale-free per block, and the row scale multiplies the result.
  *
  * The product: work items are groups of 16 output columns; a tile of up to RT rows unpacks one
  * block of a group's integer weights into registers (one 32-bit lane per column, 4 inputs in it:
@@ -78,8 +79,30 @@ const char *kv_q_isa(void) {
 static inline vec vsel(ivec m, vec a, vec b) { return (vec)(((ivec)a & m) | ((ivec)b & ~m)); }
 static inline vec vabs(vec a) { return (vec)((ivec)a & 0x7fffffff); }
 
-/* Row r of x: inv[r] = 1 / rms (eps >= 0) or 1; the int8 activations of (x * g) per block of 32,
- * each value rounded to the nearest step (halves away from zero), with their sums. */
+/* x * id rounded to the nearest integer (halves away from zero) within -127 .. 127, lane by lane. */
+static inline ivec round_step(vec x, float id) {
+    const vec t = x * id;
+    const vec half = (vec)(((ivec)t & (int32_t)0x80000000) | (ivec)((vec){0} + 0.5f));
+    ivec qi = __builtin_convertvector(t + half, ivec); /* |t| <= 127 by construction */
+    qi = (qi & (qi <= 127)) | (127 & ~(qi <= 127));
+    return (qi & (qi >= -127)) | (-127 & ~(qi >= -127));
+}
+
+/* The largest |v| of n vectors (lanes), as a float. */
+static inline float amax_of(const vec *v, int n) {
+    vec m = {0};
+    for (int j = 0; j < n; j++) {
+        const vec a = vabs(v[j]);
+        m = vsel(a > m, a, m);
+    }
+    float amax = 0.f;
+    for (int l = 0; l < VL; l++) amax = m[l] > amax ? m[l] : amax;
+    return amax;
+}
+
+/* Row r of x: inv[r] = 1 / rms (eps >= 0) or 1; the int8 activations of (x * g) in the orders sc->need
+ * asks for: per block of 32 and per super-block of 256 (one step each, amax / 127), each value
+ * rounded to the nearest step (halves away from zero), with their integer sums. */
 KV_HIDDEN void act_row(const Scratch *sc, int r, int K, const float *x, int64_t ldx, const float *g, float eps) {
     const int nb = K / 32, nv = 32 / VL;
     const float *xr = x + (int64_t)r * ldx;
@@ -88,38 +111,53 @@ KV_HIDDEN void act_row(const Scratch *sc, int r, int K, const float *x, int64_t 
     } else {
         sc->inv[r] = 1.f;
     }
-    for (int b = 0; b < nb; b++) {
-        vec v[32 / VL], m = {0};
-        for (int j = 0; j < nv; j++) {
-            v[j] = *(const vec *)(xr + 32 * b + VL * j);
-            if (g) v[j] *= *(const vec *)(g + 32 * b + VL * j);
-            const vec a = vabs(v[j]);
-            m = vsel(a > m, a, m);
-        }
-        float amax = 0.f;
-        for (int l = 0; l < VL; l++) amax = m[l] > amax ? m[l] : amax;
-        const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-        int s[2] = {0, 0};
-        int8_t *qb = sc->q + (int64_t)r * K + 32 * b;
-        for (int j = 0; j < nv; j++) {
-            const vec t = v[j] * id;
-            const vec half = (vec)(((ivec)t & (int32_t)0x80000000) | (ivec)((vec){0} + 0.5f));
-            ivec qi = __builtin_convertvector(t + half, ivec); /* |t| <= 127 by construction */
-            qi = (qi & (qi <= 127)) | (127 & ~(qi <= 127));
-            qi = (qi & (qi >= -127)) | (-127 & ~(qi >= -127));
-            for (int l = 0; l < VL; l++) {
-                qb[VL * j + l] = (int8_t)qi[l];
-                s[(VL * j + l) >> 4] += qi[l];
+    if (sc->need & ACT_BLOCK)
+        for (int b = 0; b < nb; b++) {
+            vec v[32 / VL];
+            for (int j = 0; j < nv; j++) {
+                v[j] = *(const vec *)(xr + 32 * b + VL * j);
+                if (g) v[j] *= *(const vec *)(g + 32 * b + VL * j);
             }
+            const float amax = amax_of(v, nv), d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+            int s[2] = {0, 0};
+            int8_t *qb = sc->q + (int64_t)r * K + 32 * b;
+            for (int j = 0; j < nv; j++) {
+                const ivec qi = round_step(v[j], id);
+                for (int l = 0; l < VL; l++) {
+                    qb[VL * j + l] = (int8_t)qi[l];
+                    s[(VL * j + l) >> 4] += qi[l];
+                }
+            }
+            const int64_t at = (int64_t)r * nb + b;
+            sc->da[at] = d;
+            sc->sa[3 * at] = d * (float)(s[0] + s[1]);
+            sc->sa[3 * at + 1] = d * (float)s[0];
+            sc->sa[3 * at + 2] = d * (float)s[1];
+            sc->is[2 * at] = s[0];
+            sc->is[2 * at + 1] = s[1];
         }
-        const int64_t at = (int64_t)r * nb + b;
-        sc->da[at] = d;
-        sc->sa[3 * at] = d * (float)(s[0] + s[1]);
-        sc->sa[3 * at + 1] = d * (float)s[0];
-        sc->sa[3 * at + 2] = d * (float)s[1];
-        sc->is[2 * at] = s[0];
-        sc->is[2 * at + 1] = s[1];
-    }
+    if (sc->need & ACT_SUPER)
+        for (int sb = 0; sb < K / 256; sb++) {
+            vec v[256 / VL];
+            for (int j = 0; j < 256 / VL; j++) {
+                v[j] = *(const vec *)(xr + 256 * sb + VL * j);
+                if (g) v[j] *= *(const vec *)(g + 256 * sb + VL * j);
+            }
+            const float amax = amax_of(v, 256 / VL), id = amax > 0.f ? 127.f / amax : 0.f;
+            int s[16] = {0};
+            int8_t *qb = sc->kq + (int64_t)r * K + 256 * sb;
+            for (int j = 0; j < 256 / VL; j++) {
+                const ivec qi = round_step(v[j], id);
+                for (int l = 0; l < VL; l++) {
+                    qb[VL * j + l] = (int8_t)qi[l];
+                    s[(VL * j + l) >> 4] += qi[l];
+                }
+            }
+            sc->dk[(int64_t)r * (K / 256) + sb] = amax / 127.f;
+            int16_t *k16 = sc->k16 + (int64_t)r * (K / 16) + 16 * sb, *k32 = sc->k32 + (int64_t)r * nb + 8 * sb;
+            for (int i = 0; i < 16; i++) k16[i] = (int16_t)s[i];
+            for (int i = 0; i < 8; i++) k32[i] = (int16_t)(s[2 * i] + s[2 * i + 1]);
+        }
 }
 
 /* -- one group of 16 columns x up to RT rows ----------------------------------------------------- */
@@ -128,7 +166,18 @@ typedef struct { /* the activations of a tile's first row (Scratch's arrays from
     const float *da, *sa;
     const int32_t *is;
     int K, nb;
+    const int8_t *kq; /* the super-block order (K-quant weights) */
+    const float *dk;
+    const int16_t *k16, *k32;
 } Acts;
+
+/* Row r's activations from a tile's (Acts a of its first row). */
+static inline Acts acts_row(Acts a, int r) {
+    const Acts o = {a.q + (int64_t)r * a.K, a.da + (int64_t)r * a.nb, a.sa + (int64_t)r * 3 * a.nb,
+                    a.is + (int64_t)r * 2 * a.nb, a.K, a.nb, a.kq + (int64_t)r * a.K,
+                    a.dk + (int64_t)r * (a.nb / 8), a.k16 + (int64_t)r * 2 * a.nb, a.k32 + (int64_t)r * a.nb};
+    return o;
+}
 
 /* Scale kinds (the F16 parameter below): 0 fp32, 1 fp16, 2 the file's K-quant integers with
  * minimums (Q4_K, Q5_K), 3 its signed scales per 16 (Q6_K) (qformat.h).
@@ -160,6 +209,27 @@ static inline int32_t word(const int8_t *p) { /* four activations as one 32-bit 
     int32_t v;
     memcpy(&v, p, 4);
     return v;
+}
+
+static inline int32_t word16(const int16_t *p) { /* two 16-bit sums as one 32-bit lane */
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* -- the K-quant formats' order: one float step per super-block ---------------------------------
+ * Q4_KS, Q5_KS and Q6_KS (qformat.h) take the activations per super-block of 256 inputs (Scratch's
+ * kq, dk, k16, k32: one step dk, llama.cpp's order for its K-quants) and compute each output (row,
+ * column) of a super-block as two integers, exact in int32:
+ *   S = sum over the sub-blocks h (8 of 32 inputs; Q6_KS 16 of 16) of sc_h * (sum q a - OFS * sum a)
+ *   M = sum over the blocks j of mn_j * (sum of a over block j)      (Q4_KS, Q5_KS only)
+ * (sc, mn the file's six-bit scales and minimums, Q6_K's signed eight-bit scales; OFS 32 for Q6_KS,
+ * else 0; |S| < 2^29), then two float steps: acc = fma(dk * d, (float) S, acc) and, with minimums,
+ * acc = fma(-(dk * dmin), (float) M, acc), d and dmin the column's fp16 super-block scales. Every
+ * variant computes those integers, in whatever order (they are exact), and those float steps, so
+ * the bits agree; a row's result is the same in any tile. */
+static inline int ks_scale(const uint8_t *sp, int KS, int j, int h, int c) {
+    return KS == 2 ? (int)(int8_t)sp[32 * j + 16 * h + c] : (int)sp[32 * j + c];
 }
 
 #if ISA == 3
@@ -207,6 +277,54 @@ static inline __attribute__((always_inline)) void group(const int NIB, const int
                         v = fmaf(mw[1], sa[2], v);
                     }
                 }
+                out[r][c] = v;
+            }
+        }
+    }
+}
+
+/* The K-quant order (above) for 16 columns x nr rows in plain C. */
+static inline __attribute__((always_inline)) void ks_group(const int HI, const int KS, int nr, Acts a,
+                                                           const uint8_t *w, const uint8_t *dv,
+                                                           float out[RT][NGMAX * KVQ_NC]) {
+    const int qb = 256 + 64 * HI, NS = KS == 2 ? 2 : 1, ofs = KS == 2 ? 32 : 0, nsb = a.nb / 8, len = 32 / NS;
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *sp = dv + (int64_t)sb * KVQ_KSB;
+        for (int c = 0; c < KVQ_NC; c++) {
+            int32_t S[RT] = {0}, M[RT] = {0};
+            for (int j = 0; j < 8; j++) {
+                const int64_t b = 8 * sb + j;
+                int wq[32];
+                for (int k = 0; k < 32; k++) {
+                    int high, pos = kvq_pos(1, c, k, &high);
+                    const uint8_t byte = w[b * qb + pos];
+                    wq[k] = high ? byte >> 4 : byte & 15;
+                    if (HI == 2) {
+                        int sh, hp = kvq_six_pos(c, k, &sh);
+                        wq[k] |= ((w[b * qb + hp] >> sh) & 3) << 4;
+                    } else if (HI) {
+                        int bit, hp = kvq_high_pos(c, k, &bit);
+                        wq[k] |= ((w[b * qb + hp] >> bit) & 1) << 4;
+                    }
+                }
+                for (int r = 0; r < nr; r++) {
+                    const Acts ar = acts_row(a, r);
+                    for (int h = 0; h < NS; h++) {
+                        int32_t t = -ofs * ar.k16[2 * b + h];
+                        for (int k = len * h; k < len * (h + 1); k++) t += wq[k] * ar.kq[32 * b + k];
+                        S[r] += ks_scale(sp, KS, j, h, c) * t;
+                    }
+                    if (KS == 1) M[r] += (int32_t)sp[32 * j + 16 + c] * ar.k32[b];
+                }
+            }
+            uint16_t hd, hm;
+            memcpy(&hd, sp + 256 + 2 * c, 2);
+            memcpy(&hm, sp + 288 + 2 * c, 2);
+            const float d = kvq_h2f(hd), dmin = kvq_h2f(hm);
+            for (int r = 0; r < nr; r++) {
+                const float da = a.dk[(int64_t)r * nsb + sb];
+                float v = fmaf(da * d, (float)S[r], sb ? out[r][c] : 0.f);
+                if (KS == 1) v = fmaf(-(da * dmin), (float)M[r], v);
                 out[r][c] = v;
             }
         }
@@ -262,61 +380,44 @@ GROUP_FN(g_q5_f16, 1, 1, 0, 1, 1, 0)
 GROUP_FN(g_q5_f32, 1, 1, 0, 0, 1, 0)
 GROUP_FN(g_q4o_f16, 1, 0, 0, 1, 1, 8)
 GROUP_FN(g_q5o_f16, 1, 1, 0, 1, 1, 16)
-GROUP_FN(g_q4_ks, 1, 0, 0, 2, 1, 0)
-GROUP_FN(g_q5_ks, 1, 1, 0, 2, 1, 0)
-GROUP_FN(g_q6_ks, 1, 2, 0, 3, 2, 32)
-GROUP_FN(g_q6_f32, 1, 2, 0, 0, 2, 32) /* Q6_KS with its scales expanded to fp32 (below) */
+/* The K-quant formats: their own order (above). */
+#if ISA == 3
+#define KS_FN(name, HI, KS) \
+    static void name(int ng, int nr, Acts a, const uint8_t *w, int64_t gq, const void *dv, const void *mv, \
+                     int64_t gs, float out[RT][NGMAX * KVQ_NC]) { \
+        (void)mv; \
+        if (nr <= 2) /* a decode, or two rows: each as a decode, a group's weights read again from cache */ \
+            for (int g = 0; g < ng; g++) \
+                for (int r = 0; r < nr; r++) \
+                    ks_row1(HI, KS, acts_row(a, r), w + g * gq, (const uint8_t *)dv + g * gs, out[r] + KVQ_NC * g); \
+        else if (ng == 2 && nr == RT) \
+            ks_tile(HI, KS, 2, RT, a, w, gq, (const uint8_t *)dv, gs, out); \
+        else if (ng == 2) \
+            ks_tile(HI, KS, 2, nr, a, w, gq, (const uint8_t *)dv, gs, out); \
+        else \
+            ks_tile(HI, KS, 1, nr, a, w, gq, (const uint8_t *)dv, gs, out); \
+    }
+#else
+#define KS_FN(name, HI, KS) \
+    static void name(int ng, int nr, Acts a, const uint8_t *w, int64_t gq, const void *dv, const void *mv, \
+                     int64_t gs, float out[RT][NGMAX * KVQ_NC]) { \
+        (void)ng, (void)gq, (void)gs, (void)mv; /* one group a tile */ \
+        if (nr == 1) \
+            ks_group(HI, KS, 1, a, w, (const uint8_t *)dv, out); \
+        else if (nr == RT) \
+            ks_group(HI, KS, RT, a, w, (const uint8_t *)dv, out); \
+        else \
+            ks_group(HI, KS, nr, a, w, (const uint8_t *)dv, out); \
+    }
+#endif
+KS_FN(g_q4_ks, 0, 1)
+KS_FN(g_q5_ks, 1, 1)
+KS_FN(g_q6_ks, 2, 2)
 typedef void (*GroupFn)(int, int, Acts, const uint8_t *, int64_t, const void *, const void *, int64_t,
                         float[RT][NGMAX * KVQ_NC]);
 static const GroupFn GROUPS[KVQ_NFMT] = {g_q4_f16, g_q4_f32, g_s8_f16, g_s8_f32_16, g_u8_f16, g_u8_f32, g_u8_f32_16,
                                          g_q5_f16, g_q5_f32, g_q4o_f16, g_q5o_f16, g_q4_ks, g_q5_ks,
                                          g_q6_ks};
-
-#if ISA >= 1
-/* The K-quant formats' scales of ng groups as fp32 (d, and m for Q4_KS, Q5_KS: [ng, nb, NS, 16],
- * the layout of the fp32-scale formats), computed once for all the rows of a call instead of in
- * every tile: the file's integer scale times its fp16 d (and dmin), exact in fp32, so the products
- * are the same bits as with the scales computed in place (as a decode's single row does).
- * kd, km hold ng * nb * NS * 16 floats. */
-static void expand_ks(int fmt, int ng, int nb, const uint8_t *dv, int64_t gs, float *kd, float *km) {
-    const int NS = KVQ_NS[fmt];
-    for (int g = 0; g < ng; g++) {
-        const uint8_t *dg = dv + g * gs;
-        float *dd = kd + (int64_t)g * nb * NS * KVQ_NC, *mm = km + (int64_t)g * nb * KVQ_NC;
-        for (int sb = 0; sb < nb / 8; sb++) {
-            const uint8_t *sp = dg + (int64_t)sb * KVQ_KSB;
-            float D[KVQ_NC], M[KVQ_NC];
-            _mm256_storeu_ps(D, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 256))));
-            _mm256_storeu_ps(D + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 272))));
-            _mm256_storeu_ps(M, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 288))));
-            _mm256_storeu_ps(M + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 304))));
-            for (int j = 0; j < 8; j++) {
-                const uint8_t *sj = sp + 32 * j;
-                const int64_t b = 8 * sb + j;
-                for (int i = 0; i < 2 * KVQ_NC; i += 8) { /* 8 scales at a time: the file's bytes, then d */
-                    const __m128i v = _mm_loadl_epi64((const __m128i *)(sj + i));
-                    const int c = i % KVQ_NC;
-                    if (NS == 2) {
-                        _mm256_storeu_ps(dd + b * 2 * KVQ_NC + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)),
-                                                                               _mm256_loadu_ps(D + c)));
-                    } else if (i < KVQ_NC) {
-                        _mm256_storeu_ps(dd + b * KVQ_NC + c, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)),
-                                                                           _mm256_loadu_ps(D + c)));
-                    } else {
-                        _mm256_storeu_ps(mm + b * KVQ_NC + c,
-                                         _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)),
-                                                                                          _mm256_loadu_ps(M + c))));
-                    }
-                }
-            }
-        }
-    }
-}
-
-static void tl_keep(int k, void *p);
-static __thread float *tl_ks; /* a worker thread's expanded scales, kept (grown) from call to call */
-static __thread size_t tl_ks_n;
-#endif
 
 /* nr rows of cols products (res, rows ldr apart) into y: y (+)= res * rscale + bias, each element's
  * steps in this order (every product kernel ends here, so they round alike). */
@@ -343,30 +444,12 @@ KV_HIDDEN void mm_group(const QW *wt, int t, int r0, int r1, const Scratch *s, c
     const int c0 = KVQ_NC * g, cols = wt->out - c0 < KVQ_NC * ng ? wt->out - c0 : KVQ_NC * ng;
     r0 += amx_group(wt, t, r0, r1, s, bias, rscale, y, ldy, accumulate);
     if (r0 >= r1) return;
-    GroupFn fn = GROUPS[wt->fmt];
-    int64_t gstep = gs;
-#if ISA >= 1
-    if (KVQ_KS[wt->fmt] && r1 - r0 > 1) { /* several rows: each tile would compute the scales again */
-        const int NS = KVQ_NS[wt->fmt];
-        const size_t need = (size_t)ng * nb * KVQ_NC * (NS + 1);
-        if (need > tl_ks_n) {
-            float *p = realloc(tl_ks, need * sizeof(float));
-            if (p) tl_ks = p, tl_ks_n = need, tl_keep(1, p);
-        }
-        if (need <= tl_ks_n) {
-            float *kd = tl_ks, *km = tl_ks + (size_t)ng * nb * NS * KVQ_NC;
-            expand_ks(wt->fmt, ng, nb, (const uint8_t *)dv, gs, kd, km);
-            fn = wt->fmt == KVQ_Q4_KS ? g_q4_f32 : wt->fmt == KVQ_Q5_KS ? g_q5_f32 : g_q6_f32;
-            dv = kd, mv = NS == 1 ? km : NULL, gstep = (int64_t)nb * NS * KVQ_NC * sizeof(float);
-        }
-    }
-#endif
+    const GroupFn fn = GROUPS[wt->fmt];
     for (int r = r0; r < r1; r += RT) {
         const int nr = r1 - r < RT ? r1 - r : RT;
         float res[RT][NGMAX * KVQ_NC];
-        const Acts a = {s->q + (int64_t)r * K, s->da + (int64_t)r * nb, s->sa + (int64_t)r * 3 * nb,
-                        s->is + (int64_t)r * 2 * nb, K, nb};
-        fn(ng, nr, a, w, gq, dv, mv, gstep, res);
+        const Acts a0 = {s->q, s->da, s->sa, s->is, K, nb, s->kq, s->dk, s->k16, s->k32};
+        fn(ng, nr, acts_row(a0, r), w, gq, dv, mv, gs, res);
         mm_store(nr, cols, res[0], NGMAX * KVQ_NC, rscale ? rscale + r : NULL, bias ? bias + c0 : NULL,
                  y + (int64_t)r * ldy + c0, ldy, accumulate);
     }
@@ -379,8 +462,10 @@ KV_HIDDEN int qw_valid(const QW *w) {
 }
 
 KV_HIDDEN size_t scratch_bytes(int n, int K) {
-    return (((size_t)n * K + 63) & ~(size_t)63) + (size_t)n * (K / 32) * (4 * sizeof(float) + 2 * sizeof(int32_t)) +
-           (size_t)n * sizeof(float);
+    const size_t q = ((size_t)n * K + 63) & ~(size_t)63, nb = (size_t)n * (K / 32);
+    return 2 * q + nb * (4 * sizeof(float) + 2 * sizeof(int32_t)) + /* both orders' values; the blocks' */
+           (size_t)n * (K / 256) * sizeof(float) + ((size_t)n * (K / 16) + nb) * sizeof(int16_t) + /* super-blocks' */
+           (size_t)n * sizeof(float) + 64;
 }
 
 /* The calling thread's scratch memory, kept from call to call: each chunk of a prefill (tens of MiB
@@ -390,18 +475,15 @@ KV_HIDDEN size_t scratch_bytes(int n, int K) {
  * once. Returns NULL when the memory cannot be had. */
 static __thread char *tl_buf;
 static __thread size_t tl_cap;
-/* keys whose destructor frees a thread's kept memory when the thread ends */
-static pthread_key_t tl_keys[2];
+/* the key whose destructor frees a thread's kept memory when the thread ends */
+static pthread_key_t tl_key;
 static pthread_once_t tl_once = PTHREAD_ONCE_INIT;
-static void tl_make_keys(void) {
-    pthread_key_create(&tl_keys[0], free);
-    pthread_key_create(&tl_keys[1], free);
-}
+static void tl_make_key(void) { pthread_key_create(&tl_key, free); }
 
-/* p as the calling thread's kept memory number k (0: scratch, 1: expanded scales) */
-static void tl_keep(int k, void *p) {
-    pthread_once(&tl_once, tl_make_keys);
-    pthread_setspecific(tl_keys[k], p);
+/* p as the calling thread's kept memory */
+static void tl_keep(void *p) {
+    pthread_once(&tl_once, tl_make_key);
+    pthread_setspecific(tl_key, p);
 }
 
 KV_HIDDEN char *scratch_take(size_t n) {
@@ -410,7 +492,7 @@ KV_HIDDEN char *scratch_take(size_t n) {
         tl_cap = n + n / 8; /* some room: chunk sizes vary from step to step */
         tl_buf = malloc(tl_cap);
         if (tl_buf == NULL) tl_cap = 0;
-        tl_keep(0, tl_buf);
+        tl_keep(tl_buf);
     }
     return tl_buf;
 }
@@ -420,18 +502,29 @@ void kv_scratch_release(void) {
     free(tl_buf);
     tl_buf = NULL;
     tl_cap = 0;
-    tl_keep(0, NULL);
+    tl_keep(NULL);
 }
 
 KV_HIDDEN Scratch scratch_at(char *p, int n, int K) {
     Scratch s;
-    const size_t nb = (size_t)n * (K / 32);
+    const size_t q = ((size_t)n * K + 63) & ~(size_t)63, nb = (size_t)n * (K / 32);
     s.q = (int8_t *)p;
-    s.da = (float *)(p + (((size_t)n * K + 63) & ~(size_t)63));
+    s.kq = (int8_t *)(p + q);
+    s.da = (float *)(p + 2 * q);
     s.sa = s.da + nb;
     s.is = (int32_t *)(s.sa + 3 * nb);
-    s.inv = (float *)(s.is + 2 * nb);
+    s.dk = (float *)(s.is + 2 * nb);
+    s.inv = s.dk + (size_t)n * (K / 256);
+    s.k16 = (int16_t *)(s.inv + n);
+    s.k32 = s.k16 + (size_t)n * (K / 16);
+    s.need = ACT_BLOCK | ACT_SUPER;
     return s;
+}
+
+KV_HIDDEN int proj_acts(const QProj *w) {
+    int need = 0;
+    for (int i = 0; i < w->n; i++) need |= KVQ_KS[w->p[i].fmt] ? ACT_SUPER : ACT_BLOCK;
+    return need;
 }
 
 /* y (+)= (x * g) @ W^T * rscale + bias, where rscale is 1 / rms(x) when eps >= 0 (an RMSNorm whose
@@ -444,7 +537,9 @@ int kv_q_linear(int fmt, int n, int K, int out, const float *x, int64_t ldx, con
     if (n < 1 || !qw_valid(&wt) || ldx < K || ldy < out) return 1;
     char *buf = scratch_take(scratch_bytes(n, K));
     if (buf == NULL) return 4;
-    const Scratch a = scratch_at(buf, n, K);
+    Scratch a = scratch_at(buf, n, K);
+    const QProj p = qproj1(&wt);
+    a.need = proj_acts(&p);
 #pragma omp parallel num_threads(n_threads)
     {
 #pragma omp for schedule(static)
@@ -555,6 +650,8 @@ KV_HIDDEN Mlp mlp_at(char *buf, int n, int H, int I, const QProj *gu, const QW *
     const size_t s1 = scratch_bytes(n, H), s2 = scratch_bytes(n, I);
     Mlp m = {*gu, *dn, n, H, I, act, g_in, eps, gu_b, dn_b, post_w, post_eps, scratch_at(buf, n, H),
              scratch_at(buf + s1, n, I), NULL, NULL};
+    const QProj d = qproj1(dn);
+    m.a.need = proj_acts(gu), m.b.need = proj_acts(&d);
     m.h = (float *)(buf + ((s1 + s2 + 63) & ~(size_t)63));
     m.y = post_w ? m.h + (size_t)n * 2 * I : NULL;
     return m;
@@ -618,6 +715,11 @@ int kv_q_experts_row(int H, int I, const float *x, int k, const int64_t *gu, con
         const QProj g = proj_of(gu + (size_t)j * KVP_N, H), d = proj_of(dn + (size_t)j * KVP_N, I);
         if (d.n != 1 || !mlp_valid(&g, &d.p[0], H, I, act)) return 1;
     }
+    int need = 0; /* the orders every expert's gate_up takes: the row's activations serve them all */
+    for (int j = 0; j < k; j++) {
+        const QProj g = proj_of(gu + (size_t)j * KVP_N, H);
+        need |= proj_acts(&g);
+    }
     const size_t one = mlp_bytes(1, H, I, 0);
     char *buf = scratch_take(one + (size_t)H * sizeof(float) + 64);
     if (buf == NULL) return 4;
@@ -625,8 +727,9 @@ int kv_q_experts_row(int H, int I, const float *x, int k, const int64_t *gu, con
 #pragma omp parallel num_threads(n_threads)
     for (int j = 0; j < k; j++) {
         const QProj g = proj_of(gu + (size_t)j * KVP_N, H), d = proj_of(dn + (size_t)j * KVP_N, I);
-        const Mlp m = mlp_at(buf, 1, H, I, &g, &d.p[0], NULL, -1.f, proj_bias(gu + (size_t)j * KVP_N),
-                             proj_bias(dn + (size_t)j * KVP_N), act, NULL, 0.f);
+        Mlp m = mlp_at(buf, 1, H, I, &g, &d.p[0], NULL, -1.f, proj_bias(gu + (size_t)j * KVP_N),
+                       proj_bias(dn + (size_t)j * KVP_N), act, NULL, 0.f);
+        m.a.need = need;
         if (j == 0) {
 #pragma omp single
             act_row(&m.a, 0, H, x, H, NULL, -1.f);

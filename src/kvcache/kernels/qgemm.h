@@ -25,14 +25,25 @@ typedef struct {
     int off[KV_MAXPARTS];
 } QProj;
 
-typedef struct { /* int8 activations of n rows of K inputs, nb = K / 32 blocks a row: q [n, K] values,
-                  da [n, nb] steps, sa [n, nb, 3] step * (sum of a block's values, of its first 16, of its
-                  last 16), is [n, nb, 2] the integer sums of the two halves, inv [n] row scales */
+typedef struct { /* int8 activations of n rows of K inputs, in two orders, each made only when `need`
+                  asks for it (ACT_BLOCK, ACT_SUPER; scratch_at asks for both):
+                  per block of 32 (nb = K / 32 blocks a row), for every format but the K-quants:
+                  q [n, K] values, da [n, nb] steps, sa [n, nb, 3] step * (sum of a block's values, of its
+                  first 16, of its last 16), is [n, nb, 2] the integer sums of the two halves;
+                  per super-block of 256 (K-quant weights, K a multiple of 256): kq [n, K] values,
+                  dk [n, K / 256] steps, k16 [n, K / 16] the integer sums of each 16 values, k32 [n, nb]
+                  of each 32;
+                  inv [n] row scales (either order) */
     int8_t *q;
     float *da, *sa;
     int32_t *is;
+    int8_t *kq;
+    float *dk;
+    int16_t *k16, *k32;
     float *inv;
+    int need;
 } Scratch;
+enum { ACT_BLOCK = 1, ACT_SUPER = 2 };
 
 /* A projection as the fused calls take it from Python, KVP_N int64 fields: its number of parts (1 to
  * KV_MAXPARTS), each part's format, arrays (qs, d, m: addresses) and columns, then its bias
@@ -49,6 +60,8 @@ KV_HIDDEN QProj proj_of(const int64_t *f, int K);
 KV_HIDDEN const float *proj_bias(const int64_t *f);
 KV_HIDDEN size_t scratch_bytes(int n, int K);
 KV_HIDDEN Scratch scratch_at(char *p, int n, int K);
+/* the activation orders (ACT_BLOCK, ACT_SUPER) a projection's parts take */
+KV_HIDDEN int proj_acts(const QProj *w);
 /* the calling thread's scratch memory of at least n bytes, kept for its next call (qgemm.c), or NULL */
 KV_HIDDEN char *scratch_take(size_t n);
 /* row r of x [., K] (times g; 1 / rms into s->inv[r] when eps >= 0) -> row r of s's activations */

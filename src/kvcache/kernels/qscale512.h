@@ -33,4 +33,39 @@ static inline __attribute__((always_inline)) void scales16(const int F16, const 
                   : _mm512_loadu_ps((const float *)mv + at);
 }
 
+/* The K-quant order's steps (qgemm.c), shared in the same way. */
+static inline __attribute__((always_inline)) int32_t ks_pair16(const int16_t *p) { /* two sums as one lane */
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* Column c's integer scales of sub-block h of block j, sixteen columns as int32 lanes. */
+static inline __attribute__((always_inline)) __m512i ks_scales16(const int KS, const uint8_t *sp, int j, int h) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)(sp + 32 * j + 16 * h));
+    return KS == 2 ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
+}
+
+/* The minimums of blocks 2 p and 2 p + 1 as 16-bit pairs, a column a lane (vpdpwssd's layout). */
+static inline __attribute__((always_inline)) __m512i ks_min_pair(const uint8_t *sp, int p) {
+    const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sp + 64 * p + 16)));
+    const __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sp + 64 * p + 48)));
+    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+/* The super-block's two float steps for one row and group: acc (+)= dk d S - dk dmin M. */
+static inline __attribute__((always_inline)) __m512 ks_close(const int KS, __m512 acc, __m512i S, const uint8_t *sp,
+                                                             float dk, const int16_t *k32, const __m512i mp[4]) {
+    const __m512 da = _mm512_set1_ps(dk);
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(da, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + 256)))),
+                          _mm512_cvtepi32_ps(S), acc);
+    if (KS == 1) {
+        __m512i M = _mm512_setzero_si512();
+        for (int p = 0; p < 4; p++) M = _mm512_dpwssd_epi32(M, mp[p], _mm512_set1_epi32(ks_pair16(k32 + 2 * p)));
+        acc = _mm512_fnmadd_ps(_mm512_mul_ps(da, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + 288)))),
+                               _mm512_cvtepi32_ps(M), acc);
+    }
+    return acc;
+}
+
 #endif

@@ -158,3 +158,121 @@ static inline __attribute__((always_inline)) void group(const int NIB, const int
     for (int hf = 0; hf < 2; hf++)
         for (int r = 0; r < nr; r++) _mm256_storeu_ps(out[r] + 8 * hf, acc[hf][r]);
 }
+
+/* -- the K-quant order (qgemm.c) on 8 columns a register: integer sums per block of 32 (16 for
+ * Q6_KS), times the file's integer scales into one int32 sum a super-block, and two float steps a
+ * super-block. */
+
+/* s + the products of n steps (n 4 or 8; weights W[0..n - 1] of values below 2^HIB, activations at
+ * p). AVX2 adds the steps' int16 pair products before widening as far as they cannot overflow: four
+ * steps for 5-bit values (8 products under 31 x 127), two for 6-bit ones. */
+static inline __attribute__((always_inline)) __m256i ks_dot(const int HI, int n, __m256i s, const __m256i *W,
+                                                            const int8_t *p) {
+#if ISA == 2
+    (void)HI;
+    for (int st = 0; st < n; st++) s = _mm256_dpbusd_avx_epi32(s, W[st], _mm256_set1_epi32(word(p + 4 * st)));
+    return s;
+#else
+    const int run = HI == 2 ? 2 : 4;
+    for (int s0 = 0; s0 < n; s0 += run) {
+        __m256i t = _mm256_maddubs_epi16(W[s0], _mm256_set1_epi32(word(p + 4 * s0)));
+        for (int st = s0 + 1; st < s0 + run; st++)
+            t = _mm256_add_epi16(t, _mm256_maddubs_epi16(W[st], _mm256_set1_epi32(word(p + 4 * st))));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(t, _mm256_set1_epi16(1)));
+    }
+    return s;
+#endif
+}
+
+/* Super-block sb of columns 8 hf .. 8 hf + 7 of the group in the K-quant order, for nr rows:
+ * out[r] (+)= its products. */
+static inline __attribute__((always_inline)) void ks_half(const int HI, const int KS, int hf, int sb, int nr, Acts a,
+                                                          const uint8_t *w, const uint8_t *dv,
+                                                          float out[RT][NGMAX * KVQ_NC]) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    const int qb = 256 + 64 * HI, NS = KS == 2 ? 2 : 1, steps = 8 / NS, ofs = KS == 2 ? 32 : 0, nsb = a.nb / 8;
+    const uint8_t *sp = dv + (int64_t)sb * KVQ_KSB;
+    __m256i S[RT];
+#pragma GCC unroll 16
+    for (int r = 0; r < RT; r++) S[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) {
+        const int64_t b = 8 * sb + j;
+        const uint8_t *wb = w + b * qb;
+        if (hf == 0)
+            for (int l = 0; l < qb; l += 64) _mm_prefetch((const char *)(wb + PF + l), _MM_HINT_T0);
+        __m256i W[8];
+        for (int h = 0; h < 4; h++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * h + 32 * hf));
+            W[h] = _mm256_and_si256(v, lo4);
+            W[h + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+        }
+        if (HI == 2) {
+            for (int s = 0; s < 8; s++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 256 + 64 * (s >> 2) + 32 * hf));
+                const int k = s & 3;
+                const __m256i t = k == 2 ? v : k < 2 ? _mm256_slli_epi16(v, 4 - 2 * k) : _mm256_srli_epi16(v, 2 * k - 4);
+                W[s] = _mm256_or_si256(W[s], _mm256_and_si256(t, _mm256_set1_epi8(0x30)));
+            }
+        } else if (HI) {
+            uint64_t hm[8];
+            memcpy(hm, wb + 256, 64);
+            for (int s = 0; s < 8; s++) W[s] = _mm256_or_si256(W[s], fifth_bits((uint32_t)(hm[s] >> (32 * hf))));
+        }
+        _Pragma("GCC unroll 2") for (int h = 0; h < NS; h++) {
+            const __m128i sv = _mm_loadl_epi64((const __m128i *)(sp + 32 * j + 16 * h + 8 * hf));
+            const __m256i sc = KS == 2 ? _mm256_cvtepi8_epi32(sv) : _mm256_cvtepu8_epi32(sv);
+#pragma GCC unroll 16
+            for (int r = 0; r < RT; r++) {
+                if (r < nr) {
+                    const int16_t *k16 = a.k16 + (int64_t)r * 2 * a.nb + 2 * b;
+                    const __m256i s = ks_dot(HI, steps, _mm256_set1_epi32(-ofs * k16[h]), W + steps * h,
+                                             a.kq + (int64_t)r * a.K + 32 * b + 4 * steps * h);
+                    S[r] = _mm256_add_epi32(S[r], _mm256_mullo_epi32(s, sc));
+                }
+            }
+        }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 256 + 16 * hf)));
+    __m256i mp[4];
+    __m256 dm = _mm256_setzero_ps();
+    if (KS == 1) {
+        dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 288 + 16 * hf)));
+        for (int p = 0; p < 4; p++) {
+            const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sp + 64 * p + 16 + 8 * hf)));
+            const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sp + 64 * p + 48 + 8 * hf)));
+            mp[p] = _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16));
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < RT; r++) {
+        if (r < nr) {
+            const __m256 da = _mm256_set1_ps(a.dk[(int64_t)r * nsb + sb]);
+            float *o = out[r] + 8 * hf;
+            __m256 acc = _mm256_fmadd_ps(_mm256_mul_ps(da, d), _mm256_cvtepi32_ps(S[r]), _mm256_loadu_ps(o));
+            if (KS == 1) {
+                const int16_t *k32 = a.k32 + (int64_t)r * a.nb + 8 * sb;
+                __m256i M = _mm256_setzero_si256();
+                for (int p = 0; p < 4; p++) {
+#if ISA == 2
+                    M = _mm256_dpwssd_avx_epi32(M, mp[p], _mm256_set1_epi32(word16(k32 + 2 * p)));
+#else
+                    M = _mm256_add_epi32(M, _mm256_madd_epi16(mp[p], _mm256_set1_epi32(word16(k32 + 2 * p))));
+#endif
+                }
+                acc = _mm256_fnmadd_ps(_mm256_mul_ps(da, dm), _mm256_cvtepi32_ps(M), acc);
+            }
+            _mm256_storeu_ps(o, acc);
+        }
+    }
+}
+
+/* Up to RT rows of one group in the K-quant order: each super-block's two halves in turn (the
+ * second reads the super-block's weights from cache). */
+static inline __attribute__((always_inline)) void ks_group(const int HI, const int KS, int nr, Acts a,
+                                                           const uint8_t *w, const uint8_t *dv,
+                                                           float out[RT][NGMAX * KVQ_NC]) {
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < KVQ_NC; c++) out[r][c] = 0.f;
+    for (int sb = 0; sb < a.nb / 8; sb++)
+        for (int hf = 0; hf < 2; hf++) ks_half(HI, KS, hf, sb, nr, a, w, dv, out);
+}

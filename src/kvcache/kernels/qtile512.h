@@ -204,3 +204,112 @@ static inline __attribute__((always_inline)) void tile(const int NIB, const int 
         if (NG == 2) _mm512_storeu_ps(out[r] + KVQ_NC, acc1[r]);
     }
 }
+
+/* -- the K-quant order (qgemm.c): integer sums per block of 32 (16 for Q6_KS), times the file's
+ * integer scales (vpmulld) into one int32 sum a super-block, the minimums' sum as 16-bit pairs
+ * (vpdpwssd), and two float steps a super-block. */
+
+/* One row (a decode) times one group in the K-quant order: each block's weights unpacked at once,
+ * the integer sums in two chains. */
+static inline __attribute__((always_inline)) void ks_row1(const int HI, const int KS, Acts a, const uint8_t *w,
+                                                          const uint8_t *dv, float *out) {
+    const int qb = 256 + 64 * HI, NS = KS == 2 ? 2 : 1, steps = 8 / NS, ofs = KS == 2 ? 32 : 0;
+    __m512 acc = _mm512_setzero_ps();
+    for (int sb = 0; sb < a.nb / 8; sb++) {
+        const uint8_t *sp = dv + (int64_t)sb * KVQ_KSB;
+        __m512i S = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            const int64_t b = 8 * sb + j;
+            const uint8_t *wb = w + b * qb;
+            for (int l = 0; l < qb; l += 64) _mm_prefetch((const char *)(wb + PF + l), _MM_HINT_T0);
+            __m512i W[8];
+            block_w(1, HI, 0, wb, W);
+            const int8_t *x = a.kq + 32 * b;
+            _Pragma("GCC unroll 2") for (int h = 0; h < NS; h++) {
+                __m512i s0 = _mm512_set1_epi32(-ofs * a.k16[2 * b + h]), s1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int st = 0; st < steps; st += 2) {
+                    const int s = steps * h + st;
+                    s0 = _mm512_dpbusd_epi32(s0, W[s], _mm512_set1_epi32(word(x + 4 * s)));
+                    s1 = _mm512_dpbusd_epi32(s1, W[s + 1], _mm512_set1_epi32(word(x + 4 * s + 4)));
+                }
+                S = _mm512_add_epi32(S, _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), ks_scales16(KS, sp, j, h)));
+            }
+        }
+        __m512i mp[4];
+        if (KS == 1)
+            for (int p = 0; p < 4; p++) mp[p] = ks_min_pair(sp, p);
+        acc = ks_close(KS, acc, S, sp, a.dk[sb], a.k32 + 8 * sb, mp);
+    }
+    _mm512_storeu_ps(out, acc);
+}
+
+/* NG groups x up to RT rows in the K-quant order: the rows step together through each block's
+ * steps, each step's activations broadcast once for every group; a super-block's int32 sums stay
+ * in registers, the float sums in out between super-blocks. */
+static inline __attribute__((always_inline)) void ks_tile(const int HI, const int KS, const int NG, int nr, Acts a,
+                                                          const uint8_t *w, int64_t gq, const uint8_t *dv, int64_t gs,
+                                                          float out[RT][NGMAX * KVQ_NC]) {
+    const int qb = 256 + 64 * HI, NS = KS == 2 ? 2 : 1, steps = 8 / NS, ofs = KS == 2 ? 32 : 0, nsb = a.nb / 8;
+    for (int r = 0; r < nr; r++)
+        for (int g = 0; g < NG; g++) _mm512_storeu_ps(out[r] + KVQ_NC * g, _mm512_setzero_ps());
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *sp0 = dv + (int64_t)sb * KVQ_KSB, *sp1 = sp0 + gs;
+        __m512i S0[RT], S1[RT];
+#pragma GCC unroll 16
+        for (int r = 0; r < RT; r++) S0[r] = S1[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            const int64_t b = 8 * sb + j;
+            const uint8_t *wb0 = w + b * qb, *wb1 = wb0 + gq;
+            for (int l = 0; l < qb; l += 64) {
+                _mm_prefetch((const char *)(wb0 + PF + l), _MM_HINT_T0);
+                if (NG == 2) _mm_prefetch((const char *)(wb1 + PF + l), _MM_HINT_T0);
+            }
+            _Pragma("GCC unroll 2") for (int h = 0; h < NS; h++) {
+                __m512i s0[RT], s1[RT];
+#pragma GCC unroll 16
+                for (int r = 0; r < RT; r++)
+                    if (r < nr) s0[r] = s1[r] = _mm512_set1_epi32(-ofs * a.k16[(int64_t)r * 2 * a.nb + 2 * b + h]);
+#pragma GCC unroll 8
+                for (int st = 0; st < steps; st++) {
+                    const int s = steps * h + st;
+                    const __m512i W0 = step_w(1, HI, 0, wb0, s);
+                    const __m512i W1 = NG == 2 ? step_w(1, HI, 0, wb1, s) : W0;
+#pragma GCC unroll 16
+                    for (int r = 0; r < RT; r++) {
+                        if (r < nr) {
+                            const __m512i x = _mm512_set1_epi32(word(a.kq + (int64_t)r * a.K + 32 * b + 4 * s));
+                            s0[r] = _mm512_dpbusd_epi32(s0[r], W0, x);
+                            if (NG == 2) s1[r] = _mm512_dpbusd_epi32(s1[r], W1, x);
+                        }
+                    }
+                }
+                const __m512i c0 = ks_scales16(KS, sp0, j, h), c1 = NG == 2 ? ks_scales16(KS, sp1, j, h) : c0;
+#pragma GCC unroll 16
+                for (int r = 0; r < RT; r++) {
+                    if (r < nr) {
+                        S0[r] = _mm512_add_epi32(S0[r], _mm512_mullo_epi32(s0[r], c0));
+                        if (NG == 2) S1[r] = _mm512_add_epi32(S1[r], _mm512_mullo_epi32(s1[r], c1));
+                    }
+                }
+            }
+        }
+        __m512i mp0[4], mp1[4];
+        if (KS == 1)
+            for (int p = 0; p < 4; p++) {
+                mp0[p] = ks_min_pair(sp0, p);
+                if (NG == 2) mp1[p] = ks_min_pair(sp1, p);
+            }
+#pragma GCC unroll 16
+        for (int r = 0; r < RT; r++) {
+            if (r < nr) {
+                const float dk = a.dk[(int64_t)r * nsb + sb];
+                const int16_t *k32 = a.k32 + (int64_t)r * a.nb + 8 * sb;
+                _mm512_storeu_ps(out[r], ks_close(KS, _mm512_loadu_ps(out[r]), S0[r], sp0, dk, k32, mp0));
+                if (NG == 2)
+                    _mm512_storeu_ps(out[r] + KVQ_NC,
+                                     ks_close(KS, _mm512_loadu_ps(out[r] + KVQ_NC), S1[r], sp1, dk, k32, mp1));
+            }
+        }
+    }
+}
