@@ -90,7 +90,7 @@ def test_prompt_longer_than_context(smollm):
 def test_serve_refuses_bad_settings_before_loading():
     assert_one_line_error(run_cli("serve", "--port", "70000"), "--port must be between 1 and 65535")
     assert_one_line_error(run_cli("serve", "--max-batch-tokens", "0"), "max_batch_tokens")
-    assert_one_line_error(run_cli("serve", "--document-step-work", "0"), "--document-step-work must be at least 1")
+    assert_one_line_error(run_cli("serve", "--document-step-work", "-1"), "--document-step-work must be 0 (never capped) or more")
     assert_one_line_error(run_cli("serve", "--kv", "static,bogus=1"), "unknown --kv option")
 
 

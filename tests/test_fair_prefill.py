@@ -6,6 +6,8 @@ nobody's tokens change (greedy text equal to the text alone, token for token).""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvcache import LLM, SamplingParams
@@ -212,12 +214,15 @@ def test_a_long_prompts_chunks_shrink_with_depth_and_its_text_is_unchanged(tiny_
     tiny_llm.check_integrity()
 
 
-def test_a_documents_share_of_a_step_is_capped_and_short_prompts_still_go_whole(tiny_llm):
+def test_a_documents_share_of_a_step_is_capped_while_shared_and_short_prompts_still_go_whole(tiny_llm, monkeypatch):
     """With ``document_work``, a prompt longer than the step's budget feeds at most that much work
-    a step (fewer tokens as it goes deeper); a short prompt beside it still goes in whole; the
-    text is the text without the cap."""
+    a step (fewer tokens as it goes deeper) while another request is in flight or was less than
+    ``SHARED_S`` ago; alone, it takes whole steps. A short prompt beside it still goes in whole;
+    the text is the text without the cap."""
+    from kvcache.engine import scheduler as scheduler_mod
     from kvcache.engine.step_work import token_work
 
+    monkeypatch.setattr(scheduler_mod, "SHARED_S", 0.5)
     work = token_work(tiny_llm.runner.config)
     outs = {}
     for cap in (None, 8):
@@ -230,20 +235,22 @@ def test_a_documents_share_of_a_step_is_capped_and_short_prompts_still_go_whole(
             return len(long.samples[0].seq.tokens) if long.samples and long.samples[0].seq is not None else 0
 
         fed = []
-        for step in range(6):
-            if step == 3:
+        for step in range(8):
+            if step == 2:
                 short = Request("short", [7, 8, 9, 10, 11, 12], SamplingParams(max_tokens=2, ignore_eos=True))
                 sched.add(short)
+            if step == 7:
+                time.sleep(0.6)  # the short request is long gone: the document is alone again
             before = depth()
             sched.step()
             fed.append((before, depth() - before))
-            if step == 3:
+            if step == 2:
                 assert short.samples[0].tokens  # the short prompt whole, in the step after it came
+        assert fed[0][1] == 32 and fed[1][1] > 8  # alone: whole steps
         if cap is not None:
-            assert all(n * work(d) <= cap + work(d) for d, n in fed) and any(n for _, n in fed)
-            assert max(n for _, n in fed) <= cap
-        else:
-            assert fed[0][1] == 32
+            assert short.finished and all(n * work(d) <= cap + work(d) for d, n in fed[2:7]), fed
+            assert 0 < max(n for _, n in fed[2:7]) <= cap  # capped beside it and for a while after it
+        assert fed[7][1] > 8, fed  # alone again: whole steps
         while sched.has_work:
             sched.step()
         outs[cap] = long.output().token_ids

@@ -117,7 +117,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
                    help="serve: kvcache serve's --max-batch-tokens (default: the server's, 256)")
     b.add_argument("--document-step-work", type=int, default=None, metavar="N",
-                   help="serve --mixed: kvcache serve's --document-step-work (default: the server's, none)")
+                   help="serve --mixed: kvcache serve's --document-step-work (default: the server's, 32; 0: never capped)")
     b.add_argument("--threads", type=int, default=None, help="torch threads for every system")
     b.add_argument("--quick", action="store_true",
                    help="a short run: decode 16 tokens, 1 repeat, prefill 512, depth 512; context 256,1024 with 16 tokens, 1 repeat, "

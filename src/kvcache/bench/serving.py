@@ -162,11 +162,11 @@ def system_server(args: argparse.Namespace, name: str, threads: int, slots: int,
 
 def check_budget(args: argparse.Namespace) -> None:
     """``--max-batch-tokens`` and ``--document-step-work`` (kvcache serve's), refused before any
-    server starts when below 1."""
+    server starts when below 1 (below 0: 0 never caps a document)."""
     if getattr(args, "max_batch_tokens", None) is not None and args.max_batch_tokens < 1:
         raise InvalidParams(f"--max-batch-tokens must be at least 1, got {args.max_batch_tokens}")
-    if getattr(args, "document_step_work", None) is not None and args.document_step_work < 1:
-        raise InvalidParams(f"--document-step-work must be at least 1, got {args.document_step_work}")
+    if getattr(args, "document_step_work", None) is not None and args.document_step_work < 0:
+        raise InvalidParams(f"--document-step-work must be 0 (never capped) or more, got {args.document_step_work}")
 
 
 def serve_peers(args: argparse.Namespace) -> list[str]:

@@ -133,7 +133,10 @@ def run(args: argparse.Namespace) -> int:
                     level.note = f"{level.errors} request(s) failed"
         results.append(level.summary())
     budget = getattr(args, "max_batch_tokens", None) or 256
+    from kvcache.server.cli import DOCUMENT_STEP_WORK
+
     doc_work = getattr(args, "document_step_work", None)
+    doc_work = DOCUMENT_STEP_WORK if doc_work is None else doc_work  # the server's default
     _print(results, long_tokens, short, new, clients, threads, budget, doc_work)
     if args.json:
         meta = run_meta(long_tokens=long_tokens, short_tokens=short, new_tokens=new, clients=clients,
@@ -147,7 +150,7 @@ def _print(results: list[dict[str, object]], long_tokens: int, short: int, new: 
            threads: int, budget: int, doc_work: int | None = None) -> None:
     print(f"\nserve --mixed: short chats of about {short} tokens ({new} out) alone, then from {clients} client(s) "
           f"while a {long_tokens}-token document is prefilled; greedy, streamed, {threads} threads; "
-          f"kvcache --max-batch-tokens {budget}" + (f" --document-step-work {doc_work}" if doc_work else ""))
+          f"kvcache --max-batch-tokens {budget} --document-step-work {doc_work}")
     print(f"{'system':<14} {'short TTFT alone p50/max s':>27} {'beside p50/max s':>17} {'n':>4} {'ratio':>6} "
           f"{'doc TTFT s':>10} {'doc total s':>11}  note")
     for r in results:

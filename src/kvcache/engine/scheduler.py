@@ -30,9 +30,10 @@ Every ``step`` runs one model forward over a batch of sequences of different len
    not tokens (``step_work``): a prompt token at depth ``p`` costs its attention over ``p`` keys
    besides its weights, so a step deep in a document is about as long as one at its start, and
    the step a newcomer waits for is short too. ``document_work`` (serve --document-step-work)
-   caps what a prompt longer than a whole step takes of any step, so that even the steps that
-   carry only a document are short: a newcomer's wait for the step already running shrinks with
-   it, and the document pays in steps. Under the priority policy each priority level shares what
+   caps what a prompt longer than a whole step takes of any step while the engine is shared
+   (another request running or waiting, or gone less than ``SHARED_S`` ago), so that even the
+   steps that carry only a document are short: a newcomer's wait for the step already running
+   shrinks with it, and the document pays in steps; a document alone takes whole steps. Under the priority policy each priority level shares what
    the higher levels leave. Chunking never changes a sequence's
    bits (batch invariance): how the budget is split decides when tokens come, never which;
 3. the step's pages are asked of the cache's page manager (``runner.reserve``) before the forward
@@ -93,6 +94,9 @@ class Item:
 
 
 SPEC_MAX_DECODES = 8  # with this many decodes in a step, no sample speculates (see _plan)
+# a document's steps stay capped (document_work) this long after the engine last held another
+# request: chats come one after another, and the next one should not wait behind a whole step
+SHARED_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -105,9 +109,11 @@ class SchedulerConfig:
     # costs its attention too), so a step deep in a document is as short as one at its start;
     # False: tokens (a single run that prefills its whole prompt in one forward)
     count_work: bool = True
-    # work a prompt longer than max_batch_tokens (a document) may take of a step: steps that carry
-    # only a document stay this short, so a newcomer waits less for the step already running, at
-    # the price of the document's own speed (None: the whole budget; serve --document-step-work)
+    # work a prompt longer than max_batch_tokens (a document) may take of a step while the engine is
+    # shared (another request running or waiting, now or within the last SHARED_S seconds): steps
+    # that carry only a document stay this short, so a newcomer waits less for the step already
+    # running, at the price of the document's own speed; alone, a document takes whole steps (None:
+    # never capped; serve --document-step-work, whose default is 32)
     document_work: int | None = None
 
     def __post_init__(self) -> None:
@@ -136,6 +142,7 @@ class Scheduler:
         self.steps = 0
         self._held_back = False  # a preemption happened: admit nothing more until a request ends
         self._sat_out = False  # the last step left out the prompts longer than a whole step (_plan)
+        self._shared_at = float("-inf")  # when the engine last had more than one request (_plan)
         self._work = token_work(runner.config) if self.config.count_work else (lambda position: 1.0)
 
     # -- requests --------------------------------------------------------------------------------
@@ -407,6 +414,8 @@ class Scheduler:
         already reads each weight once for many tokens, and verifying proposals would only add
         work."""
         budget = self.config.max_batch_tokens
+        if len(self.running) > 1 or self.waiting:
+            self._shared_at = time.monotonic()
         batch: list[Item] = []
         decodes = [(req, s) for req in self.running for s in req.samples
                    if s.reason is None and s.tokens and len(s.feed) == 1 + s.draft]
@@ -442,7 +451,7 @@ class Scheduler:
             group = [(req, s) for req, s in prefills if level is None or req.priority == level]
             cost = [self._work(len(s.seq.tokens) if s.seq is not None else 0) for _, s in group]
             shares = fair_shares([len(s.feed) for _, s in group], budget, cost)
-            cap = self.config.document_work
+            cap = self.config.document_work if time.monotonic() - self._shared_at < SHARED_S else None
             for (req, s), n, c in zip(group, shares, cost):
                 if cap is not None and len(s.feed) > self.config.max_batch_tokens:  # a document: its own cap
                     n = min(n, max(1, int(cap / c)))
@@ -539,7 +548,8 @@ class Scheduler:
         rows = [Row(req.params, x.gen, len(x.tokens), x.counts, x.seen, m) for req, group in groups
                 for x, _, m in group]
         at = [r for _, group in groups for _, r, _ in group]
-        return list(choose(logits[at], rows, masks, tuple(self.eos)))
+        picked = logits if at == list(range(logits.shape[0])) else logits[at]  # every row in order: no copy
+        return list(choose(picked, rows, masks, tuple(self.eos)))
 
     def _fork(self, req: Request, s: Sample) -> list[Sample]:
         """``s`` and, when its prompt is now in and ``n`` > 1, its new twins."""

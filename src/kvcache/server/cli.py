@@ -15,6 +15,8 @@ from kvcache.server.replicas_cli import add_replica_args
 from kvcache.server.response_store import add_store_args, store_limits
 
 SERVE_BUDGET = "50%"  # a dynamic pool's budget when --kv-budget is not given: half the RAM
+# --document-step-work's default: work a document may take of a step while other requests are about
+DOCUMENT_STEP_WORK = 32
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,10 +40,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-batch-tokens", type=int, default=256,
                    help="work per forward, in prompt tokens at depth 0: decodes first, then prompt chunks "
                         "(a token deep in a long prompt counts its attention too; default 256)")
-    s.add_argument("--document-step-work", type=int, default=None, metavar="N",
-                   help="the most work a prompt longer than --max-batch-tokens takes of a step, in tokens at "
-                        "depth 0: steps that carry only a long document stay short, so a request that arrives "
-                        "meanwhile waits less, and the document itself goes slower (default: the whole budget)")
+    s.add_argument("--document-step-work", type=int, default=DOCUMENT_STEP_WORK, metavar="N",
+                   help="the most work a prompt longer than --max-batch-tokens takes of a step while other "
+                        "requests are in flight or came in the last 5 s, in tokens at depth 0: steps that carry "
+                        "a long document stay short, so a request that arrives meanwhile waits less, and the "
+                        "document goes slower; alone, a document takes whole steps (default 32; 0: never capped)")
     s.add_argument("--max-running", type=int, default=32, help="requests served at once (default 32)")
     s.add_argument("--prompt-lookup", type=int, default=0, metavar="K",
                    help="speculative decoding for every request that allows it: up to K tokens proposed per "
@@ -73,6 +76,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=cmd_serve)
 
 
+def document_work(n: int) -> int | None:
+    """serve --document-step-work as SchedulerConfig takes it: 0 is None (never capped)."""
+    if n < 0:
+        raise InvalidParams(f"--document-step-work must be 0 (never capped) or more, got {n}")
+    return n or None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise InvalidParams(f"--port must be between 1 and 65535, got {args.port}")
@@ -82,7 +92,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     sched = SchedulerConfig(max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                             policy=args.policy, prompt_lookup=args.prompt_lookup,
-                            document_work=args.document_step_work)  # refused before the model loads
+                            document_work=document_work(args.document_step_work))  # refused before the model loads
     from kvcache.server.intake import Limits
 
     limits = Limits(max_request_bytes=args.max_request_bytes, max_prompts=args.max_prompts,
