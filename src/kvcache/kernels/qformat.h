@@ -19,9 +19,10 @@
  * instead: per super-block of 256 inputs (8 blocks) 320 bytes, for block j (0..7) 16 six-bit scales
  * (bytes 32 j ..) and 16 six-bit minimums (bytes 32 j + 16 ..) as bytes, then 16 fp16 super-block
  * scales d (bytes 256 ..) and 16 fp16 dmin (bytes 288 ..), a column each; the weight is
- * d * sc * q - dmin * mn, both products exact in fp32. Q6_KS (GGUF's Q6_K) holds six-bit values
- * offset by 32 and, per block j, 32 signed eight-bit scales (bytes 32 j + 16 h + c: sub-block h of 16
- * inputs) with one fp16 d per column (bytes 256 ..; bytes 288 .. 319 unused): d * sc * (q - 32).
+ * d * sc * q - dmin * mn, both products exact in fp32. Q6_KS (GGUF's Q6_K, and Q3_K: its values
+ * -4 .. 3 and six-bit scales less 32 fit) holds six-bit values offset by 32 and, per block j, 32
+ * signed eight-bit scales (bytes 32 j + 16 h + c: sub-block h of 16 inputs) with one fp16 d per
+ * column (bytes 256 ..; bytes 288 .. 319 unused): d * sc * (q - 32).
  * m is absent.
  * so that weight (c, k) = d * q + m (unsigned), d * q (signed) or d * (q - OFFSET) (offset formats:
  * GGUF's Q4_0 and Q5_0, whose minimum is -8 d or -16 d, kept without storing it), with the scale
@@ -54,7 +55,7 @@ enum {
     KVQ_Q5O_F16 = 10, /* nibbles + fifth bits offset by 16: fp16 d per 32, minimum -16 d implied (Q5_0) */
     KVQ_Q4_KS = 11,  /* nibbles, the file's six-bit scales and minimums with fp16 d, dmin per 256 (Q4_K) */
     KVQ_Q5_KS = 12,  /* nibbles + fifth bits, the same scales (Q5_K, or Q4_K beside it) */
-    KVQ_Q6_KS = 13,  /* nibbles + bits 4 and 5 offset by 32, the file's eight-bit scales per 16, fp16 d (Q6_K) */
+    KVQ_Q6_KS = 13,  /* nibbles + bits 4 and 5 offset by 32, the file's eight-bit scales per 16, fp16 d (Q6_K, Q3_K) */
     KVQ_NFMT = 14
 };
 

@@ -160,7 +160,7 @@ static void decode_block(int gtype, const uint8_t *b, int *q, float *d, float *m
 }
 
 static int holds(int gtype, int fmt) {
-    if (KVQ_KS[fmt] == 2) return gtype == 14; /* the file's own scales */
+    if (KVQ_KS[fmt] == 2) return gtype == 14 || gtype == 11; /* the file's own scales (Q3_K's as Q6_K's) */
     if (KVQ_KS[fmt]) return gtype == 12 || (KVQ_HIGH[fmt] && gtype == 13);
     int nib = gtype == 2 || gtype == 3 || gtype == 12, sgn = gtype == 8 || gtype == 11 || gtype == 14;
     int five = gtype == 6 || gtype == 7 || gtype == 13;
@@ -202,7 +202,7 @@ int kv_q_repack(int gtype, int fmt, int rows, int K, const uint8_t *src, int64_t
             decode_block(gtype, src + r * src_stride + (int64_t)blk * bbytes, q, dd, mm, &sub);
             for (int e = 0; e < bs; e++) {
                 const int k = blk * bs + e, b = k >> 5, kk = k & 31;
-                int v = q[e] + (KVQ_KS[fmt] == 2 ? KVQ_OFFSET[fmt] : 0); /* Q6_K decodes to q - 32 */
+                int v = q[e] + (KVQ_KS[fmt] == 2 ? KVQ_OFFSET[fmt] : 0); /* Q6_K decodes to q - 32, Q3_K to -4 .. 3 */
                 const int vmax = nib ? (16 << KVQ_HIGH[fmt]) - 1 : 31;
                 if (KVQ_SIGNED[fmt] ? (v < -128 || v > 127) : (v < 0 || v > vmax)) return 3;
                 int high, pos = kvq_pos(nib, c, kk, &high);
@@ -222,6 +222,15 @@ int kv_q_repack(int gtype, int fmt, int rows, int K, const uint8_t *src, int64_t
             if (KVQ_KS[fmt]) { /* the super-block's scales as the file holds them (qformat.h) */
                 const uint8_t *sb = src + r * src_stride + (int64_t)blk * bbytes;
                 uint8_t *dst_s = (uint8_t *)d + (g * (nb / 8) + blk) * KVQ_KSB;
+                if (KVQ_KS[fmt] == 2 && gtype == 11) { /* Q3_K: six-bit scales less 32 at 96, d at 108 */
+                    const uint8_t *s3 = sb + 96;
+                    for (int j = 0; j < 16; j++) {
+                        const int lo = j < 8 ? s3[j] & 0xF : s3[j - 8] >> 4, hi = (s3[8 + (j & 3)] >> (2 * (j >> 2))) & 3;
+                        dst_s[32 * (j >> 1) + 16 * (j & 1) + c] = (uint8_t)(int8_t)((lo | hi << 4) - 32);
+                    }
+                    memcpy(dst_s + 256 + 2 * c, sb + 108, 2);
+                    continue;
+                }
                 if (KVQ_KS[fmt] == 2) { /* Q6_K: scales[16] int8 at 192, d at 208 */
                     for (int j = 0; j < 16; j++) dst_s[32 * (j >> 1) + 16 * (j & 1) + c] = sb[192 + j];
                     memcpy(dst_s + 256 + 2 * c, sb + 208, 2);

@@ -2,10 +2,11 @@
 
 A ``QWeight`` is an nn.Linear-oriented weight [out, K] in one of the repacked formats of
 kernels/qformat.h: integer values, interleaved 16 output rows at a time, with a scale (and for
-unsigned formats a minimum) per block of 32 inputs (16 for Q6_K-like types); Q4_K, Q5_K and Q6_K
-keep the file's integer scales beside its fp16 super-block scales instead. It stands for exactly
-the numbers the file holds; only the activations are rounded (to int8 per block of 32) when it
-multiplies them. ``in_scale`` is a norm weight folded in: it multiplies the input, because it
+unsigned formats a minimum) per block of 32 inputs (16 for Q6_K-like types); Q4_K, Q5_K, Q6_K and
+Q3_K (as Q6_K: its 3-bit values and six-bit scales fit Q6_K's) keep the file's integer scales
+beside its fp16 super-block scales instead. It stands for exactly the numbers the file holds; only
+the activations are rounded when it multiplies them (to int8 per block of 32; per super-block of
+256 for the K-quant formats). ``in_scale`` is a norm weight folded in: it multiplies the input, because it
 cannot be folded into the quantized values the way fp32 weights take it.
 
 A ``QStack`` is a fused projection whose parts could not share a format (Gemma 3's q and k are
@@ -45,7 +46,7 @@ GROUP = 16  # output rows interleaved together (KVQ_NC)
 # GGUF (ggml) type ids -> the format that holds them most compactly
 GGML = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
         "Q6_K": 14}
-FORMAT_OF = {2: Q4O_F16, 3: Q4_F16, 6: Q5O_F16, 7: Q5_F16, 8: S8_F16, 10: U8_F32_16, 11: S8_F32_16, 12: Q4_KS,
+FORMAT_OF = {2: Q4O_F16, 3: Q4_F16, 6: Q5O_F16, 7: Q5_F16, 8: S8_F16, 10: U8_F32_16, 11: Q6_KS, 12: Q4_KS,
              13: Q5_KS, 14: Q6_KS}
 # the same values with fp32 scales, beside other types
 _KS_FALLBACK = {Q4_KS: Q4_F32, Q5_KS: Q5_F32, Q6_KS: S8_F32_16}
