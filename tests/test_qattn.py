@@ -40,8 +40,19 @@ SPECS = ["int8,page_size=32,group_size=16,residual=16", "int4,group_size=32,resi
          "int2,page_size=32,group_size=16,residual=40", "int2,group_size=32,residual=0"]
 
 
+def close_to_float(x: torch.Tensor, y: torch.Tensor, rms: float, worst: float) -> None:
+    """x is y up to a relative error: its root mean square within ``rms`` of y's, no element off by
+    more than ``worst`` of y's largest."""
+    err = x - y
+    assert err.pow(2).mean().sqrt() <= rms * y.pow(2).mean().sqrt(), f"rms error {err.pow(2).mean().sqrt():.3g}"
+    assert err.abs().max() <= worst * y.abs().max(), f"largest error {err.abs().max():.3g}"
+
+
 def kernel_against_torch(spec: str, kernel: str, monkeypatch) -> None:
-    """Every step of run_cache through ``kernels.<kernel>`` (counted) gives the torch path's result."""
+    """Every step of run_cache through ``kernels.<kernel>`` (counted) gives the torch path's result:
+    16-bit pages up to float rounding; quantized ones up to the integer products' rounding (the query
+    times the key scales and the weights times the value scales rounded to 16-bit integers: about
+    1e-4 of the outputs here, where a wrong code, scale or lane is off by its whole size)."""
     calls = []
     real = getattr(kernels, kernel)
 
@@ -55,7 +66,10 @@ def kernel_against_torch(spec: str, kernel: str, monkeypatch) -> None:
     assert calls and all(calls)  # prefill chunks, extends and decodes all went through the kernel
     slow = run_cache(spec, False, monkeypatch)
     for x, y in zip(fast, slow):
-        torch.testing.assert_close(x, y, atol=3e-5, rtol=1e-4)
+        if kernel == "quant_attend":
+            close_to_float(x, y, rms=2e-3, worst=4e-3)
+        else:
+            torch.testing.assert_close(x, y, atol=3e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -145,7 +159,7 @@ def test_rotated_pages_attend_like_the_rotation_undone(bits):
     keys, vals = torch.cat((dense[0], rest[0]), 1), torch.cat((dense[1], rest[1]), 1)
     w = torch.softmax(q.view(hkv, 3, d).double() @ keys.double().transpose(1, 2), -1)
     want = (w @ vals.double()).float().view(1, 6, d)
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    close_to_float(got, want, rms=1e-3, worst=2e-3)
 
 
 def test_float16_scales_are_widened_exactly():
@@ -155,6 +169,7 @@ def test_float16_scales_are_widened_exactly():
     pool = random_pool(4, 16, pages=3)
     parts = pool.parts[0]
     parts["vc"].zero_()
+    parts["vs"].zero_()  # codes * scale is 0 whatever the weights' rounding: the minimums alone
     mins = torch.tensor([6e-8, -3e-5, 2.0**-24 * 1023, 65504.0], dtype=torch.float16)
     parts["vm"].copy_(mins.view(2, 1, 1, 2).expand_as(parts["vm"]))
     rest = torch.randn(2, 2, 1, 32)
@@ -172,9 +187,9 @@ def test_shapes_it_cannot_tile_are_declined():
 
 def test_every_kernel_variant_gives_the_same_bits():
     """qattn takes one written order at every vector width (sixteen lanes, one multiply-add per
-    step, fmaf in the generic build): each variant this CPU runs gives the bits of every other,
-    for a decode and for nine rows, every code width, rotated or not. Variants this CPU cannot
-    run are compiled."""
+    step, fmaf in the generic build; integer sums exact however an instruction set forms them): each
+    variant this CPU runs gives the bits of every other, for a decode and for nine rows, every code
+    width, rotated or not. Variants this CPU cannot run are compiled."""
     import ctypes
 
     from kvcache.kernels import build, signatures
@@ -185,15 +200,19 @@ def test_every_kernel_variant_gives_the_same_bits():
         if build.runnable(v):
             libs[v.name] = signatures.bind(ctypes.CDLL(str(path)), "qattn")
     assert "generic" in libs
-    for bits, group in ((8, 32), (4, 32), (2, 32), (4, 16)):
-        pool = random_pool(bits, group, d=64, seed=bits + group)
+    # groups of 32 with head_dim 64 or 128 take the AVX-512 build's in-place integer products (one
+    # and two slabs of 64 elements), groups of 16 its copied ones; 6 and 2 query heads a KV head
+    # fill a tile of four rows and a half
+    for bits, group, d, g in ((8, 32, 64, 4), (4, 32, 64, 4), (2, 32, 64, 4), (4, 16, 64, 4), (8, 32, 128, 6),
+                              (4, 32, 128, 2), (2, 32, 128, 6), (8, 16, 128, 4), (2, 16, 64, 2)):
+        pool = random_pool(bits, group, d=d, seed=bits + group + d)
         parts, pages = pool.parts[0], torch.tensor([3, 0, 7, 1, 19, 4, 8, 2, 11, 5], dtype=torch.long)
         for t, rotate in ((1, 0), (9, 1)):
-            q, rest = torch.randn(t, 8, 64), torch.randn(2, 2, 300, 64)
+            q, rest = torch.randn(t, 2 * g, d), torch.randn(2, 2, 300, d)
             outs = {}
             for name, lib in libs.items():
-                out = torch.empty(t, 8, 64)
-                rc = lib.kv_quant_attend(2, 4, 64, 32, group, bits, t, q.data_ptr(), pages.data_ptr(), 10,
+                out = torch.empty(t, 2 * g, d)
+                rc = lib.kv_quant_attend(2, g, d, 32, group, bits, t, q.data_ptr(), pages.data_ptr(), 10,
                                          parts["kc"].data_ptr(), parts["ks"].data_ptr(), parts["km"].data_ptr(),
                                          parts["vc"].data_ptr(), parts["vs"].data_ptr(), parts["vm"].data_ptr(),
                                          pool.num_pages, rest[0].data_ptr(), rest[1].data_ptr(), 300, rotate, 0,
@@ -202,7 +221,7 @@ def test_every_kernel_variant_gives_the_same_bits():
                 outs[name] = out
             first = next(iter(outs.values()))
             for name, out in outs.items():
-                assert torch.equal(out, first), f"int{bits} group {group}, {t} rows: {name} differs"
+                assert torch.equal(out, first), f"int{bits} group {group} d {d}, {t} rows: {name} differs"
     for bf16, dtype in ((0, torch.float16), (1, torch.bfloat16)):
         flat, slots = torch.randn(2, 2, 600, 64).to(dtype), torch.randperm(600)[:500].contiguous()
         for t in (1, 9):

@@ -6,13 +6,15 @@
  * up to itself):
  *   - keys go in chunks at fixed places: CH tokens' worth of whole pages of the quantized part
  *     (chunk c holds pages c * CP .. c * CP + CP - 1), then chunks of CH tokens of the rest;
- *   - a chunk's codes are widened to floats in a fixed lane order (unpack16: sixteen lanes, the
- *     same at every vector width); a key group's score lane starts at q . min and takes one
- *     multiply-add per channel, c = 0 .. D-1, of (q * scale)[c] and the code; the rest's keys,
- *     transposed sixteen at a time, start at 0 and take q[c] and the key;
+ *   - a quantized chunk takes integer products (qint.h): per key group and row, q times the group's
+ *     key scales rounded to 16-bit integers, exact sums against the codes taken about their middle,
+ *     one multiply-add to a score; per row and group of value elements, the chunk's softmax weights
+ *     times the tokens' value scales rounded to 16-bit integers, exact sums against the codes, one
+ *     multiply-add; so the instruction set (VNNI's dpwssd, AVX2's pmaddwd, plain C) changes no bit;
+ *   - the rest's keys, transposed sixteen at a time, start at 0 and take q[c] and the key (qrows.h);
  *   - the chunk's maximum m, exp(s - m) by vexp16, their sum l over sixteen lanes (key k in lane
- *     k % 16) reduced by one fixed tree, and the value sum acc, one multiply-add chain per output
- *     element over the chunk's keys in the chunk's order (a value row is code * scale + min);
+ *     k % 16) reduced by one fixed tree; for the rest, the value sum acc, one multiply-add chain
+ *     per output element over the chunk's keys in the chunk's order;
  *   - partials merge in chunk order (merge); with ``rotate`` the quantized chunks saw the query
  *     turned by the normalized Hadamard transform of the pages (cache/rotation.py), so their merged
  *     sum is turned back (fwht) before the rest's chunks join.
@@ -37,6 +39,7 @@
 
 #include "qlanes.h"
 #include "qrows.h"
+#include "qint.h"
 
 typedef struct {
     int hkv, g, D, ps, G, bits, T, n_pages, n_rest, rotate, cp, nq, nr;
@@ -75,167 +78,92 @@ static void scratch_bind(const job_t *j, float *mem, scratch_t *sc) {
     sc->st = sc->kz + (size_t)(n / 16 + 1) * j->D;
 }
 
-/* Quantized chunk c of KV head h widened into the scratch (bits and G constants where inlined). */
-static ALWAYS void prep_quant(const job_t *j, int h, int c, scratch_t *sc, chunk_t *ck, int bits, int G) {
-    const int D = j->D, nb = G * bits / 8, ng = j->ps / G, Dp = D * bits / 8;
+/* Quantized chunk c of KV head h rearranged for the integer products: token t of the chunk is key
+ * group t / G's lane t % G (codes16's order), its value row the page's token kgi * G + tok[L]; bits
+ * and G constants where inlined. */
+static ALWAYS void prep_int(const job_t *j, int h, int c, scratch_t *sc, ichunk_t *ck, int bits, int G) {
+    const int D = j->D, nb = G * bits / 8, ng = j->ps / G, Dp = D * bits / 8, vg = D / G, ps = j->ps;
     const int p0 = c * j->cp, p1 = p0 + j->cp < j->n_pages ? p0 + j->cp : j->n_pages;
-    const int n = (p1 - p0) * j->ps;
+    const int n = (p1 - p0) * ps, fast = FAST512 && G == 32 && D % 64 == 0;
+    const int mid = 1 << (bits - 1);
+    uint32_t *KI = (uint32_t *)sc->KT, *VI = (uint32_t *)sc->V;
+    const uint8_t **vr = (const uint8_t **)sc->KT, **kg = vr + n; /* fast: pointers instead of copies */
+    float *vs = sc->V + (int64_t)n * D / 2, *vz = vs + (int64_t)n * vg;
     int tok[512];
     for (int L = 0; L < G; L++) tok[L] = lane_item(L, bits, G);
     for (int i = 0; i < D; i++) sc->chan[i] = i / G * G + lane_item(i % G, bits, G);
     for (int pi = p0; pi < p1; pi++) {
-        const int64_t page = j->pages[pi], base = (int64_t)h * j->P + page;
-        for (int kgi = 0; kgi < ng; kgi++) {
-            const int t0 = (pi - p0) * j->ps + kgi * G;
-            const uint8_t *codes = j->kc + (base * ng + kgi) * D * nb;
-            halves(j->ks + (base * ng + kgi) * D, D, sc->ks + (int64_t)(t0 / G) * D);
-            halves(j->km + (base * ng + kgi) * D, D, sc->kz + (int64_t)(t0 / G) * D);
-            for (int ch = 0; ch < D; ch++)
-                for (int v = 0; v < G / 16; v++)
-                    *(v16 *)(sc->KT + (int64_t)ch * n + t0 + 16 * v) = unpack16(codes + (int64_t)ch * nb, bits, G, v);
-            for (int L = 0; L < G; L++) {
-                const int64_t row = base * j->ps + kgi * G + tok[L];
-                float s[MAXD / 16], z[MAXD / 16];
-                halves(j->vs + row * (D / G), D / G, s);
-                halves(j->vm + row * (D / G), D / G, z);
-                float *dst = sc->V + (int64_t)(t0 + L) * D;
-                for (int gr = 0; gr < D / G; gr++)
-                    for (int v = 0; v < G / 16; v++)
-                        *(v16 *)(dst + gr * G + 16 * v) = MADD(unpack16(j->vc + row * Dp + gr * nb, bits, G, v), s[gr], (v16){0} + z[gr]);
-            }
-        }
-    }
-    *ck = (chunk_t){n, G, sc->KT, sc->ks, sc->kz, sc->V, sc->chan};
-}
-
-/* Output elements d0 .. d0 + 16 * ns - 1 of rows 0 .. nr-1: the weights st [NR, n] times the value
- * rows of chunk pages p0 .. p1-1 widened in registers (code * scale + min), token after token in the
- * chunk's order; ns constant where inlined (the accumulators stay in registers). */
-static ALWAYS void value_slab(const job_t *j, int h, int p0, int p1, int d0, int ns, const int *tok, const float *st,
-                              int n, int nr, const float *vs, const float *vz, const int *chan, part_t *const *parts,
-                              int bits, int G) {
-    const int D = j->D, nb = G * bits / 8, ng = j->ps / G, Dp = D * bits / 8, vg = D / G, ps = j->ps;
-    v16 acc[NR][SLAB];
-    for (int r = 0; r < NR; r++)
-        for (int v = 0; v < ns; v++) acc[r][v] = (v16){0};
-    const float *w[NR];
-    for (int r = 0; r < NR; r++) w[r] = st + (int64_t)(r < nr ? r : 0) * n;
-    for (int pi = p0; pi < p1; pi++) {
-        const uint8_t *page = j->vc + ((int64_t)h * j->P + j->pages[pi]) * ps * Dp;
-        const float *ps_s = vs + (int64_t)(pi - p0) * ps * vg, *ps_z = vz + (int64_t)(pi - p0) * ps * vg;
-        for (int kgi = 0; kgi < ng; kgi++)
-            for (int L = 0; L < G; L++) {
-                const int t = (pi - p0) * ps + kgi * G + L, in_page = kgi * G + tok[L];
-                const uint8_t *row = page + (int64_t)in_page * Dp;
-                const float *sr = ps_s + (int64_t)in_page * vg, *zr = ps_z + (int64_t)in_page * vg;
-#pragma GCC unroll 4
-                for (int v = 0; v < ns; v++) {
-                    /* d0 is a multiple of 16 * SLAB: where G divides that, the sub-block is a constant */
-                    const int d = d0 + 16 * v, gr = d / G, sub = (16 * SLAB) % G ? d % G / 16 : 16 * v % G / 16;
-                    const v16 x = MADD(unpack16(row + gr * nb, bits, G, sub), sr[gr], (v16){0} + zr[gr]);
-#pragma GCC unroll 4
-                    for (int r = 0; r < NR; r++) acc[r][v] = MADD(w[r][t], x, acc[r][v]);
-                }
-            }
-    }
-    for (int v = 0; v < ns; v++) {
-        v16 a[NR];
-        for (int r = 0; r < NR; r++) a[r] = acc[r][v];
-        store_out(a, nr, d0 + 16 * v, chan, parts);
-    }
-}
-
-/* Rows qr[0 .. nr-1] (nr <= NR: a decode's query heads) against quantized chunk c of KV head h, read
- * straight from the codes: tile()'s arithmetic on the values prep_quant would have widened. */
-static ALWAYS void fused_quant(const job_t *j, int h, int c, const float *const *qr, int nr, scratch_t *sc,
-                               part_t *const *parts, int bits, int G) {
-    const int D = j->D, nb = G * bits / 8, ng = j->ps / G, Dp = D * bits / 8, vg = D / G, ps = j->ps;
-    const int p0 = c * j->cp, p1 = p0 + j->cp < j->n_pages ? p0 + j->cp : j->n_pages;
-    const int n = (p1 - p0) * ps;
-    float qs[NR][MAXD], zt[NR], ks[MAXD], kz[MAXD];
-    float *st = sc->st, *vs = sc->ks, *vz = sc->kz; /* value scales [n, vg] in token order */
-    int tok[512], vis[NR];
-    for (int L = 0; L < G; L++) tok[L] = lane_item(L, bits, G);
-    for (int i = 0; i < D; i++) sc->chan[i] = i / G * G + lane_item(i % G, bits, G);
-    for (int r = 0; r < NR; r++) vis[r] = n;
-    for (int pi = p0; pi < p1; pi++) {
         const int64_t base = (int64_t)h * j->P + j->pages[pi];
-        halves(j->vs + base * ps * vg, ps * vg, vs + (int64_t)(pi - p0) * ps * vg);
-        halves(j->vm + base * ps * vg, ps * vg, vz + (int64_t)(pi - p0) * ps * vg);
         for (int kgi = 0; kgi < ng; kgi++) {
-            const int t0 = (pi - p0) * ps + kgi * G;
+            const int t0 = (pi - p0) * ps + kgi * G, gi = t0 / G;
+            const uint8_t *codes = j->kc + (base * ng + kgi) * D * nb;
+            float *ks = sc->ks + (int64_t)gi * D, *kz = sc->kz + (int64_t)gi * D;
             halves(j->ks + (base * ng + kgi) * D, D, ks);
             halves(j->km + (base * ng + kgi) * D, D, kz);
-            group_terms(qr, nr, D, ks, kz, qs, zt);
-            const uint8_t *codes = j->kc + (base * ng + kgi) * D * nb;
-            for (int v = 0; v < G / 16; v++) {
-                v16 acc[NR];
-                for (int r = 0; r < NR; r++) acc[r] = (v16){0} + zt[r];
-                for (int ch = 0; ch < D; ch++) {
-                    const v16 kv = unpack16(codes + (int64_t)ch * nb, bits, G, v);
-                    for (int r = 0; r < NR; r++) acc[r] = MADD(qs[r][ch], kv, acc[r]);
+            for (int ch = 0; ch < D; ch++) kz[ch] = MADDF((float)mid, ks[ch], kz[ch]); /* the minimum at the middle code */
+            float s[MAXD], z[MAXD]; /* the group's value scales and minimums in page order (G * vg = D) */
+            halves(j->vs + (base * ps + kgi * G) * vg, G * vg, s);
+            halves(j->vm + (base * ps + kgi * G) * vg, G * vg, z);
+#if FAST512
+            if (fast) { /* the codes stay where they are */
+                value_scales512(s, z, tok, vg, n, (float)mid, vs + t0, vz + t0);
+                kg[gi] = codes;
+                for (int L = 0; L < G; L++) vr[t0 + L] = j->vc + (base * ps + kgi * G + tok[L]) * Dp;
+                continue;
+            }
+#endif
+            for (int L = 0; L < G; L++)
+                for (int gr = 0; gr < vg; gr++) {
+                    const int64_t at = (int64_t)gr * n + t0 + L;
+                    vs[at] = s[tok[L] * vg + gr];
+                    vz[at] = MADDF((float)mid, s[tok[L] * vg + gr], z[tok[L] * vg + gr]);
                 }
-                for (int r = 0; r < NR; r++) *(v16 *)(st + (int64_t)r * n + t0 + 16 * v) = acc[r];
+            for (int cp = 0; cp < D / 2; cp++) {
+                const uint8_t *k = codes + (int64_t)2 * cp * nb;
+                for (int v = 0; v < G / 16; v++)
+                    pair16(codes16(k, bits, G, v), codes16(k + nb, bits, G, v), mid,
+                           KI + ((int64_t)gi * (D / 2) + cp) * G + 16 * v);
+            }
+            for (int L = 0; L < G; L += 2) {
+                const uint8_t *r0 = j->vc + (base * ps + kgi * G + tok[L]) * Dp, *r1 = j->vc + (base * ps + kgi * G + tok[L + 1]) * Dp;
+                uint32_t *dst = VI + (int64_t)(t0 + L) / 2 * D;
+                for (int gr = 0; gr < vg; gr++)
+                    for (int v = 0; v < G / 16; v++)
+                        pair16(codes16(r0 + gr * nb, bits, G, v), codes16(r1 + gr * nb, bits, G, v), mid,
+                               dst + gr * G + 16 * v);
             }
         }
     }
-    softmax_rows(st, n, vis, nr, parts);
-    for (int d0 = 0; d0 < D; d0 += 16 * SLAB) {
-        switch ((D - d0) / 16 < SLAB ? (D - d0) / 16 : SLAB) {
-        case 1: value_slab(j, h, p0, p1, d0, 1, tok, st, n, nr, vs, vz, sc->chan, parts, bits, G); break;
-#if SLAB > 1
-        case 2: value_slab(j, h, p0, p1, d0, 2, tok, st, n, nr, vs, vz, sc->chan, parts, bits, G); break;
-        case 3: value_slab(j, h, p0, p1, d0, 3, tok, st, n, nr, vs, vz, sc->chan, parts, bits, G); break;
-        default: value_slab(j, h, p0, p1, d0, SLAB, tok, st, n, nr, vs, vz, sc->chan, parts, bits, G); break;
-#endif
-        }
-    }
+    uint32_t *wd = (uint32_t *)(vz + (int64_t)n * vg);
+    *ck = (ichunk_t){n, G, bits, fast, KI, VI, kg, vr, sc->ks, sc->kz, vs, vz, wd,
+                     (float *)(wd + (int64_t)NR * vg * (n / 2)), sc->chan};
 }
 
 #define PREP(B, GG)                                                                                      \
-    static NOINLINE void prep_##B##_##GG(const job_t *j, int h, int c, scratch_t *sc, chunk_t *ck) {          \
-        prep_quant(j, h, c, sc, ck, B, GG);                                                                 \
-    }                                                                                                       \
-    static NOINLINE void fused_##B##_##GG(const job_t *j, int h, int c, const float *const *qr, int nr,        \
-                                          scratch_t *sc, part_t *const *parts) {                            \
-        fused_quant(j, h, c, qr, nr, sc, parts, B, GG);                                                     \
+    static NOINLINE void prep_##B##_##GG(const job_t *j, int h, int c, scratch_t *sc, ichunk_t *ck) {         \
+        prep_int(j, h, c, sc, ck, B, GG);                                                                   \
     }
 PREP(8, 16) PREP(8, 32) PREP(8, 64) PREP(4, 16) PREP(4, 32) PREP(4, 64) PREP(2, 16) PREP(2, 32) PREP(2, 64)
 
-/* fused_quant for this job's bits and group. */
-static void fused(const job_t *j, int h, int c, const float *const *qr, int nr, scratch_t *sc, part_t *const *parts) {
+/* prep_int for this job's bits and group. */
+static void prep_quant(const job_t *j, int h, int c, scratch_t *sc, ichunk_t *ck) {
     switch (j->bits * 1000 + j->G) {
-    case 8016: fused_8_16(j, h, c, qr, nr, sc, parts); return;
-    case 8032: fused_8_32(j, h, c, qr, nr, sc, parts); return;
-    case 8064: fused_8_64(j, h, c, qr, nr, sc, parts); return;
-    case 4016: fused_4_16(j, h, c, qr, nr, sc, parts); return;
-    case 4032: fused_4_32(j, h, c, qr, nr, sc, parts); return;
-    case 4064: fused_4_64(j, h, c, qr, nr, sc, parts); return;
-    case 2016: fused_2_16(j, h, c, qr, nr, sc, parts); return;
-    case 2032: fused_2_32(j, h, c, qr, nr, sc, parts); return;
-    case 2064: fused_2_64(j, h, c, qr, nr, sc, parts); return;
-    default: fused_quant(j, h, c, qr, nr, sc, parts, j->bits, j->G); return;
+    case 8016: prep_8_16(j, h, c, sc, ck); return;
+    case 8032: prep_8_32(j, h, c, sc, ck); return;
+    case 8064: prep_8_64(j, h, c, sc, ck); return;
+    case 4016: prep_4_16(j, h, c, sc, ck); return;
+    case 4032: prep_4_32(j, h, c, sc, ck); return;
+    case 4064: prep_4_64(j, h, c, sc, ck); return;
+    case 2016: prep_2_16(j, h, c, sc, ck); return;
+    case 2032: prep_2_32(j, h, c, sc, ck); return;
+    case 2064: prep_2_64(j, h, c, sc, ck); return;
+    default: prep_int(j, h, c, sc, ck, j->bits, j->G); return;
     }
 }
 
-/* Chunk c of KV head h: quantized (c < nq: its pages widened into the scratch) or of the rest. */
+/* Chunk c (c >= nq) of KV head h: the fp32 rest, or 16-bit pages. */
 static void prepare(const job_t *j, int h, int c, scratch_t *sc, chunk_t *ck) {
     const int D = j->D;
-    if (c < j->nq) {
-        const int key = j->bits * 1000 + j->G;
-        switch (key) {
-        case 8016: prep_8_16(j, h, c, sc, ck); return;
-        case 8032: prep_8_32(j, h, c, sc, ck); return;
-        case 8064: prep_8_64(j, h, c, sc, ck); return;
-        case 4016: prep_4_16(j, h, c, sc, ck); return;
-        case 4032: prep_4_32(j, h, c, sc, ck); return;
-        case 4064: prep_4_64(j, h, c, sc, ck); return;
-        case 2016: prep_2_16(j, h, c, sc, ck); return;
-        case 2032: prep_2_32(j, h, c, sc, ck); return;
-        case 2064: prep_2_64(j, h, c, sc, ck); return;
-        default: prep_quant(j, h, c, sc, ck, j->bits, j->G); return;
-        }
-    }
     const int r0 = (c - j->nq) * CH, cnt = j->n_rest - r0 < CH ? j->n_rest - r0 : CH, n = (cnt + 15) / 16 * 16;
     const float *V = j->tv + ((int64_t)h * j->n_rest + r0) * D;
     if (j->hk) { /* 16-bit pages: value rows widened into the scratch */
@@ -271,18 +199,27 @@ static const float *row_q(const job_t *j, int h, int c, int r) {
     return q + (((int64_t)(r / j->g) * j->hkv + h) * j->g + r % j->g) * j->D;
 }
 
-/* Rows a .. b-1 of KV head h (row r: new token r / g, query head h * g + r % g) against chunk c;
- * row r's partial goes to parts[r - a]. */
-static void run_rows(const job_t *j, int h, int c, const chunk_t *ck, int a, int b, float *st, part_t *const *parts) {
+/* Rows a .. b-1 of KV head h (row r: new token r / g, query head h * g + r % g) against chunk c,
+ * made ready in the scratch first; row r's partial goes to parts[r - a]. */
+static void run_rows(const job_t *j, int h, int c, scratch_t *sc, int a, int b, part_t *const *parts) {
+    chunk_t ck;
+    ichunk_t ik;
+    if (c < j->nq)
+        prep_quant(j, h, c, sc, &ik);
+    else
+        prepare(j, h, c, sc, &ck);
     for (int r0 = a; r0 < b; r0 += NR) {
         const int nr = b - r0 < NR ? b - r0 : NR;
         const float *qr[NR];
         int vis[NR];
         for (int r = 0; r < nr; r++) {
             qr[r] = row_q(j, h, c, r0 + r);
-            vis[r] = c < j->nq ? ck->n : j->n_rest - j->T + (r0 + r) / j->g + 1 - (c - j->nq) * CH;
+            vis[r] = j->n_rest - j->T + (r0 + r) / j->g + 1 - (c - j->nq) * CH;
         }
-        tile(ck, j->D, qr, vis, nr, st, parts + (r0 - a));
+        if (c < j->nq)
+            tile_int(&ik, j->D, qr, nr, sc->st, parts + (r0 - a));
+        else
+            tile(&ck, j->D, qr, vis, nr, sc->st, parts + (r0 - a));
     }
 }
 
@@ -325,19 +262,11 @@ static int run_split(const job_t *j, int n_threads) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads) reduction(| : bad)
     for (int item = 0; item < j->hkv * nc; item++) {
         scratch_t sc;
-        chunk_t ck;
         if (scratch_get(j, &sc)) { bad = 1; continue; }
         const int h = item / nc, c = item % nc;
         part_t *ps[SPLIT_ROWS];
         for (int r = 0; r < R; r++) ps[r] = part_at(parts, (int64_t)item * R + r, D);
-        if (c < j->nq && R <= NR) { /* a decode: read the codes in place */
-            const float *qr[NR];
-            for (int r = 0; r < R; r++) qr[r] = row_q(j, h, c, r);
-            fused(j, h, c, qr, R, &sc, ps);
-        } else {
-            prepare(j, h, c, &sc, &ck);
-            run_rows(j, h, c, &ck, 0, R, sc.st, ps);
-        }
+        run_rows(j, h, c, &sc, 0, R, ps);
     }
     if (!bad) {
 #pragma omp parallel for num_threads(n_threads)
@@ -366,7 +295,6 @@ static int run_blocks(const job_t *j, int n_threads) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads) reduction(| : bad)
     for (int item = 0; item < j->hkv * nb; item++) {
         scratch_t sc;
-        chunk_t ck;
         if (scratch_get(j, &sc)) { bad = 1; continue; }
         const int h = item / nb, a = item % nb * RB, b = a + RB < R ? a + RB : R;
         float *mem = (float *)malloc(sizeof(float) * (size_t)2 * RB * PART_FLOATS(D));
@@ -381,8 +309,7 @@ static int run_blocks(const job_t *j, int n_threads) {
         for (int c = 0; c < nc; c++) {
             if (c == j->nq)
                 for (int r = 0; r < b - a; r++) unrotate(j, S[r]);
-            prepare(j, h, c, &sc, &ck);
-            run_rows(j, h, c, &ck, a, b, sc.st, p);
+            run_rows(j, h, c, &sc, a, b, p);
             for (int r = 0; r < b - a; r++) merge(D, S[r], p[r]);
         }
         for (int r = 0; r < b - a; r++) {

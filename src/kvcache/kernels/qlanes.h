@@ -77,46 +77,68 @@ static void halves(const uint16_t *h, int n, float *out) {
     for (; i < n; i++) out[i] = half_to_float(h[i]);
 }
 
-/* Sixteen bytes widened to int32 lanes. */
-static ALWAYS i16 widen16(u8x16 raw) {
-#if defined(__AVX512F__)
-    return (i16)_mm512_cvtepu8_epi32((__m128i)raw);
+/* Lanes 16v .. 16v + 15 of a block of G codes of `bits` bits packed in nb = G * bits / 8 bytes (code
+ * j of a byte at bits j * bits ..), as bytes: lane L holds code (L % nb) * (8 / bits) + L / nb. */
+static ALWAYS u8x16 codes16(const uint8_t *src, int bits, int G, int v) {
+    const int nb = G * bits / 8, L0 = 16 * v;
+    const uint64_t m = bits == 8 ? ~0ull : bits == 4 ? 0x0f0f0f0f0f0f0f0full : 0x0303030303030303ull;
+    if (nb >= 16) { /* every lane shifted alike */
+        u64x2 w;
+        memcpy(&w, src + L0 % nb, 16);
+        const int s = L0 / nb * bits;
+        return (u8x16)((w >> s) & m);
+    }
+    if (nb == 8) { /* lanes 0-7 and 8-15: the same eight bytes, two shifts */
+        uint64_t w;
+        memcpy(&w, src, 8);
+        return (u8x16)((u64x2){(w >> (2 * v * bits)) & m, (w >> ((2 * v + 1) * bits)) & m});
+    }
+    uint32_t w; /* nb == 4 (two bits, G = 16): four shifts of four bytes */
+    memcpy(&w, src, 4);
+    const uint32_t m4 = (uint32_t)m;
+    return (u8x16)((u32x4){w & m4, (w >> 2) & m4, (w >> 4) & m4, (w >> 6) & m4});
+}
+
+typedef int16_t s16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+/* Two rows of sixteen codes taken about the middle code mid, paired: 32-bit lane i of out holds
+ * a[i] - mid (low half) and b[i] - mid (high half) as 16-bit integers (two channels of token i for
+ * keys, two tokens of element i for values). */
+static ALWAYS void pair16(u8x16 a, u8x16 b, int mid, uint32_t *out) {
+    const s16x16 x = __builtin_convertvector(a, s16x16) - (int16_t)mid, y = __builtin_convertvector(b, s16x16) - (int16_t)mid;
+    const u32x16 lo = __builtin_convertvector((__builtin_convertvector(x, i16) & 0xffff), u32x16);
+    const u32x16 hi = __builtin_convertvector(__builtin_convertvector(y, i16), u32x16) << 16;
+    const u32x16 r = lo | hi;
+    memcpy(out, &r, 64);
+}
+
+/* acc + the sums of two products per 32-bit lane: the 16-bit halves of a's lanes times the two
+ * halves of b (one pair for every lane). Exact in every variant (callers keep the sums in 32 bits). */
+static ALWAYS i16 dot2(i16 acc, const uint32_t *a, uint32_t b) {
+#if defined(__AVX512VNNI__)
+    return (i16)_mm512_dpwssd_epi32((__m512i)acc, _mm512_loadu_si512(a), _mm512_set1_epi32((int)b));
+#elif defined(__AVXVNNI__)
+    union { __m256i h[2]; i16 v; } u = {.v = acc};
+    const __m256i bb = _mm256_set1_epi32((int)b);
+    u.h[0] = _mm256_dpwssd_avx_epi32(u.h[0], _mm256_loadu_si256((const __m256i *)a), bb);
+    u.h[1] = _mm256_dpwssd_avx_epi32(u.h[1], _mm256_loadu_si256((const __m256i *)(a + 8)), bb);
+    return u.v;
 #elif defined(__AVX2__)
-    union { __m256i h[2]; i16 v; } u;
-    u.h[0] = _mm256_cvtepu8_epi32((__m128i)raw);
-    u.h[1] = _mm256_cvtepu8_epi32(_mm_srli_si128((__m128i)raw, 8));
+    union { __m256i h[2]; i16 v; } u = {.v = acc};
+    const __m256i bb = _mm256_set1_epi32((int)b);
+    for (int k = 0; k < 2; k++)
+        u.h[k] = _mm256_add_epi32(u.h[k], _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(a + 8 * k)), bb));
     return u.v;
 #else
-    i16 x;
-    for (int i = 0; i < 16; i++) x[i] = raw[i];
-    return x;
+    const int32_t b0 = (int16_t)(b & 0xffff), b1 = (int16_t)(b >> 16);
+    for (int i = 0; i < 16; i++) acc[i] += (int16_t)(a[i] & 0xffff) * b0 + (int16_t)(a[i] >> 16) * b1;
+    return acc;
 #endif
 }
 
-/* Lanes 16v .. 16v + 15 of a block of G codes of `bits` bits packed in nb = G * bits / 8 bytes (code
- * j of a byte at bits j * bits ..): lane L holds code (L % nb) * (8 / bits) + L / nb. */
-static ALWAYS v16 unpack16(const uint8_t *src, int bits, int G, int v) {
-    const int nb = G * bits / 8, L0 = 16 * v;
-    u8x16 raw;
-    if (nb >= 16) {
-        memcpy(&raw, src + L0 % nb, 16);
-    } else if (nb == 8) { /* the block repeated: one broadcast, no partial stores to reload */
-        uint64_t w;
-        memcpy(&w, src, 8);
-        raw = (u8x16)((u64x2){w, w});
-    } else {
-        uint32_t w;
-        memcpy(&w, src, 4);
-        raw = (u8x16)((u32x4){w, w, w, w});
-    }
-    i16 x = widen16(raw);
-    if (bits < 8) {
-        i16 sh;
-        for (int i = 0; i < 16; i++) sh[i] = ((L0 + i) / nb) * bits;
-        x = (x >> sh) & ((1 << bits) - 1);
-    }
-    return __builtin_convertvector(x, v16);
-}
+/* x rounded to the nearest integer, ties to even, as a 16-bit integer (|x| <= 32767 by construction). */
+static inline uint16_t round_half(float x) { return (uint16_t)(int16_t)(int32_t)nearbyintf(x); }
 
 /* Sixteen fp16 (bf16 = 0) or bf16 values widened to float, exactly. */
 static ALWAYS v16 wide16(const uint16_t *p, int bf16) {
@@ -139,7 +161,7 @@ static ALWAYS v16 wide16(const uint16_t *p, int bf16) {
 #endif
 }
 
-/* The element of a packed block that lane L holds (unpack16's order). */
+/* The element of a packed block that lane L holds (codes16's order). */
 static int lane_item(int L, int bits, int G) {
     const int nb = G * bits / 8;
     return (L % nb) * (8 / bits) + L / nb;
