@@ -6,15 +6,19 @@
  * up to itself):
  *   - keys go in chunks at fixed places: CH tokens' worth of whole pages of the quantized part
  *     (chunk c holds pages c * CP .. c * CP + CP - 1), then chunks of CH tokens of the rest;
- *   - a quantized chunk takes integer products (qint.h): per key group and row, q times the group's
- *     key scales rounded to 16-bit integers, exact sums against the codes taken about their middle,
+ *   - an int8 chunk takes integer products (qint.h): per key group and row, q times the group's key
+ *     scales rounded to 16-bit integers, exact sums against the codes taken about their middle,
  *     one multiply-add to a score; per row and group of value elements, the chunk's softmax weights
  *     times the tokens' value scales rounded to 16-bit integers, exact sums against the codes, one
  *     multiply-add; so the instruction set (VNNI's dpwssd, AVX2's pmaddwd, plain C) changes no bit;
- *   - the rest's keys, transposed sixteen at a time, start at 0 and take q[c] and the key (qrows.h);
+ *   - an int4 or int2 chunk's codes are widened to floats in a fixed lane order (unpack16: sixteen
+ *     lanes, the same at every vector width); a key group's score lane starts at q . min and takes
+ *     one multiply-add per channel, c = 0 .. D-1, of (q * scale)[c] and the code; the rest's keys,
+ *     transposed sixteen at a time, start at 0 and take q[c] and the key;
  *   - the chunk's maximum m, exp(s - m) by vexp16, their sum l over sixteen lanes (key k in lane
- *     k % 16) reduced by one fixed tree; for the rest, the value sum acc, one multiply-add chain
- *     per output element over the chunk's keys in the chunk's order;
+ *     k % 16) reduced by one fixed tree; but for int8 chunks, the value sum acc, one multiply-add
+ *     chain per output element over the chunk's keys in the chunk's order (a value row is
+ *     code * scale + min);
  *   - partials merge in chunk order (merge); with ``rotate`` the quantized chunks saw the query
  *     turned by the normalized Hadamard transform of the pages (cache/rotation.py), so their merged
  *     sum is turned back (fwht) before the rest's chunks join.
@@ -40,6 +44,14 @@
 #include "qlanes.h"
 #include "qrows.h"
 #include "qint.h"
+
+/* The narrowest code width whose chunks take the integer products (qint.h): 8. Narrower codes keep
+ * the float products (codes widened to floats), which the integer ones did not match closely
+ * enough on held-out text (EVAL.md, "Integer attention products"); a build with
+ * -DKV_INT_MIN_BITS=2 (CC="gcc -DKV_INT_MIN_BITS=2") gives them the integer products to measure. */
+#ifndef KV_INT_MIN_BITS
+#define KV_INT_MIN_BITS 8
+#endif
 
 typedef struct {
     int hkv, g, D, ps, G, bits, T, n_pages, n_rest, rotate, cp, nq, nr;
@@ -78,8 +90,161 @@ static void scratch_bind(const job_t *j, float *mem, scratch_t *sc) {
     sc->st = sc->kz + (size_t)(n / 16 + 1) * j->D;
 }
 
+/* Quantized chunk c of KV head h widened into the scratch (bits and G constants where inlined). */
+static ALWAYS void prep_wide(const job_t *j, int h, int c, scratch_t *sc, chunk_t *ck, int bits, int G) {
+    const int D = j->D, nb = G * bits / 8, ng = j->ps / G, Dp = D * bits / 8;
+    const int p0 = c * j->cp, p1 = p0 + j->cp < j->n_pages ? p0 + j->cp : j->n_pages;
+    const int n = (p1 - p0) * j->ps;
+    int tok[512];
+    for (int L = 0; L < G; L++) tok[L] = lane_item(L, bits, G);
+    for (int i = 0; i < D; i++) sc->chan[i] = i / G * G + lane_item(i % G, bits, G);
+    for (int pi = p0; pi < p1; pi++) {
+        const int64_t page = j->pages[pi], base = (int64_t)h * j->P + page;
+        for (int kgi = 0; kgi < ng; kgi++) {
+            const int t0 = (pi - p0) * j->ps + kgi * G;
+            const uint8_t *codes = j->kc + (base * ng + kgi) * D * nb;
+            halves(j->ks + (base * ng + kgi) * D, D, sc->ks + (int64_t)(t0 / G) * D);
+            halves(j->km + (base * ng + kgi) * D, D, sc->kz + (int64_t)(t0 / G) * D);
+            for (int ch = 0; ch < D; ch++)
+                for (int v = 0; v < G / 16; v++)
+                    *(v16 *)(sc->KT + (int64_t)ch * n + t0 + 16 * v) = unpack16(codes + (int64_t)ch * nb, bits, G, v);
+            for (int L = 0; L < G; L++) {
+                const int64_t row = base * j->ps + kgi * G + tok[L];
+                float s[MAXD / 16], z[MAXD / 16];
+                halves(j->vs + row * (D / G), D / G, s);
+                halves(j->vm + row * (D / G), D / G, z);
+                float *dst = sc->V + (int64_t)(t0 + L) * D;
+                for (int gr = 0; gr < D / G; gr++)
+                    for (int v = 0; v < G / 16; v++)
+                        *(v16 *)(dst + gr * G + 16 * v) = MADD(unpack16(j->vc + row * Dp + gr * nb, bits, G, v), s[gr], (v16){0} + z[gr]);
+            }
+        }
+    }
+    *ck = (chunk_t){n, G, sc->KT, sc->ks, sc->kz, sc->V, sc->chan};
+}
+
+/* Output elements d0 .. d0 + 16 * ns - 1 of rows 0 .. nr-1: the weights st [NR, n] times the value
+ * rows of chunk pages p0 .. p1-1 widened in registers (code * scale + min), token after token in the
+ * chunk's order; ns constant where inlined (the accumulators stay in registers). */
+static ALWAYS void value_slab(const job_t *j, int h, int p0, int p1, int d0, int ns, const int *tok, const float *st,
+                              int n, int nr, const float *vs, const float *vz, const int *chan, part_t *const *parts,
+                              int bits, int G) {
+    const int D = j->D, nb = G * bits / 8, ng = j->ps / G, Dp = D * bits / 8, vg = D / G, ps = j->ps;
+    v16 acc[NR][SLAB];
+    for (int r = 0; r < NR; r++)
+        for (int v = 0; v < ns; v++) acc[r][v] = (v16){0};
+    const float *w[NR];
+    for (int r = 0; r < NR; r++) w[r] = st + (int64_t)(r < nr ? r : 0) * n;
+    for (int pi = p0; pi < p1; pi++) {
+        const uint8_t *page = j->vc + ((int64_t)h * j->P + j->pages[pi]) * ps * Dp;
+        const float *ps_s = vs + (int64_t)(pi - p0) * ps * vg, *ps_z = vz + (int64_t)(pi - p0) * ps * vg;
+        for (int kgi = 0; kgi < ng; kgi++)
+            for (int L = 0; L < G; L++) {
+                const int t = (pi - p0) * ps + kgi * G + L, in_page = kgi * G + tok[L];
+                const uint8_t *row = page + (int64_t)in_page * Dp;
+                const float *sr = ps_s + (int64_t)in_page * vg, *zr = ps_z + (int64_t)in_page * vg;
+#pragma GCC unroll 4
+                for (int v = 0; v < ns; v++) {
+                    /* d0 is a multiple of 16 * SLAB: where G divides that, the sub-block is a constant */
+                    const int d = d0 + 16 * v, gr = d / G, sub = (16 * SLAB) % G ? d % G / 16 : 16 * v % G / 16;
+                    const v16 x = MADD(unpack16(row + gr * nb, bits, G, sub), sr[gr], (v16){0} + zr[gr]);
+#pragma GCC unroll 4
+                    for (int r = 0; r < NR; r++) acc[r][v] = MADD(w[r][t], x, acc[r][v]);
+                }
+            }
+    }
+    for (int v = 0; v < ns; v++) {
+        v16 a[NR];
+        for (int r = 0; r < NR; r++) a[r] = acc[r][v];
+        store_out(a, nr, d0 + 16 * v, chan, parts);
+    }
+}
+
+/* Rows qr[0 .. nr-1] (nr <= NR: a decode's query heads) against quantized chunk c of KV head h, read
+ * straight from the codes: tile()'s arithmetic on the values prep_quant would have widened. */
+static ALWAYS void fused_quant(const job_t *j, int h, int c, const float *const *qr, int nr, scratch_t *sc,
+                               part_t *const *parts, int bits, int G) {
+    const int D = j->D, nb = G * bits / 8, ng = j->ps / G, Dp = D * bits / 8, vg = D / G, ps = j->ps;
+    const int p0 = c * j->cp, p1 = p0 + j->cp < j->n_pages ? p0 + j->cp : j->n_pages;
+    const int n = (p1 - p0) * ps;
+    float qs[NR][MAXD], zt[NR], ks[MAXD], kz[MAXD];
+    float *st = sc->st, *vs = sc->ks, *vz = sc->kz; /* value scales [n, vg] in token order */
+    int tok[512], vis[NR];
+    for (int L = 0; L < G; L++) tok[L] = lane_item(L, bits, G);
+    for (int i = 0; i < D; i++) sc->chan[i] = i / G * G + lane_item(i % G, bits, G);
+    for (int r = 0; r < NR; r++) vis[r] = n;
+    for (int pi = p0; pi < p1; pi++) {
+        const int64_t base = (int64_t)h * j->P + j->pages[pi];
+        halves(j->vs + base * ps * vg, ps * vg, vs + (int64_t)(pi - p0) * ps * vg);
+        halves(j->vm + base * ps * vg, ps * vg, vz + (int64_t)(pi - p0) * ps * vg);
+        for (int kgi = 0; kgi < ng; kgi++) {
+            const int t0 = (pi - p0) * ps + kgi * G;
+            halves(j->ks + (base * ng + kgi) * D, D, ks);
+            halves(j->km + (base * ng + kgi) * D, D, kz);
+            group_terms(qr, nr, D, ks, kz, qs, zt);
+            const uint8_t *codes = j->kc + (base * ng + kgi) * D * nb;
+            for (int v = 0; v < G / 16; v++) {
+                v16 acc[NR];
+                for (int r = 0; r < NR; r++) acc[r] = (v16){0} + zt[r];
+                for (int ch = 0; ch < D; ch++) {
+                    const v16 kv = unpack16(codes + (int64_t)ch * nb, bits, G, v);
+                    for (int r = 0; r < NR; r++) acc[r] = MADD(qs[r][ch], kv, acc[r]);
+                }
+                for (int r = 0; r < NR; r++) *(v16 *)(st + (int64_t)r * n + t0 + 16 * v) = acc[r];
+            }
+        }
+    }
+    softmax_rows(st, n, vis, nr, parts);
+    for (int d0 = 0; d0 < D; d0 += 16 * SLAB) {
+        switch ((D - d0) / 16 < SLAB ? (D - d0) / 16 : SLAB) {
+        case 1: value_slab(j, h, p0, p1, d0, 1, tok, st, n, nr, vs, vz, sc->chan, parts, bits, G); break;
+#if SLAB > 1
+        case 2: value_slab(j, h, p0, p1, d0, 2, tok, st, n, nr, vs, vz, sc->chan, parts, bits, G); break;
+        case 3: value_slab(j, h, p0, p1, d0, 3, tok, st, n, nr, vs, vz, sc->chan, parts, bits, G); break;
+        default: value_slab(j, h, p0, p1, d0, SLAB, tok, st, n, nr, vs, vz, sc->chan, parts, bits, G); break;
+#endif
+        }
+    }
+}
+
+#define WIDE(B, GG)                                                                                      \
+    static NOINLINE void wide_##B##_##GG(const job_t *j, int h, int c, scratch_t *sc, chunk_t *ck) {          \
+        prep_wide(j, h, c, sc, ck, B, GG);                                                                 \
+    }                                                                                                       \
+    static NOINLINE void fused_##B##_##GG(const job_t *j, int h, int c, const float *const *qr, int nr,        \
+                                          scratch_t *sc, part_t *const *parts) {                            \
+        fused_quant(j, h, c, qr, nr, sc, parts, B, GG);                                                     \
+    }
+WIDE(4, 16) WIDE(4, 32) WIDE(4, 64) WIDE(2, 16) WIDE(2, 32) WIDE(2, 64)
+
+/* fused_quant for this job's bits and group (4 or 2 bits). */
+static void fused(const job_t *j, int h, int c, const float *const *qr, int nr, scratch_t *sc, part_t *const *parts) {
+    switch (j->bits * 1000 + j->G) {
+    case 4016: fused_4_16(j, h, c, qr, nr, sc, parts); return;
+    case 4032: fused_4_32(j, h, c, qr, nr, sc, parts); return;
+    case 4064: fused_4_64(j, h, c, qr, nr, sc, parts); return;
+    case 2016: fused_2_16(j, h, c, qr, nr, sc, parts); return;
+    case 2032: fused_2_32(j, h, c, qr, nr, sc, parts); return;
+    case 2064: fused_2_64(j, h, c, qr, nr, sc, parts); return;
+    default: fused_quant(j, h, c, qr, nr, sc, parts, j->bits, j->G); return;
+    }
+}
+
+/* prep_wide for this job's bits and group (4 or 2 bits). */
+static void wide(const job_t *j, int h, int c, scratch_t *sc, chunk_t *ck) {
+    switch (j->bits * 1000 + j->G) {
+    case 4016: wide_4_16(j, h, c, sc, ck); return;
+    case 4032: wide_4_32(j, h, c, sc, ck); return;
+    case 4064: wide_4_64(j, h, c, sc, ck); return;
+    case 2016: wide_2_16(j, h, c, sc, ck); return;
+    case 2032: wide_2_32(j, h, c, sc, ck); return;
+    case 2064: wide_2_64(j, h, c, sc, ck); return;
+    default: prep_wide(j, h, c, sc, ck, j->bits, j->G); return;
+    }
+}
+
 /* Quantized chunk c of KV head h rearranged for the integer products: token t of the chunk is key
- * group t / G's lane t % G (codes16's order), its value row the page's token kgi * G + tok[L]; bits
+ * group t / G's lane t % G (unpack16's order), its value row the page's token kgi * G + tok[L]; bits
  * and G constants where inlined. */
 static ALWAYS void prep_int(const job_t *j, int h, int c, scratch_t *sc, ichunk_t *ck, int bits, int G) {
     const int D = j->D, nb = G * bits / 8, ng = j->ps / G, Dp = D * bits / 8, vg = D / G, ps = j->ps;
@@ -204,8 +369,11 @@ static const float *row_q(const job_t *j, int h, int c, int r) {
 static void run_rows(const job_t *j, int h, int c, scratch_t *sc, int a, int b, part_t *const *parts) {
     chunk_t ck;
     ichunk_t ik;
-    if (c < j->nq)
+    const int integer = c < j->nq && j->bits >= KV_INT_MIN_BITS;
+    if (integer)
         prep_quant(j, h, c, sc, &ik);
+    else if (c < j->nq)
+        wide(j, h, c, sc, &ck);
     else
         prepare(j, h, c, sc, &ck);
     for (int r0 = a; r0 < b; r0 += NR) {
@@ -214,9 +382,9 @@ static void run_rows(const job_t *j, int h, int c, scratch_t *sc, int a, int b, 
         int vis[NR];
         for (int r = 0; r < nr; r++) {
             qr[r] = row_q(j, h, c, r0 + r);
-            vis[r] = j->n_rest - j->T + (r0 + r) / j->g + 1 - (c - j->nq) * CH;
+            vis[r] = c < j->nq ? ck.n : j->n_rest - j->T + (r0 + r) / j->g + 1 - (c - j->nq) * CH;
         }
-        if (c < j->nq)
+        if (integer)
             tile_int(&ik, j->D, qr, nr, sc->st, parts + (r0 - a));
         else
             tile(&ck, j->D, qr, vis, nr, sc->st, parts + (r0 - a));
@@ -266,7 +434,13 @@ static int run_split(const job_t *j, int n_threads) {
         const int h = item / nc, c = item % nc;
         part_t *ps[SPLIT_ROWS];
         for (int r = 0; r < R; r++) ps[r] = part_at(parts, (int64_t)item * R + r, D);
-        run_rows(j, h, c, &sc, 0, R, ps);
+        if (c < j->nq && j->bits < KV_INT_MIN_BITS && R <= NR) { /* a float decode: codes read in place */
+            const float *qr[NR];
+            for (int r = 0; r < R; r++) qr[r] = row_q(j, h, c, r);
+            fused(j, h, c, qr, R, &sc, ps);
+        } else {
+            run_rows(j, h, c, &sc, 0, R, ps);
+        }
     }
     if (!bad) {
 #pragma omp parallel for num_threads(n_threads)

@@ -77,8 +77,48 @@ static void halves(const uint16_t *h, int n, float *out) {
     for (; i < n; i++) out[i] = half_to_float(h[i]);
 }
 
+/* Sixteen bytes widened to int32 lanes. */
+static ALWAYS i16 widen16(u8x16 raw) {
+#if defined(__AVX512F__)
+    return (i16)_mm512_cvtepu8_epi32((__m128i)raw);
+#elif defined(__AVX2__)
+    union { __m256i h[2]; i16 v; } u;
+    u.h[0] = _mm256_cvtepu8_epi32((__m128i)raw);
+    u.h[1] = _mm256_cvtepu8_epi32(_mm_srli_si128((__m128i)raw, 8));
+    return u.v;
+#else
+    i16 x;
+    for (int i = 0; i < 16; i++) x[i] = raw[i];
+    return x;
+#endif
+}
+
 /* Lanes 16v .. 16v + 15 of a block of G codes of `bits` bits packed in nb = G * bits / 8 bytes (code
- * j of a byte at bits j * bits ..), as bytes: lane L holds code (L % nb) * (8 / bits) + L / nb. */
+ * j of a byte at bits j * bits ..): lane L holds code (L % nb) * (8 / bits) + L / nb. */
+static ALWAYS v16 unpack16(const uint8_t *src, int bits, int G, int v) {
+    const int nb = G * bits / 8, L0 = 16 * v;
+    u8x16 raw;
+    if (nb >= 16) {
+        memcpy(&raw, src + L0 % nb, 16);
+    } else if (nb == 8) { /* the block repeated: one broadcast, no partial stores to reload */
+        uint64_t w;
+        memcpy(&w, src, 8);
+        raw = (u8x16)((u64x2){w, w});
+    } else {
+        uint32_t w;
+        memcpy(&w, src, 4);
+        raw = (u8x16)((u32x4){w, w, w, w});
+    }
+    i16 x = widen16(raw);
+    if (bits < 8) {
+        i16 sh;
+        for (int i = 0; i < 16; i++) sh[i] = ((L0 + i) / nb) * bits;
+        x = (x >> sh) & ((1 << bits) - 1);
+    }
+    return __builtin_convertvector(x, v16);
+}
+
+/* unpack16's lanes as bytes. */
 static ALWAYS u8x16 codes16(const uint8_t *src, int bits, int G, int v) {
     const int nb = G * bits / 8, L0 = 16 * v;
     const uint64_t m = bits == 8 ? ~0ull : bits == 4 ? 0x0f0f0f0f0f0f0f0full : 0x0303030303030303ull;
@@ -161,7 +201,7 @@ static ALWAYS v16 wide16(const uint16_t *p, int bf16) {
 #endif
 }
 
-/* The element of a packed block that lane L holds (codes16's order). */
+/* The element of a packed block that lane L holds (unpack16's order). */
 static int lane_item(int L, int bits, int G) {
     const int nb = G * bits / 8;
     return (L % nb) * (8 / bits) + L / nb;
