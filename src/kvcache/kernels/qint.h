@@ -162,6 +162,7 @@ static ALWAYS void key_sums512(const uint8_t *codes, int D, int bits, const uint
     for (int r = 0; r < NR; r++) a0[r] = a1[r] = _mm512_setzero_si512();
     for (int cp = 0; cp < D / 2; cp++) {
         __m512i p0, p1;
+        _mm_prefetch((const char *)codes + (int64_t)D * 4 * bits + 64 * cp, _MM_HINT_T0); /* the next group's */
         key_pairs(codes, cp, bits, &p0, &p1);
         for (int r = 0; r < NR; r++) {
             const __m512i b = _mm512_set1_epi32((int)qd[r][cp]);
@@ -211,6 +212,10 @@ static ALWAYS void value_sums512(const uint8_t *const *vr, int n, int s, int bit
     const __mmask16 hi = 0xff00;
     for (int tp = 0; tp < n / 2; tp++) {
         __m512i x[2], y[2], p[4];
+        if (2 * tp + 16 < n) { /* rows sixteen tokens ahead */
+            _mm_prefetch((const char *)vr[2 * tp + 16] + 8 * bits * s, _MM_HINT_T0);
+            _mm_prefetch((const char *)vr[2 * tp + 17] + 8 * bits * s, _MM_HINT_T0);
+        }
         value_words(vr[2 * tp], s, bits, x);
         value_words(vr[2 * tp + 1], s, bits, y);
         for (int i = 0; i < 2; i++) {
