@@ -185,14 +185,23 @@ def test_shapes_it_cannot_tile_are_declined():
                                 torch.randn(2, 2, 1, 32)) is None
 
 
-def test_every_kernel_variant_gives_the_same_bits():
+@pytest.mark.parametrize("cc_flag", ["", "-DKV_INT_MIN_BITS=2"], ids=["int8-integer", "every-width-integer"])
+def test_every_kernel_variant_gives_the_same_bits(cc_flag, monkeypatch):
     """qattn takes one written order at every vector width (sixteen lanes, one multiply-add per
     step, fmaf in the generic build; integer sums exact however an instruction set forms them): each
     variant this CPU runs gives the bits of every other, for a decode and for nine rows, every code
-    width, rotated or not. Variants this CPU cannot run are compiled."""
+    width, rotated or not; int8 chunks take integer products, int4 and int2 ones float products
+    unless the build gives every width the integer ones (the flag EVAL.md measures them with).
+    Variants this CPU cannot run are compiled."""
     import ctypes
 
     from kvcache.kernels import build, signatures
+
+    if cc_flag:
+        cc = build.compiler()
+        if cc is None:
+            pytest.skip("no C compiler")
+        monkeypatch.setenv("CC", " ".join([*cc, cc_flag]))
 
     libs = {}
     for v in build.variants():
