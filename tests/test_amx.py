@@ -28,8 +28,8 @@ TESTS = Path(__file__).parent
 HAS_AMX = "amx_int8" in build.cpu_info()[1] and "amx_tile" in build.cpu_info()[1]
 AVX512 = next((v for v in build.variants() if v.name == "avx512vnni"), None)
 
-# Products of 16 to 100 rows (whole tiles, rows over, two row chunks) for GGUF Q4_0, Q8_0, Q4_K, Q5_K and
-# Q6_K weights, with a bias, the RMS row scale and accumulation in some; prints the status of each
+# Products of 16 to 100 rows (whole tiles, rows over, two row chunks) for GGUF Q4_0, Q8_0, Q4_K, Q5_K,
+# Q6_K and Q2_K weights, with a bias, the RMS row scale and accumulation in some; prints the status of each
 # library given (the default one: "") and a digest of every product's bytes.
 CHECK = """
 import ctypes, hashlib, json, sys
@@ -52,7 +52,8 @@ for path in {paths!r}:
     else:
         lib = kernels.qgemm()
     digests = {{}}
-    for t, o, k in ((T.Q4_0, 40, 512), (T.Q8_0, 70, 256), (T.Q4_K, 45, 512), (T.Q5_K, 40, 512), (T.Q6_K, 33, 768)):
+    for t, o, k in ((T.Q4_0, 40, 512), (T.Q8_0, 70, 256), (T.Q4_K, 45, 512), (T.Q5_K, 40, 512), (T.Q6_K, 33, 768),
+                    (T.Q2_K, 24, 256)):
         w, _ = repacked(t, o, k, seed=3)
         qs, d, m = w.parts()
         rng = np.random.default_rng(4)

@@ -49,8 +49,8 @@ def repacked(t: T, out: int, k: int, fmt: int | None = None, seed: int = 0) -> t
 ALL = [*LEGACY, *KQUANTS]
 # memory per weight in its repacked format: values (nibbles or bytes) plus scales (and minimums)
 # (Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 at the file's own density; Q4_K, Q5_K and Q6_K within 3%: the
-# file's integer scales as bytes, Q3_K as Q6_K; Q2_K above it: fp32 scales)
-BYTES_PER_WEIGHT = {T.Q4_0: 0.5625, T.Q4_1: 0.625, T.Q5_0: 0.6875, T.Q5_1: 0.75, T.Q8_0: 1.0625, T.Q2_K: 1.5,
+# file's integer scales as bytes, Q3_K as Q6_K; Q2_K its values as nibbles: 0.64 where the file takes 0.33)
+BYTES_PER_WEIGHT = {T.Q4_0: 0.5625, T.Q4_1: 0.625, T.Q5_0: 0.6875, T.Q5_1: 0.75, T.Q8_0: 1.0625, T.Q2_K: 0.640625,
                     T.Q3_K: 0.828125, T.Q4_K: 0.578125, T.Q5_K: 0.703125, T.Q6_K: 0.828125}
 
 
@@ -87,17 +87,18 @@ def super_block_acts(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.mark.parametrize("v", [v for v in build.variants() if build.runnable(v)], ids=lambda v: v.name)
-@pytest.mark.parametrize("t", [T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
 def test_k_quants_take_one_activation_step_a_super_block(v, t):
     """Q4_K, Q5_K and Q6_K keep the file's integer scales as bytes (0.58, 0.70 and 0.83 bytes a
-    weight; Q3_K as Q6_K, 0.83 where fp32 scales took 1.25) and take llama.cpp's order for them: activations rounded with one step per 256 inputs,
+    weight; Q3_K as Q6_K, 0.83 where fp32 scales took 1.25; Q2_K 0.64, where they took 1.5) and
+    take llama.cpp's order for them: activations rounded with one step per 256 inputs,
     each super-block's sums exact in integers, two float steps a super-block. So every output is
     the exact sum over super-blocks of step x (file weights . rounded activations) up to a few
     float roundings (1e-6 relative here; the per-32 order misses this by about 1e-3), on every
     variant and row count, including rows that drive every integer sum to its extreme."""
     lib = variant_lib(v)
     packed, ref = repacked(t, 40, 512, seed=5)
-    assert packed.format_name in ("q4_ks", "q5_ks", "q6_ks") and packed.nbytes == BYTES_PER_WEIGHT[t] * 48 * 512
+    assert packed.format_name in ("q2_ks", "q4_ks", "q5_ks", "q6_ks") and packed.nbytes == BYTES_PER_WEIGHT[t] * 48 * 512
     rng = np.random.default_rng(6)
     for n in (1, 2, 5, 67):
         x = rng.standard_normal((n, 512)).astype(np.float32)
@@ -117,6 +118,8 @@ def test_k_quants_take_one_activation_step_a_super_block(v, t):
 
 def test_signed_beside_unsigned_types_stack():
     assert common_format([int(T.Q5_0), int(T.Q6_K)]) is None  # a QStack of two parts
+    assert common_format([int(T.Q2_K), int(T.Q4_K)]) is None  # K-quants of two kinds: each keeps its own
+    assert common_format([int(T.Q3_K), int(T.Q6_K)]) == FORMAT_OF[int(T.Q6_K)]  # Q3_K in Q6_K's format
     with pytest.raises(Exception, match="cannot hold"):
         QWeight(FORMAT_OF[int(T.Q4_0)], 8, 256).put_gguf(int(T.Q8_0), gguf_rows(T.Q8_0, 8, 256), np.arange(8))
 
@@ -156,7 +159,7 @@ def test_products_stay_within_the_activation_rounding_bound(v, t):
         assert rc == 0
         exact = x.astype(np.float64) @ ref.T.astype(np.float64)
         err = np.abs(y - exact)
-        bound = error_bound(x, ref, 256 if t in (T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K) else 32) + 1e-5 * np.abs(exact) + 1e-6
+        bound = error_bound(x, ref, 256 if t in KQUANTS else 32) + 1e-5 * np.abs(exact) + 1e-6
         assert (err <= bound).all(), f"{v.name} {t.name} n={n}: worst err/bound {(err / bound).max():.3f}"
         assert (err > 0).any()  # the activations really were rounded (the test can tell)
 

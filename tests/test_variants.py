@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as T
 
 from kvcache import kernels
 from kvcache.kernels import build, signatures
-from kvcache.kernels.qweight import Q4_F32, Q5_F32, S8_F32_16, U8_F32
+from kvcache.kernels.qweight import Q4_F32, Q5_F32, S8_F32_16, U8_F32, U8_F32_16
 from test_qweights import ALL, repacked
 
 RUNNABLE = [v for v in build.variants() if build.runnable(v)]
@@ -54,7 +54,8 @@ def test_more_than_one_variant_runs_here():
 
 
 # every GGUF type in its own format, and the fp32-scale formats the K-quants fall back to
-WEIGHTS = [(t, None) for t in ALL] + [(T.Q5_K, U8_F32), (T.Q4_K, Q4_F32), (T.Q5_K, Q5_F32), (T.Q6_K, S8_F32_16)]
+WEIGHTS = [(t, None) for t in ALL] + [(T.Q5_K, U8_F32), (T.Q4_K, Q4_F32), (T.Q5_K, Q5_F32), (T.Q6_K, S8_F32_16),
+                                      (T.Q2_K, U8_F32_16)]
 
 
 @pytest.mark.parametrize("t,fmt", WEIGHTS, ids=lambda p: getattr(p, "name", str(p)))

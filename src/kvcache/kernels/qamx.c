@@ -295,7 +295,7 @@ typedef struct { /* a pass's activations from its first row on (Scratch's arrays
     const float *da, *sa;
     int K, nb;
     const float *dk;
-    const int16_t *k32;
+    const int16_t *k16, *k32;
 } Rows;
 
 /* The integer sums of block b for the np rows of a pass (np a multiple of 16) into C [NS][MAXR][NCOL]:
@@ -409,7 +409,7 @@ static ALWAYS AMX_TARGET void amx_pass(const int NIB, const int HI, const int SG
  * (ks_close, the same instructions). */
 static ALWAYS AMX_TARGET void amx_ks_pass(const int HI, const int KS, const int NG, int np, Rows a, const uint8_t *w,
                                           int64_t gq, const uint8_t *dv, int64_t gs, float acc[MAXR][NCOL]) {
-    const int NS = KS == 2 ? 2 : 1, OFS = KS == 2 ? 32 : 0, nsb = a.nb / 8;
+    const int NS = KS >= 2 ? 2 : 1, OFS = KS == 2 ? 32 : 0, nsb = a.nb / 8, ksb = kvq_ksb(KS);
     uint8_t buf[2][512] __attribute__((aligned(64)));
     int32_t C[4][MAXR][NCOL] __attribute__((aligned(64)));
     int32_t S[MAXR][NCOL] __attribute__((aligned(64)));
@@ -429,7 +429,7 @@ static ALWAYS AMX_TARGET void amx_ks_pass(const int HI, const int KS, const int 
 #pragma GCC unroll 2
         for (int g = 0; g < NG; g++)
 #pragma GCC unroll 2
-            for (int h = 0; h < NS; h++) sc[g][h] = ks_scales16(KS, dv + g * gs + (int64_t)sb * KVQ_KSB, j, h);
+            for (int h = 0; h < NS; h++) sc[g][h] = ks_scales16(KS, dv + g * gs + (int64_t)sb * ksb, j, h);
         for (int r = 0; r < np; r++)
 #pragma GCC unroll 2
             for (int g = 0; g < NG; g++) {
@@ -443,13 +443,14 @@ static ALWAYS AMX_TARGET void amx_ks_pass(const int HI, const int KS, const int 
         if (j < 7) continue;
 #pragma GCC unroll 2
         for (int g = 0; g < NG; g++) {
-            const uint8_t *sp = dv + g * gs + (int64_t)sb * KVQ_KSB;
-            __m512i mp[4];
-            if (KS == 1)
-                for (int p = 0; p < 4; p++) mp[p] = ks_min_pair(sp, p);
+            const uint8_t *sp = dv + g * gs + (int64_t)sb * ksb;
+            __m512i mp[8];
+            if (KS != 2)
+                for (int p = 0; p < KS_PAIRS(KS); p++) mp[p] = ks_min_pair(KS, sp, p);
             for (int r = 0; r < np; r++) {
+                const int16_t *ks = ks_sums(KS, a.k16 + (int64_t)r * 2 * a.nb, a.k32 + (int64_t)r * a.nb, sb);
                 const __m512 v = ks_close(KS, _mm512_loadu_ps(&acc[r][KVQ_NC * g]), _mm512_loadu_si512(&S[r][KVQ_NC * g]),
-                                          sp, a.dk[(int64_t)r * nsb + sb], a.k32 + (int64_t)r * a.nb + 8 * sb, mp);
+                                          sp, a.dk[(int64_t)r * nsb + sb], ks, mp);
                 _mm512_storeu_ps(&acc[r][KVQ_NC * g], v);
             }
         }
@@ -491,11 +492,12 @@ PASS_FN(p_q5o_f16, 1, 1, 0, 1, 1, 16)
 KS_PASS_FN(p_q4_ks, 0, 1)
 KS_PASS_FN(p_q5_ks, 1, 1)
 KS_PASS_FN(p_q6_ks, 2, 2)
+KS_PASS_FN(p_q2_ks, 0, 3)
 static const PassFn PASSES[KVQ_NFMT] = {p_q4_f16, p_q4_f32, p_s8_f16, p_s8_f32_16, p_u8_f16, p_u8_f32, p_u8_f32_16,
-                                        p_q5_f16, p_q5_f32, p_q4o_f16, p_q5o_f16, p_q4_ks, p_q5_ks, p_q6_ks};
+                                        p_q5_f16, p_q5_f32, p_q4o_f16, p_q5o_f16, p_q4_ks, p_q5_ks, p_q6_ks, p_q2_ks};
 static const char *const FMT_NAMES[KVQ_NFMT] = {"q4_f16", "q4_f32", "s8_f16", "s8_f32_16", "u8_f16",
                                                 "u8_f32", "u8_f32_16", "q5_f16", "q5_f32", "q4o_f16",
-                                                "q5o_f16", "q4_ks", "q5_ks", "q6_ks"};
+                                                "q5o_f16", "q4_ks", "q5_ks", "q6_ks", "q2_ks"};
 
 /* Rows r0 .. r0 + n - 1 (n a multiple of 16) of tile column t: y (+)= products * rscale + bias. */
 static __attribute__((noinline)) AMX_TARGET void amx_run(const QW *wt, int t, int r0, int n, const Scratch *s,
@@ -512,7 +514,8 @@ static __attribute__((noinline)) AMX_TARGET void amx_run(const QW *wt, int t, in
     for (int p = r0; p < r0 + n; p += MAXR) {
         const int np = r0 + n - p < MAXR ? r0 + n - p : MAXR;
         const Rows a = {(KVQ_KS[fmt] ? s->kq : s->q) + (int64_t)p * K, s->da + (int64_t)p * nb,
-                        s->sa + (int64_t)p * 3 * nb, K, nb, s->dk + (int64_t)p * (nb / 8), s->k32 + (int64_t)p * nb};
+                        s->sa + (int64_t)p * 3 * nb, K, nb, s->dk + (int64_t)p * (nb / 8), s->k16 + (int64_t)p * 2 * nb,
+                        s->k32 + (int64_t)p * nb};
         PASSES[fmt](ng, np, a, w, gq, dv, mv, gs, acc);
         mm_store(np, cols, acc[0], NCOL, rscale ? rscale + p : NULL, bias ? bias + c0 : NULL,
                  y + (int64_t)p * ldy + c0, ldy, accumulate);
@@ -562,13 +565,14 @@ static int probe(const Probe *p, uint64_t seed, char *why, size_t wn) {
     }
     uint64_t st = seed;
     for (int64_t i = 0; i < qsz; i++) qs[i] = (uint8_t)rnd(&st);
-    if (KVQ_KS[fmt]) {
-        for (int64_t sbk = 0; sbk < dsz / KVQ_KSB; sbk++) {
-            uint8_t *s = d + sbk * KVQ_KSB;
-            for (int i = 0; i < 256; i++) s[i] = (uint8_t)(KVQ_KS[fmt] == 2 ? rnd(&st) : rnd(&st) & 63);
+    if (KVQ_KS[fmt]) { /* the file's integer scales (and minimums) in their ranges, then fp16 d (and dmin) */
+        const int ks = KVQ_KS[fmt], ksb = kvq_ksb(ks), ints = kvq_ks_d(ks);
+        for (int64_t sbk = 0; sbk < dsz / ksb; sbk++) {
+            uint8_t *s = d + sbk * ksb;
+            for (int i = 0; i < ints; i++) s[i] = (uint8_t)(ks == 2 ? rnd(&st) : rnd(&st) & (ks == 3 ? 15 : 63));
             for (int c = 0; c < 2 * KVQ_NC; c++) {
-                const uint16_t h = KVQ_KS[fmt] == 2 && c >= KVQ_NC ? 0 : (uint16_t)(rnd_half(&st) & 0x7fff);
-                memcpy(s + 256 + 2 * c, &h, 2);
+                const uint16_t h = ks == 2 && c >= KVQ_NC ? 0 : (uint16_t)(rnd_half(&st) & 0x7fff);
+                memcpy(s + ints + 2 * c, &h, 2);
             }
         }
     } else if (KVQ_F16[fmt]) {

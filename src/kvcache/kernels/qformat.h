@@ -22,7 +22,10 @@
  * d * sc * q - dmin * mn, both products exact in fp32. Q6_KS (GGUF's Q6_K, and Q3_K: its values
  * -4 .. 3 and six-bit scales less 32 fit) holds six-bit values offset by 32 and, per block j, 32
  * signed eight-bit scales (bytes 32 j + 16 h + c: sub-block h of 16 inputs) with one fp16 d per
- * column (bytes 256 ..; bytes 288 .. 319 unused): d * sc * (q - 32).
+ * column (bytes 256 ..; bytes 288 .. 319 unused): d * sc * (q - 32). Q2_KS (GGUF's Q2_K) holds
+ * values 0 .. 3 as nibbles and, per super-block, 576 bytes: for block j and sub-block h of 16 inputs
+ * the four-bit scale (bytes 32 j + 16 h + c) and minimum (bytes 256 + 32 j + 16 h + c) as bytes, then
+ * 16 fp16 d (bytes 512 ..) and 16 fp16 dmin (bytes 544 ..): d * sc * q - dmin * mn.
  * m is absent.
  * so that weight (c, k) = d * q + m (unsigned), d * q (signed) or d * (q - OFFSET) (offset formats:
  * GGUF's Q4_0 and Q5_0, whose minimum is -8 d or -16 d, kept without storing it), with the scale
@@ -56,24 +59,31 @@ enum {
     KVQ_Q4_KS = 11,  /* nibbles, the file's six-bit scales and minimums with fp16 d, dmin per 256 (Q4_K) */
     KVQ_Q5_KS = 12,  /* nibbles + fifth bits, the same scales (Q5_K, or Q4_K beside it) */
     KVQ_Q6_KS = 13,  /* nibbles + bits 4 and 5 offset by 32, the file's eight-bit scales per 16, fp16 d (Q6_K, Q3_K) */
-    KVQ_NFMT = 14
+    KVQ_Q2_KS = 14,  /* nibbles 0..3, the file's four-bit scales and minimums per 16, fp16 d, dmin (Q2_K) */
+    KVQ_NFMT = 15
 };
 
-static const int KVQ_NIBBLES[KVQ_NFMT] = {1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1};
+static const int KVQ_NIBBLES[KVQ_NFMT] = {1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
 /* bits above the nibble: 1 (a fifth bit) or 2 (bits 4 and 5) */
-static const int KVQ_HIGH[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1, 0, 1, 2};
-static const int KVQ_SIGNED[KVQ_NFMT] = {0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
-static const int KVQ_F16[KVQ_NFMT] = {1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 1, 0, 0, 0};
-static const int KVQ_NS[KVQ_NFMT] = {1, 1, 1, 2, 1, 1, 2, 1, 1, 1, 1, 1, 1, 2};
+static const int KVQ_HIGH[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1, 0, 1, 2, 0};
+static const int KVQ_SIGNED[KVQ_NFMT] = {0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+static const int KVQ_F16[KVQ_NFMT] = {1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 1, 0, 0, 0, 0};
+static const int KVQ_NS[KVQ_NFMT] = {1, 1, 1, 2, 1, 1, 2, 1, 1, 1, 1, 1, 1, 2, 2};
 /* offset formats store no minimums: weight = d * (q - OFFSET), that is m = -OFFSET * d */
-static const int KVQ_OFFSET[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 16, 0, 0, 32};
-/* K-quant formats: the file's integer scales (see above): 1 with minimums (Q4_K, Q5_K), 2 signed per 16 (Q6_K) */
-static const int KVQ_KS[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 2};
-#define KVQ_KSB 320 /* bytes of scales per super-block of a group in K-quant formats */
+static const int KVQ_OFFSET[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 16, 0, 0, 32, 0};
+/* K-quant formats: the file's integer scales (see above): 1 with minimums per 32 (Q4_K, Q5_K), 2 signed
+ * per 16 (Q6_K), 3 with minimums per 16 (Q2_K) */
+static const int KVQ_KS[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 2, 3};
+
+/* bytes of scales per super-block of a group in a K-quant format (KVQ_KS kind), and where its fp16
+ * d and dmin start */
+static inline int kvq_ksb(int ks) { return ks == 3 ? 576 : 320; }
+static inline int kvq_ks_d(int ks) { return ks == 3 ? 512 : 256; }
+static inline int kvq_ks_dmin(int ks) { return ks == 3 ? 544 : 288; }
 
 /* Bytes of the scale array (d) a group takes for nb blocks, and of one element of it. */
 static inline int64_t kvq_group_scale_bytes(int fmt, int64_t nb) {
-    return KVQ_KS[fmt] ? nb / 8 * KVQ_KSB : nb * KVQ_NS[fmt] * KVQ_NC * (KVQ_F16[fmt] ? 2 : 4);
+    return KVQ_KS[fmt] ? nb / 8 * kvq_ksb(KVQ_KS[fmt]) : nb * KVQ_NS[fmt] * KVQ_NC * (KVQ_F16[fmt] ? 2 : 4);
 }
 
 static inline int kvq_qbytes(int fmt) { return KVQ_NIBBLES[fmt] ? 256 + 64 * KVQ_HIGH[fmt] : 512; }

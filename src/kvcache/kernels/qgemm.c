@@ -179,27 +179,11 @@ static inline Acts acts_row(Acts a, int r) {
     return o;
 }
 
-/* Scale kinds (the F16 parameter below): 0 fp32, 1 fp16, 2 the file's K-quant integers with
- * minimums (Q4_K, Q5_K), 3 its signed scales per 16 (Q6_K) (qformat.h).
- * Column c's scale and minimum of sub-block h of block b; dv, mv at the group's arrays. */
+/* Scale kinds (the F16 parameter below): 0 fp32, 1 fp16 (the K-quant formats take their own
+ * order, below). Column c's scale and minimum of sub-block h of block b; dv, mv at the group's
+ * arrays. */
 static inline void scale_at(const int F16, const void *dv, const void *mv, int b, int NS, int h, int c, float *d,
                             float *m) {
-    if (F16 == 3) {
-        const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB;
-        uint16_t hd;
-        memcpy(&hd, sb + 256 + 2 * c, 2);
-        *d = (float)(int8_t)sb[(b & 7) * 32 + 16 * h + c] * kvq_h2f(hd);
-        return;
-    }
-    if (F16 == 2) {
-        const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB, *sj = sb + (b & 7) * 32;
-        uint16_t hd, hm;
-        memcpy(&hd, sb + 256 + 2 * c, 2);
-        memcpy(&hm, sb + 288 + 2 * c, 2);
-        *d = (float)sj[c] * kvq_h2f(hd);
-        *m = 0.f - (float)sj[16 + c] * kvq_h2f(hm); /* as the SIMD tiles compute it */
-        return;
-    }
     const int64_t i = ((int64_t)b * NS + h) * KVQ_NC + c;
     *d = F16 ? kvq_h2f(((const uint16_t *)dv)[i]) : ((const float *)dv)[i];
     if (mv) *m = F16 ? kvq_h2f(((const uint16_t *)mv)[i]) : ((const float *)mv)[i];
@@ -218,18 +202,19 @@ static inline int32_t word16(const int16_t *p) { /* two 16-bit sums as one 32-bi
 }
 
 /* -- the K-quant formats' order: one float step per super-block ---------------------------------
- * Q4_KS, Q5_KS and Q6_KS (qformat.h) take the activations per super-block of 256 inputs (Scratch's
- * kq, dk, k16, k32: one step dk, llama.cpp's order for its K-quants) and compute each output (row,
- * column) of a super-block as two integers, exact in int32:
- *   S = sum over the sub-blocks h (8 of 32 inputs; Q6_KS 16 of 16) of sc_h * (sum q a - OFS * sum a)
- *   M = sum over the blocks j of mn_j * (sum of a over block j)      (Q4_KS, Q5_KS only)
- * (sc, mn the file's six-bit scales and minimums, Q6_K's signed eight-bit scales; OFS 32 for Q6_KS,
+ * Q4_KS, Q5_KS, Q6_KS and Q2_KS (qformat.h) take the activations per super-block of 256 inputs
+ * (Scratch's kq, dk, k16, k32: one step dk, llama.cpp's order for its K-quants) and compute each
+ * output (row, column) of a super-block as two integers, exact in int32:
+ *   S = sum over the sub-blocks h (8 of 32 inputs; Q6_KS, Q2_KS 16 of 16) of
+ *       sc_h * (sum q a - OFS * sum a)
+ *   M = sum over the sub-blocks of mn_h * (sum of a over the sub-block)   (Q4_KS, Q5_KS, Q2_KS)
+ * (sc, mn the file's integer scales and minimums, Q6_K's signed eight-bit scales; OFS 32 for Q6_KS,
  * else 0; |S| < 2^29), then two float steps: acc = fma(dk * d, (float) S, acc) and, with minimums,
  * acc = fma(-(dk * dmin), (float) M, acc), d and dmin the column's fp16 super-block scales. Every
  * variant computes those integers, in whatever order (they are exact), and those float steps, so
  * the bits agree; a row's result is the same in any tile. */
 static inline int ks_scale(const uint8_t *sp, int KS, int j, int h, int c) {
-    return KS == 2 ? (int)(int8_t)sp[32 * j + 16 * h + c] : (int)sp[32 * j + c];
+    return KS == 2 ? (int)(int8_t)sp[32 * j + 16 * h + c] : KS == 3 ? (int)sp[32 * j + 16 * h + c] : (int)sp[32 * j + c];
 }
 
 #if ISA == 3
@@ -287,9 +272,9 @@ static inline __attribute__((always_inline)) void group(const int NIB, const int
 static inline __attribute__((always_inline)) void ks_group(const int HI, const int KS, int nr, Acts a,
                                                            const uint8_t *w, const uint8_t *dv,
                                                            float out[RT][NGMAX * KVQ_NC]) {
-    const int qb = 256 + 64 * HI, NS = KS == 2 ? 2 : 1, ofs = KS == 2 ? 32 : 0, nsb = a.nb / 8, len = 32 / NS;
+    const int qb = 256 + 64 * HI, NS = KS >= 2 ? 2 : 1, ofs = KS == 2 ? 32 : 0, nsb = a.nb / 8, len = 32 / NS;
     for (int sb = 0; sb < nsb; sb++) {
-        const uint8_t *sp = dv + (int64_t)sb * KVQ_KSB;
+        const uint8_t *sp = dv + (int64_t)sb * kvq_ksb(KS);
         for (int c = 0; c < KVQ_NC; c++) {
             int32_t S[RT] = {0}, M[RT] = {0};
             for (int j = 0; j < 8; j++) {
@@ -313,18 +298,19 @@ static inline __attribute__((always_inline)) void ks_group(const int HI, const i
                         int32_t t = -ofs * ar.k16[2 * b + h];
                         for (int k = len * h; k < len * (h + 1); k++) t += wq[k] * ar.kq[32 * b + k];
                         S[r] += ks_scale(sp, KS, j, h, c) * t;
+                        if (KS == 3) M[r] += (int32_t)sp[256 + 32 * j + 16 * h + c] * ar.k16[2 * b + h];
                     }
                     if (KS == 1) M[r] += (int32_t)sp[32 * j + 16 + c] * ar.k32[b];
                 }
             }
             uint16_t hd, hm;
-            memcpy(&hd, sp + 256 + 2 * c, 2);
-            memcpy(&hm, sp + 288 + 2 * c, 2);
+            memcpy(&hd, sp + kvq_ks_d(KS) + 2 * c, 2);
+            memcpy(&hm, sp + kvq_ks_dmin(KS) + 2 * c, 2);
             const float d = kvq_h2f(hd), dmin = kvq_h2f(hm);
             for (int r = 0; r < nr; r++) {
                 const float da = a.dk[(int64_t)r * nsb + sb];
                 float v = fmaf(da * d, (float)S[r], sb ? out[r][c] : 0.f);
-                if (KS == 1) v = fmaf(-(da * dmin), (float)M[r], v);
+                if (KS != 2) v = fmaf(-(da * dmin), (float)M[r], v);
                 out[r][c] = v;
             }
         }
@@ -413,11 +399,12 @@ GROUP_FN(g_q5o_f16, 1, 1, 0, 1, 1, 16)
 KS_FN(g_q4_ks, 0, 1)
 KS_FN(g_q5_ks, 1, 1)
 KS_FN(g_q6_ks, 2, 2)
+KS_FN(g_q2_ks, 0, 3)
 typedef void (*GroupFn)(int, int, Acts, const uint8_t *, int64_t, const void *, const void *, int64_t,
                         float[RT][NGMAX * KVQ_NC]);
 static const GroupFn GROUPS[KVQ_NFMT] = {g_q4_f16, g_q4_f32, g_s8_f16, g_s8_f32_16, g_u8_f16, g_u8_f32, g_u8_f32_16,
                                          g_q5_f16, g_q5_f32, g_q4o_f16, g_q5o_f16, g_q4_ks, g_q5_ks,
-                                         g_q6_ks};
+                                         g_q6_ks, g_q2_ks};
 
 /* nr rows of cols products (res, rows ldr apart) into y: y (+)= res * rscale + bias, each element's
  * steps in this order (every product kernel ends here, so they round alike). */

@@ -160,6 +160,7 @@ static void decode_block(int gtype, const uint8_t *b, int *q, float *d, float *m
 }
 
 static int holds(int gtype, int fmt) {
+    if (KVQ_KS[fmt] == 3) return gtype == 10;
     if (KVQ_KS[fmt] == 2) return gtype == 14 || gtype == 11; /* the file's own scales (Q3_K's as Q6_K's) */
     if (KVQ_KS[fmt]) return gtype == 12 || (KVQ_HIGH[fmt] && gtype == 13);
     int nib = gtype == 2 || gtype == 3 || gtype == 12, sgn = gtype == 8 || gtype == 11 || gtype == 14;
@@ -221,7 +222,16 @@ int kv_q_repack(int gtype, int fmt, int rows, int K, const uint8_t *src, int64_t
             }
             if (KVQ_KS[fmt]) { /* the super-block's scales as the file holds them (qformat.h) */
                 const uint8_t *sb = src + r * src_stride + (int64_t)blk * bbytes;
-                uint8_t *dst_s = (uint8_t *)d + (g * (nb / 8) + blk) * KVQ_KSB;
+                uint8_t *dst_s = (uint8_t *)d + (g * (nb / 8) + blk) * kvq_ksb(KVQ_KS[fmt]);
+                if (KVQ_KS[fmt] == 3) { /* Q2_K: scales[16] (scale | minimum << 4), d at 80, dmin at 82 */
+                    for (int j = 0; j < 16; j++) {
+                        dst_s[32 * (j >> 1) + 16 * (j & 1) + c] = sb[j] & 0xF;
+                        dst_s[256 + 32 * (j >> 1) + 16 * (j & 1) + c] = sb[j] >> 4;
+                    }
+                    memcpy(dst_s + 512 + 2 * c, sb + 80, 2);
+                    memcpy(dst_s + 544 + 2 * c, sb + 82, 2);
+                    continue;
+                }
                 if (KVQ_KS[fmt] == 2 && gtype == 11) { /* Q3_K: six-bit scales less 32 at 96, d at 108 */
                     const uint8_t *s3 = sb + 96;
                     for (int j = 0; j < 16; j++) {
@@ -286,8 +296,12 @@ int kv_q_dequant(int fmt, int K, int out, const uint8_t *qs, const void *d, cons
             /* the scale and minimum of (c, k): weight = sd * (q - OFFSET) + sm */
             float sd, sm = 0.f;
             if (KVQ_KS[fmt]) {
-                const uint8_t *sb = (const uint8_t *)d + (g * (nb / 8) + (b >> 3)) * KVQ_KSB, *sj = sb + (b & 7) * 32;
-                if (KVQ_KS[fmt] == 2) {
+                const int ks = KVQ_KS[fmt];
+                const uint8_t *sb = (const uint8_t *)d + (g * (nb / 8) + (b >> 3)) * kvq_ksb(ks), *sj = sb + (b & 7) * 32;
+                if (ks == 3) {
+                    sd = kvq_h2f(rd16(sb + 512 + 2 * c)) * (float)sj[16 * h + c];
+                    sm = -(kvq_h2f(rd16(sb + 544 + 2 * c)) * (float)sj[256 + 16 * h + c]);
+                } else if (ks == 2) {
                     sd = kvq_h2f(rd16(sb + 256 + 2 * c)) * (float)(int8_t)sj[16 * h + c];
                 } else {
                     sd = kvq_h2f(rd16(sb + 256 + 2 * c)) * (float)sj[c];

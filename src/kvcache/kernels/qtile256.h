@@ -76,21 +76,6 @@ static inline __attribute__((always_inline)) void half_block(const int NIB, cons
     }
     __m256 dw[2], mw[2];
     _Pragma("GCC unroll 2") for (int h = 0; h < NS; h++) {
-        if (F16 == 3) { /* the file's signed scales per 16 times its fp16 d (exact) */
-            const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB;
-            dw[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sb + (b & 7) * 32 + 16 * h + 8 * hf)))),
-                                  _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 256 + 16 * hf))));
-            continue;
-        }
-        if (F16 == 2) { /* the file's K-quant integers times its fp16 d and dmin (exact) */
-            const uint8_t *sb = (const uint8_t *)dv + (int64_t)(b >> 3) * KVQ_KSB, *sj = sb + (b & 7) * 32 + 8 * hf;
-            dw[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sj))),
-                                  _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 256 + 16 * hf))));
-            mw[h] = _mm256_sub_ps(_mm256_setzero_ps(),
-                                  _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sj + 16)))),
-                                                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 288 + 16 * hf)))));
-            continue;
-        }
         const int64_t at = ((int64_t)b * NS + h) * KVQ_NC + 8 * hf;
         dw[h] = F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)dv + at)))
                     : _mm256_loadu_ps((const float *)dv + at);
@@ -190,8 +175,8 @@ static inline __attribute__((always_inline)) void ks_half(const int HI, const in
                                                           const uint8_t *w, const uint8_t *dv,
                                                           float out[RT][NGMAX * KVQ_NC]) {
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
-    const int qb = 256 + 64 * HI, NS = KS == 2 ? 2 : 1, steps = 8 / NS, ofs = KS == 2 ? 32 : 0, nsb = a.nb / 8;
-    const uint8_t *sp = dv + (int64_t)sb * KVQ_KSB;
+    const int qb = 256 + 64 * HI, NS = KS >= 2 ? 2 : 1, steps = 8 / NS, ofs = KS == 2 ? 32 : 0, nsb = a.nb / 8;
+    const uint8_t *sp = dv + (int64_t)sb * kvq_ksb(KS);
     __m256i S[RT];
 #pragma GCC unroll 16
     for (int r = 0; r < RT; r++) S[r] = _mm256_setzero_si256();
@@ -232,14 +217,17 @@ static inline __attribute__((always_inline)) void ks_half(const int HI, const in
             }
         }
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 256 + 16 * hf)));
-    __m256i mp[4];
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + kvq_ks_d(KS) + 16 * hf)));
+    /* the minimums' pairs (qscale512.h's ks_min_pair): blocks 2 p, 2 p + 1 (KS 1), block p's halves (KS 3) */
+    const int npairs = KS == 3 ? 8 : 4;
+    __m256i mp[8];
     __m256 dm = _mm256_setzero_ps();
-    if (KS == 1) {
-        dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 288 + 16 * hf)));
-        for (int p = 0; p < 4; p++) {
-            const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sp + 64 * p + 16 + 8 * hf)));
-            const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sp + 64 * p + 48 + 8 * hf)));
+    if (KS != 2) {
+        dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + kvq_ks_dmin(KS) + 16 * hf)));
+        for (int p = 0; p < npairs; p++) {
+            const uint8_t *lo_at = (KS == 3 ? sp + 256 + 32 * p : sp + 64 * p + 16) + 8 * hf;
+            const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)lo_at));
+            const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(lo_at + (KS == 3 ? 16 : 32))));
             mp[p] = _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16));
         }
     }
@@ -249,14 +237,14 @@ static inline __attribute__((always_inline)) void ks_half(const int HI, const in
             const __m256 da = _mm256_set1_ps(a.dk[(int64_t)r * nsb + sb]);
             float *o = out[r] + 8 * hf;
             __m256 acc = _mm256_fmadd_ps(_mm256_mul_ps(da, d), _mm256_cvtepi32_ps(S[r]), _mm256_loadu_ps(o));
-            if (KS == 1) {
-                const int16_t *k32 = a.k32 + (int64_t)r * a.nb + 8 * sb;
+            if (KS != 2) {
+                const int16_t *ks = KS == 3 ? a.k16 + (int64_t)r * 2 * a.nb + 16 * sb : a.k32 + (int64_t)r * a.nb + 8 * sb;
                 __m256i M = _mm256_setzero_si256();
-                for (int p = 0; p < 4; p++) {
+                for (int p = 0; p < npairs; p++) {
 #if ISA == 2
-                    M = _mm256_dpwssd_avx_epi32(M, mp[p], _mm256_set1_epi32(word16(k32 + 2 * p)));
+                    M = _mm256_dpwssd_avx_epi32(M, mp[p], _mm256_set1_epi32(word16(ks + 2 * p)));
 #else
-                    M = _mm256_add_epi32(M, _mm256_madd_epi16(mp[p], _mm256_set1_epi32(word16(k32 + 2 * p))));
+                    M = _mm256_add_epi32(M, _mm256_madd_epi16(mp[p], _mm256_set1_epi32(word16(ks + 2 * p))));
 #endif
                 }
                 acc = _mm256_fnmadd_ps(_mm256_mul_ps(da, dm), _mm256_cvtepi32_ps(M), acc);

@@ -213,10 +213,10 @@ static inline __attribute__((always_inline)) void tile(const int NIB, const int 
  * the integer sums in two chains. */
 static inline __attribute__((always_inline)) void ks_row1(const int HI, const int KS, Acts a, const uint8_t *w,
                                                           const uint8_t *dv, float *out) {
-    const int qb = 256 + 64 * HI, NS = KS == 2 ? 2 : 1, steps = 8 / NS, ofs = KS == 2 ? 32 : 0;
+    const int qb = 256 + 64 * HI, NS = KS >= 2 ? 2 : 1, steps = 8 / NS, ofs = KS == 2 ? 32 : 0;
     __m512 acc = _mm512_setzero_ps();
     for (int sb = 0; sb < a.nb / 8; sb++) {
-        const uint8_t *sp = dv + (int64_t)sb * KVQ_KSB;
+        const uint8_t *sp = dv + (int64_t)sb * kvq_ksb(KS);
         __m512i S = _mm512_setzero_si512();
         for (int j = 0; j < 8; j++) {
             const int64_t b = 8 * sb + j;
@@ -236,10 +236,10 @@ static inline __attribute__((always_inline)) void ks_row1(const int HI, const in
                 S = _mm512_add_epi32(S, _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), ks_scales16(KS, sp, j, h)));
             }
         }
-        __m512i mp[4];
-        if (KS == 1)
-            for (int p = 0; p < 4; p++) mp[p] = ks_min_pair(sp, p);
-        acc = ks_close(KS, acc, S, sp, a.dk[sb], a.k32 + 8 * sb, mp);
+        __m512i mp[8];
+        if (KS != 2)
+            for (int p = 0; p < KS_PAIRS(KS); p++) mp[p] = ks_min_pair(KS, sp, p);
+        acc = ks_close(KS, acc, S, sp, a.dk[sb], ks_sums(KS, a.k16, a.k32, sb), mp);
     }
     _mm512_storeu_ps(out, acc);
 }
@@ -250,11 +250,11 @@ static inline __attribute__((always_inline)) void ks_row1(const int HI, const in
 static inline __attribute__((always_inline)) void ks_tile(const int HI, const int KS, const int NG, int nr, Acts a,
                                                           const uint8_t *w, int64_t gq, const uint8_t *dv, int64_t gs,
                                                           float out[RT][NGMAX * KVQ_NC]) {
-    const int qb = 256 + 64 * HI, NS = KS == 2 ? 2 : 1, steps = 8 / NS, ofs = KS == 2 ? 32 : 0, nsb = a.nb / 8;
+    const int qb = 256 + 64 * HI, NS = KS >= 2 ? 2 : 1, steps = 8 / NS, ofs = KS == 2 ? 32 : 0, nsb = a.nb / 8;
     for (int r = 0; r < nr; r++)
         for (int g = 0; g < NG; g++) _mm512_storeu_ps(out[r] + KVQ_NC * g, _mm512_setzero_ps());
     for (int sb = 0; sb < nsb; sb++) {
-        const uint8_t *sp0 = dv + (int64_t)sb * KVQ_KSB, *sp1 = sp0 + gs;
+        const uint8_t *sp0 = dv + (int64_t)sb * kvq_ksb(KS), *sp1 = sp0 + gs;
         __m512i S0[RT], S1[RT];
 #pragma GCC unroll 16
         for (int r = 0; r < RT; r++) S0[r] = S1[r] = _mm512_setzero_si512();
@@ -294,21 +294,21 @@ static inline __attribute__((always_inline)) void ks_tile(const int HI, const in
                 }
             }
         }
-        __m512i mp0[4], mp1[4];
-        if (KS == 1)
-            for (int p = 0; p < 4; p++) {
-                mp0[p] = ks_min_pair(sp0, p);
-                if (NG == 2) mp1[p] = ks_min_pair(sp1, p);
+        __m512i mp0[8], mp1[8];
+        if (KS != 2)
+            for (int p = 0; p < KS_PAIRS(KS); p++) {
+                mp0[p] = ks_min_pair(KS, sp0, p);
+                if (NG == 2) mp1[p] = ks_min_pair(KS, sp1, p);
             }
 #pragma GCC unroll 16
         for (int r = 0; r < RT; r++) {
             if (r < nr) {
                 const float dk = a.dk[(int64_t)r * nsb + sb];
-                const int16_t *k32 = a.k32 + (int64_t)r * a.nb + 8 * sb;
-                _mm512_storeu_ps(out[r], ks_close(KS, _mm512_loadu_ps(out[r]), S0[r], sp0, dk, k32, mp0));
+                const int16_t *ks = ks_sums(KS, a.k16 + (int64_t)r * 2 * a.nb, a.k32 + (int64_t)r * a.nb, sb);
+                _mm512_storeu_ps(out[r], ks_close(KS, _mm512_loadu_ps(out[r]), S0[r], sp0, dk, ks, mp0));
                 if (NG == 2)
                     _mm512_storeu_ps(out[r] + KVQ_NC,
-                                     ks_close(KS, _mm512_loadu_ps(out[r] + KVQ_NC), S1[r], sp1, dk, k32, mp1));
+                                     ks_close(KS, _mm512_loadu_ps(out[r] + KVQ_NC), S1[r], sp1, dk, ks, mp1));
             }
         }
     }

@@ -2,8 +2,8 @@
 
 A ``QWeight`` is an nn.Linear-oriented weight [out, K] in one of the repacked formats of
 kernels/qformat.h: integer values, interleaved 16 output rows at a time, with a scale (and for
-unsigned formats a minimum) per block of 32 inputs (16 for Q6_K-like types); Q4_K, Q5_K, Q6_K and
-Q3_K (as Q6_K: its 3-bit values and six-bit scales fit Q6_K's) keep the file's integer scales
+unsigned formats a minimum) per block of 32 inputs (16 for Q6_K-like types); Q4_K, Q5_K, Q6_K, Q2_K
+and Q3_K (as Q6_K: its 3-bit values and six-bit scales fit Q6_K's) keep the file's integer scales
 beside its fp16 super-block scales instead. It stands for exactly the numbers the file holds; only
 the activations are rounded when it multiplies them (to int8 per block of 32; per super-block of
 256 for the K-quant formats). ``in_scale`` is a norm weight folded in: it multiplies the input, because it
@@ -28,38 +28,40 @@ from kvcache.errors import ModelLoadError
 
 # kernels/qformat.h
 (Q4_F16, Q4_F32, S8_F16, S8_F32_16, U8_F16, U8_F32, U8_F32_16, Q5_F16, Q5_F32, Q4O_F16, Q5O_F16, Q4_KS,
- Q5_KS, Q6_KS) = range(14)
+ Q5_KS, Q6_KS, Q2_KS) = range(15)
 FORMAT_NAMES = ("q4_f16", "q4_f32", "s8_f16", "s8_f32_16", "u8_f16", "u8_f32", "u8_f32_16", "q5_f16", "q5_f32",
-                "q4o_f16", "q5o_f16", "q4_ks", "q5_ks", "q6_ks")
-_NIBBLES = (1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1)
-_HIGH = (0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1, 0, 1, 2)  # bits beside the nibbles: a fifth, or bits 4 and 5
-_SIGNED = (0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-_F16 = (1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 1, 0, 0, 0)
-_NS = (1, 1, 1, 2, 1, 1, 2, 1, 1, 1, 1, 1, 1, 2)
+                "q4o_f16", "q5o_f16", "q4_ks", "q5_ks", "q6_ks", "q2_ks")
+_NIBBLES = (1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+_HIGH = (0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1, 0, 1, 2, 0)  # bits beside the nibbles: a fifth, or bits 4 and 5
+_SIGNED = (0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+_F16 = (1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 1, 0, 0, 0, 0)
+_NS = (1, 1, 1, 2, 1, 1, 2, 1, 1, 1, 1, 1, 1, 2, 2)
 # no stored minimum: it is -offset * d (Q4_0, Q5_0; Q6_K's values are offset by 32)
-_OFFSET = (0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 16, 0, 0, 32)
-# the file's K-quant scales as integers: d is [G, nb / 8, 320] bytes per super-block (qformat.h), no m
-_KS = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 2)
-_KS_BYTES = 320
+_OFFSET = (0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 16, 0, 0, 32, 0)
+# the file's K-quant scales as integers: d is [G, nb / 8, _KS_BYTES] bytes per super-block (qformat.h), no m
+_KS = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 2, 3)
+_KS_BYTES = {1: 320, 2: 320, 3: 576}
 GROUP = 16  # output rows interleaved together (KVQ_NC)
 
 # GGUF (ggml) type ids -> the format that holds them most compactly
 GGML = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
         "Q6_K": 14}
-FORMAT_OF = {2: Q4O_F16, 3: Q4_F16, 6: Q5O_F16, 7: Q5_F16, 8: S8_F16, 10: U8_F32_16, 11: Q6_KS, 12: Q4_KS,
+FORMAT_OF = {2: Q4O_F16, 3: Q4_F16, 6: Q5O_F16, 7: Q5_F16, 8: S8_F16, 10: Q2_KS, 11: Q6_KS, 12: Q4_KS,
              13: Q5_KS, 14: Q6_KS}
 # the same values with fp32 scales, beside other types
-_KS_FALLBACK = {Q4_KS: Q4_F32, Q5_KS: Q5_F32, Q6_KS: S8_F32_16}
+_KS_FALLBACK = {Q4_KS: Q4_F32, Q5_KS: Q5_F32, Q6_KS: S8_F32_16, Q2_KS: U8_F32_16}
 
 
 def common_format(types: Sequence[int]) -> int | None:
     """The narrowest format holding every GGUF type in ``types``; None when signed and unsigned
-    types mix (they go to separate parts of a QStack)."""
+    types mix, or K-quants of different kinds (they go to separate parts of a QStack)."""
     fmts = {FORMAT_OF[t] for t in types}
     if len(fmts) == 1:
         return fmts.pop()
     if fmts <= {Q4_KS, Q5_KS}:  # Q4_K beside Q5_K: the 5-bit K-quant format holds both
         return Q5_KS
+    if all(_KS[f] for f in fmts):  # other K-quants side by side: each part keeps its own compact format
+        return None
     fmts = {_KS_FALLBACK.get(f, f) for f in fmts}
     if len(fmts) == 1:
         return fmts.pop()
@@ -90,7 +92,7 @@ class QWeight:
             raise ModelLoadError(f"a K-quant weight needs a multiple of 256 inputs, got {k}")
         g, nb, ns = -(-out // GROUP), k // 32, _NS[fmt]
         qb = 256 + 64 * _HIGH[fmt] if _NIBBLES[fmt] else 512  # bytes of values per group-block
-        dshape = (g, nb // 8, _KS_BYTES) if _KS[fmt] else (g, nb, ns, GROUP)
+        dshape = (g, nb // 8, _KS_BYTES[_KS[fmt]]) if _KS[fmt] else (g, nb, ns, GROUP)
         ndt = np.uint8 if _KS[fmt] else np.float16 if _F16[fmt] else np.float32  # the scales' dtype
         if arrays is not None:
             dt = torch.from_numpy(np.empty(0, ndt)).dtype
@@ -105,7 +107,7 @@ class QWeight:
             return
         # zeroed by the allocator (calloc), not by a parallel fill: loading stays quick on a busy machine
         self.qs = torch.from_numpy(np.zeros((g, nb, qb), np.uint8))  # [G, nb, QB]
-        self.d = torch.from_numpy(np.zeros(dshape, ndt))  # [G, nb, NS, 16] scales ([G, nb / 8, 320] K-quant)
+        self.d = torch.from_numpy(np.zeros(dshape, ndt))  # [G, nb, NS, 16] scales ([G, nb / 8, 320 or 576] K-quant)
         self.m = (None if _SIGNED[fmt] or _OFFSET[fmt] or _KS[fmt]  # minimums
                   else torch.from_numpy(np.zeros((g, nb, ns, GROUP), ndt)))
         self.in_scale = in_scale  # [K] fp32 or None
