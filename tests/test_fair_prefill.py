@@ -215,14 +215,15 @@ def test_a_long_prompts_chunks_shrink_with_depth_and_its_text_is_unchanged(tiny_
 
 
 def test_a_documents_share_of_a_step_is_capped_while_shared_and_short_prompts_still_go_whole(tiny_llm, monkeypatch):
-    """With ``document_work``, a prompt longer than the step's budget feeds at most that much work
-    a step (fewer tokens as it goes deeper) while another request is in flight or was less than
-    ``SHARED_S`` ago; alone, it takes whole steps. A short prompt beside it still goes in whole;
-    the text is the text without the cap."""
+    """With ``document_work``, a document (a prompt of more than ``DOCUMENT_STEPS`` steps) feeds at
+    most that much work a step (fewer tokens as it goes deeper) while another request is in flight
+    or was less than ``SHARED_S`` ago; alone, it takes whole steps; a prompt of a few steps is never
+    capped. A short prompt beside it still goes in whole; the text is the text without the cap."""
     from kvcache.engine import scheduler as scheduler_mod
     from kvcache.engine.step_work import token_work
 
     monkeypatch.setattr(scheduler_mod, "SHARED_S", 0.5)
+    monkeypatch.setattr(scheduler_mod, "DOCUMENT_STEPS", 4)  # LONG (150 tokens) is a document at 32 a step
     work = token_work(tiny_llm.runner.config)
     outs = {}
     for cap in (None, 8):
@@ -255,6 +256,16 @@ def test_a_documents_share_of_a_step_is_capped_while_shared_and_short_prompts_st
             sched.step()
         outs[cap] = long.output().token_ids
     assert outs[None] == outs[8]
+    monkeypatch.setattr(scheduler_mod, "DOCUMENT_STEPS", 8)  # LONG is now a prompt of a few steps: never capped
+    sched = Scheduler(tiny_llm.runner, tiny_llm.tokenizer, SchedulerConfig(max_batch_tokens=32, document_work=8))
+    few = Request("few", LONG, SamplingParams(max_tokens=2, ignore_eos=True))
+    sched.add(few)
+    sched.add(Request("beside", [7, 8, 9], SamplingParams(max_tokens=2, ignore_eos=True)))
+    sched.step()  # the short one goes whole; the longer prompt sits this step out
+    sched.step()
+    assert few.samples[0].seq is not None and len(few.samples[0].seq.tokens) > 8  # shared, and not capped
+    while sched.has_work:
+        sched.step()
     with pytest.raises(Exception, match="document-step-work"):
         SchedulerConfig(document_work=0)
     tiny_llm.check_integrity()

@@ -30,7 +30,8 @@ Every ``step`` runs one model forward over a batch of sequences of different len
    not tokens (``step_work``): a prompt token at depth ``p`` costs its attention over ``p`` keys
    besides its weights, so a step deep in a document is about as long as one at its start, and
    the step a newcomer waits for is short too. ``document_work`` (serve --document-step-work)
-   caps what a prompt longer than a whole step takes of any step while the engine is shared
+   caps what a document (a prompt of more than ``DOCUMENT_STEPS`` whole steps, with more than a
+   step still to feed) takes of any step while the engine is shared
    (another request running or waiting, or gone less than ``SHARED_S`` ago), so that even the
    steps that carry only a document are short: a newcomer's wait for the step already running
    shrinks with it, and the document pays in steps; a document alone takes whole steps. Under the priority policy each priority level shares what
@@ -97,6 +98,9 @@ SPEC_MAX_DECODES = 8  # with this many decodes in a step, no sample speculates (
 # a document's steps stay capped (document_work) this long after the engine last held another
 # request: chats come one after another, and the next one should not wait behind a whole step
 SHARED_S = 5.0
+# a prompt of more than this many whole steps (max_batch_tokens) is a document for document_work: a
+# prompt of a few steps (a long chat, a retrieved passage) is never slowed by the cap
+DOCUMENT_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -109,8 +113,8 @@ class SchedulerConfig:
     # costs its attention too), so a step deep in a document is as short as one at its start;
     # False: tokens (a single run that prefills its whole prompt in one forward)
     count_work: bool = True
-    # work a prompt longer than max_batch_tokens (a document) may take of a step while the engine is
-    # shared (another request running or waiting, now or within the last SHARED_S seconds): steps
+    # work a prompt of more than DOCUMENT_STEPS steps (a document) may take of a step while the engine
+    # is shared (another request running or waiting, now or within the last SHARED_S seconds): steps
     # that carry only a document stay this short, so a newcomer waits less for the step already
     # running, at the price of the document's own speed; alone, a document takes whole steps (None:
     # never capped; serve --document-step-work, whose default is 32)
@@ -453,7 +457,8 @@ class Scheduler:
             shares = fair_shares([len(s.feed) for _, s in group], budget, cost)
             cap = self.config.document_work if time.monotonic() - self._shared_at < SHARED_S else None
             for (req, s), n, c in zip(group, shares, cost):
-                if cap is not None and len(s.feed) > self.config.max_batch_tokens:  # a document: its own cap
+                step = self.config.max_batch_tokens
+                if cap is not None and len(s.feed) > step and len(req.prompt_ids) > DOCUMENT_STEPS * step:  # a document
                     n = min(n, max(1, int(cap / c)))
                 if n:
                     out.append(Item(req, s, n))

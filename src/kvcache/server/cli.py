@@ -41,10 +41,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="work per forward, in prompt tokens at depth 0: decodes first, then prompt chunks "
                         "(a token deep in a long prompt counts its attention too; default 256)")
     s.add_argument("--document-step-work", type=int, default=DOCUMENT_STEP_WORK, metavar="N",
-                   help="the most work a prompt longer than --max-batch-tokens takes of a step while other "
-                        "requests are in flight or came in the last 5 s, in tokens at depth 0: steps that carry "
-                        "a long document stay short, so a request that arrives meanwhile waits less, and the "
-                        "document goes slower; alone, a document takes whole steps (default 32; 0: never capped)")
+                   help="the most work a document (a prompt of more than 8 x --max-batch-tokens tokens) takes "
+                        "of a step while other requests are in flight or came in the last 5 s, in tokens at depth "
+                        "0: steps that carry a long document stay short, so a request that arrives meanwhile "
+                        "waits less, and the document goes slower; alone, a document takes whole steps "
+                        "(default 32; 0: never capped)")
     s.add_argument("--max-running", type=int, default=32, help="requests served at once (default 32)")
     s.add_argument("--prompt-lookup", type=int, default=0, metavar="K",
                    help="speculative decoding for every request that allows it: up to K tokens proposed per "
