@@ -265,7 +265,8 @@ static ALWAYS void prep_int(const job_t *j, int h, int c, scratch_t *sc, ichunk_
             float *ks = sc->ks + (int64_t)gi * D, *kz = sc->kz + (int64_t)gi * D;
             halves(j->ks + (base * ng + kgi) * D, D, ks);
             halves(j->km + (base * ng + kgi) * D, D, kz);
-            for (int ch = 0; ch < D; ch++) kz[ch] = MADDF((float)mid, ks[ch], kz[ch]); /* the minimum at the middle code */
+            for (int ch = 0; ch < D; ch++) /* the minimum moved to the middle code */
+                kz[ch] = MADDF((float)mid, ks[ch], kz[ch]);
             float s[MAXD], z[MAXD]; /* the group's value scales and minimums in page order (G * vg = D) */
             halves(j->vs + (base * ps + kgi * G) * vg, G * vg, s);
             halves(j->vm + (base * ps + kgi * G) * vg, G * vg, z);
@@ -290,7 +291,8 @@ static ALWAYS void prep_int(const job_t *j, int h, int c, scratch_t *sc, ichunk_
                            KI + ((int64_t)gi * (D / 2) + cp) * G + 16 * v);
             }
             for (int L = 0; L < G; L += 2) {
-                const uint8_t *r0 = j->vc + (base * ps + kgi * G + tok[L]) * Dp, *r1 = j->vc + (base * ps + kgi * G + tok[L + 1]) * Dp;
+                const uint8_t *r0 = j->vc + (base * ps + kgi * G + tok[L]) * Dp;
+                const uint8_t *r1 = j->vc + (base * ps + kgi * G + tok[L + 1]) * Dp;
                 uint32_t *dst = VI + (int64_t)(t0 + L) / 2 * D;
                 for (int gr = 0; gr < vg; gr++)
                     for (int v = 0; v < G / 16; v++)

@@ -152,12 +152,14 @@ static ALWAYS void key_pairs(const uint8_t *codes, int cp, int bits, __m512i *p0
 
 /* Lanes of two vectors laid out as key_pairs' back in order: 0-15 (i = 0) or 16-31 (i = 1). */
 static ALWAYS __m512i unpair(__m512i a, __m512i b, int i) {
-    return i ? _mm512_permutex2var_epi32(a, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), b)
-             : _mm512_permutex2var_epi32(a, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23), b);
+    const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    return _mm512_permutex2var_epi32(a, i ? hi : lo, b);
 }
 
 /* The integer score sums of rows 0 .. NR-1 over a key group of 32 tokens read in place, in lane order. */
-static ALWAYS void key_sums512(const uint8_t *codes, int D, int bits, const uint32_t qd[NR][MAXD / 2], __m512i out[NR][2]) {
+static ALWAYS void key_sums512(const uint8_t *codes, int D, int bits, const uint32_t qd[NR][MAXD / 2],
+                               __m512i out[NR][2]) {
     __m512i a0[NR], a1[NR];
     for (int r = 0; r < NR; r++) a0[r] = a1[r] = _mm512_setzero_si512();
     for (int cp = 0; cp < D / 2; cp++) {

@@ -146,7 +146,8 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
  * a[i] - mid (low half) and b[i] - mid (high half) as 16-bit integers (two channels of token i for
  * keys, two tokens of element i for values). */
 static ALWAYS void pair16(u8x16 a, u8x16 b, int mid, uint32_t *out) {
-    const s16x16 x = __builtin_convertvector(a, s16x16) - (int16_t)mid, y = __builtin_convertvector(b, s16x16) - (int16_t)mid;
+    const s16x16 x = __builtin_convertvector(a, s16x16) - (int16_t)mid;
+    const s16x16 y = __builtin_convertvector(b, s16x16) - (int16_t)mid;
     const u32x16 lo = __builtin_convertvector((__builtin_convertvector(x, i16) & 0xffff), u32x16);
     const u32x16 hi = __builtin_convertvector(__builtin_convertvector(y, i16), u32x16) << 16;
     const u32x16 r = lo | hi;
