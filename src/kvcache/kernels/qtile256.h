@@ -39,35 +39,42 @@ static inline __m256i fifth_bits(uint32_t m) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(x, sel), sel), _mm256_set1_epi8(0x10));
 }
 
+/* Columns 8 hf .. 8 hf + 7 of a nibble format's group-block wb, all 8 steps as bytes (W[s]: step s):
+ * the nibbles, with the fifth bits (HI 1) or bits 4 and 5 (HI 2, the pair of step s at bits
+ * 2 (s & 3) of its byte). */
+static inline __attribute__((always_inline)) void nibble_half(const int HI, const uint8_t *wb, int hf, __m256i W[8]) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    for (int h = 0; h < 4; h++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * h + 32 * hf));
+        W[h] = _mm256_and_si256(v, lo4);
+        W[h + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+    }
+    if (HI == 2) {
+        for (int s = 0; s < 8; s++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 256 + 64 * (s >> 2) + 32 * hf));
+            const int k = s & 3;
+            const __m256i t = k == 2 ? v : k < 2 ? _mm256_slli_epi16(v, 4 - 2 * k) : _mm256_srli_epi16(v, 2 * k - 4);
+            W[s] = _mm256_or_si256(W[s], _mm256_and_si256(t, _mm256_set1_epi8(0x30)));
+        }
+    } else if (HI) {
+        uint64_t hm[8];
+        memcpy(hm, wb + 256, 64);
+        for (int s = 0; s < 8; s++) W[s] = _mm256_or_si256(W[s], fifth_bits((uint32_t)(hm[s] >> (32 * hf))));
+    }
+}
+
 /* Block b of columns 8 hf .. 8 hf + 7 of the group, for nr rows: acc[r] += the block's products. */
 static inline __attribute__((always_inline)) void half_block(const int NIB, const int HI, const int SGN, const int F16,
                                                              const int NS, const int OFS, int hf, int nr, Acts a,
                                                              const uint8_t *w, const void *dv, const void *mv, int b,
                                                              __m256 acc[RT]) {
-    const __m256i lo4 = _mm256_set1_epi8(0x0F);
     const int qb = NIB ? 256 + 64 * HI : 512;
     /* AVX-VNNI takes signed weights offset by 128 (u8), AVX2 through the sign trick */
     const int OFF = SGN && ISA == 2, ofs = OFF ? 128 : OFS, MIN = !SGN && !OFS;
     const uint8_t *wb = w + (int64_t)b * qb;
     __m256i W[8];
     if (NIB) {
-        for (int h = 0; h < 4; h++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * h + 32 * hf));
-            W[h] = _mm256_and_si256(v, lo4);
-            W[h + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
-        }
-        if (HI == 2) { /* bits 4 and 5: the pair of step s at bits 2 (s & 3) of its byte */
-            for (int s = 0; s < 8; s++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 256 + 64 * (s >> 2) + 32 * hf));
-                const int k = s & 3;
-                const __m256i t = k == 2 ? v : k < 2 ? _mm256_slli_epi16(v, 4 - 2 * k) : _mm256_srli_epi16(v, 2 * k - 4);
-                W[s] = _mm256_or_si256(W[s], _mm256_and_si256(t, _mm256_set1_epi8(0x30)));
-            }
-        } else if (HI) {
-            uint64_t hm[8];
-            memcpy(hm, wb + 256, 64);
-            for (int s = 0; s < 8; s++) W[s] = _mm256_or_si256(W[s], fifth_bits((uint32_t)(hm[s] >> (32 * hf))));
-        }
+        nibble_half(HI, wb, hf, W);
     } else {
         for (int s = 0; s < 8; s++) {
             W[s] = _mm256_loadu_si256((const __m256i *)(wb + 64 * s + 32 * hf));
@@ -174,7 +181,6 @@ static inline __attribute__((always_inline)) __m256i ks_dot(const int HI, int n,
 static inline __attribute__((always_inline)) void ks_half(const int HI, const int KS, int hf, int sb, int nr, Acts a,
                                                           const uint8_t *w, const uint8_t *dv,
                                                           float out[RT][NGMAX * KVQ_NC]) {
-    const __m256i lo4 = _mm256_set1_epi8(0x0F);
     const int qb = 256 + 64 * HI, NS = KS >= 2 ? 2 : 1, steps = 8 / NS, ofs = KS == 2 ? 32 : 0, nsb = a.nb / 8;
     const uint8_t *sp = dv + (int64_t)sb * kvq_ksb(KS);
     __m256i S[RT];
@@ -186,23 +192,7 @@ static inline __attribute__((always_inline)) void ks_half(const int HI, const in
         if (hf == 0)
             for (int l = 0; l < qb; l += 64) _mm_prefetch((const char *)(wb + PF + l), _MM_HINT_T0);
         __m256i W[8];
-        for (int h = 0; h < 4; h++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * h + 32 * hf));
-            W[h] = _mm256_and_si256(v, lo4);
-            W[h + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
-        }
-        if (HI == 2) {
-            for (int s = 0; s < 8; s++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 256 + 64 * (s >> 2) + 32 * hf));
-                const int k = s & 3;
-                const __m256i t = k == 2 ? v : k < 2 ? _mm256_slli_epi16(v, 4 - 2 * k) : _mm256_srli_epi16(v, 2 * k - 4);
-                W[s] = _mm256_or_si256(W[s], _mm256_and_si256(t, _mm256_set1_epi8(0x30)));
-            }
-        } else if (HI) {
-            uint64_t hm[8];
-            memcpy(hm, wb + 256, 64);
-            for (int s = 0; s < 8; s++) W[s] = _mm256_or_si256(W[s], fifth_bits((uint32_t)(hm[s] >> (32 * hf))));
-        }
+        nibble_half(HI, wb, hf, W);
         _Pragma("GCC unroll 2") for (int h = 0; h < NS; h++) {
             const __m128i sv = _mm_loadl_epi64((const __m128i *)(sp + 32 * j + 16 * h + 8 * hf));
             const __m256i sc = KS == 2 ? _mm256_cvtepi8_epi32(sv) : _mm256_cvtepu8_epi32(sv);

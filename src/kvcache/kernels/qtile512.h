@@ -32,6 +32,25 @@ static inline __attribute__((always_inline)) __m512i step_w(const int NIB, const
 
 #include "qscale512.h"
 
+/* Step s of block b: rows 0 .. nr - 1 of the int8 activations q (K apart) times the step's weights
+ * of NG groups (group-blocks wb0, wb1), into each row's integer sums s0 (and s1), each row's 4
+ * inputs broadcast once for both groups. */
+static inline __attribute__((always_inline)) void step_rows(const int NIB, const int HI, const int SGN, const int NG,
+                                                            int nr, const int8_t *q, int K, int64_t b, int s,
+                                                            const uint8_t *wb0, const uint8_t *wb1, __m512i s0[RT],
+                                                            __m512i s1[RT]) {
+    const __m512i W0 = step_w(NIB, HI, SGN, wb0, s);
+    const __m512i W1 = NG == 2 ? step_w(NIB, HI, SGN, wb1, s) : W0;
+#pragma GCC unroll 16
+    for (int r = 0; r < RT; r++) {
+        if (r < nr) {
+            const __m512i x = _mm512_set1_epi32(word(q + (int64_t)r * K + 32 * b + 4 * s));
+            s0[r] = _mm512_dpbusd_epi32(s0[r], W0, x);
+            if (NG == 2) s1[r] = _mm512_dpbusd_epi32(s1[r], W1, x);
+        }
+    }
+}
+
 /* One block of a group's weights, all 8 steps unpacked (W[s]: step s as u8 lanes). */
 static inline __attribute__((always_inline)) void block_w(const int NIB, const int HI, const int SGN,
                                                           const uint8_t *wb, __m512i W[8]) {
@@ -142,17 +161,7 @@ static inline __attribute__((always_inline)) void tile(const int NIB, const int 
             }
 #pragma GCC unroll 8
             for (int st = 0; st < steps; st++) {
-                const int s = steps * h + st;
-                const __m512i W0 = step_w(NIB, HI, SGN, wb0, s);
-                const __m512i W1 = NG == 2 ? step_w(NIB, HI, SGN, wb1, s) : W0;
-#pragma GCC unroll 16
-                for (int r = 0; r < RT; r++) {
-                    if (r < nr) {
-                        const __m512i x = _mm512_set1_epi32(word(a.q + (int64_t)r * a.K + 32 * b + 4 * s));
-                        s0[r] = _mm512_dpbusd_epi32(s0[r], W0, x);
-                        if (NG == 2) s1[r] = _mm512_dpbusd_epi32(s1[r], W1, x);
-                    }
-                }
+                step_rows(NIB, HI, SGN, NG, nr, a.q, a.K, b, steps * h + st, wb0, wb1, s0, s1);
             }
             if (NS == 2) { /* row1's order: t = s_0 dw_0, t += s_1 dw_1, then one activation step */
                 mh0[h] = mw0, mh1[h] = mw1;
@@ -272,17 +281,7 @@ static inline __attribute__((always_inline)) void ks_tile(const int HI, const in
                     if (r < nr) s0[r] = s1[r] = _mm512_set1_epi32(-ofs * a.k16[(int64_t)r * 2 * a.nb + 2 * b + h]);
 #pragma GCC unroll 8
                 for (int st = 0; st < steps; st++) {
-                    const int s = steps * h + st;
-                    const __m512i W0 = step_w(1, HI, 0, wb0, s);
-                    const __m512i W1 = NG == 2 ? step_w(1, HI, 0, wb1, s) : W0;
-#pragma GCC unroll 16
-                    for (int r = 0; r < RT; r++) {
-                        if (r < nr) {
-                            const __m512i x = _mm512_set1_epi32(word(a.kq + (int64_t)r * a.K + 32 * b + 4 * s));
-                            s0[r] = _mm512_dpbusd_epi32(s0[r], W0, x);
-                            if (NG == 2) s1[r] = _mm512_dpbusd_epi32(s1[r], W1, x);
-                        }
-                    }
+                    step_rows(1, HI, 0, NG, nr, a.kq, a.K, b, steps * h + st, wb0, wb1, s0, s1);
                 }
                 const __m512i c0 = ks_scales16(KS, sp0, j, h), c1 = NG == 2 ? ks_scales16(KS, sp1, j, h) : c0;
 #pragma GCC unroll 16
