@@ -446,9 +446,9 @@ static ALWAYS AMX_TARGET void amx_ks_pass(const int HI, const int KS, const int 
             const uint8_t *sp = dv + g * gs + (int64_t)sb * ksb;
             __m512i mp[8];
             if (KS != 2)
-                for (int p = 0; p < KS_PAIRS(KS); p++) mp[p] = ks_min_pair(KS, sp, p);
+                for (int p = 0; p < kvq_ks_pairs(KS); p++) mp[p] = ks_min_pair(KS, sp, p);
             for (int r = 0; r < np; r++) {
-                const int16_t *ks = ks_sums(KS, a.k16 + (int64_t)r * 2 * a.nb, a.k32 + (int64_t)r * a.nb, sb);
+                const int16_t *ks = kvq_ks_sums(KS, a.k16 + (int64_t)r * 2 * a.nb, a.k32 + (int64_t)r * a.nb, sb);
                 const __m512 v = ks_close(KS, _mm512_loadu_ps(&acc[r][KVQ_NC * g]), _mm512_loadu_si512(&S[r][KVQ_NC * g]),
                                           sp, a.dk[(int64_t)r * nsb + sb], ks, mp);
                 _mm512_storeu_ps(&acc[r][KVQ_NC * g], v);

@@ -81,6 +81,23 @@ static inline int kvq_ksb(int ks) { return ks == 3 ? 576 : 320; }
 static inline int kvq_ks_d(int ks) { return ks == 3 ? 512 : 256; }
 static inline int kvq_ks_dmin(int ks) { return ks == 3 ? 544 : 288; }
 
+/* The minimums of K-quant kinds 1 and 3 as the SIMD kernels take them, two sub-blocks a 32-bit lane
+ * (vpdpwssd): kvq_ks_pairs pairs a super-block; pair p's first minimums at byte kvq_ks_min(ks, p) of
+ * the super-block's scales, its second kvq_ks_min_gap further (blocks 2 p and 2 p + 1 for kind 1,
+ * block p's two halves for kind 3), and a row's activation sums of the same sub-blocks at
+ * kvq_ks_sums (k32 or k16 of Scratch, at super-block sb), two as one lane by kvq_pair16. */
+static inline int kvq_ks_pairs(int ks) { return ks == 3 ? 8 : 4; }
+static inline int kvq_ks_min(int ks, int p) { return ks == 3 ? 256 + 32 * p : 64 * p + 16; }
+static inline int kvq_ks_min_gap(int ks) { return ks == 3 ? 16 : 32; }
+static inline const int16_t *kvq_ks_sums(int ks, const int16_t *k16, const int16_t *k32, int sb) {
+    return ks == 3 ? k16 + 16 * sb : k32 + 8 * sb;
+}
+static inline int32_t kvq_pair16(const int16_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
 /* Bytes of the scale array (d) a group takes for nb blocks, and of one element of it. */
 static inline int64_t kvq_group_scale_bytes(int fmt, int64_t nb) {
     return KVQ_KS[fmt] ? nb / 8 * kvq_ksb(KVQ_KS[fmt]) : nb * KVQ_NS[fmt] * KVQ_NC * (KVQ_F16[fmt] ? 2 : 4);

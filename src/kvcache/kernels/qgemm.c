@@ -195,12 +195,6 @@ static inline int32_t word(const int8_t *p) { /* four activations as one 32-bit 
     return v;
 }
 
-static inline int32_t word16(const int16_t *p) { /* two 16-bit sums as one 32-bit lane */
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
 /* -- the K-quant formats' order: one float step per super-block ---------------------------------
  * Q4_KS, Q5_KS, Q6_KS and Q2_KS (qformat.h) take the activations per super-block of 256 inputs
  * (Scratch's kq, dk, k16, k32: one step dk, llama.cpp's order for its K-quants) and compute each
@@ -698,13 +692,10 @@ int kv_q_expert(int n, int H, int I, const float *x, int64_t ldx, const int64_t 
 int kv_q_experts_row(int H, int I, const float *x, int k, const int64_t *gu, const int64_t *dn, const float *w,
                      int act, float *out, int n_threads) {
     if (k < 1 || n_threads < 1) return 1;
+    int need = 0; /* the orders every expert's gate_up takes: the row's activations serve them all */
     for (int j = 0; j < k; j++) {
         const QProj g = proj_of(gu + (size_t)j * KVP_N, H), d = proj_of(dn + (size_t)j * KVP_N, I);
         if (d.n != 1 || !mlp_valid(&g, &d.p[0], H, I, act)) return 1;
-    }
-    int need = 0; /* the orders every expert's gate_up takes: the row's activations serve them all */
-    for (int j = 0; j < k; j++) {
-        const QProj g = proj_of(gu + (size_t)j * KVP_N, H);
         need |= proj_acts(&g);
     }
     const size_t one = mlp_bytes(1, H, I, 0);

@@ -18,11 +18,6 @@ static inline __attribute__((always_inline)) void scales16(const int F16, const 
 }
 
 /* The K-quant order's steps (qgemm.c), shared in the same way. */
-static inline __attribute__((always_inline)) int32_t ks_pair16(const int16_t *p) { /* two sums as one lane */
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
 
 /* Column c's integer scales of sub-block h of block j (h 0 for 32-input sub-blocks), sixteen columns
  * as int32 lanes. */
@@ -31,16 +26,11 @@ static inline __attribute__((always_inline)) __m512i ks_scales16(const int KS, c
     return KS == 2 ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
 }
 
-/* The minimums' pairs a super-block has (vpdpwssd takes two sub-blocks a lane): 4 for minimums per
- * 32 inputs, 8 for minimums per 16; ks_close takes the activation sums of the same sub-blocks. */
-#define KS_PAIRS(KS) ((KS) == 3 ? 8 : 4)
-
-/* Minimum pair p as 16-bit pairs, a column a lane: blocks 2 p and 2 p + 1 (KS 1), or block p's two
- * sub-blocks of 16 (KS 3). */
+/* Minimum pair p (qformat.h's kvq_ks_min) as 16-bit pairs, a column a lane. */
 static inline __attribute__((always_inline)) __m512i ks_min_pair(const int KS, const uint8_t *sp, int p) {
-    const uint8_t *lo_at = KS == 3 ? sp + 256 + 32 * p : sp + 64 * p + 16;
+    const uint8_t *lo_at = sp + kvq_ks_min(KS, p);
     const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)lo_at));
-    const __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(lo_at + (KS == 3 ? 16 : 32))));
+    const __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(lo_at + kvq_ks_min_gap(KS))));
     return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
 }
 
@@ -54,18 +44,12 @@ static inline __attribute__((always_inline)) __m512 ks_close(const int KS, __m51
                           _mm512_cvtepi32_ps(S), acc);
     if (KS != 2) {
         __m512i M = _mm512_setzero_si512();
-        for (int p = 0; p < KS_PAIRS(KS); p++)
-            M = _mm512_dpwssd_epi32(M, mp[p], _mm512_set1_epi32(ks_pair16(ks + 2 * p)));
+        for (int p = 0; p < kvq_ks_pairs(KS); p++)
+            M = _mm512_dpwssd_epi32(M, mp[p], _mm512_set1_epi32(kvq_pair16(ks + 2 * p)));
         acc = _mm512_fnmadd_ps(_mm512_mul_ps(da, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + kvq_ks_dmin(KS))))),
                                _mm512_cvtepi32_ps(M), acc);
     }
     return acc;
-}
-
-/* A row's activation sums that ks_close takes, at super-block sb: k32 (KS 1) or k16 (KS 3), given
- * the row's arrays. */
-static inline const int16_t *ks_sums(const int KS, const int16_t *k16, const int16_t *k32, int sb) {
-    return KS == 3 ? k16 + 16 * sb : k32 + 8 * sb;
 }
 
 #endif

@@ -208,16 +208,16 @@ static inline __attribute__((always_inline)) void ks_half(const int HI, const in
         }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + kvq_ks_d(KS) + 16 * hf)));
-    /* the minimums' pairs (qscale512.h's ks_min_pair): blocks 2 p, 2 p + 1 (KS 1), block p's halves (KS 3) */
-    const int npairs = KS == 3 ? 8 : 4;
+    /* the minimums' pairs (qformat.h's kvq_ks_min) */
+    const int npairs = kvq_ks_pairs(KS);
     __m256i mp[8];
     __m256 dm = _mm256_setzero_ps();
     if (KS != 2) {
         dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + kvq_ks_dmin(KS) + 16 * hf)));
         for (int p = 0; p < npairs; p++) {
-            const uint8_t *lo_at = (KS == 3 ? sp + 256 + 32 * p : sp + 64 * p + 16) + 8 * hf;
+            const uint8_t *lo_at = sp + kvq_ks_min(KS, p) + 8 * hf;
             const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)lo_at));
-            const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(lo_at + (KS == 3 ? 16 : 32))));
+            const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(lo_at + kvq_ks_min_gap(KS))));
             mp[p] = _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16));
         }
     }
@@ -228,13 +228,13 @@ static inline __attribute__((always_inline)) void ks_half(const int HI, const in
             float *o = out[r] + 8 * hf;
             __m256 acc = _mm256_fmadd_ps(_mm256_mul_ps(da, d), _mm256_cvtepi32_ps(S[r]), _mm256_loadu_ps(o));
             if (KS != 2) {
-                const int16_t *ks = KS == 3 ? a.k16 + (int64_t)r * 2 * a.nb + 16 * sb : a.k32 + (int64_t)r * a.nb + 8 * sb;
+                const int16_t *ks = kvq_ks_sums(KS, a.k16 + (int64_t)r * 2 * a.nb, a.k32 + (int64_t)r * a.nb, sb);
                 __m256i M = _mm256_setzero_si256();
                 for (int p = 0; p < npairs; p++) {
 #if ISA == 2
-                    M = _mm256_dpwssd_avx_epi32(M, mp[p], _mm256_set1_epi32(word16(ks + 2 * p)));
+                    M = _mm256_dpwssd_avx_epi32(M, mp[p], _mm256_set1_epi32(kvq_pair16(ks + 2 * p)));
 #else
-                    M = _mm256_add_epi32(M, _mm256_madd_epi16(mp[p], _mm256_set1_epi32(word16(ks + 2 * p))));
+                    M = _mm256_add_epi32(M, _mm256_madd_epi16(mp[p], _mm256_set1_epi32(kvq_pair16(ks + 2 * p))));
 #endif
                 }
                 acc = _mm256_fnmadd_ps(_mm256_mul_ps(da, dm), _mm256_cvtepi32_ps(M), acc);

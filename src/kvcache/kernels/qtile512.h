@@ -247,8 +247,8 @@ static inline __attribute__((always_inline)) void ks_row1(const int HI, const in
         }
         __m512i mp[8];
         if (KS != 2)
-            for (int p = 0; p < KS_PAIRS(KS); p++) mp[p] = ks_min_pair(KS, sp, p);
-        acc = ks_close(KS, acc, S, sp, a.dk[sb], ks_sums(KS, a.k16, a.k32, sb), mp);
+            for (int p = 0; p < kvq_ks_pairs(KS); p++) mp[p] = ks_min_pair(KS, sp, p);
+        acc = ks_close(KS, acc, S, sp, a.dk[sb], kvq_ks_sums(KS, a.k16, a.k32, sb), mp);
     }
     _mm512_storeu_ps(out, acc);
 }
@@ -295,7 +295,7 @@ static inline __attribute__((always_inline)) void ks_tile(const int HI, const in
         }
         __m512i mp0[8], mp1[8];
         if (KS != 2)
-            for (int p = 0; p < KS_PAIRS(KS); p++) {
+            for (int p = 0; p < kvq_ks_pairs(KS); p++) {
                 mp0[p] = ks_min_pair(KS, sp0, p);
                 if (NG == 2) mp1[p] = ks_min_pair(KS, sp1, p);
             }
@@ -303,7 +303,7 @@ static inline __attribute__((always_inline)) void ks_tile(const int HI, const in
         for (int r = 0; r < RT; r++) {
             if (r < nr) {
                 const float dk = a.dk[(int64_t)r * nsb + sb];
-                const int16_t *ks = ks_sums(KS, a.k16 + (int64_t)r * 2 * a.nb, a.k32 + (int64_t)r * a.nb, sb);
+                const int16_t *ks = kvq_ks_sums(KS, a.k16 + (int64_t)r * 2 * a.nb, a.k32 + (int64_t)r * a.nb, sb);
                 _mm512_storeu_ps(out[r], ks_close(KS, _mm512_loadu_ps(out[r]), S0[r], sp0, dk, ks, mp0));
                 if (NG == 2)
                     _mm512_storeu_ps(out[r] + KVQ_NC,
