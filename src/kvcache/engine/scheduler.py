@@ -34,9 +34,10 @@ Every ``step`` runs one model forward over a batch of sequences of different len
    step still to feed) takes of any step while the engine is shared
    (another request running or waiting, or gone less than ``SHARED_S`` ago), so that even the
    steps that carry only a document are short: a newcomer's wait for the step already running
-   shrinks with it, and the document pays in steps; a document alone takes whole steps. Under the priority policy each priority level shares what
-   the higher levels leave. Chunking never changes a sequence's
-   bits (batch invariance): how the budget is split decides when tokens come, never which;
+   shrinks with it, and the document pays in steps; a document alone takes whole steps. Under
+   the priority policy each priority level shares what the higher levels leave. Chunking never
+   changes a sequence's bits (batch invariance): how the budget is split decides when tokens
+   come, never which;
 3. the step's pages are asked of the cache's page manager (``runner.reserve``) before the forward
    runs, so attention only writes pages it was given; when the pool cannot give them (a typed
    refusal), the latest-admitted, lowest-priority request is preempted: its
@@ -451,13 +452,13 @@ class Scheduler:
         highest first)."""
         levels = sorted({req.priority for req, _ in prefills}, reverse=True) if self.config.policy == "priority" else [None]
         out = []
+        step = self.config.max_batch_tokens
+        cap = self.config.document_work if time.monotonic() - self._shared_at < SHARED_S else None
         for level in levels:
             group = [(req, s) for req, s in prefills if level is None or req.priority == level]
             cost = [self._work(len(s.seq.tokens) if s.seq is not None else 0) for _, s in group]
             shares = fair_shares([len(s.feed) for _, s in group], budget, cost)
-            cap = self.config.document_work if time.monotonic() - self._shared_at < SHARED_S else None
             for (req, s), n, c in zip(group, shares, cost):
-                step = self.config.max_batch_tokens
                 if cap is not None and len(s.feed) > step and len(req.prompt_ids) > DOCUMENT_STEPS * step:  # a document
                     n = min(n, max(1, int(cap / c)))
                 if n:
