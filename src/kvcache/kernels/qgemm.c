@@ -88,6 +88,25 @@ static inline ivec round_step(vec x, float id) {
     return (qi & (qi >= -127)) | (-127 & ~(qi >= -127));
 }
 
+/* qi's lanes stored as int8 at q; returns their sum. Whole vectors at once (lane by lane, these
+ * stores and sums took about 3% of a 1.5B model's prefill). */
+typedef int8_t bvec __attribute__((vector_size(VL), aligned(1), may_alias));
+static inline int put_sum(int8_t *q, ivec qi) {
+    const bvec b = __builtin_convertvector(qi, bvec);
+    memcpy(q, &b, VL);
+    ivec t = qi;
+    int s = 0;
+#if VL == 16
+    t += __builtin_shufflevector(t, t, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    t += __builtin_shufflevector(t, t, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    t += __builtin_shufflevector(t, t, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    s = t[0] + t[1];
+#else
+    for (int l = 0; l < VL; l++) s += t[l];
+#endif
+    return s;
+}
+
 /* The largest |v| of n vectors (lanes), as a float. */
 static inline float amax_of(const vec *v, int n) {
     vec m = {0};
@@ -122,11 +141,7 @@ KV_HIDDEN void act_row(const Scratch *sc, int r, int K, const float *x, int64_t 
             int s[2] = {0, 0};
             int8_t *qb = sc->q + (int64_t)r * K + 32 * b;
             for (int j = 0; j < nv; j++) {
-                const ivec qi = round_step(v[j], id);
-                for (int l = 0; l < VL; l++) {
-                    qb[VL * j + l] = (int8_t)qi[l];
-                    s[(VL * j + l) >> 4] += qi[l];
-                }
+                s[(VL * j) >> 4] += put_sum(qb + VL * j, round_step(v[j], id)); /* VL <= 16: one sub-block's */
             }
             const int64_t at = (int64_t)r * nb + b;
             sc->da[at] = d;
@@ -147,11 +162,7 @@ KV_HIDDEN void act_row(const Scratch *sc, int r, int K, const float *x, int64_t 
             int s[16] = {0};
             int8_t *qb = sc->kq + (int64_t)r * K + 256 * sb;
             for (int j = 0; j < 256 / VL; j++) {
-                const ivec qi = round_step(v[j], id);
-                for (int l = 0; l < VL; l++) {
-                    qb[VL * j + l] = (int8_t)qi[l];
-                    s[(VL * j + l) >> 4] += qi[l];
-                }
+                s[(VL * j) >> 4] += put_sum(qb + VL * j, round_step(v[j], id)); /* VL <= 16: one sub-block's */
             }
             sc->dk[(int64_t)r * (K / 256) + sb] = amax / 127.f;
             int16_t *k16 = sc->k16 + (int64_t)r * (K / 16) + 16 * sb, *k32 = sc->k32 + (int64_t)r * nb + 8 * sb;
