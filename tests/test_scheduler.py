@@ -49,7 +49,7 @@ def test_batched_runs_equal_one_at_a_time(tiny_path, reference, spec, config):
 def test_decoding_goes_on_while_a_long_prompt_prefills(tiny_path):
     llm = LLM(tiny_path, kv="dynamic,page_size=4", prefix=False)
     sched = Scheduler(llm.runner, llm.tokenizer, SchedulerConfig(max_batch_tokens=6))
-    short = Request("short", [7, 8, 9], SamplingParams(max_tokens=20, ignore_eos=True))
+    short = Request("short", [7, 8, 9], SamplingParams(max_tokens=100, ignore_eos=True))  # outlasts the prefill
     sched.add(short)
     sched.step()  # short is prefilled and has its first token
     long = Request("long", list(range(20, 80)), SamplingParams(max_tokens=2, ignore_eos=True))

@@ -29,7 +29,9 @@ Every ``step`` runs one model forward over a batch of sequences of different len
    document chunk as well; the document loses a short prompt's time. The budget counts work,
    not tokens (``step_work``): a prompt token at depth ``p`` costs its attention over ``p`` keys
    besides its weights, so a step deep in a document is about as long as one at its start, and
-   the step a newcomer waits for is short too. ``document_work`` (serve --document-step-work)
+   the step a newcomer waits for is short too (while the engine is shared; a prompt alone is
+   counted with a lower attention cost, ``ALONE_ATTENTION_WEIGHT``: its steps deep in the prompt
+   carry more tokens and read its keys fewer times). ``document_work`` (serve --document-step-work)
    caps what a document (a prompt of more than ``DOCUMENT_STEPS`` whole steps, with more than a
    step still to feed) takes of any step while the engine is shared
    (another request running or waiting, or gone less than ``SHARED_S`` ago), so that even the
@@ -71,7 +73,7 @@ from kvcache.engine.params import MAX_LOOKUP
 from kvcache.engine.runner import ModelRunner
 from kvcache.engine.sampler import Row, choose, log_probs, make_generator, token_logprob
 from kvcache.engine.speculate import Speculator, speculative, verify, verify_constrained, verify_rows
-from kvcache.engine.step_work import token_work
+from kvcache.engine.step_work import ALONE_ATTENTION_WEIGHT, token_work
 from kvcache.engine.stops import TextTracker
 from kvcache.errors import CacheFull, InvalidParams, KVCacheError
 from kvcache.models.tokenizer import Tokenizer
@@ -148,7 +150,10 @@ class Scheduler:
         self._held_back = False  # a preemption happened: admit nothing more until a request ends
         self._sat_out = False  # the last step left out the prompts longer than a whole step (_plan)
         self._shared_at = float("-inf")  # when the engine last had more than one request (_plan)
+        # what a prompt token costs while other requests are about, and while one prompt is alone (step_work.py)
         self._work = token_work(runner.config) if self.config.count_work else (lambda position: 1.0)
+        self._work_alone = (token_work(runner.config, ALONE_ATTENTION_WEIGHT) if self.config.count_work
+                            else self._work)
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -453,10 +458,12 @@ class Scheduler:
         levels = sorted({req.priority for req, _ in prefills}, reverse=True) if self.config.policy == "priority" else [None]
         out = []
         step = self.config.max_batch_tokens
-        cap = self.config.document_work if time.monotonic() - self._shared_at < SHARED_S else None
+        shared = time.monotonic() - self._shared_at < SHARED_S
+        cap = self.config.document_work if shared else None
+        work = self._work if shared else self._work_alone
         for level in levels:
             group = [(req, s) for req, s in prefills if level is None or req.priority == level]
-            cost = [self._work(len(s.seq.tokens) if s.seq is not None else 0) for _, s in group]
+            cost = [work(len(s.seq.tokens) if s.seq is not None else 0) for _, s in group]
             shares = fair_shares([len(s.feed) for _, s in group], budget, cost)
             for (req, s), n, c in zip(group, shares, cost):
                 if cap is not None and len(s.feed) > step and len(req.prompt_ids) > DOCUMENT_STEPS * step:  # a document
