@@ -61,6 +61,9 @@ def test_repacked_weights_hold_exactly_the_files_values(t):
     assert w.nbytes == BYTES_PER_WEIGHT[t] * 48 * 512  # rows padded to whole groups of 16
     rows = torch.tensor([36, 0, 8, 7])
     torch.testing.assert_close(w.rows(rows), torch.from_numpy(ref[[36, 0, 8, 7]]), rtol=1e-6, atol=0)
+    for bad in ([0, 37], [-1], [5, 1 << 40]):  # the native lookup refuses every id past the rows it holds
+        with pytest.raises(IndexError, match="out of range for a weight of 37 rows"):
+            w.rows(torch.tensor(bad))
 
 
 @pytest.mark.parametrize("types", [(T.Q4_0, T.Q4_K), (T.Q4_1, T.Q5_0), (T.Q4_K, T.Q5_K), (T.Q5_1, T.Q2_K),

@@ -78,8 +78,9 @@ class PagedContext:
         if cache.config.encoding == "fp32" and not replaying and not cache.placement.offloaded:
             new = torch.tensor(list(new_tokens), dtype=torch.long)
             row0 = torch.cumsum(new, 0) - new
+            pressed = any(seq.press is not None for seq in plan.seqs)  # else no read is a press's (plan.py)
             for g in cache.groups:
-                if not g.sinks and not any(r[g.index].press for r in plan.reads):
+                if not g.sinks and not (pressed and any(r[g.index].press for r in plan.reads)):
                     self.rows[g.index] = (plan.page_tables(g.index), row0, new, plan.lengths(g.index))
 
     # -- fused paths -----------------------------------------------------------------------------

@@ -156,6 +156,9 @@ class PagedKVCache:
         """Pool slots (page * page_size + offset) of positions start .. start + n - 1: [n] int64.
         Only the touched pages are looked up."""
         ps, first = self.page_size, start // self.page_size
+        if n <= 16:  # a decode's few: in Python, one tensor made instead of eight small operations
+            t = seq.tables[group]
+            return torch.tensor([t[p // ps] * ps + p % ps for p in range(start, start + n)], dtype=torch.long)
         table = torch.tensor(seq.tables[group][first : (start + n - 1) // ps + 1], dtype=torch.long)
         idx = torch.arange(start, start + n) - first * ps
         return table[idx // ps] * ps + idx % ps

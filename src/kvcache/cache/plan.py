@@ -200,7 +200,12 @@ class ForwardPlan:
         # every reservation before any length moves; pages the scheduler asked for are already there
         self.sealed = cache.pages.reserve_all(seqs, new_tokens)
         self.rows: list[slice] = []
-        self.reads: list[list[ReadPlan]] = []
+        self._reads: list[list[ReadPlan]] | None = []
+        # fp32 pools without presses: the stored reads are planned when first asked for (the fused
+        # native paths read the page tables instead, and a decode step then plans nothing more);
+        # nothing they are made of changes before the forward is over
+        lazy = reads == "stored" and not cache.quantized and all(seq.press is None for seq in seqs)
+        self._later: list[tuple[SeqKV, torch.Tensor, list[int]]] = []
         write_slots: list[list[torch.Tensor]] = [[] for _ in cache.groups]
         start = 0
         for seq, n, lens in zip(seqs, new_tokens, self.sealed):
@@ -214,14 +219,27 @@ class ForwardPlan:
                     write_slots[gi].append(cache.slots(seq, gi, seq.held(gi) - n, n))
             if reads == "stored":
                 q_pos = positions[start : start + n] if positions is not None else torch.arange(old, old + n)
-                self.reads.append([plan_stored(cache, seq, gi, q_pos, lens[gi]) for gi in range(len(cache.groups))])
+                if lazy:
+                    self._later.append((seq, q_pos, lens))
+                else:
+                    self._reads.append([plan_stored(cache, seq, gi, q_pos, lens[gi]) for gi in range(len(cache.groups))])
             else:
-                self.reads.append([plan_window(seq.tables[g.index], cache.page_size, g, old, seq.length,
+                self._reads.append([plan_window(seq.tables[g.index], cache.page_size, g, old, seq.length,
                                                lens[g.index] if cache.quantized else None) for g in cache.groups])
             self.rows.append(slice(start, start + n))
             start += n
         self.write_slots = [torch.cat(s) if len(s) > 1 else (s[0] if s else None) for s in write_slots]
         cache.pages.commit(seqs)
+
+    @property
+    def reads(self) -> list[list[ReadPlan]]:
+        """``reads[i][g]``: sequence i's ReadPlan in group g (planned on first use where it can wait)."""
+        if self._later:
+            cache = self.cache
+            self._reads = [[plan_stored(cache, seq, gi, q_pos, lens[gi]) for gi in range(len(cache.groups))]
+                           for seq, q_pos, lens in self._later]
+            self._later = []
+        return self._reads  # type: ignore[return-value]
 
     def page_tables(self, group: int) -> torch.Tensor:
         """The sequences' page tables of one group, zero-padded: [B, max_pages] int64."""

@@ -148,12 +148,12 @@ class QWeight:
         """Rows ``ids`` [N] of the weight as fp32 [N, K] (a tied embedding's lookup)."""
         ids = ids.to(torch.int64).contiguous()
         y = torch.empty(ids.shape[0], self.k)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out):
-            raise IndexError(f"row index out of range for a weight of {self.out} rows")
         rc = _lib().kv_q_dequant(self.fmt, self.k, self.out, self.qs.data_ptr(), self.d.data_ptr(),
                                  None if self.m is None else self.m.data_ptr(), ids.data_ptr(), ids.shape[0],
-                                 y.data_ptr(), self.k)
+                                 y.data_ptr(), self.k)  # checks every id against the rows it has
         if rc:
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out):
+                raise IndexError(f"row index out of range for a weight of {self.out} rows")
             raise RuntimeError("dequantizing rows of a quantized weight failed")
         return y
 
