@@ -42,17 +42,17 @@ def test_committed_json_gives_one_table_per_host_kind_with_the_files_own_ratios(
     text = report([str(BENCH)], notes=io.StringIO())
     assert text.count(f"### {ZEN4}\n") == 1 and text.count(f"### {FAMILY26}\n") == 1
 
-    # Zen4, 1B Q4_K_M prefill of 512 tokens: the 2026-11-27 run (the K-quant order) measured it last,
-    # after the 2026-11-26 layer-stack run
-    src = BENCH / "scale" / "zen4" / "1b-Q4_K_M-ksuper-2026-11-27.json"
+    # Zen4, 1B Q4_K_M prefill of 512 tokens: the 2026-11-28 run measured it last, after the
+    # 2026-11-27 run (the K-quant order) and the 2026-11-26 layer-stack run
+    src = BENCH / "scale" / "zen4" / "1b-Q4_K_M-acts-2026-11-28.json"
     res = _raw(src)["results"]
     k, p = _kvcache_row(res, "prefill", 512), _tok_s(res, "llama.cpp", "prefill", 512)
     (e,) = [e for e in tables[ZEN4] if e.row.what == "1B Q4_K_M: prefill 512 tokens, tok/s"]
-    assert e.run.path.name == src.name and e.run.date == "2026-11-27"
+    assert e.run.path.name == src.name and e.run.date == "2026-11-28"
     assert e.row.kvcache == k and e.row.peer == p
     assert abs(e.row.ratio - k / p) < 1e-12
     line = next(ln for ln in text.splitlines() if ln.startswith("| 1B Q4_K_M: prefill 512 tokens"))
-    assert f"| {k / p:.2f}x | 2026-11-27 | docs/bench/scale/zen4/1b-Q4_K_M-ksuper-2026-11-27.json |" in line
+    assert f"| {k / p:.2f}x | 2026-11-28 | docs/bench/scale/zen4/1b-Q4_K_M-acts-2026-11-28.json |" in line
 
     # the same row on the other host kind comes from that host's own file
     fam = _raw(BENCH / "scale" / "1b-Q4_K_M.json")["results"]
