@@ -267,20 +267,26 @@ def test_a_quantized_expert_runs_in_one_native_call_with_each_rows_own_bits(fold
 def test_a_rows_experts_in_one_native_call_give_the_loops_bits(folder) -> None:
     """kv_q_experts_row (a decode step's mixture in one call) == each expert's kv_q_expert output
     weighted and summed in the row's order by separate multiplies and adds, bitwise."""
-    from kvcache.kernels.qweight import expert_mlp, experts_row
+    from kvcache.kernels.qweight import expert_mlp, expert_table, experts_row
 
     path, _ = folder("norm")
     q8 = LLM(str(path), weights="q8", prefix=False)
     experts = q8.model.layers[1].experts
+    table = expert_table([(ex.gate_up, ex.down) for ex in experts])  # the layer's fields, made once
+    assert table is not None and table[0].shape[0] == len(experts)
     h = torch.randn(1, 64, generator=torch.Generator().manual_seed(4))
     for order in ([3, 0], [5, 1, 7, 2], [6]):
         w = torch.rand(len(order), generator=torch.Generator().manual_seed(len(order)))
-        got = experts_row(h, [(experts[e].gate_up, experts[e].down) for e in order], w, 0)
+        got = experts_row(h, table, torch.tensor(order), w, 0)
         want = expert_mlp(h, experts[order[0]].gate_up, experts[order[0]].down, 0) * w[0]
         for j, e in enumerate(order[1:], 1):
             want = want + expert_mlp(h, experts[e].gate_up, experts[e].down, 0) * w[j]
         assert got is not None and torch.equal(got, want), order
-    assert experts_row(h.expand(2, 64).contiguous(), [(experts[0].gate_up, experts[0].down)], w[:1], 0) is None
+    assert experts_row(h.expand(2, 64).contiguous(), table, torch.tensor([0]), w[:1], 0) is None
+    with pytest.raises(IndexError, match="outside the layer's"):
+        experts_row(h, table, torch.tensor([0, len(experts)]), torch.ones(2), 0)
+    fp32 = LLM(str(path), weights="fp32", prefix=False).model.layers[1].experts  # not quantized: no table
+    assert expert_table([(ex.gate_up, ex.down) for ex in fp32]) is None
 
 
 def _gguf_state(hf: Any, folder_: Path, ggml: int) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from kvcache.errors import UnsupportedArchitecture
-from kvcache.kernels.qweight import expert_mlp, experts_row
+from kvcache.kernels.qweight import expert_mlp, expert_table, experts_row
 from kvcache.models.config import ModelConfig
 from kvcache.models.layers import linear, pack
 from kvcache.models.weights import Part, as_fp32, projection
@@ -87,7 +87,13 @@ class Router(nn.Module):
         logits = linear(h, self.weight)[:, : spec.num_experts].contiguous()  # [N, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [N, E]
         weights, experts = torch.topk(probs, spec.top_k, dim=-1)  # [N, K] each
-        if spec.norm_topk:
+        if spec.norm_topk and weights.shape[0] == 1:  # a decode's row: the same float32 steps on numpy scalars
+            w = weights[0].numpy()  # (IEEE float32 adds and divisions, as torch's), without a dozen tensor calls
+            total = w[0]
+            for j in range(1, spec.top_k):
+                total = total + w[j]
+            weights = torch.from_numpy(w / total)[None]
+        elif spec.norm_topk:
             total = weights[:, 0].clone()  # [N]: the chosen weights summed in top-k order
             for j in range(1, spec.top_k):
                 total += weights[:, j]
@@ -155,8 +161,10 @@ def moe_block(x: torch.Tensor, h: torch.Tensor, router: Router, experts: nn.Modu
     weights, chosen = router(h)  # [N, K] each
     k = weights.shape[1]
     if n == 1:  # a decode step: the row's experts in its top-k order, no grouping to do
-        picked = [experts[e] for e in chosen[0].tolist()]
-        native = experts_row(h, [(ex.gate_up, ex.down) for ex in picked], weights[0], picked[0].act_kernel)
+        table = experts.__dict__.get("_row_table", False)
+        if table is False:  # every expert's native fields, made once (None: some expert is not quantized)
+            table = experts.__dict__["_row_table"] = expert_table([(ex.gate_up, ex.down) for ex in experts])
+        native = None if table is None else experts_row(h, table, chosen[0], weights[0], experts[0].act_kernel)
         if native is not None:  # quantized experts: one native call, the same bits as the loop below
             x += native
             return
