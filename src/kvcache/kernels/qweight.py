@@ -362,9 +362,10 @@ def experts_row(h: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor, int, i
     if act is None or h.shape != (1, hidden) or h.dtype != torch.float32 or not h.is_contiguous():
         return None
     idx = chosen.to(torch.int64)
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= gu_all.shape[0]):
-        raise IndexError(f"an expert id outside the layer's {gu_all.shape[0]} experts")
-    gu, dn = gu_all.index_select(0, idx), dn_all.index_select(0, idx)  # [k, KVP_N] each, in the row's order
+    try:  # [k, KVP_N] each, in the row's order; index_select checks every id
+        gu, dn = gu_all.index_select(0, idx), dn_all.index_select(0, idx)
+    except (IndexError, RuntimeError):
+        raise IndexError(f"an expert id outside the layer's {gu_all.shape[0]} experts") from None
     w = weights.to(torch.float32).contiguous()
     out = torch.empty(1, hidden)
     rc = _lib().kv_q_experts_row(hidden, size, h.data_ptr(), idx.numel(), gu.data_ptr(), dn.data_ptr(),

@@ -161,10 +161,12 @@ def moe_block(x: torch.Tensor, h: torch.Tensor, router: Router, experts: nn.Modu
     weights, chosen = router(h)  # [N, K] each
     k = weights.shape[1]
     if n == 1:  # a decode step: the row's experts in its top-k order, no grouping to do
-        table = experts.__dict__.get("_row_table", False)
-        if table is False:  # every expert's native fields, made once (None: some expert is not quantized)
-            table = experts.__dict__["_row_table"] = expert_table([(ex.gate_up, ex.down) for ex in experts])
-        native = None if table is None else experts_row(h, table, chosen[0], weights[0], experts[0].act_kernel)
+        kept = experts.__dict__.get("_row_table")
+        if kept is None:  # every expert's native fields and the activation's kernel, made once
+            kept = experts.__dict__["_row_table"] = (expert_table([(ex.gate_up, ex.down) for ex in experts]),
+                                                     experts[0].act_kernel)
+        table, act_kernel = kept  # table None: some expert is not quantized
+        native = None if table is None else experts_row(h, table, chosen[0], weights[0], act_kernel)
         if native is not None:  # quantized experts: one native call, the same bits as the loop below
             x += native
             return
