@@ -296,13 +296,12 @@ class ModelRunner:
             ctx = RecomputeContext(lens, positions, self.config.layer_windows)
         else:
             ctx = PagedContext(self.cache, [s.kv for s in seqs], lens, positions, self.rotaries)  # type: ignore[misc]
-        ends = torch.tensor(lens).cumsum(0)
-        if all_rows:
+        wanted = len(lens) if want is None else sum(want)  # logits rows: each sequence's last want[i] tokens
+        if all_rows or wanted == len(ids):  # every row, in order (a decode step): no gather
             rows = None
-        elif want is None:
-            rows = ends - 1  # [B] last token of each sequence
-        else:  # each sequence's last want[i] tokens, in order
-            rows = torch.cat([torch.arange(e - w, e) for e, w in zip(ends.tolist(), want)])
+        else:
+            ends = torch.tensor(lens).cumsum(0)
+            rows = ends - 1 if want is None else torch.cat([torch.arange(e - w, e) for e, w in zip(ends.tolist(), want)])
         if faults.ACTIVE:
             faults.check("forward", ids.tolist())
             faults.check("stall", ids.tolist())

@@ -116,7 +116,7 @@ class Gemma3ForCausalLM(CausalLM):
     def head(self, x: torch.Tensor, logits_rows: torch.Tensor | None) -> torch.Tensor:
         """The final norm, the output head and the soft cap over rows ``logits_rows`` of x (None:
         all) -> [R, V]."""
-        if logits_rows is not None and logits_rows.shape[0] != x.shape[0]:  # else every row, in order
+        if logits_rows is not None:
             x = x[logits_rows]
         logits = norm_linear(x, self.lm_head, None, self.config.norm_eps, self.norm)  # [R, k * V / k]
         if logits.shape[1] != self.config.vocab_size:

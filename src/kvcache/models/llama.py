@@ -140,7 +140,7 @@ class LlamaForCausalLM(CausalLM):
 
     def head(self, x: torch.Tensor, logits_rows: torch.Tensor | None) -> torch.Tensor:
         """The final norm and the output head over rows ``logits_rows`` of x (None: all) -> [R, V]."""
-        if logits_rows is not None and logits_rows.shape[0] != x.shape[0]:  # else every row, in order
+        if logits_rows is not None:
             x = x[logits_rows]
         logits = norm_linear(x, self.lm_head, None, self.config.norm_eps, self.norm)  # [R, k * V / k]
         vocab = self.config.vocab_size
