@@ -200,7 +200,7 @@ class ForwardPlan:
         # every reservation before any length moves; pages the scheduler asked for are already there
         self.sealed = cache.pages.reserve_all(seqs, new_tokens)
         self.rows: list[slice] = []
-        self._reads: list[list[ReadPlan]] | None = []
+        self._reads: list[list[ReadPlan]] = []
         # fp32 pools without presses: the stored reads are planned when first asked for (the fused
         # native paths read the page tables instead, and a decode step then plans nothing more);
         # nothing they are made of changes before the forward is over
@@ -239,7 +239,7 @@ class ForwardPlan:
             self._reads = [[plan_stored(cache, seq, gi, q_pos, lens[gi]) for gi in range(len(cache.groups))]
                            for seq, q_pos, lens in self._later]
             self._later = []
-        return self._reads  # type: ignore[return-value]
+        return self._reads
 
     def page_tables(self, group: int) -> torch.Tensor:
         """The sequences' page tables of one group, zero-padded: [B, max_pages] int64."""
