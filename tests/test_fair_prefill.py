@@ -302,3 +302,20 @@ def test_a_documents_share_of_a_step_is_capped_while_shared_and_short_prompts_st
     with pytest.raises(Exception, match="document-step-work"):
         SchedulerConfig(document_work=0)
     tiny_llm.check_integrity()
+
+
+def test_serve_help_states_the_schedulers_document_limits():
+    """`serve --document-step-work`'s help names what makes a prompt a document and how long the
+    engine counts as shared: the scheduler's own constants, so the text cannot drift from them."""
+    import argparse
+
+    from kvcache.engine import scheduler as scheduler_mod
+    from kvcache.server.cli import DOCUMENT_STEP_WORK, add_serve_parser
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    serve = next(a for a in parser._subparsers._group_actions[0].choices.values())  # type: ignore[union-attr]
+    text = next(a.help for a in serve._actions if "--document-step-work" in a.option_strings)
+    assert f"more than {scheduler_mod.DOCUMENT_STEPS} x --max-batch-tokens" in text
+    assert f"in the last {scheduler_mod.SHARED_S:g} s" in text
+    assert f"default {DOCUMENT_STEP_WORK};" in text
