@@ -294,7 +294,7 @@ def test_metrics_expose_cache_and_latency(server):
     assert code == 200
     for name in ("kvcache_time_to_first_token_seconds_bucket", "kvcache_time_per_output_token_seconds_count",
                  "kvcache_kv_usage_ratio", "kvcache_prefix_hit_rate", "kvcache_requests_waiting",
-                 "kvcache_preemptions_total", "kvcache_kv_pages"):
+                 "kvcache_preemptions_total", "kvcache_kv_pages", "kvcache_prefix_running_tokens_total"):
         assert name in text
     # a figure that can go down is a gauge (the pool shrinks when idle), never a counter
     assert "# TYPE kvcache_kv_pages gauge" in text and "kvcache_kv_pages_total" not in text

@@ -24,7 +24,7 @@ from kvcache.errors import CacheFull, ConstraintFault, ContextOverflow, InvalidP
 
 class Sample:
     __slots__ = ("index", "seq", "feed", "tokens", "text", "gen", "reason", "logprobs", "lp_sent", "matcher",
-                 "counts", "seen", "spec", "draft")
+                 "counts", "seen", "spec", "draft", "follow")
 
     def __init__(self, index: int, text: TextTracker, gen: torch.Generator | None) -> None:
         self.index = index
@@ -41,6 +41,7 @@ class Sample:
         self.seen: torch.Tensor | None = None  # prompt and output tokens [V], for the repetition penalty
         self.spec: Any = None  # its Speculator, when it speculates (engine/speculate.py)
         self.draft = 0  # proposed tokens at the end of ``feed``, verified in its next forward
+        self.follow: Any = None  # its donor and the tokens it will take, or False (engine/inflight.py)
 
     def start(self, params: SamplingParams, prompt_ids: list[int], vocab: int, matcher: Any = None) -> None:
         """What the sampler needs from this sample's history, for the parameters that use it."""

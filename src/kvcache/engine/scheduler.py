@@ -69,6 +69,7 @@ from kvcache import hugepages, kernels
 from kvcache.engine import faults
 from kvcache.engine.request import Request, Sample, check_prompt, error_kind
 from kvcache.engine.grammar import Grammars, grammars_for
+from kvcache.engine.inflight import InflightSharing
 from kvcache.engine.params import MAX_LOOKUP
 from kvcache.engine.runner import ModelRunner
 from kvcache.engine.sampler import Row, choose, log_probs, make_generator, token_logprob
@@ -150,6 +151,7 @@ class Scheduler:
         self._held_back = False  # a preemption happened: admit nothing more until a request ends
         self._sat_out = False  # the last step left out the prompts longer than a whole step (_plan)
         self._shared_at = float("-inf")  # when the engine last had more than one request (_plan)
+        self.sharing = InflightSharing(runner)
         # what a prompt token costs while other requests are about, and while one prompt is alone (step_work.py)
         self._work = token_work(runner.config) if self.config.count_work else (lambda position: 1.0)
         self._work_alone = (token_work(runner.config, ALONE_ATTENTION_WEIGHT) if self.config.count_work
@@ -389,7 +391,7 @@ class Scheduler:
         keep = self.runner.reusable(seq, keep)
         if keep < len(seq.tokens):
             self.runner.truncate(seq, keep)
-        s.seq, s.feed, s.draft = seq, full[keep:], 0
+        s.seq, s.feed, s.draft, s.follow = seq, full[keep:], 0, None
 
     def _room_for(self, req: Request) -> bool:
         """Whether a static pool, or a dynamic one at its budget, has the pages for the request's
@@ -441,6 +443,7 @@ class Scheduler:
             budget -= len(s.feed)
         prefills = [(req, s) for req in self.running for s in req.samples  # in admission order
                     if s.reason is None and s.feed and not (s.tokens and len(s.feed) == 1 + s.draft)]
+        prefills = self.sharing.arrange(self.running, prefills)  # a prompt another running one is computing
         chunks = self._chunks(prefills, budget)  # then prompt chunks, shared fairly
         step = self.config.max_batch_tokens
         longer = any(len(c.sample.feed) > step for c in chunks)

@@ -49,6 +49,7 @@ class PrefixStats:
     prompt_tokens: int = 0
     hit_tokens: int = 0  # prompt tokens whose K/V came from the index or a tier
     tier_tokens: int = 0  # of those, restored from disk or Redis
+    running_tokens: int = 0  # of those, taken from a request still running (engine/inflight.py)
     evicted_pages: int = 0
     rejected: int = 0  # tier entries found corrupt or mismatched (recomputed)
     cached_pages: int = 0  # pages only the index holds (evictable)

@@ -49,5 +49,5 @@ class ServerState:
         ps = llm.prefix_stats()
         if ps is not None:
             out.update(prefix_hit_rate=ps.hit_rate, prefix_hit_tokens_total=ps.hit_tokens,
-                       prefix_evicted_pages_total=ps.evicted_pages)
+                       prefix_running_tokens_total=ps.running_tokens, prefix_evicted_pages_total=ps.evicted_pages)
         return out
