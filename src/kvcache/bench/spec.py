@@ -22,7 +22,9 @@ the run without speculation and each speculating run take turns (the order rotat
 repeat), after one untimed run of each; the best of ``--repeats`` counts (the machine may be
 shared), and the median over the rounds of each round's ratio to the run without speculation
 beside it (``speedup_median``). Decode tok/s is ``RequestOutput.decode_tok_s``: the tokens after the first over the time
-after the first. Each row reports:
+after the first. The model's prefix cache stays on, so that only the first run of a workload
+prefills its whole prompt (the prompt's time is not in the figures); the draft's stays off, since
+its prefill counts. Each row reports:
 - acceptance: proposed tokens the model kept / tokens proposed (``spec_accepted`` /
   ``spec_proposed`` of the request's metrics);
 - tokens per forward: (new tokens - 1) / the forwards after the prompt's, those that verified
@@ -228,7 +230,7 @@ def bench_kvcache(model: str | None, mode: str, threads: int | None, prompts: di
     from kvcache.engine.llm import LLM
     from kvcache.engine.params import SamplingParams
 
-    llm = LLM(model, threads=threads, weights=mode, prefix=False)
+    llm = LLM(model, threads=threads, weights=mode)
     if prompts is None:
         prompts = {w: llm.encode(p, chat=True) for w, (p, _) in WORKLOADS.items()}
     prediction = {m: llm.tokenizer.encode(text, add_special_tokens=False)
