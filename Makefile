@@ -78,12 +78,13 @@ test-qwen: setup-test qwen
 run: setup
 	$(BIN)/kvcache generate
 
-# two workers of one thread each (tests/conftest.py): half the suite waits on servers and processes
+# two workers of one thread each (tests/conftest.py): half the suite waits on servers and processes;
+# a module's tests stay on one worker, so its module fixtures (a loaded model, a server) are made once
 test: setup-test qwen-tokenizer
-	$(BIN)/python -m pytest -q -m "not slow" -n 2
+	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadscope
 
 test-all: setup-test qwen-tokenizer
-	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m pytest -q -n 2 --dist loadscope
 
 # the quick suite three times in a row beside two busy processes: no test may depend on timing
 test-loaded: setup-test
