@@ -122,7 +122,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--quick", action="store_true",
                    help="a short run: decode 16 tokens, 1 repeat, prefill 512, depth 512; context 256,1024 with 16 tokens, 1 repeat, "
                         "kv dynamic,static; growth to 2048 tokens; structured 4 requests (2 one at a time), 1 repeat; "
-                        "spec 32 tokens, 1 repeat, transformers on the first workload only")
+                        "spec 32 tokens, 1 repeat, transformers on the first workload only; with 'all', each suite "
+                        "smaller still (spec without transformers' rows), llama.cpp's rows only where --llama-cpp-bin "
+                        "names its tools")
     b.add_argument("--json", default=None, help="write results to this JSON file")
     b.add_argument("--out", default=None, metavar="DIR",
                    help="write SUITE.json, SUITE.png and a markdown report SUITE.md (machine, versions, command, "
@@ -247,7 +249,7 @@ ALL_QUICK: dict[str, dict[str, object]] = {
     "serve": {"streams": "4", "requests": 1, "new_tokens": 8, "prefill": "64"},
     "hf": {"contexts": "256", "new_tokens": 4, "kv": "dynamic", "peers": "dynamic"},
     "structured": {"requests": 4, "repeats": 1},
-    "spec": {"new_tokens": 16, "repeats": 1, "weights": "fp32"},
+    "spec": {"new_tokens": 16, "repeats": 1, "weights": "fp32", "peers": ""},  # transformers' rows: 60 s more
     "attention": {"contexts": "1024", "repeats": 1, "kv": "fp16,int4"},
 }
 
@@ -269,6 +271,8 @@ def cmd_all(args: argparse.Namespace) -> int:
                 setattr(sub, k, v)
             if suite == "decode" and args.llama_cpp_bin:
                 sub.peers += ",llama.cpp"
+            if suite == "spec" and args.llama_cpp_bin:
+                sub.peers = "llama-server"
         print(f"\n=== {suite} ===", flush=True)
         if args.out:
             from kvcache.bench.report import run_with_report
