@@ -376,6 +376,16 @@ class Drained:
     def post(self, body: dict, key: str | None = None) -> tuple[int, dict]:
         return self.server.post("/v1/responses", json.dumps({"model": self.model, **body}).encode(), key or self.key)
 
+    def logged(self, pred, timeout: float = 30.0) -> bool:
+        """Whether a line of the server's output satisfies ``pred`` within ``timeout`` s (the reader
+        thread may not have taken in the line the server wrote just before it answered)."""
+        end = time.monotonic() + timeout
+        while not any(pred(line) for line in list(self.log)):
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.05)
+        return True
+
     def close(self) -> None:
         self.server.close()
 
@@ -566,7 +576,7 @@ class TestRestart:
             assert c.responses.retrieve(turns[0].id).output_text == turns[0].output_text
             with pytest.raises(openai.NotFoundError):
                 c.responses.retrieve(doomed.id)
-            assert any("refused" in line and doomed.id in line for line in second.log), second.log[-5:]
+            assert second.logged(lambda line: "refused" in line and doomed.id in line), second.log[-5:]
             assert not damaged.exists()
         finally:
             second.close()
