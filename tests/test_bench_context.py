@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_kvcache
+from conftest import fresh_home, run_kvcache
 
 from kvcache.bench.context_lengths import parse_contexts
 from kvcache.bench.growth import bucket_label, buckets
@@ -135,7 +135,7 @@ def test_long_rows_bytes_share_of_wall_memory_and_plot(tmp_path, tiny_gguf, monk
     from kvcache.inspect.size import kv_size, load_model_config
     from kvcache.inspect.weight_size import parameter_groups
 
-    monkeypatch.setenv("KVCACHE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("KVCACHE_HOME", str(fresh_home(tmp_path / "home")))
     out, new = tmp_path / "out", 4
     p = kvcache("bench", "context", "--long", "--model", tiny_gguf, "--contexts", "128,256", "--new-tokens", str(new),
                 "--repeats", "1", "--kv", "fp16;int8", "--llama-cpp-bin", _crashing_llama_bench(tmp_path / "bin"),
@@ -191,7 +191,7 @@ def test_long_rows_bytes_share_of_wall_memory_and_plot(tmp_path, tiny_gguf, monk
 @pytest.mark.skipif(not (Path(sys.prefix) / "llama.cpp" / "bin" / "llama-bench").is_file(),
                     reason="llama.cpp's tools are not built (make llamacpp)")
 def test_long_beside_the_real_llama_bench(tmp_path, tiny_gguf, monkeypatch):
-    monkeypatch.setenv("KVCACHE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("KVCACHE_HOME", str(fresh_home(tmp_path / "home")))
     out = tmp_path / "long.json"
     p = kvcache("bench", "context", "--long", "--model", tiny_gguf, "--contexts", "128", "--new-tokens", "4",
                 "--repeats", "1", "--kv", "int4", "--peers", "q8_0", "--json", str(out))

@@ -46,7 +46,9 @@ def tiny() -> Path:
 
 @pytest.fixture
 def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVCACHE_HOME", str(tmp_path / "home"))
+    from conftest import fresh_home
+
+    monkeypatch.setenv("KVCACHE_HOME", str(fresh_home(tmp_path / "home")))
     return tmp_path / "home"
 
 

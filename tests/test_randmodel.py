@@ -31,7 +31,9 @@ def test_main_errors_exit_2(capsys: pytest.CaptureFixture[str], tmp_path, monkey
 def test_tiny_random_gguf_loads(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     import kvcache
 
-    monkeypatch.setenv("KVCACHE_HOME", str(tmp_path / "home"))  # the converted folder goes there, not ~/.cache
+    from conftest import fresh_home
+
+    monkeypatch.setenv("KVCACHE_HOME", str(fresh_home(tmp_path / "home")))  # the converted folder goes there
     _, shape = parse_shape(TINY)
     path = write_f16(shape, tmp_path / "tiny.gguf", seed=0, progress=False)
     llm = kvcache.LLM(str(path), prefix=False)

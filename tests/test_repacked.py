@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from conftest import fresh_home
 from kvcache.kernels.qweight import Q4_F16, Q4_KS, S8_F16, QWeight
 from kvcache.models.repacked import VERSION, RepackStore, repack_store
 
@@ -219,7 +220,7 @@ def test_repacked_weights_are_mapped_by_later_loads_and_damage_is_repacked(tmp_p
     old = folder / f"repacked-v{VERSION - 1}.kvq"
     old.write_bytes(b"KVQPACK\0" + bytes(100))  # a file of an older layout: ignored, then removed
     steps = ["none", "offset", "shape", "head", "none"]
-    env = {**os.environ, "KVCACHE_HOME": str(tmp_path / "home")}
+    env = {**os.environ, "KVCACHE_HOME": str(fresh_home(tmp_path / "home"))}
     r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), ",".join(steps), str(VERSION)],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
