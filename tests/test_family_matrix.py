@@ -283,6 +283,24 @@ def test_older_converters_keys_are_honoured_or_known_to_change_nothing(matrix, t
     assert read_gguf(old)[2]["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
 
 
+@pytest.mark.parametrize("row", ["llama", "phi3", "gemma3", "gpt2", "qwen3moe"])
+def test_a_converted_tokenizer_is_the_one_autotokenizer_makes_of_the_file(matrix, tmp_path, row):
+    """The conversion builds the tokenizer from transformers' GGUF reader and converter directly
+    (models/gguf_tokenizer.py); AutoTokenizer's own load of the file gives the same tokenizer.json,
+    for sentencepiece (Llama's, Phi-3's, Gemma's builders) and byte-level BPE alike."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from kvcache.models.gguf_convert import metadata, open_gguf
+    from kvcache.models.gguf_tokenizer import write_tokenizer
+
+    gguf = matrix[row][2]
+    write_tokenizer(gguf, metadata(open_gguf(gguf)), tmp_path)
+    theirs = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).backend_tokenizer.to_str()
+    assert json.loads((tmp_path / "tokenizer.json").read_text()) == json.loads(theirs)
+
+
 @pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
 def test_the_bundled_files_are_honoured_whole(name):
     """Files someone else made (SmolLM2's Q4_1, Gemma 3 270M's Q4_K_M): every key and tensor honoured or
