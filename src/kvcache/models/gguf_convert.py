@@ -229,7 +229,8 @@ def _read_table(folder: Path, path: Path) -> dict[str, Any] | None:
 def convert_gguf(path: Path, out_dir: Path, show_progress: bool = True, weights: bool = True,
                  tokenizer: bool = True) -> None:
     """Write config.json and (with ``tokenizer``) the tokenizer files of ``path`` into ``out_dir``,
-    and with ``weights`` model.safetensors (every tensor as fp32)."""
+    and with ``weights`` model.safetensors (every tensor as fp32), without it the ``file`` mode's
+    table of tensors (gguf_weights)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
@@ -250,8 +251,8 @@ def convert_gguf(path: Path, out_dir: Path, show_progress: bool = True, weights:
         tensors = convert_weights(reader, arch, config, bar.update)
         bar.close()
         save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    else:
-        convert_weights(reader, arch, config, keep_quantized=str(path))  # settles tie_word_embeddings
+    else:  # the file mode's table (what gguf_weights would parse the file again for); settles tie_word_embeddings
+        _write_table(out_dir, convert_weights(reader, arch, config, keep_quantized=str(path)))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     if tokenizer:
         write_tokenizer(path, metadata(reader), out_dir)
