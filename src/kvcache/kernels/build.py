@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from kvcache.paths import cache_home
+from kvcache.paths import cache_home, one_at_a_time
 
 SOURCES = Path(__file__).parent
 # No reassociation, no reciprocals, no contraction: every float step rounds where the source says,
@@ -144,6 +144,13 @@ def build(name: str, v: Variant) -> Path:
     out = library_path(name, v, cc)
     if out.is_file():
         return out
+    with one_at_a_time(out.with_name(f".{out.name}.lock")):  # two processes starting at once compile it once
+        if out.is_file():
+            return out
+        return _compile(name, v, cc, out)
+
+
+def _compile(name: str, v: Variant, cc: list[str], out: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
         cmd = [*cc, *MATH, *v.flags, *COMMON, f"-I{SOURCES}", *map(str, sources(name)), "-o", str(so), "-lm"]

@@ -23,7 +23,7 @@ import torch
 
 from kvcache.errors import ModelLoadError
 from kvcache.models.bundled import BUNDLED, DEFAULT, bundled_path, is_installed
-from kvcache.paths import cache_home
+from kvcache.paths import cache_home, one_at_a_time
 
 FORMAT_VERSION = 4
 
@@ -89,12 +89,19 @@ def ensure_converted(gguf: Path, show_progress: bool = True) -> Path:
     """The converted folder of ``gguf`` (config and tokenizer), converting it now if needed
     (atomically: a temporary folder renamed into place, so an interrupted conversion leaves
     nothing half-written)."""
-    from kvcache.models.gguf_convert import convert_gguf
-
     target = _converted_dir(gguf)
     if (target / "kvcache.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    with one_at_a_time(target.parent / f".{target.name}.lock"):  # processes starting at once convert it once
+        if not (target / "kvcache.json").is_file():
+            _convert(gguf, target, show_progress)
+    return target
+
+
+def _convert(gguf: Path, target: Path, show_progress: bool) -> None:
+    from kvcache.models.gguf_convert import convert_gguf
+
     tmp = _converting(target.parent)
     try:
         convert_gguf(gguf, tmp, show_progress=show_progress, weights=False)
@@ -109,7 +116,6 @@ def ensure_converted(gguf: Path, show_progress: bool = True) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def ensure_fp32(resolved: ResolvedModel, show_progress: bool = True) -> None:
