@@ -109,11 +109,13 @@ def pair():
     """(our Gemma 3 270M, transformers' load of the same GGUF)."""
     from transformers import AutoModelForCausalLM
 
+    from conftest import gguf_parsed_fast
     from kvcache import LLM
     from kvcache.models.bundled import gemma_gguf
 
     path = gemma_gguf()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    with gguf_parsed_fast():
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     return LLM("gemma3-270m", weights="fp32"), hf
 
 
