@@ -149,6 +149,28 @@ def test_the_interpreters_exit_drains_an_unclosed_llm(tiny_dir, tmp_path):
     assert not problems and count == 29
 
 
+UNRAISABLE = """
+import os, signal, weakref
+from kvcache.cliargs import stop_on_signals, stop_asked
+stop_on_signals()
+class A: pass
+a, b = A(), A()
+r = weakref.ref(a, lambda _: os.kill(os.getpid(), signal.SIGINT))  # the signal lands inside the callback
+del a
+s = weakref.ref(b, lambda _: 1 / 0)  # any other error there is reported as before
+del b
+print("stop asked", stop_asked())
+"""
+
+
+def test_a_stop_inside_a_callback_that_cannot_raise_is_kept_without_a_traceback():
+    """A signal that lands where Python cannot raise (an import's module-lock callback, as a SIGINT
+    in the first second of `kvcache serve` did): no "Exception ignored" traceback, the stop kept."""
+    r = subprocess.run([sys.executable, "-c", UNRAISABLE], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "stop asked True", r.stderr
+    assert "KeyboardInterrupt" not in r.stderr and "ZeroDivisionError" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_at_any_moment_of_start_up_stops_the_server(tmp_path, sig):
     """Sent while Python imports, while the model loads and while uvicorn starts, to a server whose

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 from typing import TYPE_CHECKING
 
 from kvcache.errors import InvalidParams
@@ -295,6 +296,10 @@ def stop_on_signals() -> None:
     keeps it) still stops on one."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _stop)
+    if sys.unraisablehook is not _unraisable:
+        global _default_unraisable
+        _default_unraisable = sys.unraisablehook
+        sys.unraisablehook = _unraisable
 
 
 def stop_asked() -> bool:
@@ -305,3 +310,15 @@ def stop_asked() -> bool:
 def _stop(signum: int, _frame: object) -> None:
     _STOPS.append(signum)
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+_default_unraisable = sys.unraisablehook
+
+
+def _unraisable(u: object) -> None:
+    """A stop's KeyboardInterrupt raised where Python cannot pass it on (a weakref callback in the
+    middle of an import, a finalizer) is dropped without a traceback: the stop is remembered
+    (``stop_asked``) and the command acts on it. Anything else goes to the hook before ours."""
+    if isinstance(getattr(u, "exc_value", None), KeyboardInterrupt) and _STOPS:
+        return
+    _default_unraisable(u)
