@@ -109,3 +109,13 @@ def test_a_follower_whose_donor_leaves_computes_its_prompt(tiny_path, how):
     assert follower.cached_tokens == (0 if how == "abort" else len(COMMON))
     llm.check_integrity()
     assert llm.kv_stats().pages_in_use == 0
+
+
+def test_an_identical_running_prompt_never_covers_the_whole_prompt(tiny_path):
+    """Two copies of one prompt of 40 tokens (ten whole pages): the second takes 36, so that it
+    computes its last page itself, its last token's logits among them (as an index hit would)."""
+    llm = LLM(tiny_path, kv="dynamic,page_size=4")
+    outs = llm.generate_batch([COMMON, COMMON], GREEDY)
+    assert [o.cached_tokens for o in outs] == [0, 36]
+    assert outs[0].token_ids == outs[1].token_ids == alone(tiny_path, "dynamic,page_size=4", [COMMON])[0]
+    llm.check_integrity()
