@@ -17,12 +17,16 @@ import sys
 from kvcache.kernels import build
 from kvcache.models import loading
 made = []
-for mod, name in ((build, "_compile"), (loading, "_convert")):
+for mod, name in ((build, "_compile"), (loading, "_convert"), (loading, "_convert_fp32")):
     real = getattr(mod, name)
     setattr(mod, name, lambda *a, real=real, **k: made.append(1) or real(*a, **k))
 print("ready", flush=True)
 if sys.argv[1] == "kernel":
     where = build.build("pgemm", build.GENERIC)
+elif sys.argv[1] == "fp32":
+    resolved = loading.resolve_model(None)
+    loading.ensure_fp32(resolved, show_progress=False)
+    where = resolved.path / "model.safetensors"
 else:
     from kvcache.models.bundled import default_gguf
     where = loading.ensure_converted(default_gguf(), show_progress=False)
@@ -73,3 +77,17 @@ def test_a_model_another_process_is_converting_is_converted_once(tmp_path, monke
 
     _waits_then_takes_ours(child, target.parent / f".{target.name}.lock", convert)
     assert (target / "kvcache.json").is_file() and not list(target.parent.glob(".converting-*"))
+
+
+def test_fp32_weights_another_process_is_writing_are_written_once(tmp_path, monkeypatch):
+    from kvcache.models import loading
+
+    monkeypatch.setenv("KVCACHE_HOME", str(tmp_path))
+    resolved = loading.resolve_model(None)  # converted (config, tokenizer) by this process first
+    child = _start("fp32", tmp_path)
+
+    def write() -> Path:
+        loading._convert_fp32(resolved, show_progress=False)
+        return resolved.path / "model.safetensors"
+
+    _waits_then_takes_ours(child, resolved.path.parent / f".{resolved.path.name}.fp32.lock", write)

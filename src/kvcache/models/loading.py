@@ -120,11 +120,17 @@ def _convert(gguf: Path, target: Path, show_progress: bool) -> None:
 
 def ensure_fp32(resolved: ResolvedModel, show_progress: bool = True) -> None:
     """Give a converted GGUF folder its fp32 model.safetensors (once; written to a temporary file
-    renamed into place)."""
-    from kvcache.models.gguf_convert import convert_gguf
-
+    renamed into place; processes asking at once take turns, as for the conversion)."""
     if resolved.gguf is None or (resolved.path / "model.safetensors").is_file():
         return
+    with one_at_a_time(resolved.path.parent / f".{resolved.path.name}.fp32.lock"):
+        if not (resolved.path / "model.safetensors").is_file():
+            _convert_fp32(resolved, show_progress)
+
+
+def _convert_fp32(resolved: ResolvedModel, show_progress: bool) -> None:
+    from kvcache.models.gguf_convert import convert_gguf
+
     tmp = _converting(resolved.path.parent)
     try:
         # the folder has its tokenizer already: only the weights (a vocabulary's conversion takes seconds)
