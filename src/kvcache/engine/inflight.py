@@ -78,7 +78,10 @@ class InflightSharing:
             theirs = other_req.prompt_ids
             if theirs[:ps] != prompt[:ps]:
                 continue
-            n = min(common_prefix(prompt, theirs + x.tokens), len(prompt) - 1) // ps * ps
+            n = common_prefix(prompt, theirs)
+            if n == len(theirs) and x.tokens:  # their output may go on matching the prompt
+                n += common_prefix(prompt[n:], x.tokens)
+            n = min(n, len(prompt) - 1) // ps * ps
             if not earlier:
                 n = min(n, len(x.seq.tokens) // ps * ps)  # type: ignore[union-attr]
             if n > best_n:
@@ -93,7 +96,7 @@ class InflightSharing:
             return False
         s.follow = NO_DONOR
         runner, seq = self.runner, s.seq
-        full = req.prompt_ids + s.tokens
+        full = req.prompt_ids  # a follower has no tokens of its own yet (arrange)
         held = len(seq.tokens)  # type: ignore[union-attr]
         if not alive:  # gone before the pages were there (preempted, failed, aborted)
             return True
