@@ -232,3 +232,37 @@ def test_repacked_weights_are_mapped_by_later_loads_and_damage_is_repacked(tmp_p
     for i, step in enumerate(steps[1:], 1):
         assert torch.equal(torch.load(tmp_path / f"{i}.pt"), first), f"{step}: other logits"
     assert RepackStore(folder).found and not old.exists()
+
+
+def test_a_store_another_process_is_writing_is_repacked_once(tmp_path):
+    """A load that must repack takes its turn on the store's lock: started while another process
+    repacks the same file, it waits and maps that process's file instead of repacking beside it."""
+    import time
+
+    from kvcache.paths import one_at_a_time
+
+    _, folder, _ = _folder(tmp_path)
+    written = RepackStore(folder)
+    entries = {key: (e["fmt"], e["out"], e["k"], written.get(key, e["fmt"], e["out"], e["k"]))
+               for key, e in written.found.items()}
+    held = {key: (f, o, k, [None if t is None else t.clone() for t in arrays]) for key, (f, o, k, arrays) in entries.items()}
+    del written, entries
+    path = folder / f"repacked-v{VERSION}.kvq"
+    path.unlink()
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys; from pathlib import Path; from kvcache.models.repacked import repack_store\n"
+        "print('ready', flush=True)\n"
+        "with repack_store(Path(sys.argv[1])) as store:\n"
+        "    print(len(store.found), len(store.made))\n"), str(folder)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with one_at_a_time(path.with_name(f".{path.name}.lock")):
+        assert child.stdout.readline() == "ready\n"
+        time.sleep(1.0)  # time enough to find no file and start repacking, were it not waiting
+        store = RepackStore(folder)
+        for key, (fmt, out, k, arrays) in held.items():
+            store.put(key, fmt, out, k, arrays)
+        store.save()
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, err[-2000:]
+    assert out.split() == [str(len(ENTRIES)), "0"]  # found every weight this process wrote
+    assert not list(folder.glob(".repacked-*.lock"))

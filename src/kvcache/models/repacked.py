@@ -17,7 +17,9 @@ from the GGUF again and the file rewritten); nothing read from it is allocated o
 it checks out. Files of older versions are removed when a new one is written.
 
 Owns the file and the mapping; may not change the repacked layout (qweight.py, kernels/qformat.h).
-Locking: none; models are built on one thread.
+Locking: models are built on one thread; a load that must repack holds ``.repacked-v<VERSION>.kvq.lock``
+(paths.one_at_a_time) from its check of the file to its write, so processes loading the same
+file at once repack it once: the later one finds the first one's file and maps it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import os
 import re
 import struct
 import zlib
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Iterator
@@ -40,6 +42,7 @@ import torch
 from kvcache import hugepages
 from kvcache.errors import ModelLoadError
 from kvcache.kernels.qweight import QWeight
+from kvcache.paths import one_at_a_time
 
 MAGIC = b"KVQPACK\0"
 VERSION = 4  # bump when this layout or kernels/qformat.h's layouts change
@@ -113,12 +116,20 @@ class RepackStore:
         self._map: np.ndarray | None = None
         if self.source is not None:
             self._open()
+        self.source_bytes = source_bytes
         self.bar = None  # a progress bar over the GGUF's bytes while a large file is repacked
-        if not self.found and source_bytes >= PROGRESS_BYTES:
+
+    def start(self) -> None:
+        """Before a build: look for the file again where it was not found (another process may have
+        written it since), and show a progress bar when a large file is to be repacked."""
+        if self.found or self.source is None:
+            return
+        self._open()
+        if not self.found and self.source_bytes >= PROGRESS_BYTES:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=source_bytes, unit="B", unit_scale=True, desc="repacking the weights (once)",
-                            leave=False)
+            self.bar = tqdm(total=self.source_bytes, unit="B", unit_scale=True,
+                            desc="repacking the weights (once)", leave=False)
 
     def repacked(self, nbytes: int) -> None:
         """``nbytes`` of the GGUF's quantized data were repacked (the progress bar moves)."""
@@ -277,14 +288,21 @@ def current() -> RepackStore | None:
 @contextmanager
 def repack_store(folder: Path | None, source_bytes: int = 0) -> Iterator[RepackStore | None]:
     """Models built inside read their repacked weights from ``folder``'s store and add to it;
-    ``source_bytes``: the GGUF's size, for the progress bar of a first, long repack."""
+    ``source_bytes``: the GGUF's size, for the progress bar of a first, long repack. A build that
+    must repack takes its turn on the store's lock first (processes loading the file at once
+    repack it once)."""
     store = RepackStore(folder, source_bytes) if folder is not None else None
-    token = _STORE.set(store)
-    try:
-        yield store
-    finally:
-        _STORE.reset(token)
-        if store is not None and store.bar is not None:
-            store.bar.close()
-    if store is not None:
-        store.save()
+    with ExitStack() as turn:
+        if store is not None and store.source is not None and not store.found:
+            turn.enter_context(one_at_a_time(store.path.with_name(f".{store.path.name}.lock")))
+        if store is not None:
+            store.start()
+        token = _STORE.set(store)
+        try:
+            yield store
+        finally:
+            _STORE.reset(token)
+            if store is not None and store.bar is not None:
+                store.bar.close()
+        if store is not None:
+            store.save()
