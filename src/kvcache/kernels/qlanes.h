@@ -183,7 +183,15 @@ static inline uint16_t round_half(float x) { return (uint16_t)(int16_t)(int32_t)
 
 /* Sixteen fp16 (bf16 = 0) or bf16 values widened to float, exactly. */
 static ALWAYS v16 wide16(const uint16_t *p, int bf16) {
-    if (bf16) {
+    if (bf16) { /* a bfloat16 is a float's upper half */
+#if defined(__AVX512F__)
+        return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#elif defined(__AVX2__)
+        union { __m256i h[2]; v16 v; } u;
+        u.h[0] = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+        u.h[1] = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8))), 16);
+        return u.v;
+#endif
         i16 x;
         for (int i = 0; i < 16; i++) x[i] = (int32_t)((uint32_t)p[i] << 16);
         return (v16)x;
