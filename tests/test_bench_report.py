@@ -170,3 +170,13 @@ def test_readme_figures_are_what_the_command_above_them_prints(monkeypatch):
     (command,) = re.findall(r"```sh\n\.venv/bin/kvcache bench report ([^\n]*)\n```", section)
     monkeypatch.chdir(ROOT)
     assert report(command.split(), notes=io.StringIO()).strip() in section
+
+
+def test_a_suites_report_gives_its_command_as_a_shell_would_take_it(tmp_path):
+    """A spec list with ';' (bench context --kv "fp16;int8") is quoted in the report, so the
+    command under "Run ... with:" can be pasted back."""
+    from kvcache.bench.report import write_report
+
+    argv = ["bench", "context", "--kv", "fp16;int8", "--out", str(tmp_path)]
+    text = write_report(tmp_path, "context", argv, "rows", None).read_text()
+    assert f"kvcache bench context --kv 'fp16;int8' --out {tmp_path}\n" in text

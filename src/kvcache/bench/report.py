@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import platform
+import shlex
 import statistics
 import sys
 from datetime import datetime, timezone
@@ -99,7 +100,7 @@ def write_report(out: Path, suite: str, argv: list[str], text: str, png: Path | 
     info = machine()
     lines = [f"# kvcache bench {suite}", "",
              f"Run {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} with:", "",
-             "```sh", "kvcache " + " ".join(argv), "```", "", "| machine | |", "|---|---|"]
+             "```sh", "kvcache " + shlex.join(argv), "```", "", "| machine | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in info.items()]
     lines += ["", "```", text.strip("\n"), "```", ""]
     if png is not None:
