@@ -319,3 +319,24 @@ def test_serve_help_states_the_schedulers_document_limits():
     assert f"more than {scheduler_mod.DOCUMENT_STEPS} x --max-batch-tokens" in text
     assert f"in the last {scheduler_mod.SHARED_S:g} s" in text
     assert f"default {DOCUMENT_STEP_WORK};" in text
+
+
+def test_a_single_run_feeds_a_long_prompt_in_chunks_with_the_same_tokens(tiny_llm, monkeypatch):
+    """LLM.generate of one prompt longer than PREFILL_CHUNK feeds it in forwards of at most that
+    many tokens (activations bounded by a chunk's), with the greedy tokens of the prompt fed whole."""
+    from kvcache.engine import generate
+
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    whole = tiny_llm.generate([LONG], params)[0].outputs[0].token_ids
+    fed: list[int] = []
+    real = tiny_llm.runner.step
+
+    def counted(seqs, new_tokens, *a, **k):
+        fed.extend(len(t) for t in new_tokens)
+        return real(seqs, new_tokens, *a, **k)
+
+    monkeypatch.setattr(tiny_llm.runner, "step", counted)
+    monkeypatch.setattr(generate, "PREFILL_CHUNK", 40)
+    chunked = tiny_llm.generate([LONG], params)[0].outputs[0].token_ids
+    assert chunked == whole
+    assert fed[:4] == [40, 40, 40, 30] and max(fed) == 40  # 150 prompt tokens in four forwards, then decodes
