@@ -8,6 +8,7 @@ import os
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -217,6 +218,20 @@ def test_every_variant_of_every_kernel_compiles(name):
         path = build.build(name, v)
         assert path.is_file() and v.name in path.name
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0  # nobody else may replace it
+
+
+def test_setup_builds_every_library_for_the_variants_this_cpu_runs(capsys):
+    """`python -m kvcache.kernels.build` (make setup-test runs it beside pip): every library the
+    package loads, for every variant this CPU runs, and nothing for the others."""
+    if build.compiler() is None:
+        pytest.skip("no C compiler")
+    assert set(build.LIBRARIES) == set(KERNELS)
+    assert build.main([]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    runnable = [v.name for v in build.variants() if build.runnable(v)]
+    assert sorted(ln.split()[1:3] for ln in lines) == sorted([n, f"({v})"] for v in runnable for n in KERNELS)
+    for ln in lines:
+        assert Path(ln.split()[3]).is_file()
 
 
 def test_kernels_leave_denormals_alone():

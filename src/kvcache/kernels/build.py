@@ -32,6 +32,7 @@ from pathlib import Path
 from kvcache.paths import cache_home, one_at_a_time
 
 SOURCES = Path(__file__).parent
+LIBRARIES = ("qgemm", "qattn", "pgemm")  # every kernel library (kernels/__init__.py loads them by name)
 # No reassociation, no reciprocals, no contraction: every float step rounds where the source says,
 # so each variant gives the same bits (the kernels write their multiply-adds and sums out).
 MATH = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-ffp-contract=off"]
@@ -164,3 +165,34 @@ def _compile(name: str, v: Variant, cc: list[str], out: Path) -> Path:
         os.chmod(so, 0o700)
         os.replace(so, out)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvcache.kernels.build [--every-variant]``: compile every kernel library ahead of
+    use for the variants this CPU runs (or every variant), so that no first run waits for the
+    compiler; one line a library. `make setup` runs it beside its package installs."""
+    import argparse
+    import time
+
+    ap = argparse.ArgumentParser(prog="python -m kvcache.kernels.build", description=main.__doc__)
+    ap.add_argument("--every-variant", action="store_true",
+                    help="also the variants this CPU cannot run (compiled, never loaded)")
+    args = ap.parse_args(argv)
+    failed = 0
+    for v in variants():
+        if not (args.every_variant or runnable(v)):
+            continue
+        for name in LIBRARIES:
+            t = time.perf_counter()
+            try:
+                path = build(name, v)
+            except RuntimeError as e:
+                print(f"kernels: {e}", flush=True)
+                failed += 1
+                continue
+            print(f"kernels: {name} ({v.name}) {path} [{time.perf_counter() - t:.1f} s]", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -749,8 +749,8 @@ static void amx_init(void) {
 #endif
 }
 
-KV_HIDDEN int amx_group(const QW *wt, int t, int r0, int r1, const Scratch *s, const float *bias, const float *rscale,
-                        float *y, int64_t ldy, int accumulate) {
+static int amx_group(const QW *wt, int t, int r0, int r1, const Scratch *s, const float *bias, const float *rscale,
+                     float *y, int64_t ldy, int accumulate) {
 #if AMX_CODE
     const int n = (r1 - r0) & ~15;
     if (n < 16 || tl_probe == 1) return 0;
@@ -766,6 +766,11 @@ KV_HIDDEN int amx_group(const QW *wt, int t, int r0, int r1, const Scratch *s, c
     return 0;
 #endif
 }
+
+#if AMX_CODE
+/* mm_group's tile path, from the moment the library is loaded (amx_group decides per call) */
+__attribute__((constructor)) static void amx_register(void) { mm_tiles = amx_group; }
+#endif
 
 /* Whether the quantized products use AMX tiles in this process, and why: a line starting with
  * "used" when they do (the first call runs the checks). */

@@ -429,6 +429,8 @@ KV_HIDDEN void mm_store(int nr, int cols, const float *res, int ldr, const float
     }
 }
 
+KV_HIDDEN TileGroupFn mm_tiles = NULL;
+
 /* Column groups NGMAX t .. (the tile column t) of rows r0 .. r1 - 1: y (+)= products * rscale + bias. */
 KV_HIDDEN void mm_group(const QW *wt, int t, int r0, int r1, const Scratch *s, const float *bias,
                         const float *rscale, float *y, int64_t ldy, int accumulate) {
@@ -438,8 +440,10 @@ KV_HIDDEN void mm_group(const QW *wt, int t, int r0, int r1, const Scratch *s, c
     const uint8_t *w = wt->qs + g * gq;
     const void *dv = (const char *)wt->d + sc, *mv = wt->m ? (const char *)wt->m + sc : NULL;
     const int c0 = KVQ_NC * g, cols = wt->out - c0 < KVQ_NC * ng ? wt->out - c0 : KVQ_NC * ng;
-    r0 += amx_group(wt, t, r0, r1, s, bias, rscale, y, ldy, accumulate);
-    if (r0 >= r1) return;
+    if (mm_tiles) {
+        r0 += mm_tiles(wt, t, r0, r1, s, bias, rscale, y, ldy, accumulate);
+        if (r0 >= r1) return;
+    }
     const GroupFn fn = GROUPS[wt->fmt];
     const Acts a0 = {s->q, s->da, s->sa, s->is, K, nb, s->kq, s->dk, s->k16, s->k32}; /* by address: a copy
                                                    made for each call cost ~5% of a prefill on a Zen4 */

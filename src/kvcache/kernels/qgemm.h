@@ -74,11 +74,14 @@ KV_HIDDEN void mm_group(const QW *wt, int t, int r0, int r1, const Scratch *s, c
  * (rscale, bias NULL: 1, 0), the last step of every product kernel */
 KV_HIDDEN void mm_store(int nr, int cols, const float *res, int ldr, const float *rscale, const float *bias, float *y,
                         int64_t ldy, int accumulate);
-/* AMX tiles (qamx.c): the first rows of r0 .. r1 - 1 of wt's tile column t as mm_group computes
- * them, the very bits, when AMX is usable here, passed its self-check and suits the format; returns
- * how many rows from r0 it did (0: none; mm_group calls it first and does the rest). */
-KV_HIDDEN int amx_group(const QW *wt, int t, int r0, int r1, const Scratch *s, const float *bias, const float *rscale,
-                        float *y, int64_t ldy, int accumulate);
+/* A tile path for mm_group: the first rows of r0 .. r1 - 1 of wt's tile column t as mm_group computes
+ * them, the very bits; returns how many rows from r0 it did (0: none; mm_group calls it first and does
+ * the rest). NULL: none. AMX tiles (qamx.c) set it when the library is loaded, in a build whose
+ * variant has them; they decline while AMX is unusable here, failed its self-check or does not suit
+ * the format. The products know no tile path by name. */
+typedef int (*TileGroupFn)(const QW *wt, int t, int r0, int r1, const Scratch *s, const float *bias,
+                           const float *rscale, float *y, int64_t ldy, int accumulate);
+KV_HIDDEN extern TileGroupFn mm_tiles;
 /* x += rms_norm(y) * w, one row of H */
 KV_HIDDEN void add_normed(int H, const float *y, const float *w, float eps, float *x);
 /* Called inside a parallel region (the loops are shared with `omp for`):
