@@ -175,7 +175,8 @@ def hf_smollm():
 
 # End-to-end runs that take seconds each (the real model through transformers or the CLI, Ray,
 # Redis stopped and slowed for real, every bench suite): `make test` leaves them out (-m "not
-# slow"), `make test-all` and CI run them. A file listed whole, or file::test.
+# slow"), `make test-all` and CI run them. A file listed whole, file::test (every case of it,
+# or a class) or file::test[case].
 SLOW = {
     "test_bench_all.py", "test_hf_smollm.py", "test_real_smollm.py", "test_real_strategies.py",
     "test_replicas.py", "test_bench_context.py", "test_randmodel.py", "test_size.py", "test_auto_kv.py",
@@ -212,9 +213,74 @@ SLOW = {
     "test_responses_api.py::TestTemplate",
     # the anthropic SDK against a real server (the file's translation tests stay quick)
     "test_anthropic_api.py::TestSDK",
-    # kvcache env on every kernel variant (quick: its digest line on this CPU's variant, and the
-    # variants' bits in test_variants.py's greedy generations)
+    # kvcache env and greedy generations on every kernel variant (quick: its digest line on this
+    # CPU's variant, and every kernel's products and attention on every variant in test_variants.py)
     "test_variants.py::test_env_prints_the_same_digest_on_every_variant",
+    "test_variants.py::test_greedy_generations_give_the_same_logits_on_every_variant",
+    # the rest keeps make test within five minutes on a fresh clone: each is a whole process, a
+    # server, a Gemma load or a compile of every variant, and a quick test covers its code:
+    # kernels built for the variants this CPU cannot run, and qattn at every integer width
+    # (quick: this CPU's variants, int8 products)
+    "test_qweights.py::test_every_variant_of_every_kernel_compiles",
+    "test_qweights.py::test_kernel_folder_is_private_and_cc_may_carry_arguments",
+    "test_qattn.py::test_every_kernel_variant_gives_the_same_bits[every-width-integer]",
+    "test_amx.py::test_products_have_the_same_bits_with_amx_and_without", "test_amx.py::test_env_reports_the_amx_line",
+    # Gemma 3's sliding layers through speculation, rollback and batches (quick: the tiny gemma3)
+    "test_speculative.py::test_gemma3_speculates_over_its_sliding_layers",
+    "test_rollback.py::test_rollback_on_gemma3s_sliding_layers",
+    "test_batch_invariance.py::test_gemma3_sliding_layers_give_recomputations_bits",
+    # speculation over every cache layout and press (quick: the dynamic cache, a wrong prediction's rest)
+    "test_speculative.py::test_greedy_text_is_the_text_without_speculation[static,max_tokens=512]",
+    "test_speculative.py::test_greedy_text_is_the_text_without_speculation[dynamic,page_size=4]",
+    "test_speculative.py::test_greedy_text_is_the_text_without_speculation[dynamic,host]",
+    "test_speculative.py::test_greedy_text_is_the_text_without_speculation[dynamic,window=96,page_size=4]",
+    "test_speculative.py::test_prefill_presses_speculate_with_the_text_unchanged",
+    "test_speculative.py::test_lossy_presses_speculate_and_keep_their_accounting",
+    "test_speculative.py::test_a_draft_model_proposes_and_the_text_is_unchanged",
+    "test_speculative.py::test_predicted_outputs_through_the_openai_client",
+    "test_speculative.py::test_a_wrong_prediction_rests_and_leaves_the_steps_to_the_lookup",
+    # rotation beside every eviction and its fidelity on the real model (quick: rotated bits kept
+    # through capacity and placement)
+    "test_rotated_kv.py::test_rotated_int4_and_int2_are_closer_to_fp32_than_unrotated",
+    "test_rotated_kv.py::test_rotation_composes_with_windows_sinks_and_presses",
+    "test_batch_invariance.py::test_other_weights_are_batch_invariant_too",
+    "test_batch_invariance.py::test_a_served_greedy_request_does_not_depend_on_what_runs_beside_it",
+    # llama.cpp's tools and llama-cpp-python crashing for real (quick: the rows' parsing)
+    "test_bench_decode.py::test_real_llama_bench_beside_kvcache",
+    "test_bench_decode.py::test_a_crashing_llama_cpp_python_is_a_skipped_row_naming_the_signal",
+    "test_bench_decode.py::test_a_crashing_llama_bench_is_a_skipped_row_naming_the_signal",
+    "test_bench_host.py::test_bench_reports_name_the_host",
+    "test_bench_host.py::test_the_variant_follows_what_this_process_loads",
+    # servers started for one test each, and timeouts waited out
+    "test_hardening.py::test_slowloris_clients_are_timed_out_without_tracebacks",
+    "test_hardening.py::test_health_reports_an_engine_that_stopped_stepping",
+    "test_hardening.py::test_unsigned_tiers_are_an_explicit_choice",
+    "test_hardening.py::test_eval_press_rows_are_pressed",
+    "test_cli_errors.py::test_serve_refuses_bad_settings_before_loading",
+    "test_fault_suite.py::test_kill_9_during_write_through_then_restart_serves_no_corrupt_entry",
+    "test_fault_suite.py::test_sixty_four_concurrent_streams_give_every_page_back_and_the_pool_shrinks",
+    "test_server_inputs.py::test_tokenizing_a_huge_prompt_leaves_the_event_loop_free",
+    "test_kv_budget.py::test_a_server_at_its_budget_serves_everyone_in_turn",
+    "test_server_auth.py::test_an_empty_key_is_refused_at_start",
+    "test_server_auth.py::test_keys_from_a_file_and_the_environment_do_not_show_in_ps",
+    "test_template_bounds.py::test_runaway_requests_harm_no_other_request_and_sigterm_still_stops_the_server",
+    # whole commands in fresh processes (quick: the same code in this process)
+    "test_grammar.py::test_sampling_on_refusal_keeps_the_masked_distribution",
+    "test_grammar.py::test_generate_flags",
+    "test_one_at_a_time.py::test_fp32_weights_another_process_is_writing_are_written_once",
+    "test_one_at_a_time.py::test_a_model_another_process_is_converting_is_converted_once",
+    "test_one_at_a_time.py::test_a_kernel_another_process_is_compiling_is_compiled_once",
+    "test_repacked.py::test_a_store_another_process_is_writing_is_repacked_once",
+    "test_one_path.py::test_the_context_limit_is_the_same_everywhere",
+    "test_one_path.py::test_two_seeded_samples_fork_and_reach_the_limit_alike",
+    "test_one_path.py::test_a_stop_string_ends_every_path_at_the_same_place",
+    "test_eval.py::test_greedy_agreement", "test_eval.py::test_bad_input",
+    "test_cli.py::test_none_strategy_generates_the_same_text",
+    "test_faults.py::test_the_cli_takes_extreme_seeds_and_temperatures",
+    "test_tier_security.py::test_prompt_cache_bit_rot_exits_2",
+    "test_qmodels.py::test_file_weights_read_text_within_one_percent_of_fp32",
+    "test_family_matrix.py::test_a_converted_tokenizer_is_the_one_autotokenizer_makes_of_the_file",
+    "test_family_matrix.py::test_the_bundled_files_are_honoured_whole",
 }
 
 
@@ -222,5 +288,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         file = Path(str(item.fspath)).name
         parts = item.nodeid.split("::")
-        if file in SLOW or any(f"{file}::{p}" in SLOW for p in parts[1:]):
+        names = [*parts[1:], getattr(item, "originalname", "")]
+        if file in SLOW or any(f"{file}::{p}" in SLOW for p in names):
             item.add_marker(pytest.mark.slow)
