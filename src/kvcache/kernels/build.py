@@ -168,13 +168,15 @@ def _compile(name: str, v: Variant, cc: list[str], out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvcache.kernels.build [--every-variant]``: compile every kernel library ahead of
-    use for the variants this CPU runs (or every variant), so that no first run waits for the
-    compiler; one line a library. `make setup` runs it beside its package installs."""
+    """``python -m kvcache.kernels [--every-variant]``: see the parser's description."""
     import argparse
     import time
 
-    ap = argparse.ArgumentParser(prog="python -m kvcache.kernels.build", description=main.__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m kvcache.kernels",
+        description="Compile every kernel library ahead of use, for the variants this CPU runs, so that "
+                    "no first run waits for the compiler (make setup-test runs it beside pip); one line "
+                    "a library.")
     ap.add_argument("--every-variant", action="store_true",
                     help="also the variants this CPU cannot run (compiled, never loaded)")
     args = ap.parse_args(argv)
@@ -192,7 +194,3 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"kernels: {name} ({v.name}) {path} [{time.perf_counter() - t:.1f} s]", flush=True)
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
