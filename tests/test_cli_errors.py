@@ -29,6 +29,17 @@ def test_missing_model_path(tmp_path):
     assert_one_line_error(run_cli("generate", "hi", "--model", str(tmp_path / "nope.gguf")), "nope.gguf")
 
 
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_a_model_that_names_nothing_is_refused_before_torch_loads(tmp_path, command):
+    """A mistyped --model costs no torch import (seconds): the refusal comes first, in one line."""
+    code = ("import sys\nfrom kvcache.cli import main\n"
+            f"rc = main([{command!r}, '--model', {str(tmp_path / 'nope')!r}])\n"
+            "print(rc, 'torch' in sys.modules)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.stdout.split() == ["2", "False"], (p.stdout, p.stderr)
+    assert p.stderr.strip() == f"kvcache: model not found: {tmp_path / 'nope'} (no such file or folder)"
+
+
 def test_file_that_is_not_a_model(tmp_path):
     bad = tmp_path / "notes.gguf"
     bad.write_text("this is not a model\n" * 100)

@@ -202,6 +202,9 @@ def load_llm(args: argparse.Namespace, default_budget: str | None = None) -> LLM
     defaults where the command has no such options). A bad spec is refused before the model loads
     (and before torch is imported)."""
     kv = kv_config(args, default_budget)
+    from kvcache.models.bundled import check_named
+
+    check_named(args.model)
     timeout = getattr(args, "template_timeout", None)
     if timeout is not None and not timeout > 0:
         raise InvalidParams(f"--template-timeout must be a positive number of seconds, got {timeout}")

@@ -168,9 +168,10 @@ def _compile(name: str, v: Variant, cc: list[str], out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvcache.kernels [--every-variant]``: see the parser's description."""
+    """``python -m kvcache.kernels [--every-variant] [--jobs N]``: see the parser's description."""
     import argparse
     import time
+    from concurrent.futures import ThreadPoolExecutor
 
     ap = argparse.ArgumentParser(
         prog="python -m kvcache.kernels",
@@ -179,18 +180,24 @@ def main(argv: list[str] | None = None) -> int:
                     "a library.")
     ap.add_argument("--every-variant", action="store_true",
                     help="also the variants this CPU cannot run (compiled, never loaded)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compilers at once (default: every CPU)")
     args = ap.parse_args(argv)
+    if args.jobs < 1:
+        ap.error(f"--jobs {args.jobs}: at least 1")
+    todo = [(name, v) for v in variants() if args.every_variant or runnable(v) for name in LIBRARIES]
+
+    def one(job: tuple[str, Variant]) -> tuple[bool, str]:
+        name, v = job
+        t = time.perf_counter()
+        try:
+            path = build(name, v)
+        except RuntimeError as e:
+            return False, f"kernels: {e}"
+        return True, f"kernels: {name} ({v.name}) {path} [{time.perf_counter() - t:.1f} s]"
+
     failed = 0
-    for v in variants():
-        if not (args.every_variant or runnable(v)):
-            continue
-        for name in LIBRARIES:
-            t = time.perf_counter()
-            try:
-                path = build(name, v)
-            except RuntimeError as e:
-                print(f"kernels: {e}", flush=True)
-                failed += 1
-                continue
-            print(f"kernels: {name} ({v.name}) {path} [{time.perf_counter() - t:.1f} s]", flush=True)
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # each job waits on its own compiler process
+        for ok, line in pool.map(one, todo):
+            print(line, flush=True)
+            failed += not ok
     return 1 if failed else 0

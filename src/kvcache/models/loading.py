@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kvcache.errors import ModelLoadError
-from kvcache.models.bundled import BUNDLED, DEFAULT, bundled_path, is_installed
+from kvcache.models.bundled import BUNDLED, DEFAULT, bundled_path, is_hub_id, is_installed, not_found
 from kvcache.paths import cache_home, one_at_a_time
 
 FORMAT_VERSION = 4
@@ -171,10 +171,9 @@ def resolve_model(spec: str | os.PathLike | None) -> ResolvedModel:
     if path.is_dir():
         _check_hf_dir(path)
         return ResolvedModel(path, path, path.name)
-    text = str(spec)
-    if text.count("/") == 1 and not text.startswith((".", "/", "~")) and not text.endswith(".gguf"):
-        return _from_hub(text)
-    raise ModelLoadError(f"model not found: {spec} (no such file or folder)")
+    if is_hub_id(str(spec)):
+        return _from_hub(str(spec))
+    raise not_found(spec)
 
 
 def _check_hf_dir(path: Path) -> None:

@@ -89,6 +89,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InvalidParams(f"--port must be between 1 and 65535, got {args.port}")
     if not args.head_timeout > 0:
         raise InvalidParams(f"--head-timeout must be positive, got {args.head_timeout}")
+    from kvcache.models.bundled import check_named
+
+    check_named(args.model)  # a mistyped --model waits for no import
     from kvcache.engine.scheduler import SchedulerConfig
 
     sched = SchedulerConfig(max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
