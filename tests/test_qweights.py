@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -226,6 +227,8 @@ def test_setup_builds_every_library_for_the_variants_this_cpu_runs(capsys):
     if build.compiler() is None:
         pytest.skip("no C compiler")
     assert set(build.LIBRARIES) == set(KERNELS)
+    loaded = re.findall(r'_load\("(\w+)"\)', (build.SOURCES / "__init__.py").read_text())
+    assert loaded and set(loaded) == set(build.LIBRARIES)  # what the package loads is what set-up builds
     assert build.main([]) == 0
     lines = capsys.readouterr().out.splitlines()
     runnable = [v.name for v in build.variants() if build.runnable(v)]
