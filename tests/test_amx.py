@@ -143,7 +143,7 @@ def emulated_library() -> Path | None:
     cc = build.compiler()
     if AVX512 is None or not build.runnable(AVX512) or cc is None:
         return None
-    flags = [*build.MATH, *AVX512.flags, "-fopenmp", "-fPIC", "-DKV_AMX_EMULATE"]
+    flags = [build.optimization(AVX512), *build.MATH, *AVX512.flags, "-fopenmp", "-fPIC", "-DKV_AMX_EMULATE"]
     h = hashlib.sha256()
     for f in [build.SOURCES / "qgemm.c", build.SOURCES / "qamx.c", *sorted(build.SOURCES.glob("*.h"))]:
         h.update(f.read_bytes())
