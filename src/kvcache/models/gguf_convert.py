@@ -28,7 +28,7 @@ from kvcache.kernels.qweight import FORMAT_OF
 
 def open_gguf(path: Path):  # -> gguf.GGUFReader
     """Open and validate a GGUF file; a one-line ModelLoadError when it is not a whole GGUF."""
-    from kvcache.models.gguf_reader import gguf_reader
+    from kvcache.models.gguf_reader import TruncatedGGUF, gguf_reader
 
     with open(path, "rb") as f:
         magic = f.read(4)
@@ -36,6 +36,8 @@ def open_gguf(path: Path):  # -> gguf.GGUFReader
         raise ModelLoadError(f"{path} is not a GGUF file (no GGUF magic bytes)")
     try:
         reader = gguf_reader(path)
+    except TruncatedGGUF as e:
+        raise ModelLoadError(f"{path} is truncated: {e}") from None
     except Exception as e:  # the reader raises many kinds of errors on damaged files
         raise ModelLoadError(f"{path} is a corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
     size = path.stat().st_size
