@@ -32,7 +32,7 @@ def tiny_qwen(seed: int = 0) -> Path:
     """The tiny model's GGUF (written on first use)."""
     import gguf
 
-    from kvcache.bench.randweights import copy_fields
+    from kvcache.models.random_weights import copy_fields
     from kvcache.models.gguf_reader import gguf_reader
     from kvcache.paths import cache_home
 

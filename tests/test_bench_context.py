@@ -115,7 +115,7 @@ TINY_KV_VALUES = 2 * 2 * 2 * 32  # K and V x layers x KV heads x head_dim
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> str:
-    from kvcache.bench.randmodel import parse_shape, write_f16
+    from kvcache.models.random_llama import parse_shape, write_f16
 
     _, shape = parse_shape(TINY_SHAPE)
     return str(write_f16(shape, tmp_path_factory.mktemp("tiny") / "tiny.gguf", progress=False))

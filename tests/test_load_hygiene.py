@@ -21,7 +21,7 @@ def _copy_with(src: Path, out: Path, change) -> Path:
     """``src`` rewritten with ``change(name, array)`` applied to each tensor."""
     import gguf
 
-    from kvcache.bench.randweights import copy_fields
+    from kvcache.models.random_weights import copy_fields
 
     r = gguf.GGUFReader(str(src))
     w = gguf.GGUFWriter(str(out), str(r.fields["general.architecture"].contents()))

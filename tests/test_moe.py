@@ -424,9 +424,9 @@ def test_a_shared_expert_tensor_is_refused() -> None:
 
 
 def test_a_random_qwen3moe_benchmark_file_loads_and_generates(tmp_path, monkeypatch) -> None:
-    """bench/randmoe.py's writer gives a qwen3moe GGUF kvcache loads as Qwen3-MoE (3-D expert
+    """models/random_moe.py's writer gives a qwen3moe GGUF kvcache loads as Qwen3-MoE (3-D expert
     tensors as per-expert weights, q/k norms, the router) and generates from."""
-    from kvcache.bench.randmoe import MoeShape, write_f16
+    from kvcache.models.random_moe import MoeShape, write_f16
     from kvcache.engine.params import SamplingParams
     from kvcache.models.qwen3moe import Qwen3MoeForCausalLM
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache.bench.randmodel import SHAPES, ShapeError, main, parse_shape, write_f16
+from kvcache.bench.randmodel import main
+from kvcache.models.random_llama import SHAPES, ShapeError, parse_shape, write_f16
 
 TINY = "hidden=64,layers=2,heads=4,kv_heads=2,ffn=128"
 

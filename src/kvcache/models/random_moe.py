@@ -1,7 +1,7 @@
 """Mixture-of-experts benchmark models: ``qwen3moe`` GGUFs with random weights and a real tokenizer.
 
-The sparse sibling of bench/randmodel.py (which calls in here for the shapes named in
-``MOE_SHAPES``): ``write_f16`` writes an F16 GGUF of architecture ``qwen3moe``, as llama.cpp's
+The sparse sibling of models/random_llama.py (bench/randmodel.py calls in here for the shapes
+named in ``MOE_SHAPES``): ``write_f16`` writes an F16 GGUF of architecture ``qwen3moe``, as llama.cpp's
 converter lays out a Qwen3-MoE checkpoint: Qwen3's attention with per-head ``attn_q_norm`` and
 ``attn_k_norm`` [head_dim] (F32), the router ``ffn_gate_inp`` [E, H] in F32, and each layer's
 experts as three 3-D tensors ``ffn_gate_exps`` / ``ffn_up_exps`` [E, I, H] and ``ffn_down_exps``
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcache.bench.randweights import STD, add_llm_keys, open_writer, random_f16 as _random, write_planned
+from kvcache.models.random_weights import STD, add_llm_keys, open_writer, random_f16 as _random, write_planned
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Random weights for the benchmark models (bench/randmodel.py, bench/randmoe.py): normal(0, STD)
+"""Random weights for the random-weight GGUFs (models/random_llama.py, models/random_moe.py): normal(0, STD)
 in float16, made a chunk of rows at a time so that no float32 copy of a whole tensor exists."""
 
 from __future__ import annotations
