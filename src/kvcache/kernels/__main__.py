@@ -1,4 +1,4 @@
-"""``python -m kvcache.kernels [--every-variant]``: compile every kernel library ahead of use
+"""``python -m kvcache.kernels [--every-variant | --selected]``: compile every kernel library ahead of use
 (kernels/build.py's ``main``)."""
 
 from kvcache.kernels.build import main

@@ -175,7 +175,7 @@ def _compile(name: str, v: Variant, cc: list[str], out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvcache.kernels [--every-variant] [--jobs N]``: see the parser's description."""
+    """``python -m kvcache.kernels [--every-variant | --selected] [--jobs N]``: see the parser's description."""
     import argparse
     import time
     from concurrent.futures import ThreadPoolExecutor
@@ -185,13 +185,22 @@ def main(argv: list[str] | None = None) -> int:
         description="Compile every kernel library ahead of use, for the variants this CPU runs, so that "
                     "no first run waits for the compiler (make setup-test runs it beside pip); one line "
                     "a library.")
-    ap.add_argument("--every-variant", action="store_true",
-                    help="also the variants this CPU cannot run (compiled, never loaded)")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--every-variant", action="store_true",
+                       help="also the variants this CPU cannot run (compiled, never loaded)")
+    which.add_argument("--selected", action="store_true",
+                       help="only the variant kvcache loads here (KVCACHE_KERNEL_VARIANT, else the best this CPU "
+                            "runs; make setup runs it beside pip)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compilers at once (default: every CPU)")
     args = ap.parse_args(argv)
     if args.jobs < 1:
         ap.error(f"--jobs {args.jobs}: at least 1")
-    todo = [(name, v) for v in variants() if args.every_variant or runnable(v) for name in LIBRARIES]
+    try:
+        chosen = select() if args.selected else None
+    except RuntimeError as e:
+        ap.error(str(e))
+    todo = [(name, v) for v in variants() if (v == chosen if chosen else args.every_variant or runnable(v))
+            for name in LIBRARIES]
 
     def one(job: tuple[str, Variant]) -> tuple[bool, str]:
         name, v = job
