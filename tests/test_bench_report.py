@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvcache.bench.headline import collect, report, suite_of
+from kvcache.bench.headline import _model, collect, report, suite_of
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "docs" / "bench"
@@ -74,6 +74,15 @@ def test_committed_json_gives_one_table_per_host_kind_with_the_files_own_ratios(
 
     # every suite JSON committed is read: nothing skipped
     assert notes.getvalue() == ""
+
+
+def test_models_are_named_shortly():
+    assert _model({"model": "/c/benchmodels/1b-0-Q4_K_M.gguf"}) == "1B Q4_K_M"
+    assert _model({"model": "/c/h2048-l16-a32-kv8-ff8192-d64-theta500000-ctx131072-0-Q4_0.gguf"}) == "h2048-l16 Q4_0"
+    assert _model({"model": "smollm2"}, "file (Q4_1)") == "SmolLM2-135M Q4_1"
+    assert _model({"model": "/m/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"}) == "qwen2.5-coder-1.5b-instruct Q4_K_M"
+    assert _model({"model": "/m/gemma-3-270m-it.Q8_0.gguf"}) == "gemma-3-270m-it Q8_0"
+    assert _model({"model": "/m/plain.gguf"}) == "plain" and _model({}) == "model not recorded"
 
 
 def test_since_keeps_only_the_later_runs():

@@ -78,6 +78,10 @@ def _model(meta: dict, weights: str = "") -> str:
     if name.lower().startswith("smollm2"):
         m = re.search(r"\((\w+)\)", weights) or re.search(r"\b(Q\d\w*)", str(meta.get("model") or ""))
         name = "SmolLM2-135M" + (f" {m.group(1)}" if m else "")
+        return name
+    m = re.fullmatch(r"(.+?)[-.]((?:i?q\d|bf16|f16|f32)\w*)", name, flags=re.I)  # a file named as it ships
+    if m:
+        return f"{m.group(1)} {m.group(2).upper()}"
     return name or "model not recorded"
 
 
