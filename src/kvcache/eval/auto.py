@@ -91,10 +91,6 @@ def parse_auto(spec: str) -> Budget | None:
                   given.get("margin", DEFAULT_MARGIN))
 
 
-def is_auto(spec: object) -> bool:
-    return isinstance(spec, str) and spec.strip().split(",")[0].strip() == "auto"
-
-
 def presses_available() -> bool:
     """Whether this kvcache's CacheConfig knows presses (``press=knorm,ratio=0.5`` parses)."""
     try:

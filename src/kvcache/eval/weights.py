@@ -79,11 +79,3 @@ def compare_weights(llm, reference, parts: list[list[int]],
             progress(1)
     return WeightsFidelity(llm.weights, n, math.exp(nll / n), math.exp(nll_ref / n), kl / n, agree / n,
                            llm.model.weight_bytes(), llm.model.weight_kinds())
-
-
-def perplexity(llm, parts: list[list[int]]) -> float:
-    nll, n = 0.0, 0
-    for lp, target in chunked_logprobs(llm, parts):
-        nll -= float(lp[torch.arange(lp.shape[0]), target].sum())
-        n += lp.shape[0]
-    return math.exp(nll / n)
