@@ -146,6 +146,18 @@ def test_a_crashing_llama_cpp_python_is_a_skipped_row_naming_the_signal(tmp_path
     assert rows[("llama.cpp", "file", "decode")]["note"] == "llama-cpp-python crashed: SIGSEGV"
 
 
+def test_the_weights_label_names_the_type_a_file_name_ends_with():
+    """A GGUF as it ships names its type after a dot or a dash, in either case; the label and
+    llama.cpp's row say it, and a name without one says nothing (never a piece of the name)."""
+    from kvcache.bench.rows import shipped_type
+
+    assert shipped_type("/m/SmolLM2-135M-Instruct.Q4_1.gguf") == "Q4_1"
+    assert shipped_type("/m/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf") == "Q4_K_M"  # not "5b-instruct-q4_k_m"
+    assert shipped_type("1b-0-Q8_0.gguf") == "Q8_0" and shipped_type("gemma-3-1b-it-IQ4_XS.gguf") == "IQ4_XS"
+    assert shipped_type("x.bf16.gguf") == "BF16" and shipped_type("model.gguf") is None
+    assert shipped_type("qwen2.5-coder.gguf") is None
+
+
 def test_rounds_pool_each_rows_samples_and_keep_a_note_only_while_nothing_ran():
     from kvcache.bench.decode import pool_rows
     from kvcache.bench.rows import Row

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvcache.bench.peers import child_main, quantize, run, run_module
-from kvcache.bench.rows import Row, Tick, step_bytes
+from kvcache.bench.rows import Row, Tick, shipped_type, step_bytes
 
 if TYPE_CHECKING:
     from llama_cpp import Llama
@@ -72,12 +72,6 @@ def conversion_path(src: Path, ftype: str, out_dir: Path) -> Path:
     return out_dir / f"{src.stem}-{key}.{ftype}.gguf"
 
 
-def shipped_type(src: Path) -> str:
-    """``Q4_1`` for ``SmolLM2-135M-Instruct.Q4_1.gguf`` (the file name's last part), else ``GGUF``."""
-    parts = src.stem.rsplit(".", 1)
-    return parts[1] if len(parts) == 2 else "GGUF"
-
-
 def expected(label: str, pair: str, work: Work, depth: bool, note: str = "") -> list[Row]:
     """The rows one GGUF gives, empty (carrying ``note`` when they cannot be measured)."""
     rows = [Row("llama.cpp", label, "f16", pair, "decode", work.prompt_len, note=note)]
@@ -94,7 +88,7 @@ def rows(src: Path | None, pairs: list[str], work: Work, depth_pair: str | None,
         note = "the model is not a GGUF file: llama.cpp skipped"
     else:
         note = "" if kind(bin_dir) else MISSING
-    base = shipped_type(src) if src is not None else "GGUF"
+    base = (shipped_type(src.name) if src is not None else None) or "GGUF"
     out: list[Row] = []
     for pair in pairs:
         label, depth = f"{base} (as shipped)" if pair == "file" else FTYPES[pair], pair == depth_pair

@@ -61,8 +61,9 @@ def weights_label(llm: LLM) -> str:
     """``file (Q4_1)`` for a GGUF's own types, else the mode (``q8``, ``q4``, ``fp32``)."""
     if llm.weights != "file":
         return llm.weights
-    stem = llm.model_path.rsplit("/", 1)[-1]
-    kind = stem[:-5].rsplit(".", 1)[-1] if stem.endswith(".gguf") and "." in stem[:-5] else ""
+    from kvcache.bench.rows import shipped_type
+
+    kind = shipped_type(llm.model_path) if llm.model_path.endswith(".gguf") else None
     return f"file ({kind})" if kind else "file"
 
 

@@ -9,12 +9,22 @@ kvcache weights mode a row compares with (a peer's F32 row pairs with ``fp32``, 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvcache.bench.report import median
 
 Tick = Callable[[], None]
+
+
+def shipped_type(name: str) -> str | None:
+    """The quantization type a GGUF's file name ends with, as llama.cpp names it: ``Q4_1`` for
+    ``SmolLM2-135M-Instruct.Q4_1.gguf``, ``Q4_K_M`` for ``qwen2.5-coder-1.5b-instruct-q4_k_m.gguf``;
+    None when the name does not say."""
+    stem = name.replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".gguf")
+    m = re.search(r"[-._]((?:i?q\d|bf16|f16|f32)\w*)$", stem, flags=re.I)
+    return m.group(1).upper() if m else None
 
 
 def step_bytes(wbytes: int, kv_per_token: float, prompt_len: int, new: int) -> float:
