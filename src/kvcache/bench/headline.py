@@ -82,7 +82,8 @@ def _model(meta: dict, weights: str = "") -> str:
     m = re.fullmatch(r"(.+?)[-.]((?:i?q\d|bf16|f16|f32)\w*)", name, flags=re.I)  # a file named as it ships
     if m:
         return f"{m.group(1)} {m.group(2).upper()}"
-    return name or "model not recorded"
+    m = re.search(r"\((\w+)\)", weights)  # a model named by its alias: the type the weights label says
+    return (name + (f" {m.group(1)}" if m else "")) if name else "model not recorded"
 
 
 def _one(rows: Iterable[dict], **match: object) -> dict:
