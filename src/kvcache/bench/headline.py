@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, TextIO
 
+from kvcache.bench.rows import shipped_type
 from kvcache.errors import KVCacheError
 
 
@@ -79,9 +80,9 @@ def _model(meta: dict, weights: str = "") -> str:
         m = re.search(r"\((\w+)\)", weights) or re.search(r"\b(Q\d\w*)", str(meta.get("model") or ""))
         name = "SmolLM2-135M" + (f" {m.group(1)}" if m else "")
         return name
-    m = re.fullmatch(r"(.+?)[-.]((?:i?q\d|bf16|f16|f32)\w*)", name, flags=re.I)  # a file named as it ships
-    if m:
-        return f"{m.group(1)} {m.group(2).upper()}"
+    kind = shipped_type(name)  # a file named as it ships
+    if kind:
+        return f"{name[: -len(kind) - 1]} {kind}"
     m = re.search(r"\((\w+)\)", weights)  # a model named by its alias: the type the weights label says
     return (name + (f" {m.group(1)}" if m else "")) if name else "model not recorded"
 

@@ -19,9 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcache.models.random_weights import (  # noqa: F401
-    STD, add_llm_keys, open_writer, random_f16 as _random, write_planned,
-)
+from kvcache.models.random_weights import add_llm_keys, open_writer, random_f16 as _random, write_planned
 
 
 
