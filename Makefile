@@ -163,7 +163,7 @@ $(LLAMA_DIR)/bin/llama-bench: | $(LLAMA_CONVERTER)
 
 # kvpress (the reference implementation of score-based KV eviction) pins transformers below what
 # kvcache needs, so it lives in a venv of its own; kvcache talks to it through a child process
-# (src/kvcache/eval/kvpress_child.py, a standalone script) that exchanges JSON.
+# (src/kvcache/peers/kvpress_child.py, a standalone script) that exchanges JSON.
 KVPRESS_VENV ?= .venv-kvpress
 KVPRESS_SPEC ?= kvpress==0.5.5
 KVPRESS_TRANSFORMERS ?= transformers>=4.56,<5.3

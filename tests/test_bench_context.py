@@ -208,7 +208,7 @@ def test_long_beside_the_real_llama_bench(tmp_path, tiny_gguf, monkeypatch):
 
 def test_long_without_llama_bench_skips_its_rows_with_the_reason(tmp_path):
     from kvcache.bench import longctx
-    from kvcache.bench.peers import find_tool
+    from kvcache.peers.llama_cpp import find_tool
 
     exe, why = find_tool(str(tmp_path), "llama-bench")
     assert exe is None and why == f"no executable llama-bench in {tmp_path} (`make llamacpp` builds one)"

@@ -15,7 +15,9 @@ import pytest
 
 from conftest import run_kvcache
 
-from kvcache.bench.peers import default_bin, quantize, run
+from kvcache.peers.llama_cpp import default_bin, quantize
+
+from kvcache.peers.process import run
 
 # what `make llamacpp` built, else a prebuilt copy
 LLAMA_BIN = default_bin() or Path("/opt/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin")

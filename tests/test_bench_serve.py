@@ -9,7 +9,7 @@ import pytest
 
 from conftest import run_kvcache
 
-from kvcache.bench.local_redis import free_port
+from kvcache.peers.process import free_port
 from kvcache.cli import main
 from kvcache.bench.serving import server
 

@@ -70,7 +70,7 @@ def test_transformers_rows_in_a_child_process():
 def test_llama_server_rows_on_the_same_file():
     """llama-server (when `make llamacpp` built it) with and without its n-gram lookup, on the
     bundled GGUF and kvcache's prompt ids; without the binary, skipped rows that say why."""
-    from kvcache.bench.peers import llama_server
+    from kvcache.peers.llama_cpp import llama_server
     from kvcache.models.loading import resolve_model
     from kvcache.models.tokenizer import Tokenizer
 

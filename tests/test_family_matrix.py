@@ -249,7 +249,7 @@ def test_q8_perplexity_beside_llama_cpp_on_the_same_file(matrix, row):
     import textwrap
 
     from kvcache import LLM
-    from kvcache.eval.cli_weights import llama_perplexity
+    from kvcache.peers.llama_cpp import llama_perplexity
     from kvcache.eval.weights import chunks, perplexity
 
     q8 = str(matrix[row][3])

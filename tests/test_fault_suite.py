@@ -22,7 +22,7 @@ import torch
 
 from kvcache import LLM, SamplingParams
 from kvcache.prefix.entry import decode_entry, encode_entry, mac_key
-from kvcache.bench.local_redis import free_port
+from kvcache.peers.process import free_port
 
 from test_server import Server, _model
 

@@ -23,7 +23,7 @@ from kvcache import SamplingParams
 from kvcache.errors import InvalidParams
 from kvcache.prefix.entry import decode_entry, encode_entry, mac_key
 from kvcache.prefix.tiers import DiskTier, TierChain
-from kvcache.bench.local_redis import free_port
+from kvcache.peers.process import free_port
 
 from conftest import fresh_home
 from test_cli_errors import assert_one_line_error, run_cli

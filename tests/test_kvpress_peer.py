@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from kvcache.eval.kvpress_peer import find_python, run_kvpress
+from kvcache.peers.kvpress_peer import find_python, run_kvpress
 
 CASES = [{"press": "knorm", "ratio": 0.5}, {"press": "snapkv", "ratio": 0.5}]
 

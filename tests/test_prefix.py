@@ -473,7 +473,7 @@ def test_two_processes_share_pages_through_redis(tiny_path, redis_url):
 
 
 def test_a_redis_that_does_not_answer_is_a_miss_with_one_warning(tiny_path):
-    from kvcache.bench.local_redis import free_port
+    from kvcache.peers.process import free_port
 
     llm = LLM(tiny_path, kv="dynamic,page_size=4", prefix=PrefixConfig(redis=f"redis://127.0.0.1:{free_port()}/0"))
     with pytest.warns(UserWarning, match="did not answer") as record:

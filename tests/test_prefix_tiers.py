@@ -19,7 +19,7 @@ import torch
 from kvcache.errors import KVCacheError
 from kvcache.prefix.entry import FORMAT, decode_entry, encode_entry, entry_meta
 from kvcache.prefix.keys import page_key, root_key
-from kvcache.bench.local_redis import free_port
+from kvcache.peers.process import free_port
 from kvcache.prefix.tiers import DiskTier, RedisTier, TierChain, TierStats, TierUnavailable
 
 KEY = page_key(root_key("model", "layout"), [1, 2, 3, 4])

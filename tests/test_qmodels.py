@@ -97,7 +97,7 @@ def test_gemma_file_mixes_types_in_one_projection():
 
 @pytest.mark.skipif(LLAMA_CPP is None, reason="KVCACHE_LLAMA_CPP_BIN is not set (a llama.cpp build folder)")
 def test_against_llama_cpp_on_the_same_file(smollm_q, parts):
-    from kvcache.eval.cli_weights import llama_perplexity
+    from kvcache.peers.llama_cpp import llama_perplexity
 
     text = builtin_text()
     peer, note = llama_perplexity(LLAMA_CPP, smollm_q.model_path, text, 512, 2, 2)

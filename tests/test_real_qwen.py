@@ -232,7 +232,7 @@ def _llama_perplexity_dir() -> Path | None:
 def test_perplexity_agrees_with_llama_cpp_on_the_same_file_and_text(qwen):
     import torch
 
-    from kvcache.eval.cli_weights import llama_perplexity
+    from kvcache.peers.llama_cpp import llama_perplexity
     from kvcache.eval.weights import chunks, perplexity
 
     bins = _llama_perplexity_dir()

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from kvcache import LLM, SamplingParams
-from kvcache.bench.local_redis import free_port
+from kvcache.peers.process import free_port
 
 
 class Server:

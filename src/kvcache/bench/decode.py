@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidParams(f"unknown peer {p!r}; choose from none, dynamic, static (transformers' caches), "
                                 "llama.cpp")
     from kvcache.bench import llamapeer
-    from kvcache.bench.peers import check_bin
+    from kvcache.peers.llama_cpp import check_bin
     from kvcache.models.config import ModelConfig
     from kvcache.models.loading import read_config, resolve_model
 

@@ -109,7 +109,7 @@ def bench_hf(model_dir: str, contexts: list[int], specs: list[str], peers: list[
              tick: Callable[[], object] | None = None) -> list[HFRow]:
     from transformers import AutoTokenizer
 
-    from kvcache.bench.peers import transformers_model
+    from kvcache.peers.hf_transformers import transformers_model
     from kvcache.hf import make_cache
 
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -14,7 +14,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvcache.bench.peers import NO_TRANSFORMERS, child_main, run_module, transformers_model
+from kvcache.peers.hf_transformers import NO_TRANSFORMERS, transformers_model
+
+from kvcache.peers.process import child_main, run_module
 from kvcache.bench.rows import Row, Tick, step_bytes
 
 if TYPE_CHECKING:

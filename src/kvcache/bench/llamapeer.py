@@ -1,6 +1,6 @@
 """llama.cpp beside kvcache in ``bench decode``: which llama.cpp to run, which GGUFs, and its rows.
 
-Two kinds, both in child processes (bench/peers.py): llama.cpp's own ``llama-bench``
+Two kinds, both in child processes (peers/process.py): llama.cpp's own ``llama-bench``
 (``--llama-cpp-bin DIR``, ``$KVCACHE_LLAMA_CPP_BIN``, or the folder ``make llamacpp`` builds,
 ``<venv>/llama.cpp/bin``), else llama-cpp-python when it is installed (the optional extra
 ``pip install 'kvcache[llamacpp]'``; the parent never loads its native library). Neither: the rows
@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvcache.bench.peers import child_main, quantize, run, run_module
+from kvcache.peers.process import child_main, run, run_module
+
+from kvcache.peers.llama_cpp import quantize
 from kvcache.bench.rows import Row, Tick, shipped_type, step_bytes
 
 if TYPE_CHECKING:

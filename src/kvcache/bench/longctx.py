@@ -45,7 +45,7 @@ prefilled into a fresh sequence (the reference the long prompts' throughput is c
 The process's resident set is sampled throughout (its peak), and read once more after the
 largest context's last decode, the sequence still held, freed heap given back (as the engine does
 when idle): what holding that context costs. Run as ``python -m kvcache.bench.longctx``
-with a JSON request on stdin (bench/peers.py); it prints one JSON line; status lines go to stderr.
+with a JSON request on stdin (peers/process.py); it prints one JSON line; status lines go to stderr.
 
 llama.cpp's side, decode at depth: one run per KV type,
 ``llama-bench -p 0 -n NEW -d N1,N2,.. -fa 1 -ctk X -ctv X`` (it prefills each depth once, untimed, and restores that state for its repeats). Prefill: one
@@ -78,7 +78,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcache.bench.peers import run as run_child
+from kvcache.peers.process import run as run_child
 from kvcache.bench.rows import Tick, step_bytes
 from kvcache.errors import InvalidParams
 
@@ -275,7 +275,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
 def kvcache_side(plan: Plan, spec: str) -> tuple[list[DepthRow], dict[str, object], dict[str, object]]:
     """One spec in its own process: (rows, memory entry, what it said of the model)."""
-    from kvcache.bench.peers import run_module
+    from kvcache.peers.process import run_module
 
     req = {"model": plan.model, "weights": plan.weights, "spec": spec, "contexts": plan.contexts, "new": plan.new,
            "repeats": plan.repeats, "threads": plan.threads}
@@ -320,7 +320,7 @@ def size_bytes(plan: Plan, spec: str, tokens: int) -> int | None:
 
 def run(args: argparse.Namespace) -> int:
     plan = make_plan(args)
-    from kvcache.bench.peers import find_tool
+    from kvcache.peers.llama_cpp import find_tool
     from kvcache.bench.measure import read_bandwidth
     from kvcache.bench.report import run_meta
     from kvcache.envinfo import host_line
@@ -539,6 +539,6 @@ def _fill(targets: list[DepthRow], data: object, note: str) -> None:
 
 
 if __name__ == "__main__":
-    from kvcache.bench.peers import child_main
+    from kvcache.peers.process import child_main
 
     raise SystemExit(child_main(spec_child))

@@ -96,7 +96,7 @@ def probe_kvcache(spec: str, context: int, new: int, model: str | None, weights:
 def probe_transformers(cache: str, context: int, new: int, model: str | None) -> dict[str, object]:
     import torch
 
-    from kvcache.bench.peers import transformers_model
+    from kvcache.peers.hf_transformers import transformers_model
     from kvcache.models.loading import fp32_folder
     from kvcache.models.tokenizer import Tokenizer
 
@@ -136,7 +136,7 @@ class Row:
 
 def run_probe(system: str, cache: str, context: int, new: int, model: str | None, threads: int | None,
               weights: str = "fp32") -> Row:
-    from kvcache.bench.peers import run as run_child
+    from kvcache.peers.process import run as run_child
 
     row = Row(system, cache, context, weights)
     cmd = [sys.executable, "-m", "kvcache.bench.memory", system, cache, str(context), str(new), weights]

@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     runs = [bench_kvcache(llm, ids, spec, new, budget if spec == "none" else float("inf"), bar.update)
             for spec in ("dynamic", "none")]
     if peers:
-        from kvcache.bench.peers import transformers_model
+        from kvcache.peers.hf_transformers import transformers_model
 
         model = transformers_model(fp32_folder(args.model))
         runs += [bench_transformers(model, ids, p == "dynamic", new, budget if p != "dynamic" else float("inf"),

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from kvcache.bench.local_redis import local_redis
+from kvcache.peers.redis_server import local_redis
 from kvcache.bench.report import cell, run_meta
 from kvcache.cliargs import one_weights
 from kvcache.engine.llm import LLM
@@ -134,7 +134,7 @@ def bench_transformers(model_dir: str, llm: LLM, system: str, repeats: int,
                        progress: Callable[[], None] | None = None) -> Case:
     """Prefill + deepcopy: the documented way to reuse a prompt's cache in transformers."""
     case = Case("transformers prefill + deepcopy")
-    from kvcache.bench.peers import NO_TRANSFORMERS, transformers_model
+    from kvcache.peers.hf_transformers import NO_TRANSFORMERS, transformers_model
 
     model = transformers_model(model_dir)
     if model is None:

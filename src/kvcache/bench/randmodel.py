@@ -18,7 +18,7 @@ from kvcache.models.random_llama import SHAPES, ShapeError, parse_shape, write_f
 
 def bin_dir(arg: str | None = None) -> Path:
     """--llama-cpp-bin, else $KVCACHE_LLAMA_CPP_BIN, else ``make llamacpp``'s folder."""
-    from kvcache.bench.peers import default_bin
+    from kvcache.peers.llama_cpp import default_bin
 
     return Path(arg).expanduser() if arg else default_bin() or Path(sys.prefix) / "llama.cpp" / "bin"
 
@@ -35,7 +35,7 @@ def make(shape_text: str, ftypes: list[str], seed: int = 0, llama_bin: Path | No
          progress: bool = True) -> list[Path]:
     """The cached GGUF of ``shape_text`` in each ftype (``F16``: the unquantized file), made when
     missing. Raises ShapeError for bad text, RuntimeError when llama-quantize is missing or fails."""
-    from kvcache.bench.peers import quantize, tool
+    from kvcache.peers.llama_cpp import quantize, tool
 
     from kvcache.models.random_moe import moe_shape, write_f16 as write_moe_f16
 

@@ -71,7 +71,7 @@ class Case:
 def _stream(url: str, messages: list[dict[str, str]], new: int, case: Case, lock: threading.Lock,
             long: bool = False) -> str:
     """One streamed chat turn; returns its text and records its figures in ``case``."""
-    from kvcache.bench.peers import stream
+    from kvcache.peers.servers import stream
 
     got = stream(f"{url}/chat/completions", {"messages": messages, "max_tokens": new})
     with lock:
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         from ray import serve  # noqa: F401
     except ImportError:
         raise InvalidParams("--replicas needs Ray Serve: pip install 'kvcache[ray]'") from None
-    from kvcache.bench.local_redis import local_redis
+    from kvcache.peers.redis_server import local_redis
     from kvcache.cache.config import parse_kv_spec
     from kvcache.engine.scheduler import SchedulerConfig
     from kvcache.prefix.config import PrefixConfig
@@ -200,6 +200,6 @@ def _clear_redis(url: str) -> None:
 
 
 def _free_port() -> int:
-    from kvcache.bench.local_redis import free_port
+    from kvcache.peers.process import free_port
 
     return free_port()

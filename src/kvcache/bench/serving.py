@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvcache.bench.measure import english_slices
-from kvcache.bench.peers import llama_server, llama_server_cmd, server, stream
+from kvcache.peers.llama_cpp import llama_server, llama_server_cmd
+from kvcache.peers.servers import server, stream
 from kvcache.bench.report import cell, percentile, run_meta
 from kvcache.errors import InvalidParams
 
@@ -148,7 +149,7 @@ def system_server(args: argparse.Namespace, name: str, threads: int, slots: int,
                   gguf: Path | None, missing: str) -> Iterator[tuple[str | None, str]]:
     """``kvcache serve`` (``name`` kvcache) or llama-server (``binary``, ``slots`` slots sharing
     ``ctx`` tokens) on a free port: yields (its url, "") or (None, why it is skipped), and stops it."""
-    from kvcache.bench.local_redis import free_port
+    from kvcache.peers.process import free_port
 
     if name != "kvcache" and (binary is None or gguf is None):
         yield None, missing

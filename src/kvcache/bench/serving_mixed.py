@@ -26,7 +26,9 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvcache.bench.peers import Stream, llama_server, stream
+from kvcache.peers.servers import Stream, stream
+
+from kvcache.peers.llama_cpp import llama_server
 from kvcache.bench.report import cell, percentile, run_meta
 from kvcache.errors import InvalidParams
 

@@ -72,7 +72,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcache.bench.peers import NO_TRANSFORMERS, child_main, run_module, transformers_model
+from kvcache.peers.hf_transformers import NO_TRANSFORMERS, transformers_model
+
+from kvcache.peers.process import child_main, run_module
 from kvcache.bench.report import cell, run_meta
 from kvcache.bench.spec_texts import EDIT, EDIT_PREDICTION, MISS, QUESTION, STORY
 from kvcache.errors import InvalidParams
@@ -444,8 +446,9 @@ def llama_rows(binary: Path | None, gguf: Path | None, prompts: dict[str, list[i
     n-gram lookup, both started before timing, taking turns; ``weights`` and ``label`` name the file
     and the speculation as kvcache's rows do. A server that does not start or a request that fails
     is a skipped row with the reason."""
-    from kvcache.bench.local_redis import free_port
-    from kvcache.bench.peers import NO_SERVER, llama_server_cmd, server
+    from kvcache.peers.process import free_port
+    from kvcache.peers.llama_cpp import NO_SERVER, llama_server_cmd
+    from kvcache.peers.servers import server
 
     def skipped(w: str, why: str) -> dict[str, Any]:
         return spec_row("llama-server", weights, "file", w, "lookup", label, len(prompts[w]), why)
@@ -609,7 +612,7 @@ def run(args: argparse.Namespace) -> int:
 def _llama_rows(args: argparse.Namespace, prompts: dict[str, list[int]], new: int, repeats: int, threads: int,
                 label: str, eos: list[int], texts: dict[str, list[int]] | None) -> list[dict[str, Any]]:
     """llama-server's rows on the model's GGUF file, its texts compared with kvcache's on the same file."""
-    from kvcache.bench.peers import llama_server
+    from kvcache.peers.llama_cpp import llama_server
     from kvcache.models.loading import resolve_model
 
     gguf = resolve_model(args.model).gguf

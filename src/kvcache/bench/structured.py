@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcache.bench.peers import child_main, run_module
+from kvcache.peers.process import child_main, run_module
 from kvcache.bench.report import cell, run_meta
 from kvcache.errors import InvalidParams, KVCacheError
 

@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
         del llm
         gc.collect()
     if peers:
-        from kvcache.bench.peers import transformers_model
+        from kvcache.peers.hf_transformers import transformers_model
 
         model = transformers_model(fp32_folder(args.model))
         runs = {"sequential": bench_hf_sequential, "padded": bench_hf_padded, "generate_batch": bench_hf_generate_batch}

@@ -65,7 +65,7 @@ def cmd_eval_continuation(args: argparse.Namespace, text: str, source: str, spec
     peer_note, versions = "", {}
     cases = [c for c in dict.fromkeys(json.dumps(peer_case(s)) for s in specs) if c != "null"]
     if args.kvpress and cases:
-        from kvcache.eval.kvpress_peer import run_kvpress
+        from kvcache.peers.kvpress_peer import run_kvpress
         from kvcache.models.loading import fp32_folder
 
         pk = passkey_cases(llm.tokenizer, args.passkey_tokens, depths) if args.passkey_tokens else []

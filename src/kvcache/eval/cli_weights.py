@@ -11,60 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from kvcache.cliargs import WEIGHTS
 from kvcache.errors import InvalidParams
-
-
-def llama_perplexity(bin_dir: str, gguf: str, text: str, ctx: int, n_chunks: int, threads: int,
-                     tries: int = 3) -> tuple[float | None, str]:
-    """(perplexity, note) of llama.cpp's llama-perplexity on ``text``; None with a note when it
-    cannot be had (missing binary, a crash, an unreadable report). A run that ends without its
-    report (seen on a busy host: exit 0 and no output past loading) is tried again, ``tries`` in all."""
-    exe = Path(bin_dir) / "llama-perplexity"
-    if not exe.is_file():
-        return None, f"no llama-perplexity in {bin_dir}"
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False, encoding="utf-8") as f:
-        f.write(text)
-    note = ""
-    try:
-        for _ in range(tries):
-            value, note = _one_perplexity_run(exe, gguf, f.name, ctx, n_chunks, threads)
-            if value is not None or "signal" in note:
-                return value, note
-    finally:
-        Path(f.name).unlink(missing_ok=True)
-    return None, note
-
-
-def _one_perplexity_run(exe: Path, gguf: str, text_file: str, ctx: int, n_chunks: int,
-                        threads: int) -> tuple[float | None, str]:
-    """One llama-perplexity run. Its log is written by a thread that can lose the last lines when
-    the process exits, so it is asked for one chunk more than is wanted: the running estimate after
-    chunk ``n_chunks`` ("[N]value", the perplexity of the first N chunks) is printed while the extra
-    chunk still computes. A text of exactly ``n_chunks`` chunks gives its final estimate instead."""
-    try:
-        p = subprocess.run([str(exe), "-m", gguf, "-f", text_file, "-c", str(ctx), "--chunks", str(n_chunks + 1),
-                            "-t", str(threads), "-b", str(ctx)], capture_output=True, text=True, timeout=3600)
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, f"llama-perplexity did not run: {e}"
-    if p.returncode < 0:
-        return None, f"llama-perplexity died of signal {-p.returncode}"
-    out = p.stdout + p.stderr
-    running = re.findall(rf"\[{n_chunks}\]([0-9.]+)", out)
-    final = re.search(r"Final estimate: PPL = ([0-9.]+)", out)
-    only_n = re.search(rf"perplexity over {n_chunks} chunks", out)
-    if p.returncode == 0 and running:
-        return float(running[-1]), ""
-    if p.returncode == 0 and final and only_n:
-        return float(final.group(1)), ""
-    last = out.strip().splitlines()[-1][:200] if out.strip() else "no output"
-    return None, f"llama-perplexity failed (exit {p.returncode}): {last}"
+from kvcache.peers.llama_cpp import llama_perplexity
 
 
 def cmd_eval_weights(args: argparse.Namespace, text: str, source: str) -> int:

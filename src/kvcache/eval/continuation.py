@@ -3,7 +3,7 @@ continuation through what the cache kept.
 
 This is how a cache is used when serving (the prompt is prefilled and compressed once, the answer
 reads through what is left), and how kvpress measures its presses: the same protocol runs in its
-child process (eval/kvpress_child.py), so the two give comparable figures on the same token ids.
+child process (peers/kvpress_child.py), so the two give comparable figures on the same token ids.
 
 - the context goes in through ``ModelRunner.step`` (one prefill; a press scores it at the end);
 - the continuation's first token goes in as a decode step, the rest as one more forward, at

@@ -11,11 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from kvcache.peers.process import free_port, stop_process
 
 
 @contextmanager
@@ -45,6 +41,4 @@ def local_redis(timeout: float = 10.0) -> Iterator[str | None]:
                 time.sleep(0.05)
             yield f"redis://127.0.0.1:{port}/0"
         finally:
-            from kvcache.bench.peers import stop_process
-
             stop_process(proc, 5)

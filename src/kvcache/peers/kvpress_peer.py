@@ -1,7 +1,7 @@
 """kvpress beside kvcache: the same presses, ratios and text, measured the same way.
 
 kvpress needs a transformers older than kvcache's, so it runs in a venv of its own (``make
-kvpress`` builds ``.venv-kvpress``) as a child process (eval/kvpress_child.py, a standalone
+kvpress`` builds ``.venv-kvpress``) as a child process (peers/kvpress_child.py, a standalone
 script). This side sends token ids (tokenized once, by kvcache), the converted model folder with
 fp32 weights and the cases; the child answers per-position figures as JSON. A missing venv, a
 crash, a time-out or an unreadable answer gives rows marked skipped with the reason, never an
