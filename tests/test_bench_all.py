@@ -25,6 +25,7 @@ def test_every_suite_writes_json_png_and_report(out):
     for suite in SUITES:
         data = json.loads((out / f"{suite}.json").read_text())
         assert data["meta"]["torch"] and (data.get("results") or data.get("buckets"))
+        assert data["meta"]["suite"] == suite  # what `bench report` reads it by
         assert (out / f"{suite}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         report = (out / f"{suite}.md").read_text()
         assert f"# kvcache bench {suite}" in report and "| torch |" in report and "| cpu |" in report
@@ -38,6 +39,27 @@ def test_every_suite_writes_json_png_and_report(out):
     ours = [r for r in spec["results"] if r["system"] == "kvcache"]
     assert ours and all(r["identical"] and r["spec_tok_s"] > 0 for r in ours)
     assert not any(r["system"] == "transformers" for r in spec["results"])  # --quick: kvcache's own rows only
+
+
+@pytest.mark.slow
+def test_the_report_reads_every_suites_json_back(out):
+    """The JSON each suite just wrote goes through its own headline(): kvcache beside its peer,
+    each ratio the file's own numbers divided."""
+    import io
+
+    from kvcache.bench.headline import collect
+
+    notes = io.StringIO()
+    (rows,) = collect([str(out)], notes=notes).values()  # one host
+    assert notes.getvalue() == ""
+    by_suite = {e.run.suite for e in rows}
+    # decode stands beside llama.cpp and hf beside its compressed caches: neither runs under --quick
+    assert {"cache-vs-none", "memory", "growth", "prefix", "throughput", "attention", "structured"} <= by_suite, by_suite
+    (k,) = [r for r in _rows(out, "cache-vs-none")["results"] if r["system"] == "kvcache" and r["cache"] == "dynamic"]
+    (p,) = [r for r in _rows(out, "cache-vs-none")["results"] if r["system"] == "transformers"
+            and r["cache"] == "DynamicCache"]
+    (e,) = [e for e in rows if e.run.suite == "cache-vs-none"]
+    assert abs(e.row.ratio - (p["total_s"] / p["tokens"]) / (k["total_s"] / k["tokens"])) < 1e-9
 
 
 def _rows(out, suite):

@@ -12,7 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvcache.bench.headline import _model, collect, report, suite_of
+from kvcache.bench import suites
+from kvcache.bench.headline import collect, load, report
+from kvcache.bench.rows import model_name as _model
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "docs" / "bench"
@@ -138,7 +140,48 @@ def test_each_committed_file_is_told_its_suite():
               "long/depth-4k/context.json": "context --long", "scale/zen4/serve-1b-Q4_0.json": "serve",
               "scale/zen4/3b-Q8_0.json": "decode"}
     for name, suite in expect.items():
-        assert suite_of(_raw(BENCH / name)) == suite, name
+        run = load(BENCH / name, notes=io.StringIO())
+        assert run is not None and run.suite == suite, name
+
+
+def test_a_file_without_a_known_suite_is_skipped_with_a_note(tmp_path):
+    src = _raw(BENCH / "scale" / "zen4" / "serve-1b-Q4_0.json")
+    for name, suite in (("none.json", None), ("unknown.json", "no-such-suite")):
+        d = copy.deepcopy(src)
+        if suite is None:
+            del d["meta"]["suite"]
+        else:
+            d["meta"]["suite"] = suite
+        (tmp_path / name).write_text(json.dumps(d))
+        notes = io.StringIO()
+        assert load(tmp_path / name, notes=notes) is None
+        assert "not a kvcache bench suite's JSON" in notes.getvalue() and name in notes.getvalue()
+
+
+def test_suites_declare_themselves_in_their_own_module():
+    """Each suite is one module: its declarations are literals the command line reads without
+    importing it, name options the parser has, and its module has the functions they promise."""
+    import argparse
+
+    from kvcache.bench.cli import add_bench_parser
+
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    dests = {a.dest for a in parser._subparsers._group_actions[0].choices["bench"]._actions}
+    keys = [s.key for s in suites.catalogue()]
+    assert len(keys) == len(set(keys)) and "decode" in keys and "context --long" in keys
+    orders = [s.order for s in suites.catalogue()]
+    assert orders == sorted(orders) and len(set(orders)) == len(orders)
+    for s in suites.catalogue():
+        assert set(s.options) <= dests and (s.mode is None or s.mode in dests), s.key
+        assert set(s.quick) <= set(s.options) and set(s.quick_llama_cpp) <= set(s.options), s.key
+        assert s.mode is not None or s.quick, f"{s.key}: no settings for bench all --quick"
+        module = s.load()
+        assert callable(module.run), s.key
+    code = ("import sys\nfrom kvcache.bench import suites\n"
+            "[s.load() for s in suites.catalogue()]\nprint('torch' in sys.modules)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert p.stdout.split() == ["False"], p.stderr  # torch and the engine load inside the suites' functions
 
 
 def _kvcache(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:

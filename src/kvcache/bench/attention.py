@@ -19,20 +19,27 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from kvcache import kernels
 from kvcache.bench.context_lengths import parse_contexts
-from kvcache.cache.qpool import QuantPool
+from kvcache.bench.rows import Headline, positive
 from kvcache.errors import InvalidParams
+
+if TYPE_CHECKING:
+    import torch
+
+# the suite's declaration (bench/suites.py reads it from this source)
+SUITE = "attention"
+ORDER = 30
+OPTIONS = ("repeats", "kv", "contexts", "peers")
+QUICK = {"contexts": "1024", "repeats": 1, "kv": "fp16,int4"}
 
 HKV, G, D, LAYERS, PAGE = 8, 4, 64, 16, 32  # Llama-3.2-1B's attention; quantized pages of 32 tokens
 ROUND = 256 << 20  # bytes of copies a run goes round, so no call finds its pages in the caches
 WALL_FLOATS = 1 << 27  # the read-bandwidth probe's buffer (512 MiB)
 DEFAULT_KV = "fp16,bf16,int8,int4,int2"
 _BITS = {"int8": 8, "int4": 4, "int2": 2}
-_HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_HALF = {"fp16": "float16", "bf16": "bfloat16"}  # torch dtypes by name
 
 
 def parse_kv(text: str) -> list[tuple[str, bool]]:
@@ -70,6 +77,11 @@ def _copies(nbytes: int) -> int:
 
 
 def _quant_case(bits: int, rotate: bool, ctx: int, q: torch.Tensor) -> tuple[int, object, object]:
+    import torch
+
+    from kvcache import kernels
+    from kvcache.cache.qpool import QuantPool
+
     pools = []
     for _ in range(_copies(int(ctx * HKV * D * 2 * (bits / 8 + 0.125)))):
         pool = QuantPool(1, HKV, D, PAGE, ctx // PAGE, bits, PAGE)
@@ -99,6 +111,10 @@ def _quant_case(bits: int, rotate: bool, ctx: int, q: torch.Tensor) -> tuple[int
 
 
 def _half_case(dtype: torch.dtype, ctx: int, q: torch.Tensor) -> tuple[int, object, object]:
+    import torch
+
+    from kvcache import kernels
+
     flats = [torch.randn(2, HKV, ctx, D).to(dtype) for _ in range(_copies(ctx * HKV * D * 4))]
     turn = [0]
 
@@ -114,12 +130,18 @@ def _half_case(dtype: torch.dtype, ctx: int, q: torch.Tensor) -> tuple[int, obje
 
 def _attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     """The dense decode attention (attention/dense.py's decode form): q [1, Hq, D], kv [2, Hkv, L, D]."""
+    import torch
+
     s = torch.matmul(q.view(HKV, G, D), kv[0].transpose(1, 2))  # [Hkv, g, L]
     return torch.matmul(torch.softmax(s, -1), kv[1])
 
 
 def read_wall(repeats: int = 3) -> float | None:
     """The read bandwidth (GB/s) of a 512 MiB buffer streamed by the torch threads, best of ``repeats``."""
+    import torch
+
+    from kvcache import kernels
+
     buf = torch.ones(WALL_FLOATS)
     if kernels.stream_sum(buf) is None:
         return None
@@ -127,6 +149,10 @@ def read_wall(repeats: int = 3) -> float | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvcache import kernels
+
     if args.threads:
         torch.set_num_threads(args.threads)
     if kernels.qattn() is None:
@@ -145,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     q = torch.randn(1, HKV * G, D) * 0.1
     for ctx in contexts:
         for enc, rotate in encodings:
-            nbytes, native, torch_path = (_half_case(_HALF[enc], ctx, q) if enc in _HALF
+            nbytes, native, torch_path = (_half_case(getattr(torch, _HALF[enc]), ctx, q) if enc in _HALF
                                           else _quant_case(_BITS[enc], rotate, ctx, q))
             t = _time(native, repeats)
             peer = _time(torch_path, max(1, repeats // 2)) if peers else None
@@ -166,3 +192,13 @@ def _line(r: dict) -> str:
     peer = f"; torch path {r['torch_ms_layer']:.2f} ms ({r['vs_torch']:.1f}x)" if r["torch_ms_layer"] else ""
     return (f"{r['context']:>6} {r['kv']:<12} {r['ms_layer']:7.2f} ms/layer ({r['ms_token']:.1f} ms a token of "
             f"{LAYERS} layers), {r['bytes_layer'] / 1e6:.1f} MB at {r['gb_s']:.1f} GB/s{share}{peer}")
+
+
+def headline(d: dict) -> list[Headline]:
+    """``bench attention``: one layer's decode attention at the deepest context, the native kernel
+    beside the torch path over the same cache."""
+    rows = d["rows"]
+    ctx = max(r["context"] for r in rows)
+    return [Headline(f"decode attention ms per layer at {ctx} tokens, {r['kv']} KV", positive(r["ms_layer"]),
+                "torch path, same cache", positive(r["torch_ms_layer"]), "ms", higher_better=False)
+            for r in rows if r["context"] == ctx and r["kv"] in ("fp16", "int8", "int4")]

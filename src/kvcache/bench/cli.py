@@ -1,27 +1,20 @@
-"""``kvcache bench SUITE``: the parser and the dispatch to the suites; each suite is one module
-(bench/decode.py, nocache.py, context_lengths.py, memory.py, growth.py, prefix.py, throughput.py,
-hfbridge.py, serving.py, structured.py, spec.py, attention.py; longctx.py for context --long,
-serving_mixed.py for serve --mixed) whose ``run(args)`` measures, prints its table and writes its JSON;
-``bench report DIR ...`` (bench/headline.py) reads those JSON files back into one table per host kind."""
+"""``kvcache bench SUITE``: the parser and the dispatch to the suites. Each suite is one module that
+declares itself (bench/suites.py: its name, options, place and quick settings) and whose
+``run(args)`` measures, prints its table and writes its JSON; ``bench report DIR ...``
+(bench/headline.py) reads those JSON files back into one table per host kind."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 from pathlib import Path
 
+from kvcache.bench import suites
 from kvcache.errors import InvalidParams
-
-# suite -> its module under kvcache.bench, in the order `bench all` runs them
-SUITE_MODULES = {"decode": "decode", "cache-vs-none": "nocache", "context": "context_lengths", "memory": "memory",
-                 "growth": "growth", "prefix": "prefix", "throughput": "throughput", "serve": "serving",
-                 "hf": "hfbridge", "structured": "structured", "spec": "spec", "attention": "attention"}
-SUITES = tuple(SUITE_MODULES)
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="benchmarks beside transformers, in the same run")
-    b.add_argument("suite", help=f"suite to run: {', '.join(SUITES)}, or all (every suite, one report); "
+    b.add_argument("suite", help=f"suite to run: {', '.join(suites.names())}, or all (every suite, one report); "
                                  "report DIR ...: one markdown table per host kind from the suites' JSON files "
                                  "under DIR (kvcache beside its peer, the ratio, each row's date and file)")
     b.add_argument("dirs", nargs="*", metavar="DIR",
@@ -132,43 +125,35 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.set_defaults(func=cmd_bench)
 
 
-# options each suite reads (the others are refused when given)
-OPTIONS = {
-    "decode": ("new_tokens", "repeats", "rounds", "kv", "peers", "weights", "prefill", "depth", "llama_cpp_bin",
-               "profile"),
-    "context": ("new_tokens", "repeats", "kv", "contexts", "weights", "peers", "llama_cpp_bin"),
-    "growth": ("repeats", "max_context"),
-    "prefix": ("repeats", "system_tokens", "redis", "new_tokens", "weights"),
-    "throughput": ("requests", "new_tokens", "peers", "kv", "weights", "replicas", "prefill_replicas", "redis"),
-    "cache-vs-none": ("new_tokens", "time_budget", "peers", "weights"),
-    "memory": ("context", "new_tokens", "kv", "peers", "budget", "weights"),
-    "serve": ("new_tokens", "requests", "peers", "kv", "weights", "prefill", "streams", "llama_cpp_bin", "mixed",
-              "max_batch_tokens", "document_step_work"),
-    "hf": ("new_tokens", "repeats", "kv", "peers", "contexts"),
-    "structured": ("new_tokens", "repeats", "requests", "peers"),
-    "spec": ("new_tokens", "repeats", "weights", "peers", "llama_cpp_bin"),
-    "attention": ("repeats", "kv", "contexts", "peers"),
-}
-_FLAGS = ("new_tokens", "repeats", "rounds", "kv", "peers", "contexts", "max_context", "system_tokens", "redis", "requests",
-          "time_budget", "context", "budget", "weights", "prefill", "depth", "llama_cpp_bin", "replicas",
-          "prefill_replicas", "streams", "mixed", "max_batch_tokens", "document_step_work", "profile")
+def _given(args: argparse.Namespace, name: str) -> bool:
+    return getattr(args, name, None) not in (None, False)
 
 
-LONG_ONLY = ("peers", "llama_cpp_bin")  # options the context suite reads with --long only
+def _users(name: str) -> list[str]:
+    """The suites that read option ``name``: a mode's own option (--long) belongs to its suite
+    (context); an option only a mode reads to that mode (context --long)."""
+    out: dict[str, None] = {}
+    for s in suites.catalogue():
+        if name == s.mode:
+            out[s.name] = None
+        elif name in s.options:
+            base = suites.find(s.name)
+            out[s.name if s.mode is None or (base and name in base.options) else s.key] = None
+    return list(out)
 
 
-def _refuse_foreign(args: argparse.Namespace) -> None:
-    if getattr(args, "long", False) and args.suite != "context":
-        raise InvalidParams(f"--long does not apply to the {args.suite} suite (only to context)")
-    for name in LONG_ONLY:
-        if args.suite == "context" and not args.long and getattr(args, name) is not None:
-            flag = "--" + name.replace("_", "-")
-            raise InvalidParams(f"{flag} does not apply to the context suite without --long")
-    for name in _FLAGS:
-        if getattr(args, name) is not None and name not in OPTIONS[args.suite]:
-            users = [s for s in SUITES if name in OPTIONS[s]]
-            flag = "--" + name.replace("_", "-")
-            raise InvalidParams(f"{flag} does not apply to the {args.suite} suite (only to {', '.join(users)})")
+def _refuse_foreign(args: argparse.Namespace, suite: suites.Suite) -> None:
+    """A suite-specific option the chosen suite (or mode) does not read is refused, naming those
+    that do."""
+    for name in suites.flags():
+        if not _given(args, name) or name in suite.options or name == suite.mode:
+            continue
+        flag = "--" + name.replace("_", "-")
+        modes = [s for s in suites.catalogue() if s.name == suite.name and s.mode and name in s.options + (s.mode,)]
+        if modes and suite.mode is None:
+            raise InvalidParams(f"{flag} does not apply to the {suite.name} suite without --{modes[0].mode}")
+        where = f"the {suite.name} suite" + (f" with --{suite.mode}" if suite.mode else "")
+        raise InvalidParams(f"{flag} does not apply to {where} (only to {', '.join(_users(name))})")
 
 
 def random_model(args: argparse.Namespace) -> None:
@@ -191,9 +176,9 @@ def random_model(args: argparse.Namespace) -> None:
 def cmd_report(args: argparse.Namespace) -> int:
     """``kvcache bench report DIR ...``: the tables, printed (and written to --out); notes on the
     files skipped go to stderr."""
-    given = [n for n in _FLAGS if getattr(args, n) is not None]
+    given = [n for n in suites.flags() if _given(args, n)]
     given += [n for n in ("model", "json", "threads") if getattr(args, n, None) is not None]
-    given += [n for n in ("quick", "long") if getattr(args, n, False)]
+    given += [n for n in ("quick",) if getattr(args, n, False)]
     if given:
         raise InvalidParams(f"--{given[0].replace('_', '-')} does not apply to 'bench report' "
                             "(it takes DIR ..., --since and --out)")
@@ -216,71 +201,47 @@ def cmd_bench(args: argparse.Namespace) -> int:
     random_model(args)
     if args.suite == "all":
         return cmd_all(args)
-    if args.suite not in SUITES:
-        raise InvalidParams(f"unknown bench suite {args.suite!r}; suites: {', '.join(SUITES)}, all "
+    if suites.find(args.suite) is None:
+        raise InvalidParams(f"unknown bench suite {args.suite!r}; suites: {', '.join(suites.names())}, all "
                             "(or report DIR ... to tabulate their JSON)")
-    _refuse_foreign(args)
+    suite = suites.chosen(args.suite, args)
+    _refuse_foreign(args, suite)
+    return _run(suite, args)
+
+
+def _run(suite: suites.Suite, args: argparse.Namespace) -> int:
+    """Run one suite (with --out, its report beside); its JSON names the suite that wrote it
+    (``meta.suite``), which ``bench report`` reads."""
+    module = suite.load()
     if args.out:
         from kvcache.bench.report import run_with_report
 
-        return run_with_report(args.suite, args, lambda: _dispatch(args))
-    return _dispatch(args)
-
-
-def _dispatch(args: argparse.Namespace) -> int:
-    module = SUITE_MODULES[args.suite]
-    if args.suite == "context" and getattr(args, "long", False):
-        module = "longctx"
-    elif args.suite == "serve" and getattr(args, "mixed", None) is not None:
-        module = "serving_mixed"
-    return importlib.import_module(f"kvcache.bench.{module}").run(args)
-
-
-# ``bench all --quick``: every suite, small enough that the whole run stays near two minutes
-ALL_QUICK: dict[str, dict[str, object]] = {
-    "decode": {"new_tokens": 16, "repeats": 1, "peers": "dynamic", "weights": "file,fp32", "prefill": "128",
-               "depth": 128},
-    "cache-vs-none": {"new_tokens": 24, "time_budget": 3.0, "peers": "dynamic,none"},
-    "context": {"contexts": "256", "kv": "dynamic,int8", "new_tokens": 8, "repeats": 1},
-    "memory": {"context": 320, "kv": "dynamic;int4", "new_tokens": 2, "peers": "dynamic"},
-    "growth": {"max_context": 512},
-    "prefix": {"system_tokens": 128, "repeats": 1, "new_tokens": 4},
-    "throughput": {"requests": 4, "new_tokens": 8, "peers": "padded"},
-    "serve": {"streams": "4", "requests": 1, "new_tokens": 8, "prefill": "64"},
-    "hf": {"contexts": "256", "new_tokens": 4, "kv": "dynamic", "peers": "dynamic"},
-    "structured": {"requests": 4, "repeats": 1},
-    "spec": {"new_tokens": 16, "repeats": 1, "weights": "fp32", "peers": ""},  # transformers' rows: 60 s more
-    "attention": {"contexts": "1024", "repeats": 1, "kv": "fp16,int4"},
-}
+        return run_with_report(suite, args, lambda: module.run(args))
+    rc = module.run(args)
+    suites.mark(args.json, suite)
+    return rc
 
 
 def cmd_all(args: argparse.Namespace) -> int:
-    """Every suite in turn (with --quick, reduced further); with --out, one report per suite and
-    an index. --llama-cpp-bin goes to the decode suite."""
-    for name in _FLAGS:
-        if getattr(args, name) is not None and name != "llama_cpp_bin":
-            raise InvalidParams(f"--{name.replace('_', '-')} does not apply to 'bench all' (run the suite alone)")
-    if args.long:
-        raise InvalidParams("--long does not apply to 'bench all' (run bench context --long alone)")
+    """Every suite in turn (not their modes; with --quick, each reduced further by its QUICK
+    settings); with --out, one report per suite and an index. --llama-cpp-bin goes to the suites
+    that run llama.cpp."""
+    for name in suites.flags():
+        if _given(args, name) and name != "llama_cpp_bin":
+            mode = next((s for s in suites.catalogue() if s.mode == name), None)
+            alone = f"bench {mode.name} --{name}" if mode else "the suite"
+            raise InvalidParams(f"--{name.replace('_', '-')} does not apply to 'bench all' (run {alone} alone)")
     done = []
-    for suite in SUITES:
+    for suite in (s for s in suites.catalogue() if s.mode is None):
         sub = argparse.Namespace(**vars(args))
-        sub.suite, sub.json = suite, None
+        sub.suite, sub.json = suite.name, None
         if args.quick:
-            for k, v in ALL_QUICK[suite].items():
+            settings = suite.quick | (suite.quick_llama_cpp if args.llama_cpp_bin else {})
+            for k, v in settings.items():
                 setattr(sub, k, v)
-            if suite == "decode" and args.llama_cpp_bin:
-                sub.peers += ",llama.cpp"
-            if suite == "spec" and args.llama_cpp_bin:
-                sub.peers = "llama-server"
-        print(f"\n=== {suite} ===", flush=True)
-        if args.out:
-            from kvcache.bench.report import run_with_report
-
-            run_with_report(suite, sub, lambda sub=sub: _dispatch(sub))
-        else:
-            _dispatch(sub)
-        done.append(suite)
+        print(f"\n=== {suite.name} ===", flush=True)
+        _run(suite, sub)
+        done.append(suite.name)
     if args.out:
         from kvcache.bench.report import machine
 

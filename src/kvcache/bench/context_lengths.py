@@ -17,18 +17,24 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvcache.bench.measure import english_prompt, pregrow, resolve_spec, use_config, weight_bytes
 from kvcache.bench.report import cell, median, run_meta
 from kvcache.bench.rows import step_bytes
-from kvcache.cache.config import CacheConfig, parse_kv_spec
 from kvcache.cliargs import one_weights, split_specs
-from kvcache.engine.llm import LLM
-from kvcache.engine.params import SamplingParams
 from kvcache.errors import InvalidParams
-from kvcache.eval.fidelity import builtin_text
+
+if TYPE_CHECKING:
+    from kvcache.cache.config import CacheConfig
+    from kvcache.engine.llm import LLM
+    from kvcache.engine.params import SamplingParams
+
+# the suite's declaration (bench/suites.py reads it from this source)
+SUITE = "context"
+ORDER = 20
+OPTIONS = ("new_tokens", "repeats", "kv", "contexts", "weights")
+QUICK = {"contexts": "256", "kv": "dynamic,int8", "new_tokens": 8, "repeats": 1}
 
 DEFAULT_SPECS, QUICK_SPECS = "dynamic,fp16,int8,int4,sink", "dynamic,static"
 DEFAULT_CONTEXTS, QUICK_CONTEXTS = "128,512,2048,8000", "256,1024"
@@ -107,6 +113,9 @@ def _run_once(llm: LLM, ids: list[int], params: SamplingParams, seq):
 
 def bench_context(llm: LLM, specs: dict[str, CacheConfig], contexts: list[int], new: int, repeats: int,
                   progress=None) -> list[ContextRow]:
+    from kvcache.engine.params import SamplingParams
+    from kvcache.eval.fidelity import builtin_text
+
     wbytes = weight_bytes(llm.model)
     params = SamplingParams(max_tokens=new, ignore_eos=True)
     text = builtin_text()
@@ -155,11 +164,16 @@ def with_ratios(results: list[dict[str, object]], reference: str | None) -> list
 
 def reference_spec(specs: list[str]) -> str | None:
     """The first spec that is the default fp32 dynamic cache."""
+    from kvcache.cache.config import CacheConfig, parse_kv_spec
+
     default = CacheConfig()
     return next((s for s in specs if parse_kv_spec(s) == default), None)
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvcache.engine.llm import LLM
     from kvcache.models.config import ModelConfig
     from kvcache.models.loading import read_config, resolve_model
 
@@ -217,3 +231,22 @@ def run(args: argparse.Namespace) -> int:
                         kv=list(configs), reference=ref, prompt="pydoc_data.topics, first C tokens")
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     return 0
+
+
+def plot(plt, data: dict):
+    from kvcache.bench.plots import finish
+
+    rows = [r for r in data["results"] if r.get("tok_s")]
+    if not rows:
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for spec in dict.fromkeys(r["spec"] for r in rows):
+        mine = sorted((r for r in rows if r["spec"] == spec), key=lambda r: r["context"])
+        xs = [r["context"] for r in mine]
+        a.plot(xs, [r["tok_s"] for r in mine], marker="o", label=spec)
+        b.plot(xs, [r["kv_bytes_used"] / 2**20 for r in mine], marker="o", label=spec)
+    for ax, ylabel, title in ((a, "decode tok/s", "speed against context"),
+                              (b, "KV held (MiB)", "KV memory against context")):
+        ax.set_xscale("log", base=2)
+        finish(ax, "context (tokens)", ylabel, title)
+    return fig

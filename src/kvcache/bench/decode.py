@@ -17,16 +17,24 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvcache.bench.measure import english_prompt, pregrow, use_config, weight_bytes, weights_label
 from kvcache.bench.report import cell, run_meta
-from kvcache.bench.rows import Row, Tick, step_bytes
-from kvcache.cache.config import parse_kv_spec
+from kvcache.bench.rows import Headline, Row, Tick, beside_same_file, model_name, one, positive, step_bytes
 from kvcache.cliargs import weights_list
-from kvcache.engine.llm import LLM
-from kvcache.engine.params import SamplingParams
-from kvcache.engine.runner import ModelRunner
 from kvcache.errors import InvalidParams
+
+if TYPE_CHECKING:
+    from kvcache.engine.llm import LLM
+    from kvcache.engine.runner import ModelRunner
+
+# the suite's declaration (bench/suites.py reads it from this source)
+SUITE = "decode"
+ORDER = 10
+OPTIONS = ("new_tokens", "repeats", "rounds", "kv", "peers", "weights", "prefill", "depth", "llama_cpp_bin", "profile")
+QUICK = {"new_tokens": 16, "repeats": 1, "peers": "dynamic", "weights": "file,fp32", "prefill": "128", "depth": 128}
+QUICK_LLAMA_CPP = {"peers": "dynamic,llama.cpp"}
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 DEFAULT_WEIGHTS, DEFAULT_PREFILL, DEFAULT_DEPTH = "file,q8,fp32", "512,2000,8000", 8000
@@ -36,12 +44,16 @@ HF_CACHES = ("none", "dynamic", "static")
 
 
 def _runner(llm: LLM, spec: str) -> ModelRunner:
+    from kvcache.cache.config import parse_kv_spec
+
     return use_config(llm, parse_kv_spec(spec))
 
 
 def bench_decode(llm: LLM, ids: list[int], strategies: list[str], new: int, repeats: int,
                  tick: Tick | None = None) -> list[Row]:
     """Decode after the prompt ``ids``, one row per cache strategy."""
+    from kvcache.engine.params import SamplingParams
+
     params = SamplingParams(max_tokens=new, ignore_eos=True)
     wbytes, label = weight_bytes(llm.model), weights_label(llm)
     rows = []
@@ -87,6 +99,8 @@ def bench_prefill(llm: LLM, prompts: dict[int, list[int]], repeats: int, tick: T
 def bench_depth(llm: LLM, ids: list[int], spec: str, new: int, repeats: int, tick: Tick | None = None) -> Row:
     """Decode ``new`` tokens after a context of ``len(ids)`` tokens held in a ``spec`` cache; the
     context is prefilled once and kept, every repeat decodes from the same point."""
+    from kvcache.engine.params import SamplingParams
+
     runner = _runner(llm, spec)
     pregrow(runner, len(ids) + new)
     row = Row("kvcache", weights_label(llm), spec, pair=llm.weights, test="depth", tokens=len(ids))
@@ -134,6 +148,7 @@ def profile_decode(llm: LLM, ids: list[int], new: int, repeats: int) -> dict[str
     (Python, torch's small operations, the sampler). Each repeat times a run of ``new`` decode steps
     against a run of one (the same prefill), in wall time and in the kernels' own time
     (``kernels.profile``, on before the model loaded); medians over the repeats, per step."""
+    from kvcache.engine.params import SamplingParams
     from kvcache import kernels
 
     def timed(n: int) -> tuple[float, float, int]:
@@ -160,6 +175,7 @@ def profile_decode(llm: LLM, ids: list[int], new: int, repeats: int) -> dict[str
 def run_profile(args: argparse.Namespace, new: int, repeats: int) -> int:
     """``bench decode --profile``: one decode after the chat prompt, split into the kernels' time
     and the host's time outside them, per step."""
+    from kvcache.engine.llm import LLM
     from kvcache import kernels
     from kvcache.envinfo import host_line
 
@@ -182,6 +198,9 @@ def run_profile(args: argparse.Namespace, new: int, repeats: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvcache.cache.config import parse_kv_spec
+    from kvcache.engine.llm import LLM
+
     quick = args.quick
     new = args.new_tokens if args.new_tokens is not None else (16 if quick else 200)
     repeats = args.repeats if args.repeats is not None else (1 if quick else 3)
@@ -407,3 +426,63 @@ def print_tables(results: list[dict[str, object]], meta: dict[str, object]) -> l
     print("\nGB/s: (weights + KV read per step) x tok/s. Pairs: kvcache file (the GGUF's own types) with llama.cpp\n"
           "on the file as shipped; q8 with llama.cpp's Q8_0 conversion; fp32 with its F32 and with transformers.")
     return rat
+
+
+def headline(d: dict) -> list[Headline]:
+    """``bench decode``: kvcache on the file's own weights beside llama.cpp on the same file
+    (decode at batch 1, prefill, decode at depth); the layout before llama.cpp rows: kvcache
+    against transformers' DynamicCache."""
+    meta, results = d.get("meta", {}), d["results"]
+    if not d.get("ratios"):  # the first layout: one decode test, kvcache beside transformers
+        k = one(results, system="kvcache", cache="dynamic")
+        p = one(results, system="transformers", cache="DynamicCache")
+        return [Headline("decode tok/s, batch 1, fp32 weights", positive(k["tok_s"]), "transformers DynamicCache",
+                    positive(p["tok_s"]), "tok/s")]
+    rows = []
+    for r in d["ratios"]:
+        test, tokens = r["test"], r["tokens"]
+        k = next(x for x in results if x["system"] == "kvcache" and x["test"] == test and x["tokens"] == tokens
+                 and f"{x['weights']} {x['cache']}" == r["kvcache"])
+        if not str(k["weights"]).startswith("file"):
+            continue  # the file's own weights only: llama.cpp runs that file
+        p = next(x for x in results if x["system"] != "kvcache" and x["test"] == test and x["tokens"] == tokens
+                 and f"{x['system']} {x['weights']} {x['cache']}" == r["peer"])
+        model = model_name(meta, str(k["weights"]))
+        if test == "decode":
+            what = f"{model}: decode tok/s, batch 1"
+        elif test == "prefill":
+            what = f"{model}: prefill {tokens} tokens, tok/s"
+        elif test == "depth":
+            what = f"{model}: decode tok/s after {tokens} tokens, {k['cache']} KV (peer {p['cache']})"
+        else:
+            what = f"{model}: {test} {tokens}, tok/s"
+        rows.append(beside_same_file(what, k, p))
+    return rows
+
+
+def plot(plt, data: dict):
+    """One panel per test (decode, prefill at each length, decode at depth): tok/s per system."""
+    from kvcache.bench.plots import label
+
+    rows = [r for r in data["results"] if r.get("tok_s")]
+    if not rows:
+        return None
+    tests = list(dict.fromkeys((r.get("test", "decode"), r.get("tokens", 0)) for r in rows))
+    fig, axes = plt.subplots(len(tests), 1, figsize=(8, sum(0.6 + 0.4 * len(_of(rows, t)) for t in tests)),
+                             squeeze=False)
+    for ax, t in zip(axes[:, 0], tests):
+        mine = _of(rows, t)
+        values = [r["tok_s"] for r in mine]
+        ax.barh(range(len(mine)), values, color=["#4477aa" if r["system"] == "kvcache" else "#aa7744" for r in mine])
+        ax.set_yticks(range(len(mine)), [f"{r['system']} {r.get('weights', '')} {r['cache']}" for r in mine])
+        ax.invert_yaxis()
+        name, n = t
+        ax.set_title({"decode": "decode, batch 1 (new tokens/s)", "prefill": f"prefill of {n} tokens (tokens/s)",
+                      "depth": f"decode after {n} tokens of context (new tokens/s)"}.get(name, name), fontsize=9)
+        for i, v in enumerate(values):
+            ax.text(v, i, f" {label(v)}", va="center", fontsize=8)
+    return fig
+
+
+def _of(rows: list[dict], test: tuple[str, int]) -> list[dict]:
+    return [r for r in rows if (r.get("test", "decode"), r.get("tokens", 0)) == test]

@@ -10,19 +10,28 @@ length: 0-1k, 1k-2k, 2k-4k, 4k-8k, ... (k = 1024).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvcache.bench.report import cell, median, run_meta
-from kvcache.cache.config import CacheConfig
+from kvcache.bench.rows import Headline, positive
 from kvcache.errors import InvalidParams
-from kvcache.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
+    from kvcache.models.config import ModelConfig
+
+# the suite's declaration (bench/suites.py reads it from this source)
+SUITE = "growth"
+ORDER = 100
+OPTIONS = ("repeats", "max_context")
+QUICK = {"max_context": 512}
 
 DEFAULT_MAX_CONTEXT, QUICK_MAX_CONTEXT = 8192, 2048
 
@@ -69,9 +78,22 @@ def _per_bucket(times: list[float], ranges: list[tuple[int, int]]) -> list[float
     return [sum(times[a:b]) / (b - a) * 1e6 for a, b in ranges]
 
 
+def _inference(fn: Callable) -> Callable:
+    """``fn`` run under torch.inference_mode() (torch imported at the call, not with this module)."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        import torch
+
+        with torch.inference_mode():
+            return fn(*args, **kwargs)
+    return call
+
+
 def _writer(cache) -> Callable[[int, object, int, torch.Tensor, torch.Tensor], None]:
     """``cache.write(layer, seq, start, k, v)``, or the same through the page pool where the
     cache has no write of its own."""
+    import torch
+
     if hasattr(cache, "write"):
         return cache.write
     pool, ps = cache.pool, cache.page_size
@@ -83,9 +105,12 @@ def _writer(cache) -> Callable[[int, object, int, torch.Tensor, torch.Tensor], N
     return write
 
 
-@torch.inference_mode()
+@_inference
 def grow_kvcache(model: ModelConfig, max_context: int, progress=None) -> list[float]:
     """Seconds of each append (reserve, write every layer, advance) from 0 to max_context tokens."""
+    import torch
+
+    from kvcache.cache.config import CacheConfig
     from kvcache.cache.paged import PagedKVCache
 
     cache = PagedKVCache(model, CacheConfig())
@@ -110,9 +135,11 @@ def grow_kvcache(model: ModelConfig, max_context: int, progress=None) -> list[fl
     return times
 
 
-@torch.inference_mode()
+@_inference
 def grow_transformers(model: ModelConfig, max_context: int, progress=None) -> list[float] | None:
     """Seconds of each DynamicCache append (update every layer); None without transformers."""
+    import torch
+
     try:
         from transformers import DynamicCache
     except ImportError:
@@ -158,6 +185,9 @@ def bench_growth(model: ModelConfig, max_context: int, repeats: int, progress=No
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvcache.models.config import ModelConfig
     from kvcache.engine.llm import default_threads
     from kvcache.models.loading import read_config, resolve_model
 
@@ -198,3 +228,25 @@ def run(args: argparse.Namespace) -> int:
         total.update({f"{k}_s_all": v for k, v in totals.items()})
         Path(args.json).write_text(json.dumps({"meta": meta, "buckets": results, "total": total}, indent=2))
     return 0
+
+
+def headline(d: dict) -> list[Headline]:
+    """``bench growth``: the mean time to append a token's K/V in the last bucket beside
+    transformers' DynamicCache."""
+    last = d["buckets"][-1]
+    return [Headline(f"ms per K/V append, {last['bucket']} tokens", positive(last["kvcache_us"]) / 1e3,
+                "transformers DynamicCache", positive(last["transformers_us"]) / 1e3, "ms", higher_better=False)]
+
+
+def plot(plt, data: dict):
+    from kvcache.bench.plots import finish
+
+    rows = data.get("buckets") or []
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    labels = [r["bucket"] for r in rows]
+    for key, name in (("kvcache_us", "kvcache pages"), ("transformers_us", "transformers DynamicCache")):
+        ax.plot(labels, [(r[key] or 0) / 1000 for r in rows], marker="o", label=name)
+    finish(ax, "context", "ms per append (30 layers)", "appending one token's K/V")
+    return fig

@@ -1,16 +1,16 @@
 """``kvcache bench report DIR ...``: one table per host kind from the suites' JSON files.
 
 Every ``kvcache bench SUITE --out DIR`` (or ``--json FILE``) run leaves a JSON file with a ``meta``
-(the machine, its CPU features, the kernel variant: report.run_meta) and its results. This module
-reads such files, tells which suite wrote each one from its layout, takes each suite's headline
-rows (kvcache beside a peer measured in the same run) with one small function per suite
-(``HEADLINES``), groups the files by host kind (CPU model, features, kernel variant) and prints one
-markdown table per host kind: what, kvcache, the peer, the ratio, the date and the file of each row.
-Where several files hold the same row, the newest run's counts.
+(the suite that wrote it, the machine, its CPU features, the kernel variant: report.run_meta) and
+its results. This module reads such files, takes each one's headline rows (kvcache beside a peer
+measured in the same run) with its suite's own ``headline(data)`` (bench/suites.py finds the
+module), groups the files by host kind (CPU model, features, kernel variant) and prints one markdown
+table per host kind: what, kvcache, the peer, the ratio, the date and the file of each row. Where
+several files hold the same row, the newest run's counts.
 
-It imports no torch and measures nothing: it reads files (and asks git when a file was committed,
-where nothing else dates it). A file it cannot read or does not know is skipped with one line on
-stderr.
+It imports no torch and measures nothing (the suites import theirs inside their functions): it
+reads files (and asks git when a file was committed, where nothing else dates it). A file it cannot
+read or does not know is skipped with one line on stderr.
 """
 
 from __future__ import annotations
@@ -21,28 +21,11 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, TextIO
+from typing import TextIO
 
-from kvcache.bench.rows import shipped_type
+from kvcache.bench import suites
+from kvcache.bench.rows import Headline
 from kvcache.errors import KVCacheError
-
-
-@dataclass(frozen=True)
-class Row:
-    """One headline: kvcache's figure beside the peer's from the same run. ``ratio`` says how many
-    times better kvcache did: kvcache / peer for rates (tok/s), peer / kvcache for times and sizes
-    (``higher_better`` False)."""
-
-    what: str
-    kvcache: float
-    peer_name: str
-    peer: float
-    unit: str
-    higher_better: bool = True
-
-    @property
-    def ratio(self) -> float:
-        return self.kvcache / self.peer if self.higher_better else self.peer / self.kvcache
 
 
 @dataclass
@@ -59,285 +42,6 @@ class Run:
 
 class ReportError(KVCacheError):
     """Nothing to report from the directories given (the CLI turns it into one line, exit 2)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# helpers shared by the suites' headline functions
-
-
-def _model(meta: dict, weights: str = "") -> str:
-    """A short name for the model a run measured: ``1b-0-Q4_0`` -> ``1B Q4_0``, the bundled
-    ``smollm2`` with ``file (Q4_1)`` weights -> ``SmolLM2-135M Q4_1``, a path -> its file name."""
-    name = str(meta.get("model") or "")
-    name = re.sub(r"\.gguf$", "", name.replace("\\", "/").rsplit("/", 1)[-1])
-    m = re.fullmatch(r"(\d+[bBmM])-\d+-(\w+)", name)
-    if m:
-        return f"{m.group(1).upper()} {m.group(2)}"
-    m = re.fullmatch(r"h(\d+)-l(\d+)-.*-(\w+)", name)
-    if m:
-        return f"h{m.group(1)}-l{m.group(2)} {m.group(3)}"
-    if name.lower().startswith("smollm2"):
-        m = re.search(r"\((\w+)\)", weights) or re.search(r"\b(Q\d\w*)", str(meta.get("model") or ""))
-        name = "SmolLM2-135M" + (f" {m.group(1)}" if m else "")
-        return name
-    kind = shipped_type(name)  # a file named as it ships
-    if kind:
-        return f"{name[: -len(kind) - 1]} {kind}"
-    m = re.search(r"\((\w+)\)", weights)  # a model named by its alias: the type the weights label says
-    return (name + (f" {m.group(1)}" if m else "")) if name else "model not recorded"
-
-
-def _one(rows: Iterable[dict], **match: object) -> dict:
-    """The one row whose keys hold these values (KeyError when there is none)."""
-    for r in rows:
-        if all(r.get(k) == v for k, v in match.items()):
-            return r
-    raise KeyError(f"no row with {match}")
-
-
-def _num(x: object) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or x != x or x <= 0:
-        raise ValueError(f"not a positive number: {x!r}")
-    return float(x)
-
-
-# ---------------------------------------------------------------------------------------------
-# one headline function per suite: (the file's JSON) -> rows; a layout it does not expect raises
-# KeyError, TypeError or ValueError and the file is skipped with a note
-
-
-def decode_rows(d: dict) -> list[Row]:
-    """``bench decode``: kvcache on the file's own weights beside llama.cpp on the same file
-    (decode at batch 1, prefill, decode at depth); the layout before llama.cpp rows: kvcache
-    against transformers' DynamicCache."""
-    meta, results = d.get("meta", {}), d["results"]
-    if not d.get("ratios"):  # the first layout: one decode test, kvcache beside transformers
-        k = _one(results, system="kvcache", cache="dynamic")
-        p = _one(results, system="transformers", cache="DynamicCache")
-        return [Row("decode tok/s, batch 1, fp32 weights", _num(k["tok_s"]), "transformers DynamicCache",
-                    _num(p["tok_s"]), "tok/s")]
-    rows = []
-    for r in d["ratios"]:
-        test, tokens = r["test"], r["tokens"]
-        k = next(x for x in results if x["system"] == "kvcache" and x["test"] == test and x["tokens"] == tokens
-                 and f"{x['weights']} {x['cache']}" == r["kvcache"])
-        if not str(k["weights"]).startswith("file"):
-            continue  # the file's own weights only: llama.cpp runs that file
-        p = next(x for x in results if x["system"] != "kvcache" and x["test"] == test and x["tokens"] == tokens
-                 and f"{x['system']} {x['weights']} {x['cache']}" == r["peer"])
-        model = _model(meta, str(k["weights"]))
-        if test == "decode":
-            what = f"{model}: decode tok/s, batch 1"
-        elif test == "prefill":
-            what = f"{model}: prefill {tokens} tokens, tok/s"
-        elif test == "depth":
-            what = f"{model}: decode tok/s after {tokens} tokens, {k['cache']} KV (peer {p['cache']})"
-        else:
-            what = f"{model}: {test} {tokens}, tok/s"
-        rows.append(Row(what, _num(k["tok_s"]), f"{p['system']}, same file", _num(p["tok_s"]), "tok/s"))
-    return rows
-
-
-def _suite(d: dict) -> tuple[dict, list[dict], str]:
-    """A suite file's meta, its result rows and the model they name."""
-    return d["meta"], d["results"], _model(d["meta"])
-
-
-def serve_rows(d: dict) -> list[Row]:
-    """``bench serve``: output tok/s of ``kvcache serve`` beside llama-server on the same GGUF, at
-    each level of concurrent streams."""
-    meta, results, model = _suite(d)
-    rows = []
-    for k in (r for r in results if r["system"] == "kvcache"):
-        p = next(x for x in results if x["system"] != "kvcache" and x["streams"] == k["streams"])
-        what = (f"{model}: serving, {k['streams']} concurrent streams, {meta['prompt_tokens']}-token prompts, "
-                f"{meta['new_tokens']} out, output tok/s")
-        rows.append(Row(what, _num(k["tok_s"]), f"{p['system']}, same file", _num(p["tok_s"]), "tok/s"))
-    return rows
-
-
-def spec_rows(d: dict) -> list[Row]:
-    """``bench spec``: prompt lookup beside the peers' own (transformers on fp32 weights,
-    llama-server on the file); a prediction on the file's weights beside the same run without."""
-    meta, results = d.get("meta", {}), d["results"]
-    rows = []
-    for p in results:
-        if p["system"] == "kvcache" or p["method"] != "lookup":
-            continue
-        k = _one(results, system="kvcache", pair=p["pair"], workload=p["workload"], method="lookup")
-        weights = "fp32 weights" if p["pair"] == "fp32" else _model(meta, str(k["weights"]))
-        rows.append(Row(f"{p['workload']}: prompt-lookup decode tok/s, {weights}", _num(k["spec_tok_s"]),
-                        p["system"], _num(p["spec_tok_s"]), "tok/s"))
-    for k in results:
-        if k["system"] == "kvcache" and k["pair"] == "file" and k["method"] == "prediction":
-            rows.append(Row(f"{k['workload']}: decode tok/s with the file as `prediction`, "
-                            f"{_model(meta, str(k['weights']))}", _num(k["spec_tok_s"]),
-                            "kvcache without speculation", _num(k["plain_tok_s"]), "tok/s"))
-    return rows
-
-
-def structured_rows(d: dict) -> list[Row]:
-    """``bench structured``: JSON-schema constrained decode beside the same requests unconstrained;
-    the grammar engine kvcache uses (llguidance) beside xgrammar."""
-    rows = []
-    for r in d["results"]:
-        rows.append(Row(f"JSON-schema constrained decode tok/s, {r['requests']} requests, batch {r['batch']}",
-                        _num(r["constrained_tok_s"]), "same requests unconstrained", _num(r["free_tok_s"]),
-                        "tok/s"))
-    engines = {e["engine"]: e for e in d.get("engines", [])}
-    if "llguidance" in engines and "xgrammar" in engines:
-        ll, xg = engines["llguidance"], engines["xgrammar"]
-        rows.append(Row("grammar engine: mean token mask, us", _num(ll["mask_mean_us"]), "xgrammar",
-                        _num(xg["mask_mean_us"]), "us", higher_better=False))
-        rows.append(Row("grammar engine: schema compile, ms", _num(ll["compile_s"]) * 1e3, "xgrammar",
-                        _num(xg["compile_s"]) * 1e3, "ms", higher_better=False))
-    return rows
-
-
-def throughput_rows(d: dict) -> list[Row]:
-    """``bench throughput``: continuous batching's output tok/s beside each of transformers' ways."""
-    meta, results = d["meta"], d["results"]
-    k = next(r for r in results if r["system"].startswith("kvcache"))
-    what = (f"output tok/s, {meta['requests']} requests at once, {meta['new_tokens']} new tokens each")
-    return [Row(what, _num(k["tok_s"]), p["system"], _num(p["tok_s"]), "tok/s")
-            for p in results if not p["system"].startswith("kvcache")]
-
-
-def prefix_rows(d: dict) -> list[Row]:
-    """``bench prefix``: TTFT with a shared system prompt already cached (RAM, disk, Redis) beside
-    prefilling it, and beside transformers' prefill + deepcopy."""
-    meta, results = d["meta"], d["results"]
-    cold = _one(results, case="kvcache cold (prefill all)")
-    n = meta.get("system_tokens", "?")
-    rows = []
-    for r in results:
-        case = r["case"]
-        if case.startswith("kvcache") and "cold" not in case:
-            where = case.removeprefix("kvcache ").strip()
-            rows.append(Row(f"TTFT ms, {n}-token shared system prompt, {where}", _num(r["ttft_ms"]),
-                            "kvcache prefilling it", _num(cold["ttft_ms"]), "ms", higher_better=False))
-    warm = next(r for r in results if r["case"].startswith("kvcache warm"))
-    for r in results:
-        if r["case"].startswith("transformers"):
-            rows.append(Row(f"TTFT ms, {n}-token shared system prompt, warm", _num(warm["ttft_ms"]), r["case"],
-                            _num(r["ttft_ms"]), "ms", higher_better=False))
-    return rows
-
-
-def cache_vs_none_rows(d: dict) -> list[Row]:
-    """``bench cache-vs-none``: ms per token with kvcache's cache beside transformers' DynamicCache."""
-    results = d["results"]
-    k = _one(results, system="kvcache", cache="dynamic")
-    p = _one(results, system="transformers", cache="DynamicCache")
-    return [Row(f"ms per token over {k['tokens']} new tokens, with a cache",
-                _num(k["total_s"]) * 1e3 / _num(k["tokens"]), "transformers DynamicCache",
-                _num(p["total_s"]) * 1e3 / _num(p["tokens"]), "ms", higher_better=False)]
-
-
-def hf_rows(d: dict) -> list[Row]:
-    """``bench hf``: KV bytes held by kvcache's strategies through ``kvcache.hf`` beside
-    transformers' DynamicCache at the longest context measured."""
-    results = d["results"]
-    ctx = max(r["context"] for r in results)
-    ref = _one(results, system="transformers", cache="DynamicCache", context=ctx)
-    return [Row(f"KV MB at {ctx} tokens, `{r['cache']}` through kvcache.hf", _num(r["kv_bytes"]) / 1e6,
-                "transformers DynamicCache", _num(ref["kv_bytes"]) / 1e6, "MB", higher_better=False)
-            for r in results if r["system"] == "kvcache.hf" and r["context"] == ctx
-            and r["cache"] not in ("dynamic", "static")]
-
-
-def growth_rows(d: dict) -> list[Row]:
-    """``bench growth``: the mean time to append a token's K/V in the last bucket beside
-    transformers' DynamicCache."""
-    last = d["buckets"][-1]
-    return [Row(f"ms per K/V append, {last['bucket']} tokens", _num(last["kvcache_us"]) / 1e3,
-                "transformers DynamicCache", _num(last["transformers_us"]) / 1e3, "ms", higher_better=False)]
-
-
-def memory_rows(d: dict) -> list[Row]:
-    """``bench memory``: a request's peak memory beside transformers' with the same cache kind."""
-    results = d["results"]
-    k = _one(results, system="kvcache", cache="dynamic")
-    p = _one(results, system="transformers", cache="DynamicCache")
-    return [Row(f"a request's peak memory MB, {k['context']}-token prompt", _num(k["request_peak"]) / 2**20,
-                "transformers DynamicCache", _num(p["request_peak"]) / 2**20, "MB", higher_better=False)]
-
-
-def attention_rows(d: dict) -> list[Row]:
-    """``bench attention``: one layer's decode attention at the deepest context, the native kernel
-    beside the torch path over the same cache."""
-    rows = d["rows"]
-    ctx = max(r["context"] for r in rows)
-    return [Row(f"decode attention ms per layer at {ctx} tokens, {r['kv']} KV", _num(r["ms_layer"]),
-                "torch path, same cache", _num(r["torch_ms_layer"]), "ms", higher_better=False)
-            for r in rows if r["context"] == ctx and r["kv"] in ("fp16", "int8", "int4")]
-
-
-_LLAMA_KV = {"fp16": "f16", "int8": "q8_0", "int4": "q4_0"}
-
-
-def long_context_rows(d: dict) -> list[Row]:
-    """``bench context --long``: decode at depth with each KV encoding beside llama.cpp's KV type of
-    the same width, and prefill of the longest prompt (fp16 beside f16), on the same GGUF."""
-    meta, results, model = _suite(d)
-    rows = []
-    for k in (r for r in results if r["system"] == "kvcache"):
-        peer_kv = _LLAMA_KV.get(k["kv"])
-        p = next((x for x in results if x["system"] != "kvcache" and x["kv"] == peer_kv
-                  and x["test"] == k["test"] and x["context"] == k["context"]), None)
-        if p is None or (k["test"] == "prefill" and k["context"] == meta.get("reference_prompt")):
-            continue
-        what = (f"{model}: decode tok/s after {k['context']} tokens, {k['kv']} KV (peer {peer_kv})"
-                if k["test"] == "decode" else f"{model}: prefill {k['context']} tokens, {k['kv']} KV, tok/s")
-        rows.append(Row(what, _num(k["tok_s"]), f"{p['system']}, same file", _num(p["tok_s"]), "tok/s"))
-    return rows
-
-
-# suite -> its headline function, in the order the tables list them
-HEADLINES: dict[str, Callable[[dict], list[Row]]] = {
-    "decode": decode_rows, "context --long": long_context_rows, "attention": attention_rows,
-    "serve": serve_rows, "spec": spec_rows, "structured": structured_rows, "throughput": throughput_rows,
-    "prefix": prefix_rows, "cache-vs-none": cache_vs_none_rows, "growth": growth_rows, "hf": hf_rows,
-    "memory": memory_rows,
-}
-# suites whose JSON is recognised but holds no kvcache-beside-a-peer row
-NO_HEADLINE = ("context",)
-
-
-def suite_of(d: object) -> str | None:
-    """Which suite wrote this JSON, told from its layout (None: not a suite's JSON)."""
-    if not isinstance(d, dict):
-        return None
-    meta = d.get("meta") if isinstance(d.get("meta"), dict) else {}
-    results = d.get("results")
-    first = results[0] if isinstance(results, list) and results and isinstance(results[0], dict) else {}
-    if meta.get("mode") == "long":
-        return "context --long"
-    if isinstance(d.get("rows"), list) and d["rows"] and "torch_ms_layer" in d["rows"][0]:
-        return "attention"
-    if "buckets" in d:
-        return "growth"
-    if "engines" in d or ("constrained_tok_s" in first):
-        return "structured"
-    if "workload" in first and "method" in first:
-        return "spec"
-    if "streams" in first:
-        return "serve"
-    if "case" in first:
-        return "prefix"
-    if isinstance(d.get("ratios"), dict) and "vs_sequential" in d["ratios"]:
-        return "throughput"
-    if "total_s" in first and "ms_per_token" in first:
-        return "cache-vs-none"
-    if "request_peak" in first:
-        return "memory"
-    if "kv_bytes" in first and str(first.get("system", "")).startswith(("transformers", "kvcache.hf")):
-        return "hf"
-    if "spec" in first and "config" in first:
-        return "context"
-    if first.get("system") in ("kvcache", "transformers", "llama.cpp") and "tok_s" in first:
-        return "decode"
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,20 +133,20 @@ def load(path: Path, notes: TextIO = sys.stderr) -> Run | None:
         print(f"skipped {path}: cannot read it as JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
               file=notes)
         return None
-    suite = suite_of(d)
-    if suite is None:
-        print(f"skipped {path}: not a kvcache bench suite's JSON", file=notes)
+    meta = d.get("meta") if isinstance(d, dict) and isinstance(d.get("meta"), dict) else {}
+    suite = meta.get("suite")
+    if not isinstance(suite, str) or suite not in suites.by_key():
+        print(f"skipped {path}: not a kvcache bench suite's JSON (no known suite in meta.suite)", file=notes)
         return None
-    meta = d.get("meta") if isinstance(d.get("meta"), dict) else {}
     md = _md_fields(path)
     date, when = run_date(path, meta, md)
     return Run(path, suite, d, host_kind(meta, md), date, when)
 
 
-def headline(run: Run, notes: TextIO = sys.stderr) -> list[Row]:
+def headline(run: Run, notes: TextIO = sys.stderr) -> list[Headline]:
     """The run's headline rows; [] with a note when its layout is not the one its suite's function
     reads."""
-    fn = HEADLINES.get(run.suite)
+    fn = getattr(suites.by_key()[run.suite].load(), "headline", None)
     if fn is None:
         return []
     try:
@@ -455,7 +159,7 @@ def headline(run: Run, notes: TextIO = sys.stderr) -> list[Row]:
 
 @dataclass
 class Entry:
-    row: Row
+    row: Headline
     run: Run
     at: int  # the row's place in its run's headline
 
@@ -473,7 +177,7 @@ def collect(dirs: list[str], since: str | None = None,
     for run in runs:  # oldest first: a newer run's row replaces an older one's
         for at, row in enumerate(headline(run, notes)):
             by_host.setdefault(run.host, {})[(run.suite, row.what, row.peer_name)] = Entry(row, run, at)
-    order = list(HEADLINES)
+    order = list(suites.by_key())
     out = {}
     for host, rows in by_host.items():
         # suite by suite; within one, model by model (the name before the colon), then in the order

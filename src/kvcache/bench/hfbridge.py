@@ -15,12 +15,20 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from kvcache.bench.report import median
+from kvcache.bench.rows import Headline, one, positive
 from kvcache.errors import InvalidParams
+
+if TYPE_CHECKING:
+    import torch
+
+# the suite's declaration (bench/suites.py reads it from this source)
+SUITE = "hf"
+ORDER = 110
+OPTIONS = ("new_tokens", "repeats", "kv", "peers", "contexts")
+QUICK = {"contexts": "256", "new_tokens": 4, "kv": "dynamic", "peers": "dynamic"}
 
 PEERS = ("dynamic", "static", "quantized")  # transformers' DynamicCache, StaticCache, QuantizedCache
 DEFAULT_KV = "dynamic;static;int8;int4;int4,sinks=4,window=1024"
@@ -57,6 +65,8 @@ class _Clock:
 
 def tensor_bytes(obj: Any, seen: set[int] | None = None) -> int:
     """Bytes of the distinct tensor storages an object (a transformers cache layer) holds."""
+    import torch
+
     seen = set() if seen is None else seen
     total = 0
     values = obj.__dict__.values() if hasattr(obj, "__dict__") else obj
@@ -94,6 +104,8 @@ def _peer(model: Any, name: str, max_len: int) -> Any:
 
 def run_one(model: Any, ids: torch.Tensor, make: Callable[[], Any], new: int) -> tuple[float, float, Any]:
     """-> (decode tok/s, prefill seconds, the cache after the run)."""
+    import torch
+
     from transformers import LogitsProcessorList
 
     cache, clock = make(), _Clock()
@@ -107,6 +119,8 @@ def run_one(model: Any, ids: torch.Tensor, make: Callable[[], Any], new: int) ->
 
 def bench_hf(model_dir: str, contexts: list[int], specs: list[str], peers: list[str], new: int, repeats: int,
              tick: Callable[[], object] | None = None) -> list[HFRow]:
+    import torch
+
     from transformers import AutoTokenizer
 
     from kvcache.peers.hf_transformers import transformers_model
@@ -146,6 +160,8 @@ def bench_hf(model_dir: str, contexts: list[int], specs: list[str], peers: list[
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from tqdm import tqdm
 
     from kvcache.cliargs import split_specs
@@ -182,3 +198,34 @@ def run(args: argparse.Namespace) -> int:
         meta = {"threads": torch.get_num_threads(), "torch": torch.__version__, "new_tokens": new, "repeats": repeats}
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     return 0
+
+
+def headline(d: dict) -> list[Headline]:
+    """``bench hf``: KV bytes held by kvcache's strategies through ``kvcache.hf`` beside
+    transformers' DynamicCache at the longest context measured."""
+    results = d["results"]
+    ctx = max(r["context"] for r in results)
+    ref = one(results, system="transformers", cache="DynamicCache", context=ctx)
+    return [Headline(f"KV MB at {ctx} tokens, `{r['cache']}` through kvcache.hf", positive(r["kv_bytes"]) / 1e6,
+                "transformers DynamicCache", positive(ref["kv_bytes"]) / 1e6, "MB", higher_better=False)
+            for r in results if r["system"] == "kvcache.hf" and r["context"] == ctx
+            and r["cache"] not in ("dynamic", "static")]
+
+
+def plot(plt, data: dict[str, Any]):
+    from kvcache.bench.plots import label
+
+    rows = [r for r in data["results"] if r.get("tok_s")]
+    if not rows:
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 0.8 + 0.45 * len(rows)))
+    labels = [f"{r['context']}: {r['system']} {r['cache']}" for r in rows]
+    for ax, values, title in ((a, [r["tok_s"] for r in rows], "decode tok/s (same transformers model)"),
+                              (b, [r["kv_bytes"] / 2**20 for r in rows], "KV held (MiB)")):
+        ax.barh(range(len(rows)), values, color="#4477aa")
+        ax.set_yticks(range(len(rows)), labels if ax is a else [""] * len(rows))
+        ax.invert_yaxis()
+        ax.set_title(title)
+        for i, v in enumerate(values):
+            ax.text(v, i, f" {label(v)}", va="center", fontsize=8)
+    return fig

@@ -79,8 +79,14 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.peers.process import run as run_child
-from kvcache.bench.rows import Tick, step_bytes
+from kvcache.bench.rows import Headline, Tick, beside_same_file, step_bytes, suite_parts
 from kvcache.errors import InvalidParams
+
+# the suite's declaration (bench/suites.py reads it from this source)
+SUITE = "context"
+MODE = "long"  # run instead of the suite's own module when --long is given
+ORDER = 21
+OPTIONS = ("new_tokens", "repeats", "kv", "contexts", "weights", "peers", "llama_cpp_bin")
 
 REFERENCE = 512  # prompt tokens every prefill is compared with
 
@@ -536,6 +542,54 @@ def _fill(targets: list[DepthRow], data: object, note: str) -> None:
     for r in targets:
         if not r.samples:
             r.note = note or "llama-bench gave no result for this test"
+
+
+_LLAMA_KV = {"fp16": "f16", "int8": "q8_0", "int4": "q4_0"}
+
+
+def headline(d: dict) -> list[Headline]:
+    """``bench context --long``: decode at depth with each KV encoding beside llama.cpp's KV type of
+    the same width, and prefill of the longest prompt (fp16 beside f16), on the same GGUF."""
+    meta, results, model = suite_parts(d)
+    rows = []
+    for k in (r for r in results if r["system"] == "kvcache"):
+        peer_kv = _LLAMA_KV.get(k["kv"])
+        p = next((x for x in results if x["system"] != "kvcache" and x["kv"] == peer_kv
+                  and x["test"] == k["test"] and x["context"] == k["context"]), None)
+        if p is None or (k["test"] == "prefill" and k["context"] == meta.get("reference_prompt")):
+            continue
+        what = (f"{model}: decode tok/s after {k['context']} tokens, {k['kv']} KV (peer {peer_kv})"
+                if k["test"] == "decode" else f"{model}: prefill {k['context']} tokens, {k['kv']} KV, tok/s")
+        rows.append(beside_same_file(what, k, p))
+    return rows
+
+
+def plot(plt, data: dict[str, Any]):
+    """``bench context --long``: decode tok/s against the context, one line per KV encoding and
+    peer; beside it prefill tok/s against the prompt's length."""
+    rows = [r for r in data["results"] if r.get("tok_s")]
+    if not rows:
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, test in ((a, "decode"), (b, "prefill")):
+        mine = [r for r in rows if r["test"] == test]
+        for key in dict.fromkeys((r["system"], r["kv"]) for r in mine):
+            line = sorted((r for r in mine if (r["system"], r["kv"]) == key), key=lambda r: r["context"])
+            style = "-" if key[0] == "kvcache" else "--"
+            ax.plot([r["context"] for r in line], [r["tok_s"] for r in line], style, marker="o",
+                    label=f"{key[0]} {key[1]}")
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r["context"] for r in mine})
+        ax.set_xticks(ticks, [f"{t:,}" for t in ticks])
+        ax.set_xlabel("context before decoding (tokens)" if test == "decode" else "prompt (tokens)")
+        ax.set_ylabel("new tokens/s" if test == "decode" else "prompt tokens/s")
+        ax.set_title("decode at depth" if test == "decode" else "prefill")
+        ax.grid(alpha=0.3)
+        if mine:
+            ax.legend(fontsize=8)
+    fig.suptitle(f"{data['meta'].get('model')}, {data['meta'].get('weights')} weights, "
+                 f"read bandwidth {data['meta'].get('read_gb_s')} GB/s", fontsize=10)
+    return fig
 
 
 if __name__ == "__main__":

@@ -31,6 +31,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import argparse
 
+    from kvcache.bench.rows import Headline
+
+# the suite's declaration (bench/suites.py reads it from this source)
+SUITE = "memory"
+ORDER = 120
+OPTIONS = ("context", "new_tokens", "kv", "peers", "budget", "weights")
+QUICK = {"context": 320, "kv": "dynamic;int4", "new_tokens": 2, "peers": "dynamic"}
+
 DEFAULT_SPECS = "dynamic;static;fp16;int8;int4;sink;disk"
 QUICK_SPECS = "dynamic;int4"
 DEFAULT_WEIGHTS, QUICK_WEIGHTS = "file,q8,fp32", "file,fp32"
@@ -283,6 +291,36 @@ def _print(name: str, context: int, new: int, budget: float, baseline: int | Non
 def _label(r: dict[str, object]) -> str:
     """The weights as loaded (``file (Q4_1)``), else the mode asked for."""
     return str(r.get("weights_label") or r["weights"])
+
+
+def headline(d: dict) -> list[Headline]:
+    """``bench memory``: a request's peak memory beside transformers' with the same cache kind."""
+    from kvcache.bench.rows import Headline, one, positive
+
+    results = d["results"]
+    k = one(results, system="kvcache", cache="dynamic")
+    p = one(results, system="transformers", cache="DynamicCache")
+    return [Headline(f"a request's peak memory MB, {k['context']}-token prompt", positive(k["request_peak"]) / 2**20,
+                "transformers DynamicCache", positive(p["request_peak"]) / 2**20, "MB", higher_better=False)]
+
+
+def plot(plt, data: dict):
+    rows = [r for r in data["results"] if r.get("rss_peak")]
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 0.6 + 0.5 * len(rows)))
+    labels = [f"{r['system']} {r.get('weights_label') or r.get('weights', '')} {r['cache']}" for r in rows]
+    peak = [r["request_peak"] / 2**20 for r in rows]
+    kv = [r["kv_used"] / 2**20 for r in rows]
+    y = range(len(rows))
+    ax.barh([i - 0.2 for i in y], peak, height=0.4, label="request peak RSS (MiB)", color="#aa4466")
+    ax.barh([i + 0.2 for i in y], kv, height=0.4, label="KV held (MiB)", color="#4477aa")
+    ax.set_yticks(list(y), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("MiB")
+    ax.set_title(f"memory of one request, {data['meta'].get('context')}-token prompt")
+    ax.legend(fontsize=8)
+    return fig
 
 
 if __name__ == "__main__":

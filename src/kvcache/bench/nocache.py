@@ -16,15 +16,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvcache.bench.report import cell, run_meta
-from kvcache.cache.config import parse_kv_spec
+from kvcache.bench.rows import Headline, one, positive
 from kvcache.cliargs import one_weights
-from kvcache.engine.llm import LLM
-from kvcache.engine.runner import ModelRunner
 from kvcache.errors import InvalidParams
+
+if TYPE_CHECKING:
+    from kvcache.engine.llm import LLM
+
+# the suite's declaration (bench/suites.py reads it from this source)
+SUITE = "cache-vs-none"
+ORDER = 90
+OPTIONS = ("new_tokens", "time_budget", "peers", "weights")
+QUICK = {"new_tokens": 24, "time_budget": 3.0, "peers": "dynamic,none"}
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
@@ -65,6 +71,9 @@ def _loop(step: Callable[[int], int], first: int, new: int, budget_s: float, run
 
 
 def bench_kvcache(llm: LLM, ids: list[int], spec: str, new: int, budget_s: float, tick: Callable[[], None]) -> Run:
+    from kvcache.cache.config import parse_kv_spec
+    from kvcache.engine.runner import ModelRunner
+
     runner = ModelRunner(llm.model, parse_kv_spec(spec))
     run = Run("kvcache", spec)
     seq = runner.new_sequence()
@@ -80,6 +89,8 @@ def bench_kvcache(llm: LLM, ids: list[int], spec: str, new: int, budget_s: float
 
 def bench_transformers(model, ids: list[int], use_cache: bool, new: int, budget_s: float,
                        tick: Callable[[], None]) -> Run:
+    import torch
+
     from transformers import DynamicCache
 
     run = Run("transformers", "DynamicCache" if use_cache else "use_cache=False")
@@ -100,6 +111,10 @@ def bench_transformers(model, ids: list[int], use_cache: bool, new: int, budget_
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvcache.engine.llm import LLM
+
     quick = args.quick
     weights = one_weights(args)
     new = args.new_tokens if args.new_tokens is not None else (64 if quick else 1000)
@@ -156,3 +171,27 @@ def run(args: argparse.Namespace) -> int:
                         bucket=size, time_budget_s=budget)
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     return 0
+
+
+def headline(d: dict) -> list[Headline]:
+    """``bench cache-vs-none``: ms per token with kvcache's cache beside transformers' DynamicCache."""
+    results = d["results"]
+    k = one(results, system="kvcache", cache="dynamic")
+    p = one(results, system="transformers", cache="DynamicCache")
+    return [Headline(f"ms per token over {k['tokens']} new tokens, with a cache",
+                positive(k["total_s"]) * 1e3 / positive(k["tokens"]), "transformers DynamicCache",
+                positive(p["total_s"]) * 1e3 / positive(p["tokens"]), "ms", higher_better=False)]
+
+
+def plot(plt, data: dict):
+    from kvcache.bench.plots import finish
+
+    size = data["meta"]["bucket"]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in data["results"]:
+        ys = [y for y in r["ms_per_token"] if y is not None]
+        ax.plot([size * (i + 0.5) for i in range(len(ys))], ys, marker="o", label=f"{r['system']} {r['cache']}")
+    ax.set_yscale("log")
+    finish(ax, "new token index", "ms per new token (log)",
+           "cost per token as the sequence grows, with and without a KV cache")
+    return fig

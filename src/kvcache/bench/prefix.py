@@ -27,17 +27,24 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+from kvcache.bench.rows import Headline, one, positive
 from kvcache.peers.redis_server import local_redis
 from kvcache.bench.report import cell, run_meta
 from kvcache.cliargs import one_weights
-from kvcache.engine.llm import LLM
 from kvcache.engine.params import SamplingParams
-from kvcache.engine.runner import ModelRunner
 from kvcache.errors import InvalidParams
-from kvcache.prefix.config import PrefixConfig
+
+if TYPE_CHECKING:
+    from kvcache.engine.llm import LLM
+    from kvcache.prefix.config import PrefixConfig
+
+# the suite's declaration (bench/suites.py reads it from this source)
+SUITE = "prefix"
+ORDER = 80
+OPTIONS = ("repeats", "system_tokens", "redis", "new_tokens", "weights")
+QUICK = {"system_tokens": 128, "repeats": 1, "new_tokens": 4}
 
 QUESTIONS = [
     "Summarize the text above in one sentence.",
@@ -80,6 +87,8 @@ def messages(system: str, question: str) -> list[dict[str, str]]:
 
 
 def _use(llm: LLM, prefix: PrefixConfig | None) -> None:
+    from kvcache.engine.runner import ModelRunner
+
     llm.runner = ModelRunner(llm.model, llm.cache_config, prefix, llm.fingerprint)
 
 
@@ -91,6 +100,8 @@ def _ttft(llm: LLM, system: str, question: str, case: Case) -> None:
 
 def bench_kvcache(llm: LLM, system: str, repeats: int, redis_url: str | None,
                   progress: Callable[[], None] | None = None) -> list[Case]:
+    from kvcache.prefix.config import PrefixConfig
+
     tick = progress or (lambda: None)
     qs = [QUESTIONS[i % len(QUESTIONS)] for i in range(repeats + 1)]
     cold = Case("kvcache cold (prefill all)")
@@ -133,6 +144,8 @@ def bench_kvcache(llm: LLM, system: str, repeats: int, redis_url: str | None,
 def bench_transformers(model_dir: str, llm: LLM, system: str, repeats: int,
                        progress: Callable[[], None] | None = None) -> Case:
     """Prefill + deepcopy: the documented way to reuse a prompt's cache in transformers."""
+    import torch
+
     case = Case("transformers prefill + deepcopy")
     from kvcache.peers.hf_transformers import NO_TRANSFORMERS, transformers_model
 
@@ -182,6 +195,8 @@ class ChatResult:
 def bench_chat(llm: LLM, system: str, sessions: int, turns: int, new_tokens: int,
                progress: Callable[[], None] | None = None) -> list[ChatResult]:
     """``sessions`` chats with the same system prompt, turns interleaved round-robin."""
+    from kvcache.prefix.config import PrefixConfig
+
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     out = []
     for name, prefix in (("kvcache prefix cache (shared radix)", PrefixConfig()),
@@ -205,6 +220,10 @@ def bench_chat(llm: LLM, system: str, sessions: int, turns: int, new_tokens: int
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvcache.engine.llm import LLM
+
     quick = args.quick
     weights = one_weights(args)
     system_tokens = args.system_tokens if args.system_tokens is not None else (256 if quick else 2000)
@@ -265,3 +284,35 @@ def run(args: argparse.Namespace) -> int:
                         sessions=sessions, turns=turns, new_tokens=new)
         Path(args.json).write_text(json.dumps({"meta": meta, "results": rows, "chat": results_chat}, indent=2))
     return 0
+
+
+def headline(d: dict) -> list[Headline]:
+    """``bench prefix``: TTFT with a shared system prompt already cached (RAM, disk, Redis) beside
+    prefilling it, and beside transformers' prefill + deepcopy."""
+    meta, results = d["meta"], d["results"]
+    cold = one(results, case="kvcache cold (prefill all)")
+    n = meta.get("system_tokens", "?")
+    rows = []
+    for r in results:
+        case = r["case"]
+        if case.startswith("kvcache") and "cold" not in case:
+            where = case.removeprefix("kvcache ").strip()
+            rows.append(Headline(f"TTFT ms, {n}-token shared system prompt, {where}", positive(r["ttft_ms"]),
+                            "kvcache prefilling it", positive(cold["ttft_ms"]), "ms", higher_better=False))
+    warm = next(r for r in results if r["case"].startswith("kvcache warm"))
+    for r in results:
+        if r["case"].startswith("transformers"):
+            rows.append(Headline(f"TTFT ms, {n}-token shared system prompt, warm", positive(warm["ttft_ms"]), r["case"],
+                            positive(r["ttft_ms"]), "ms", higher_better=False))
+    return rows
+
+
+def plot(plt, data: dict):
+    from kvcache.bench.plots import bars
+
+    rows = [r for r in data["results"] if r.get("ttft_ms")]
+    if not rows:
+        return None
+    return bars(plt, [r["case"] for r in rows], [r["ttft_ms"] for r in rows],
+                 f"time to first token, {data['meta'].get('system_tokens')}-token shared prompt (log scale)",
+                 "TTFT (ms)", log=True)

@@ -33,6 +33,12 @@ from kvcache.bench.measure import english_slices
 from kvcache.bench.report import cell, percentile, run_meta
 from kvcache.errors import InvalidParams
 
+# the suite's declaration (bench/suites.py reads it from this source)
+SUITE = "throughput"
+MODE = "replicas"  # run instead of the suite's own module when --replicas is given
+ORDER = 71
+OPTIONS = ("requests", "new_tokens", "peers", "kv", "weights", "prefill_replicas", "redis")
+
 SYSTEM_TOKENS = 256
 LONG_TOKENS = 1500
 QUESTIONS = ["Summarize the text above in one sentence.", "Which programming language is the text about?",

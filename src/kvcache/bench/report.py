@@ -111,8 +111,9 @@ def write_report(out: Path, suite: str, argv: list[str], text: str, png: Path | 
     return path
 
 
-def run_with_report(suite: str, args, run) -> int:  # args: argparse.Namespace; run: () -> int
-    """Run a suite with its output teed; then write its JSON, plot and report under ``args.out``."""
+def run_with_report(suite, args, run) -> int:  # suite: suites.Suite; args: argparse.Namespace; run: () -> int
+    """Run a suite with its output teed; then write its JSON (marked with the suite), plot and
+    report under ``args.out``."""
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -124,7 +125,7 @@ def run_with_report(suite: str, args, run) -> int:  # args: argparse.Namespace; 
 
         raise KVCacheError(f"cannot write the report to {out}: {e.strerror or e}") from None
     if args.json is None:
-        args.json = str(out / f"{suite}.json")
+        args.json = str(out / f"{suite.name}.json")
     tee = Tee(sys.stdout)
     old, sys.stdout = sys.stdout, tee  # type: ignore[assignment]
     try:
@@ -132,8 +133,10 @@ def run_with_report(suite: str, args, run) -> int:  # args: argparse.Namespace; 
     finally:
         sys.stdout = old
     from kvcache.bench.plots import plot_suite
+    from kvcache.bench.suites import mark
 
-    png = plot_suite(suite, Path(args.json), out / f"{suite}.png")
-    report = write_report(out, suite, sys.argv[1:], tee.buf.getvalue(), png)
+    mark(args.json, suite)
+    png = plot_suite(suite.load(), Path(args.json), out / f"{suite.name}.png")
+    report = write_report(out, suite.name, sys.argv[1:], tee.buf.getvalue(), png)
     print(f"report: {report}" + (f", plot: {png}" if png else ""), file=sys.stderr)
     return rc

@@ -27,10 +27,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvcache.bench.measure import english_slices
+from kvcache.bench.rows import Headline, beside_same_file, suite_parts
 from kvcache.peers.llama_cpp import llama_server, llama_server_cmd
 from kvcache.peers.servers import server, stream
 from kvcache.bench.report import cell, percentile, run_meta
 from kvcache.errors import InvalidParams
+
+# the suite's declaration (bench/suites.py reads it from this source)
+SUITE = "serve"
+ORDER = 40
+OPTIONS = ("new_tokens", "requests", "peers", "kv", "weights", "prefill", "streams", "llama_cpp_bin",
+           "max_batch_tokens", "document_step_work")
+QUICK = {"streams": "4", "requests": 1, "new_tokens": 8, "prefill": "64"}
 
 PROMPT_TOKENS = 256
 PEERS = ("llama-server",)
@@ -202,3 +210,30 @@ def _print(results: list[dict[str, object]], prompt: int, new: int, per_stream: 
         print(f"{r['system']:<14} {r['streams']:>7} {cell(r['tok_s']):>7} {ratio:>8} "  # type: ignore[arg-type]
               f"{cell(r['ttft_p50_s'], '.2f'):>9} {cell(r['ttft_p99_s'], '.2f'):>9} "  # type: ignore[arg-type]
               f"{cell(r['tpot_p50_ms'], '.0f'):>8} {r['errors']:>6}  {r['note']}")  # type: ignore[arg-type]
+
+
+def headline(d: dict) -> list[Headline]:
+    """``bench serve``: output tok/s of ``kvcache serve`` beside llama-server on the same GGUF, at
+    each level of concurrent streams."""
+    meta, results, model = suite_parts(d)
+    rows = []
+    for k in (r for r in results if r["system"] == "kvcache"):
+        p = next(x for x in results if x["system"] != "kvcache" and x["streams"] == k["streams"])
+        if p.get("tok_s") is None and p.get("note"):
+            continue  # the peer was skipped (its note says why): no figure to stand beside
+        what = (f"{model}: serving, {k['streams']} concurrent streams, {meta['prompt_tokens']}-token prompts, "
+                f"{meta['new_tokens']} out, output tok/s")
+        rows.append(beside_same_file(what, k, p))
+    return rows
+
+
+def plot(plt, data: dict):
+    from kvcache.bench.plots import bars
+
+    rows = [r for r in data["results"] if r.get("tok_s")]
+    if not rows:
+        return None
+    meta = data["meta"]
+    return bars(plt, [f"{r['system']}, {r['streams']} streams" for r in rows], [r["tok_s"] for r in rows],
+                 f"serving, {meta.get('prompt_tokens')}-token prompts, {meta.get('new_tokens')} out",
+                 "output tokens per second")

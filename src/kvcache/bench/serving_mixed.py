@@ -32,6 +32,13 @@ from kvcache.peers.llama_cpp import llama_server
 from kvcache.bench.report import cell, percentile, run_meta
 from kvcache.errors import InvalidParams
 
+# the suite's declaration (bench/suites.py reads it from this source)
+SUITE = "serve"
+MODE = "mixed"  # run instead of the suite's own module when --mixed is given
+ORDER = 41
+OPTIONS = ("new_tokens", "requests", "peers", "kv", "weights", "prefill", "streams", "llama_cpp_bin",
+           "max_batch_tokens", "document_step_work")
+
 SETTLE_S = 1.0  # after the document is sent, before the first short chat goes out
 
 

@@ -72,12 +72,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvcache.bench.rows import Headline, model_name, one, positive
 from kvcache.peers.hf_transformers import NO_TRANSFORMERS, transformers_model
 
 from kvcache.peers.process import child_main, run_module
 from kvcache.bench.report import cell, run_meta
 from kvcache.bench.spec_texts import EDIT, EDIT_PREDICTION, MISS, QUESTION, STORY
 from kvcache.errors import InvalidParams
+
+# the suite's declaration (bench/suites.py reads it from this source)
+SUITE = "spec"
+ORDER = 50
+OPTIONS = ("new_tokens", "repeats", "weights", "peers", "llama_cpp_bin")
+QUICK = {"new_tokens": 16, "repeats": 1, "weights": "fp32", "peers": ""}  # transformers' rows: 60 s more
+QUICK_LLAMA_CPP = {"peers": "llama-server"}
 
 DEFAULT_NEW, QUICK_NEW = 128, 32
 DEFAULT_REPEATS, QUICK_REPEATS = 3, 1
@@ -684,6 +692,26 @@ def print_table(rows: list[dict[str, Any]], rat: list[dict[str, Any]], meta: dic
     bad = [r for r in rows if r["system"] == "kvcache" and not r["identical"]]
     if bad:
         print(f"TEXT DIFFERS: {len(bad)} kvcache row(s) gave another text with speculation than without")
+
+
+def headline(d: dict) -> list[Headline]:
+    """``bench spec``: prompt lookup beside the peers' own (transformers on fp32 weights,
+    llama-server on the file); a prediction on the file's weights beside the same run without."""
+    meta, results = d.get("meta", {}), d["results"]
+    rows = []
+    for p in results:
+        if p["system"] == "kvcache" or p["method"] != "lookup" or (p.get("spec_tok_s") is None and p.get("note")):
+            continue  # kvcache's own, or a peer that was skipped (its note says why)
+        k = one(results, system="kvcache", pair=p["pair"], workload=p["workload"], method="lookup")
+        weights = "fp32 weights" if p["pair"] == "fp32" else model_name(meta, str(k["weights"]))
+        rows.append(Headline(f"{p['workload']}: prompt-lookup decode tok/s, {weights}", positive(k["spec_tok_s"]),
+                        p["system"], positive(p["spec_tok_s"]), "tok/s"))
+    for k in results:
+        if k["system"] == "kvcache" and k["pair"] == "file" and k["method"] == "prediction":
+            rows.append(Headline(f"{k['workload']}: decode tok/s with the file as `prediction`, "
+                            f"{model_name(meta, str(k['weights']))}", positive(k["spec_tok_s"]),
+                            "kvcache without speculation", positive(k["plain_tok_s"]), "tok/s"))
+    return rows
 
 
 if __name__ == "__main__":

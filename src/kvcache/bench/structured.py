@@ -38,9 +38,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvcache.bench.rows import Headline, positive
 from kvcache.peers.process import child_main, run_module
 from kvcache.bench.report import cell, run_meta
 from kvcache.errors import InvalidParams, KVCacheError
+
+# the suite's declaration (bench/suites.py reads it from this source)
+SUITE = "structured"
+ORDER = 60
+OPTIONS = ("new_tokens", "repeats", "requests", "peers")
+QUICK = {"requests": 4, "repeats": 1}
 
 ENGINES = ("llguidance", "xgrammar")
 DEFAULT_MAX_TOKENS = 320  # a cap no output of SCHEMA reaches: its strings are bounded
@@ -515,6 +522,24 @@ def _print(model: str, speed: list[dict[str, Any]], comp: dict[str, Any], engine
               f"{cell(e['first_mask_us'], '.0f'):>11} {cell(e['cold_mean_us'], '.0f'):>12} "
               f"{cell(e['mask_mean_us'], '.0f'):>12} {cell(e['mask_max_us'], '.0f'):>11} "
               f"{cell(e['advance_us'], '.1f'):>10}  {e['note']}")
+
+
+def headline(d: dict) -> list[Headline]:
+    """``bench structured``: JSON-schema constrained decode beside the same requests unconstrained;
+    the grammar engine kvcache uses (llguidance) beside xgrammar."""
+    rows = []
+    for r in d["results"]:
+        rows.append(Headline(f"JSON-schema constrained decode tok/s, {r['requests']} requests, batch {r['batch']}",
+                        positive(r["constrained_tok_s"]), "same requests unconstrained", positive(r["free_tok_s"]),
+                        "tok/s"))
+    engines = {e["engine"]: e for e in d.get("engines", [])}
+    if all(engines.get(e, {}).get("mask_mean_us") is not None for e in ("llguidance", "xgrammar")):
+        ll, xg = engines["llguidance"], engines["xgrammar"]
+        rows.append(Headline("grammar engine: mean token mask, us", positive(ll["mask_mean_us"]), "xgrammar",
+                        positive(xg["mask_mean_us"]), "us", higher_better=False))
+        rows.append(Headline("grammar engine: schema compile, ms", positive(ll["compile_s"]) * 1e3, "xgrammar",
+                        positive(xg["compile_s"]) * 1e3, "ms", higher_better=False))
+    return rows
 
 
 if __name__ == "__main__":

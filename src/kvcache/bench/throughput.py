@@ -24,16 +24,24 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvcache.bench.measure import weights_label
 from kvcache.bench.report import cell, percentile, run_meta
+from kvcache.bench.rows import Headline, positive
 from kvcache.cliargs import weights_list
-from kvcache.engine.llm import LLM
-from kvcache.engine.params import SamplingParams
-from kvcache.engine.scheduler import SchedulerConfig
 from kvcache.errors import InvalidParams
+
+if TYPE_CHECKING:
+    import torch
+    from kvcache.engine.llm import LLM
+    from kvcache.engine.scheduler import SchedulerConfig
+
+# the suite's declaration (bench/suites.py reads it from this source)
+SUITE = "throughput"
+ORDER = 70
+OPTIONS = ("requests", "new_tokens", "peers", "kv", "weights")
+QUICK = {"requests": 4, "new_tokens": 8, "peers": "padded"}
 
 PEERS = ("sequential", "padded", "generate_batch")
 
@@ -74,6 +82,8 @@ def make_prompts(llm: LLM, count: int, shortest: int, longest: int) -> list[list
 
 
 def bench_kvcache(llm: LLM, prompts: list[list[int]], new: int, config: SchedulerConfig, label: str) -> Result:
+    from kvcache.engine.params import SamplingParams
+
     res = Result(f"kvcache continuous batching, {label}")
     res.weights = llm.weights
     params = SamplingParams(max_tokens=new, ignore_eos=True)
@@ -107,6 +117,8 @@ class _Clock:
 
 
 def bench_hf_sequential(model, prompts: list[list[int]], new: int, tick: Callable[[], None]) -> Result:
+    import torch
+
     res = Result("transformers generate, one at a time")
     pad = model.config.eos_token_id
     t0 = time.perf_counter()
@@ -126,6 +138,8 @@ def bench_hf_sequential(model, prompts: list[list[int]], new: int, tick: Callabl
 
 
 def bench_hf_padded(model, prompts: list[list[int]], new: int, tick: Callable[[], None]) -> Result:
+    import torch
+
     res = Result("transformers generate, padded batch")
     pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
     width = max(len(p) for p in prompts)
@@ -196,12 +210,11 @@ def ratios(results: list[dict[str, object]]) -> list[dict[str, object]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "replicas", None) is not None:
-        from kvcache.bench.replicas import run as run_replicas
+    import torch
 
-        return run_replicas(args)
-    if getattr(args, "prefill_replicas", None) is not None or getattr(args, "redis", None) is not None:
-        raise InvalidParams("--prefill-replicas and --redis apply to the throughput suite only with --replicas N")
+    from kvcache.engine.llm import LLM
+    from kvcache.engine.scheduler import SchedulerConfig
+
     quick = args.quick
     count = args.requests if args.requests is not None else (8 if quick else 32)
     new = args.new_tokens if args.new_tokens is not None else (32 if quick else 128)
@@ -267,3 +280,22 @@ def run(args: argparse.Namespace) -> int:
         meta = run_meta(model=name, requests=count, new_tokens=new, prompt_tokens=[lo, hi], kv=args.kv, weights=modes)
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results, "ratios": ratio}, indent=2))
     return 0
+
+
+def headline(d: dict) -> list[Headline]:
+    """``bench throughput``: continuous batching's output tok/s beside each of transformers' ways."""
+    meta, results = d["meta"], d["results"]
+    k = next(r for r in results if r["system"].startswith("kvcache"))
+    what = (f"output tok/s, {meta['requests']} requests at once, {meta['new_tokens']} new tokens each")
+    return [Headline(what, positive(k["tok_s"]), p["system"], positive(p["tok_s"]), "tok/s")
+            for p in results if not p["system"].startswith("kvcache")]
+
+
+def plot(plt, data: dict):
+    from kvcache.bench.plots import bars
+
+    rows = [r for r in data["results"] if r.get("tok_s")]
+    if not rows:
+        return None
+    return bars(plt, [r["system"] for r in rows], [r["tok_s"] for r in rows],
+                 f"output throughput, {data['meta'].get('requests')} requests at once", "new tokens / s")
