@@ -91,6 +91,10 @@ def model_name(meta: dict, weights: str = "") -> str:
     ``smollm2`` with ``file (Q4_1)`` weights -> ``SmolLM2-135M Q4_1``, a path -> its file name."""
     name = str(meta.get("model") or "")
     name = re.sub(r"\.gguf$", "", name.replace("\\", "/").rsplit("/", 1)[-1])
+    from kvcache.models import fetch_qwen
+
+    if name == fetch_qwen.NAME:  # the alias `make qwen` installs: named as its file is
+        name = fetch_qwen.FILE.removesuffix(".gguf")
     m = re.fullmatch(r"(\d+[bBmM])-\d+-(\w+)", name)
     if m:
         return f"{m.group(1).upper()} {m.group(2)}"
