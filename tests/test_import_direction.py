@@ -2,7 +2,7 @@
 
 The order, top to bottom, is docs/architecture.md's:
 
-    entry points   kvcache (the lazy public API), cli, cliargs, envinfo, server, bench, eval, inspect, hf
+    entry points   kvcache (the lazy public API), cli, cliargs, envinfo, server, bench, eval, inspect, hf, peers
     engine         scheduling, sampling, the runner
     prefix         the prefix index and its tiers
     models         model families, weights, loading, tokenizers
@@ -25,7 +25,7 @@ from test_import_cycles import import_graph
 
 LAYERS = [
     ["kvcache", "kvcache.__main__", "kvcache.cli", "kvcache.cliargs", "kvcache.envinfo", "kvcache.server",
-     "kvcache.bench", "kvcache.eval", "kvcache.inspect", "kvcache.hf"],
+     "kvcache.bench", "kvcache.eval", "kvcache.inspect", "kvcache.hf", "kvcache.peers"],
     ["kvcache.engine"],
     ["kvcache.prefix"],
     ["kvcache.models"],

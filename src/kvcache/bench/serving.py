@@ -228,6 +228,7 @@ def headline(d: dict) -> list[Headline]:
 
 
 def plot(plt, data: dict):
+    """Output tok/s of each system at each level of concurrent streams."""
     from kvcache.bench.plots import bars
 
     rows = [r for r in data["results"] if r.get("tok_s")]

@@ -1,6 +1,6 @@
 """AMX tiles against the VNNI kernels on the quantized products of a prefill (kernels/qamx.c).
 
-    python -m kvcache.kernels.amx_check [--rows 512] [--repeats 5] [--threads N]
+    python -m kvcache.bench.amx_check [--rows 512] [--repeats 5] [--threads N]
 
 Prints the host line and this process's AMX status (``kernels.amx_status()``), then for GGUF Q4_0,
 Q8_0, Q4_K and Q6_K weights at a 1B model's shapes (K 2048 into 2048 and into 8192 outputs, K 8192
@@ -85,7 +85,7 @@ def side(amx_off: bool, args: argparse.Namespace) -> dict:
     env.pop("KVCACHE_AMX", None)
     if amx_off:
         env["KVCACHE_AMX"] = "0"
-    cmd = [sys.executable, "-m", "kvcache.kernels.amx_check", "--child", "--rows", str(args.rows), "--repeats",
+    cmd = [sys.executable, "-m", "kvcache.bench.amx_check", "--child", "--rows", str(args.rows), "--repeats",
            str(args.repeats), "--threads", str(args.threads)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if p.returncode != 0:
@@ -95,7 +95,7 @@ def side(amx_off: bool, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    ap = argparse.ArgumentParser(prog="python -m kvcache.kernels.amx_check", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m kvcache.bench.amx_check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=512, help="rows of activations a product takes (default 512)")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls a product, the best kept (default 5)")
     ap.add_argument("--threads", type=int, default=cores, help=f"threads a call uses (default: all, {cores})")
