@@ -25,6 +25,7 @@ def test_serve_bad_options(capsys):
     assert "--streams 'eight': give whole numbers" in _refused(capsys, "serve", "--streams", "eight")
     assert "unknown serve peer 'vllm'" in _refused(capsys, "serve", "--peers", "vllm")
     assert "does not apply to the serve suite" in _refused(capsys, "serve", "--depth", "100")
+    assert "does not apply to the serve suite" in _refused(capsys, "serve", "--depth", "0")  # 0 is given too
     err = _refused(capsys, "decode", "--streams", "4")
     assert "--streams does not apply to the decode suite (only to serve)" in err
     p = run_kvcache("bench", "serve", "--streams", "0")  # and as a user runs it: one line, exit 2
@@ -85,6 +86,7 @@ def test_the_load_generators_read_a_real_servers_streams():
 
 def test_mixed_refusals(capsys):
     assert "--mixed (the document's tokens) must be at least 16" in _refused(capsys, "serve", "--mixed", "4", "--peers", "")
+    assert "--mixed (the document's tokens) must be at least 16" in _refused(capsys, "serve", "--mixed", "0", "--peers", "")
     assert "--mixed does not apply to the decode suite (only to serve)" in _refused(capsys, "decode", "--mixed", "100")
     assert "--max-batch-tokens must be at least 1" in _refused(capsys, "serve", "--max-batch-tokens", "0")
 

@@ -125,10 +125,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.set_defaults(func=cmd_bench)
 
 
-def _given(args: argparse.Namespace, name: str) -> bool:
-    return getattr(args, name, None) not in (None, False)
-
-
 def _users(name: str) -> list[str]:
     """The suites that read option ``name``: a mode's own option (--long) belongs to its suite
     (context); an option only a mode reads to that mode (context --long)."""
@@ -146,7 +142,7 @@ def _refuse_foreign(args: argparse.Namespace, suite: suites.Suite) -> None:
     """A suite-specific option the chosen suite (or mode) does not read is refused, naming those
     that do."""
     for name in suites.flags():
-        if not _given(args, name) or name in suite.options or name == suite.mode:
+        if not suites.given(args, name) or name in suite.options or name == suite.mode:
             continue
         flag = "--" + name.replace("_", "-")
         modes = [s for s in suites.catalogue() if s.name == suite.name and s.mode and name in s.options + (s.mode,)]
@@ -176,7 +172,7 @@ def random_model(args: argparse.Namespace) -> None:
 def cmd_report(args: argparse.Namespace) -> int:
     """``kvcache bench report DIR ...``: the tables, printed (and written to --out); notes on the
     files skipped go to stderr."""
-    given = [n for n in suites.flags() if _given(args, n)]
+    given = [n for n in suites.flags() if suites.given(args, n)]
     given += [n for n in ("model", "json", "threads") if getattr(args, n, None) is not None]
     given += [n for n in ("quick",) if getattr(args, n, False)]
     if given:
@@ -227,7 +223,7 @@ def cmd_all(args: argparse.Namespace) -> int:
     settings); with --out, one report per suite and an index. --llama-cpp-bin goes to the suites
     that run llama.cpp."""
     for name in suites.flags():
-        if _given(args, name) and name != "llama_cpp_bin":
+        if suites.given(args, name) and name != "llama_cpp_bin":
             mode = next((s for s in suites.catalogue() if s.mode == name), None)
             alone = f"bench {mode.name} --{name}" if mode else "the suite"
             raise InvalidParams(f"--{name.replace('_', '-')} does not apply to 'bench all' (run {alone} alone)")

@@ -101,6 +101,12 @@ def flags() -> tuple[str, ...]:
     return tuple(seen)
 
 
+def given(args: object, name: str) -> bool:
+    """Whether option ``name`` was given: a value (0 and '' count), or a flag set."""
+    value = getattr(args, name, None)
+    return value is not None and value is not False
+
+
 def find(name: str) -> Suite | None:
     return next((s for s in catalogue() if s.name == name and s.mode is None), None)
 
@@ -108,7 +114,7 @@ def find(name: str) -> Suite | None:
 def chosen(name: str, args: object) -> Suite:
     """The module to run for suite ``name``: one of its modes when that mode's option is given."""
     for s in catalogue():
-        if s.name == name and s.mode and getattr(args, s.mode, None) not in (None, False):
+        if s.name == name and s.mode and given(args, s.mode):
             return s
     suite = find(name)
     assert suite is not None, name
