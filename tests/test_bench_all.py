@@ -132,7 +132,7 @@ def test_bad_bench_options(tmp_path):
 def test_llamacpp_peer_runs_or_is_skipped_with_a_note(tmp_path):
     """Without --llama-cpp-bin, llama.cpp is `make llamacpp`'s build or llama-cpp-python: found, it
     gives the F32 row; missing, the row and the report say how to get it, and the run succeeds."""
-    from kvcache.bench.llamapeer import kind
+    from kvcache.peers.llama_bench import kind
     from kvcache.peers.llama_cpp import default_bin
 
     p = run_kvcache("bench", "decode", "--kv", "dynamic", "--peers", "llama.cpp", "--weights", "fp32",

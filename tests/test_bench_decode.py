@@ -151,7 +151,7 @@ def test_a_crashing_llama_cpp_python_is_a_skipped_row_naming_the_signal(tmp_path
 def test_the_weights_label_names_the_type_a_file_name_ends_with():
     """A GGUF as it ships names its type after a dot or a dash, in either case; the label and
     llama.cpp's row say it, and a name without one says nothing (never a piece of the name)."""
-    from kvcache.bench.rows import shipped_type
+    from kvcache.peers.row import shipped_type
 
     assert shipped_type("/m/SmolLM2-135M-Instruct.Q4_1.gguf") == "Q4_1"
     assert shipped_type("/m/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf") == "Q4_K_M"  # not "5b-instruct-q4_k_m"
@@ -162,7 +162,7 @@ def test_the_weights_label_names_the_type_a_file_name_ends_with():
 
 def test_rounds_pool_each_rows_samples_and_keep_a_note_only_while_nothing_ran():
     from kvcache.bench.decode import pool_rows
-    from kvcache.bench.rows import Row
+    from kvcache.peers.row import Row
 
     pooled: dict = {}
     pool_rows(pooled, [Row("kvcache", "file", "dynamic", "file", "decode", 46, tok_s=[50.0], gb_s=[30.0]),

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 from kvcache.bench.measure import english_prompt, pregrow, resolve_spec, use_config, weight_bytes
 from kvcache.bench.report import cell, median, run_meta
-from kvcache.bench.rows import step_bytes
 from kvcache.cliargs import one_weights, split_specs
 from kvcache.errors import InvalidParams
+from kvcache.peers.row import step_bytes
 
 if TYPE_CHECKING:
     from kvcache.cache.config import CacheConfig

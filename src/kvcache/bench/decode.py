@@ -3,7 +3,7 @@ the same run: decode after a chat prompt, prefill of long prompts, decode at a l
 
 kvcache's side is measured here, on one loaded model per weights mode: new-token tok/s and time to
 first token, prompt tok/s of a fresh prefill, and decode at a long context. The peers run in child
-processes (bench/hfpeer.py, bench/llamapeer.py). Rows are ``bench.rows.Row``, the shape every
+processes (peers/hf_transformers.py, peers/llama_bench.py). Rows are ``peers.row.Row``, the shape every
 system's rows share; the tables print each kvcache row's ratio against the peers measured in the
 same run on the weights it is paired with.
 """
@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING
 
 from kvcache.bench.measure import english_prompt, pregrow, use_config, weight_bytes, weights_label
 from kvcache.bench.report import cell, run_meta
-from kvcache.bench.rows import Headline, Row, Tick, beside_same_file, model_name, one, positive, step_bytes
+from kvcache.bench.rows import Headline, beside_same_file, model_name, one, positive
 from kvcache.cliargs import weights_list
 from kvcache.errors import InvalidParams
+from kvcache.peers.row import Row, Tick, step_bytes
 
 if TYPE_CHECKING:
     from kvcache.engine.llm import LLM
@@ -220,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         if p not in (*HF_CACHES, "llama.cpp"):
             raise InvalidParams(f"unknown peer {p!r}; choose from none, dynamic, static (transformers' caches), "
                                 "llama.cpp")
-    from kvcache.bench import llamapeer
+    from kvcache.peers import llama_bench
     from kvcache.peers.llama_cpp import check_bin
     from kvcache.models.config import ModelConfig
     from kvcache.models.loading import read_config, resolve_model
@@ -276,22 +277,22 @@ def run(args: argparse.Namespace) -> int:
             gc.collect()
         threads = torch.get_num_threads()
         if hf:
-            from kvcache.bench import hfpeer
+            from kvcache.peers import hf_transformers
             from kvcache.models.loading import fp32_folder
 
-            rows += hfpeer.rows(str(fp32_folder(args.model)), ids, hf, new, repeats, prompts, threads, bar.update)
+            rows += hf_transformers.rows(str(fp32_folder(args.model)), ids, hf, new, repeats, prompts, threads, bar.update)
         if "llama.cpp" in peers:
-            from kvcache.bench.llamapeer import Work
+            from kvcache.peers.llama_bench import Work
 
             work = Work(len(ids), ids, new, repeats, threads, prompts, depth_ids, depth_new, kv_f32)
             src = Path(str(resolved.source)) if resolved.source is not None else None
-            rows += llamapeer.rows(src, weights, work, depth_pair, bin_dir, bar.update)
+            rows += llama_bench.rows(src, weights, work, depth_pair, bin_dir, bar.update)
         read_gb_s = max(read_gb_s, read_bandwidth(threads))  # the best the memory gave in any round
         pool_rows(pooled, rows)
     bar.close()
     rows = list(pooled.values())
     results = [r.summary() for r in rows]
-    kind = llamapeer.kind(bin_dir) if "llama.cpp" in peers else None
+    kind = llama_bench.kind(bin_dir) if "llama.cpp" in peers else None
     from kvcache import kernels
 
     peak = kernels.int8_peak()

@@ -78,9 +78,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcache.peers.process import run as run_child
-from kvcache.bench.rows import Headline, Tick, beside_same_file, step_bytes, suite_parts
+from kvcache.bench.rows import Headline, beside_same_file, suite_parts
 from kvcache.errors import InvalidParams
+from kvcache.peers.process import run as run_child
+from kvcache.peers.row import Tick, step_bytes
 
 # the suite's declaration (bench/suites.py reads it from this source)
 SUITE = "context"

@@ -61,7 +61,7 @@ def weights_label(llm: LLM) -> str:
     """``file (Q4_1)`` for a GGUF's own types, else the mode (``q8``, ``q4``, ``fp32``)."""
     if llm.weights != "file":
         return llm.weights
-    from kvcache.bench.rows import shipped_type
+    from kvcache.peers.row import shipped_type
 
     kind = shipped_type(llm.model_path) if llm.model_path.endswith(".gguf") else None
     return f"file ({kind})" if kind else "file"

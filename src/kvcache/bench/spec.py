@@ -35,10 +35,10 @@ its prefill counts. Each row reports:
   is exact: they must be the same; a difference is counted, not raised).
 
 transformers (the peer) runs in a child process (a crash or a missing package is a skipped row) on
-the fp32 folder kvcache converted from the same file (bench/hfpeer.py's weights), with the same
-prompt token ids, EOS tokens and thread count: ``generate`` without and with ``prompt_lookup_num_tokens``,
-alternating, tok/s as bench/hfpeer.py measures it (new tokens after the first over the generate
-time less the time to first token of a one-token generate). Its forwards are counted by a forward
+the fp32 folder kvcache converted from the same file (peers/hf_transformers.py's weights), with the
+same prompt token ids, EOS tokens and thread count: ``generate`` without and with
+``prompt_lookup_num_tokens``, alternating, tok/s as peers/hf_transformers.py measures it (new
+tokens after the first over the generate time less the time to first token of a one-token generate). Its forwards are counted by a forward
 hook and its proposals by wrapping its prompt-lookup candidate generator, in one untimed run of
 each; its first forward reads the prompt and verifies the first proposals together. Its greedy
 text is compared with kvcache's fp32 text (fp32 sums in another order may part them: reported,

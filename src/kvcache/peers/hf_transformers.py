@@ -1,10 +1,25 @@
 """transformers as a peer: its causal LM of the fp32 folder kvcache converted (the weights of
-kvcache's ``fp32`` mode), or a row that says it is not installed."""
+kvcache's ``fp32`` mode), or a row that says it is not installed; and its decode and prefill rows
+for ``bench decode``, measured in a child process.
+
+The child loads the fp32 folder, decodes after the same prompt token ids as kvcache (greedy, EOS
+ignored, same number of new tokens, same thread count) with each of its caches, and times one
+forward over each prefill prompt (a fresh DynamicCache, the last position's logits only, as
+``generate`` asks). A crash or a missing transformers becomes rows with a note. The child is
+``python -m kvcache.peers.hf_transformers`` with a JSON request on stdin; it prints the rows as JSON.
+"""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from kvcache.peers.process import child_main, run_module
+from kvcache.peers.row import Row, Tick, step_bytes
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 NO_TRANSFORMERS = "transformers not installed: skipped"
 
@@ -20,3 +35,99 @@ def transformers_model(model_dir: str | Path) -> Any | None:
     import torch
 
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+CACHES = {"none": "use_cache=False", "dynamic": "DynamicCache", "static": "StaticCache"}
+
+
+def rows(model_dir: str, ids: list[int], caches: list[str], new: int, repeats: int,
+         prefill: dict[int, list[int]], threads: int, tick: Tick | None = None) -> list[Row]:
+    """transformers' rows, measured in a child process (or skipped with the reason)."""
+    req = {"model_dir": model_dir, "ids": ids, "caches": caches, "new": new, "repeats": repeats,
+           "prefill": {str(n): p for n, p in prefill.items()}, "threads": threads}
+    out = run_module("kvcache.peers.hf_transformers", req, "transformers")
+    expected = [Row("transformers", "fp32", CACHES[c], "fp32", tokens=len(ids)) for c in caches]
+    expected += [Row("transformers", "fp32", "DynamicCache", "fp32", "prefill", n) for n in prefill]
+    if tick:
+        for _ in range(len(caches) * repeats + len(prefill) * repeats):
+            tick()
+    if not out.ok:
+        for r in expected:
+            r.note = out.note
+        return expected
+    return [Row.from_dict(d) for d in out.data]
+
+
+def _measure(req: dict[str, Any]) -> list[dict[str, object]]:
+    import torch
+
+    torch.set_num_threads(int(req["threads"]))
+    model = transformers_model(req["model_dir"])
+    if model is None:
+        return [vars(Row("transformers", "fp32", CACHES[c], "fp32", note=NO_TRANSFORMERS)) for c in req["caches"]]
+    ids, new, repeats = list(req["ids"]), int(req["new"]), int(req["repeats"])
+    out = [_decode(model, ids, c, new, repeats) for c in req["caches"]]
+    out += [_prefill(model, int(n), p, repeats) for n, p in req["prefill"].items()]
+    return [vars(r) for r in out]
+
+
+def _weight_bytes(model: PreTrainedModel) -> int:
+    """Bytes one step reads: every distinct parameter once but the input embedding table, plus the head."""
+    head = model.get_output_embeddings().weight
+    seen = {head.data_ptr()}
+    total = head.numel() * head.element_size()
+    for name, p in model.named_parameters():
+        if p.data_ptr() in seen or any(key in name for key in ("embed", "wte", "wpe")):
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+def _decode(model: PreTrainedModel, ids: list[int], cache: str, new: int, repeats: int) -> Row:
+    import torch
+
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4
+    wbytes = _weight_bytes(model)
+    kwargs: dict[str, object] = {"use_cache": cache != "none"}
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+    row = Row("transformers", "fp32", CACHES[cache], "fp32", tokens=len(ids))
+    gen = dict(do_sample=False, pad_token_id=cfg.eos_token_id, **kwargs)
+    input_ids = torch.tensor([ids])
+    with torch.inference_mode():
+        model.generate(input_ids[:, :8], max_new_tokens=4, min_new_tokens=4, **gen)  # warm-up
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.generate(input_ids, max_new_tokens=1, min_new_tokens=1, **gen)
+            ttft = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            out = model.generate(input_ids, max_new_tokens=new, min_new_tokens=new, **gen)
+            total = time.perf_counter() - t0
+            made = out.shape[1] - input_ids.shape[1]
+            tok_s = (made - 1) / max(total - ttft, 1e-9)
+            row.tok_s.append(tok_s)
+            row.ttft_s.append(ttft)
+            kv = kv_per_token if cache != "none" else 0
+            row.gb_s.append(step_bytes(wbytes, kv, len(ids), new) * tok_s / 1e9)
+    return row
+
+
+def _prefill(model: PreTrainedModel, n: int, ids: list[int], repeats: int) -> Row:
+    import torch
+
+    row = Row("transformers", "fp32", "DynamicCache", "fp32", "prefill", n)
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        model(x[:, :16], use_cache=True, logits_to_keep=1)  # warm-up
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model(x, use_cache=True, logits_to_keep=1)
+            row.tok_s.append(n / (time.perf_counter() - t0))
+    return row
+
+
+if __name__ == "__main__":
+    raise SystemExit(child_main(_measure))

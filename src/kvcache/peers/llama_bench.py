@@ -1,4 +1,5 @@
-"""llama.cpp beside kvcache in ``bench decode``: which llama.cpp to run, which GGUFs, and its rows.
+"""llama.cpp's rows beside kvcache's in ``bench decode``: which llama.cpp to run, which GGUFs, and
+its rows.
 
 Two kinds, both in child processes (peers/process.py): llama.cpp's own ``llama-bench``
 (``--llama-cpp-bin DIR``, ``$KVCACHE_LLAMA_CPP_BIN``, or the folder ``make llamacpp`` builds,
@@ -16,7 +17,7 @@ prompt's length (its time is the row's TTFT) and for each prefill length, and a 
 (``-n``) of the same number of new tokens as kvcache (llama-bench generates from an empty context;
 at a few dozen tokens of context the KV is a negligible part of a step). The long-context row is a
 second run with ``-d DEPTH -ctk q8_0 -ctv q8_0``: decode after DEPTH tokens held in an 8-bit KV
-cache. llama-cpp-python (``python -m kvcache.bench.llamapeer``, a JSON request on stdin): decode
+cache. llama-cpp-python (``python -m kvcache.peers.llama_bench``, a JSON request on stdin): decode
 after the chat prompt's token ids (greedy, EOS never checked, the same number of new tokens and
 threads), prompt tokens per second of each prefill prompt into an empty context, and decode after
 a long context held in a q8_0 KV cache (flash attention on, which llama.cpp needs for a quantized
@@ -32,10 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvcache.peers.process import child_main, run, run_module
-
 from kvcache.peers.llama_cpp import quantize
-from kvcache.bench.rows import Row, Tick, shipped_type, step_bytes
+from kvcache.peers.process import child_main, run, run_module
+from kvcache.peers.row import Row, Tick, shipped_type, step_bytes
 
 if TYPE_CHECKING:
     from llama_cpp import Llama
@@ -100,7 +100,7 @@ def rows(src: Path | None, pairs: list[str], work: Work, depth_pair: str | None,
         elif bin_dir is not None:
             out += _llama_bench(bin_dir / "llama-bench", path, label, pair, work, depth)
         else:
-            res = run_module("kvcache.bench.llamapeer", _request(path, label, pair, work, depth), "llama-cpp-python")
+            res = run_module("kvcache.peers.llama_bench", _request(path, label, pair, work, depth), "llama-cpp-python")
             out += [Row.from_dict(d) for d in res.data] if res.ok else expected(label, pair, work, depth, res.note)
         if tick:
             tick()
@@ -119,7 +119,7 @@ def _converted(src: Path, ftype: str, bin_dir: Path | None) -> tuple[Path | None
     if bin_dir is not None:
         why = quantize(bin_dir, src, ftype, path)
     else:
-        res = run_module("kvcache.bench.llamapeer", {"op": "convert", "src": str(src), "ftype": ftype,
+        res = run_module("kvcache.peers.llama_bench", {"op": "convert", "src": str(src), "ftype": ftype,
                                                      "out": str(path)}, "llama-cpp-python")
         why = None if res.ok and path.is_file() else (res.note or f"no {ftype} file written")
     return (None, why) if why else (path, "")
