@@ -8,6 +8,7 @@ import sys
 
 from kvcache.bench import structured as sb
 from kvcache.cli import main
+from kvcache.peers import grammar_engines
 
 
 def test_a_short_run_writes_positive_rows_and_valid_outputs(tmp_path, capsys):
@@ -48,9 +49,9 @@ def test_the_schema_the_sample_and_fresh_schemas():
 
 def test_an_engine_that_is_missing_or_unknown_is_a_skipped_row(monkeypatch):
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar raises ImportError
-    row = sb._engine_child({"engine": "xgrammar"})
+    row = grammar_engines._engine_child({"engine": "xgrammar"})
     assert row["mask_mean_us"] is None and "pip install 'kvcache[xgrammar]'" in row["note"]
-    row = sb.engine_row("nothing", "/nonexistent/tokenizer.json", 32, [0], [1, 2], 1, {})  # in a child process
+    row = grammar_engines.engine_row("nothing", "/nonexistent/tokenizer.json", 32, [0], [1, 2], 1, "{}", {}, 1)  # a child
     assert row["engine"] == "nothing" and row["compile_s"] is None and "unknown grammar engine" in row["note"]
 
 

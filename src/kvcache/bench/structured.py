@@ -17,12 +17,10 @@ against the schema with ``jsonschema``.
 Compile. A schema the cache cannot hold (a fresh property name) compiled cold, then the same again
 (a cache hit and the matcher copy each request takes).
 
-Engines. llguidance (the engine kvcache runs) and xgrammar, each in a child process (a crash or a
-missing package is a skipped row): the model's tokenizer, the same schema and JSON options, the
-same token sequence (a valid JSON text): tokenizer setup, schema compile, the first mask, and the
-mean and max time of one token mask as later requests see it.
-
-Run as ``python -m kvcache.bench.structured`` with a JSON request on stdin: one engine's row.
+Engines. llguidance (the engine kvcache runs) and xgrammar side by side (peers/grammar_engines.py,
+each in a child process): the model's tokenizer, the same schema and JSON options, the same token
+sequence (a valid JSON text): tokenizer setup, schema compile, the first mask, and the mean and max
+time of one token mask as later requests see it.
 """
 
 from __future__ import annotations
@@ -39,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.bench.rows import Headline, positive
-from kvcache.peers.process import child_main, run_module
 from kvcache.bench.report import cell, run_meta
 from kvcache.errors import InvalidParams, KVCacheError
+from kvcache.peers.grammar_engines import ENGINES, engine_row
 
 # the suite's declaration (bench/suites.py reads it from this source)
 SUITE = "structured"
@@ -49,11 +47,9 @@ ORDER = 60
 OPTIONS = ("new_tokens", "repeats", "requests", "peers")
 QUICK = {"requests": 4, "repeats": 1}
 
-ENGINES = ("llguidance", "xgrammar")
 DEFAULT_MAX_TOKENS = 320  # a cap no output of SCHEMA reaches: its strings are bounded
 BATCH1_REQUESTS = 4  # requests run one at a time (at most --requests)
 WALKS = 4  # engines: walks over the token sequence (the first cold, then fresh matchers)
-ENGINE_TIMEOUT_S = 600.0
 
 SUBJECTS = (
     ("a famous novel", "book"), ("a city in Italy", "city"), ("a famous scientist", "person"),
@@ -273,139 +269,6 @@ def bench_compile(llm: Any, repeats: int) -> dict[str, object]:
             "lookup_s": statistics.median(lookup), "schemas": len(cold)}
 
 
-# -- engines side by side, each in a child process ------------------------------------------------
-
-
-def engine_row(engine: str, tokenizer_file: str, vocab: int, eos: list[int], ids: list[int], threads: int,
-               json_options: dict[str, object]) -> dict[str, object]:
-    req = {"engine": engine, "tokenizer_file": tokenizer_file, "vocab_size": vocab, "eos": eos, "ids": ids,
-           "schema": json.dumps(SCHEMA), "json_options": json_options, "walks": WALKS, "threads": threads}
-    out = run_module("kvcache.bench.structured", req, engine, timeout=ENGINE_TIMEOUT_S)
-    row = out.data if out.ok and isinstance(out.data, dict) else _engine_skipped(engine, out.note)
-    return row
-
-
-def _engine_skipped(engine: str, note: str) -> dict[str, object]:
-    return {"engine": engine, "version": None, "tokenizer_s": None, "compile_s": None, "first_mask_us": None,
-            "cold_mean_us": None, "mask_mean_us": None, "mask_max_us": None, "advance_us": None, "tokens": 0,
-            "accepted": None, "note": note}
-
-
-def _version(dist: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _walk(engine: str, new_matcher: Any, mask: Any, advance: Any, eos_allowed: Any, ids: list[int],
-          walks: int) -> dict[str, object]:
-    """Mask, then advance by each token of ``ids``, from a fresh matcher, ``walks`` times; the first
-    walk is cold. After the last token the text must be complete (EOS allowed)."""
-    first_mask, cold, warm, adv = 0.0, [], [], []
-    accepted = True
-    for w in range(walks):
-        m = new_matcher()
-        for i, tok in enumerate([*ids, None]):
-            t0 = time.perf_counter()
-            mask(m)
-            d = time.perf_counter() - t0
-            if w == 0 and i == 0:
-                first_mask = d
-            (cold if w == 0 else warm).append(d)
-            if tok is None:
-                accepted = accepted and bool(eos_allowed(m))
-                break
-            t0 = time.perf_counter()
-            ok = advance(m, tok)
-            adv.append(time.perf_counter() - t0)
-            if not ok:
-                accepted = False
-                break
-    warm = warm or cold
-    return {"first_mask_us": first_mask * 1e6, "cold_mean_us": statistics.mean(cold) * 1e6,
-            "mask_mean_us": statistics.mean(warm) * 1e6, "mask_max_us": max(warm) * 1e6,
-            "advance_us": statistics.mean(adv) * 1e6 if adv else None, "tokens": len(ids), "accepted": accepted,
-            "note": "" if accepted else f"{engine} refused the JSON text"}
-
-
-def _bit(words: Any, tok: int) -> bool:
-    return bool((int(words[tok // 32]) >> (tok % 32)) & 1)
-
-
-def _llguidance(req: dict[str, Any]) -> dict[str, object]:
-    import ctypes
-
-    try:
-        import llguidance
-        import tokenizers
-    except ImportError as e:
-        return _engine_skipped("llguidance", f"{e.name} not installed: skipped")
-    vocab, eos = int(req["vocab_size"]), [int(t) for t in req["eos"]]
-    t0 = time.perf_counter()
-    backend = tokenizers.Tokenizer.from_file(req["tokenizer_file"])
-    backend.no_padding()
-    backend.no_truncation()
-    tok = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab, eos_token=eos or None)
-    tokenizer_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(req["schema"], defaults=req["json_options"])
-    first = llguidance.LLMatcher(tok, grammar, log_level=0)
-    compile_s = time.perf_counter() - t0
-    if first.is_error():
-        return _engine_skipped("llguidance", f"llguidance refused the schema: {first.get_error()}")
-    words = (vocab + 31) // 32
-    buf = (ctypes.c_int32 * words)()
-    ptr = ctypes.addressof(buf)
-    walked = _walk("llguidance", first.deep_copy, lambda m: m.unsafe_compute_mask_ptr(ptr, words * 4),
-                   lambda m, t: m.consume_token(t), lambda m: any(_bit(buf, e) for e in eos),
-                   [int(t) for t in req["ids"]], int(req["walks"]))
-    return {"engine": "llguidance", "version": _version("llguidance"), "tokenizer_s": tokenizer_s,
-            "compile_s": compile_s, **walked}
-
-
-def _xgrammar(req: dict[str, Any]) -> dict[str, object]:
-    try:
-        import xgrammar as xgr
-    except ImportError:
-        return _engine_skipped("xgrammar", "xgrammar not installed (pip install 'kvcache[xgrammar]'): skipped")
-    try:
-        from transformers import PreTrainedTokenizerFast
-    except ImportError:
-        return _engine_skipped("xgrammar", "xgrammar reads the tokenizer through transformers, not installed: "
-                                           "skipped")
-    vocab, eos = int(req["vocab_size"]), [int(t) for t in req["eos"]]
-    opts = req["json_options"]
-    t0 = time.perf_counter()
-    hf = PreTrainedTokenizerFast(tokenizer_file=req["tokenizer_file"])
-    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab, stop_token_ids=eos or None)
-    tokenizer_s = time.perf_counter() - t0
-    compiler = xgr.GrammarCompiler(info, max_threads=max(1, int(req["threads"])), cache_enabled=False)
-    t0 = time.perf_counter()
-    compiled = compiler.compile_json_schema(
-        req["schema"], any_whitespace=bool(opts.get("whitespace_flexible", False)),
-        separators=(str(opts.get("item_separator", ", ")), str(opts.get("key_separator", ": "))))
-    compile_s = time.perf_counter() - t0
-    bitmask = xgr.allocate_token_bitmask(1, vocab)
-    row = bitmask[0]
-    walked = _walk("xgrammar", lambda: xgr.GrammarMatcher(compiled), lambda m: m.fill_next_token_bitmask(bitmask, 0),
-                   lambda m, t: m.accept_token(t), lambda m: any(_bit(row, e) for e in eos),
-                   [int(t) for t in req["ids"]], int(req["walks"]))
-    return {"engine": "xgrammar", "version": _version("xgrammar"), "tokenizer_s": tokenizer_s,
-            "compile_s": compile_s, **walked}
-
-
-def _engine_child(req: dict[str, Any]) -> dict[str, object]:
-    engine = req.get("engine")
-    if engine == "llguidance":
-        return _llguidance(req)
-    if engine == "xgrammar":
-        return _xgrammar(req)
-    return _engine_skipped(str(engine), f"unknown grammar engine {engine!r}")
-
-
 # -- the suite ----------------------------------------------------------------------------------
 
 
@@ -447,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
         tok_file.write_text(llm.tokenizer.backend.to_str())
         for e in engines:
             rows.append(engine_row(e, str(tok_file), llm.config.vocab_size, list(llm.tokenizer.eos_token_ids),
-                                   sample_ids, threads, dict(JSON_OPTIONS)))
+                                   sample_ids, threads, json.dumps(SCHEMA), dict(JSON_OPTIONS), WALKS))
             bar.update()
     bar.close()
     _print(llm.model_name, speed, comp, rows, repeats, max_tokens, threads, len(sample_ids))
@@ -541,6 +404,3 @@ def headline(d: dict) -> list[Headline]:
                         positive(xg["compile_s"]) * 1e3, "ms", higher_better=False))
     return rows
 
-
-if __name__ == "__main__":
-    sys.exit(child_main(_engine_child))
