@@ -8,6 +8,7 @@ import json
 import sys
 
 from kvcache.bench import spec as sb
+from kvcache.peers import speculation
 from kvcache.cli import main
 
 
@@ -52,12 +53,12 @@ def test_transformers_rows_in_a_child_process():
 
     tok = Tokenizer.from_dir(resolve_model(None).path)
     ids = tok.encode_chat([{"role": "user", "content": "Say 'the cat sat on the mat' three times."}])
-    row, draft = sb.peer_rows(str(fp32_folder(None)), {"free text": ids}, 8, 1, 3, 1, sorted(tok.eos_token_ids),
+    row, draft = speculation.peer_rows(str(fp32_folder(None)), {"free text": ids}, 8, 1, 3, 1, sorted(tok.eos_token_ids),
                               timeout=300)
     if row["spec_tok_s"] is None:  # transformers missing or broken: a skipped row with the reason
         assert row["note"]
         return
-    assert draft["method"] == "draft" and draft["speculation"] == sb.ASSISTANT
+    assert draft["method"] == "draft" and draft["speculation"] == speculation.ASSISTANT
     if draft["spec_tok_s"] is not None:  # the int8 assistant (torch's dynamic quantization) ran
         assert draft["identical"] is True and draft["proposed"] > 0 and draft["forwards"] >= 1
     assert row["system"] == "transformers" and 1 < row["tokens"] <= 8 and row["identical"] is True
@@ -78,14 +79,14 @@ def test_llama_server_rows_on_the_same_file():
     ids = tok.encode_chat([{"role": "user", "content": "Say 'the cat sat on the mat' three times."}])
     gguf = resolve_model(None).gguf
     binary, _ = llama_server(None, gguf)
-    (row,) = sb.llama_rows(binary, gguf, {"free text": ids}, 12, 1, 3, 1, "file (Q4_1)", "n-gram lookup 3")
+    (row,) = speculation.llama_rows(binary, gguf, {"free text": ids}, 12, 1, 3, 1, "file (Q4_1)", "n-gram lookup 3")
     if binary is None:
         assert row["spec_tok_s"] is None and "llama-server not built" in row["note"]
         return
     assert row["system"] == "llama-server" and row["pair"] == "file" and 1 < row["tokens"] <= 12
     assert row["plain_tok_s"] > 0 and row["spec_tok_s"] > 0 and row["identical"] is True
     assert row["proposed"] >= row["accepted"] >= 0 and row["forwards"] >= 1 and row["token_ids"]
-    (none,) = sb.llama_rows(None, gguf, {"free text": ids}, 12, 1, 3, 1, "file (Q4_1)", "n-gram lookup 3")
+    (none,) = speculation.llama_rows(None, gguf, {"free text": ids}, 12, 1, 3, 1, "file (Q4_1)", "n-gram lookup 3")
     assert none["spec_tok_s"] is None and "not built" in none["note"]
 
 
@@ -109,7 +110,7 @@ def test_ratios_pair_each_peer_with_its_weights():
 
 def test_a_missing_transformers_is_a_skipped_row(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
-    (row,) = sb._peer_child({"threads": 1, "prompts": {"document": [1, 2, 3]}, "lookup": 6, "new": 8,
+    (row,) = speculation._peer_child({"threads": 1, "prompts": {"document": [1, 2, 3]}, "lookup": 6, "new": 8,
                              "repeats": 1, "model_dir": "/nonexistent"})
     assert row["spec_tok_s"] is None and "not installed" in row["note"] and row["prompt_tokens"] == 3
 

@@ -14,6 +14,7 @@ import re
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 Tick = Callable[[], None]
 
@@ -67,3 +68,36 @@ class Row:
 
 def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
+
+
+# the row of `bench spec`, whichever system made it
+
+
+def method_label(method: str, lookup: int) -> str:
+    """How a speculation row names its kind of speculation."""
+    return {"prediction": "prediction: the file", "miss": "prediction: another file",
+            "ceiling": "prediction: its output",
+            "lookup": f"prompt lookup {lookup}", "draft": "draft: its GGUF"}[method]
+
+
+def spec_row(system: str, weights: str, pair: str, workload: str, method: str, label: str, prompt_tokens: int,
+             note: str = "", **measured: Any) -> dict[str, Any]:
+    """One row of the suite, whichever system made it: the measured figures (``tokens``,
+    ``plain_tok_s``, ``spec_tok_s``, ``proposed``, ``accepted``, ``forwards``, the ms per forward
+    each side, ``runs``, ``mismatches`` and any more), the figures derived from them, and None for
+    what was not measured (a skipped row carries only its ``note``)."""
+    r: dict[str, Any] = {"system": system, "weights": weights, "pair": pair, "workload": workload, "method": method,
+                         "speculation": label, "prompt_tokens": prompt_tokens, "tokens": None, "plain_tok_s": None,
+                         "spec_tok_s": None, "speedup": None, "proposed": None, "accepted": None,
+                         "acceptance": None, "forwards": None, "tokens_per_forward": None,
+                         "plain_ms_per_forward": None, "spec_ms_per_forward": None, "forward_cost": None, "runs": 0,
+                         "mismatches": 0, "identical": None, **measured, "note": note}
+    if r["spec_tok_s"] is None:
+        return r
+    plain, spec, n, fwd = r["plain_tok_s"], r["spec_tok_s"], r["tokens"], r["forwards"]
+    pms, sms = r["plain_ms_per_forward"], r["spec_ms_per_forward"]
+    r.update(speedup=spec / plain if plain else None, identical=r["mismatches"] == 0,
+             acceptance=r["accepted"] / r["proposed"] if r["proposed"] else None,
+             tokens_per_forward=(n - 1) / fwd if fwd and fwd > 0 else None,
+             forward_cost=sms / pms if sms is not None and pms else None)
+    return r
