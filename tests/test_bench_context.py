@@ -207,12 +207,12 @@ def test_long_beside_the_real_llama_bench(tmp_path, tiny_gguf, monkeypatch):
 
 
 def test_long_without_llama_bench_skips_its_rows_with_the_reason(tmp_path):
-    from kvcache.bench import longctx
+    from kvcache.peers.llama_bench import depth_rows
     from kvcache.peers.llama_cpp import find_tool
 
     exe, why = find_tool(str(tmp_path), "llama-bench")
     assert exe is None and why == f"no executable llama-bench in {tmp_path} (`make llamacpp` builds one)"
-    rows = longctx.llama_side(exe, why, tmp_path / "m.gguf", ["f16", "q4_0"], [4096, 16384], 8, 1, 2, 512)
+    rows = depth_rows(exe, why, tmp_path / "m.gguf", ["f16", "q4_0"], [4096, 16384], 8, 1, 2, 512, 512)
     assert [(r.test, r.kv, r.context) for r in rows] == [
         ("prefill", "f16", 512), ("prefill", "f16", 4096), ("prefill", "f16", 16384), ("decode", "f16", 4096),
         ("decode", "f16", 16384), ("decode", "q4_0", 4096), ("decode", "q4_0", 16384)]
@@ -220,7 +220,8 @@ def test_long_without_llama_bench_skips_its_rows_with_the_reason(tmp_path):
 
 
 def test_long_table_arithmetic():
-    from kvcache.bench.longctx import DepthRow, summarize
+    from kvcache.bench.longctx import summarize
+    from kvcache.peers.row import DepthRow
 
     rows = [DepthRow("kvcache", "int8", "decode", 4096, [10.0, 12.0, 11.0], kv_bytes_per_token=1000.0,
                      weight_bytes=500_000_000, new=32),

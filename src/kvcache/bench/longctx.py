@@ -52,7 +52,7 @@ llama.cpp's side, decode at depth: one run per KV type,
 run ``-p 512 -n 0 -fa 1`` (with its warm-up) and one ``-p N1,N2,.. -n 0 -fa 1 --no-warmup -r 1``
 (a warm-up would run each long prompt twice), f16 KV, llama-bench's defaults otherwise. A run
 that cannot start, crashes or prints no JSON leaves its rows skipped with the reason; a
-missing llama-bench skips them all, naming what is missing.
+missing llama-bench skips them all, naming what is missing (peers/llama_bench.py, ``depth_rows``).
 
 The bytes a llama.cpp step reads are counted as ``bench decode`` counts them: the GGUF file's
 size (a tied model's file holds each weight once), plus the KV at its type's block size.
@@ -74,14 +74,14 @@ import json
 import os
 import statistics
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvcache.bench.rows import Headline, beside_same_file, suite_parts
 from kvcache.errors import InvalidParams
-from kvcache.peers.process import run as run_child
-from kvcache.peers.row import Tick, step_bytes
+from kvcache.peers.llama_bench import KV_TYPE_BYTES, depth_rows
+from kvcache.peers.row import DepthRow
 
 # the suite's declaration (bench/suites.py reads it from this source)
 SUITE = "context"
@@ -90,36 +90,6 @@ ORDER = 21
 OPTIONS = ("new_tokens", "repeats", "kv", "contexts", "weights", "peers", "llama_cpp_bin")
 
 REFERENCE = 512  # prompt tokens every prefill is compared with
-
-
-@dataclass
-class DepthRow:
-    system: str  # kvcache | llama.cpp
-    kv: str  # kvcache's --kv spec, or llama.cpp's KV type (f16, q8_0, q4_0)
-    test: str  # decode (after ``context`` tokens) | prefill (a prompt of ``context`` tokens)
-    context: int
-    samples: list[float] = field(default_factory=list)  # decode: new tokens/s; prefill: seconds
-    kv_bytes_per_token: float = 0.0  # decode: KV bytes per context token (kvcache: its accounting)
-    weight_bytes: int = 0  # decode: bytes of weights one step reads
-    new: int = 0  # decode: new tokens per run
-    stages: int = 0  # prefill: forwards the prompt went in (kvcache grows in stages)
-    note: str = ""  # why there are no samples
-
-    def summary(self, read_gb_s: float | None) -> dict[str, object]:
-        out: dict[str, object] = {"system": self.system, "kv": self.kv, "test": self.test, "context": self.context,
-                                  "samples": list(self.samples), "note": self.note}
-        med = statistics.median(self.samples) if self.samples else None
-        if self.test == "decode":
-            nbytes = step_bytes(self.weight_bytes, self.kv_bytes_per_token, self.context, self.new)
-            gb_s = nbytes * med / 1e9 if med is not None else None
-            out.update(tok_s=med, tok_s_min=min(self.samples, default=None), tok_s_max=max(self.samples, default=None),
-                       new_tokens=self.new, weight_bytes=self.weight_bytes, kv_bytes_per_token=self.kv_bytes_per_token,
-                       kv_bytes_read=nbytes - self.weight_bytes, bytes_per_token=nbytes, gb_s=gb_s,
-                       wall_share=gb_s / read_gb_s if gb_s is not None and read_gb_s else None)
-        else:
-            out.update(seconds=med, tok_s=self.context / med if med else None,
-                       s_per_1k=1000 * med / self.context if med else None, stages=self.stages)
-        return out
 
 
 def summarize(rows: list[DepthRow], read_gb_s: float | None) -> list[dict[str, object]]:
@@ -355,8 +325,8 @@ def run(args: argparse.Namespace) -> int:
         info = info or said
         tick(f"kvcache {spec}")
     if plan.peers:
-        rows += llama_side(exe, why, plan.gguf, plan.peers, plan.contexts, plan.new, plan.repeats,
-                                      plan.threads, plan.kv_values, lambda: tick("llama-bench run"))
+        rows += depth_rows(exe, why, plan.gguf, plan.peers, plan.contexts, plan.new, plan.repeats,
+                           plan.threads, plan.kv_values, REFERENCE, lambda: tick("llama-bench run"))
     load.append(os.getloadavg()[0])
     bandwidth.append(read_bandwidth(plan.threads))
     read_gb_s = max(bandwidth)
@@ -472,15 +442,6 @@ def _grow(llm: Any, ids: list[int], contexts: list[int], new: int, repeats: int,
     return decode, prefill, seq
 
 
-# -- llama.cpp's side: llama-bench -----------------------------------------------------------------
-
-
-# bytes per K or V value of each llama.cpp KV type (blocks of 32 values with an fp16 scale)
-KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
-                 "q5_0": 22 / 32, "q5_1": 24 / 32, "iq4_nl": 18 / 32}
-LONG_TIMEOUT_S = 4 * 3600.0
-
-
 def parse_kv_types(text: str) -> list[str]:
     """``--peers`` of the long mode: llama.cpp KV types ('' runs no llama.cpp)."""
     types = list(dict.fromkeys(t.strip().lower() for t in text.split(",") if t.strip()))
@@ -489,60 +450,6 @@ def parse_kv_types(text: str) -> list[str]:
             raise InvalidParams(f"--peers: unknown llama.cpp KV type {t!r}; choose from {', '.join(KV_TYPE_BYTES)} "
                                 "('' runs no llama.cpp)")
     return types
-
-
-def llama_expected(types: list[str], contexts: list[int], new: int) -> list[DepthRow]:
-    """Every llama.cpp row, empty."""
-    rows = [DepthRow("llama.cpp", "f16", "prefill", n) for n in [REFERENCE, *contexts]]
-    rows += [DepthRow("llama.cpp", t, "decode", c, new=new) for t in types for c in contexts]
-    return rows
-
-
-def llama_side(exe: Path | None, why: str, model: Path | None, types: list[str], contexts: list[int], new: int,
-            repeats: int, threads: int, kv_values_per_token: int, tick: Tick | None = None) -> list[DepthRow]:
-    """llama.cpp's prefill and decode rows; ``kv_values_per_token``: K and V values of one token
-    over all layers (2 x layers x KV heads x head dim)."""
-    rows = llama_expected(types, contexts, new)
-    if exe is not None and (model is None or model.suffix != ".gguf" or not model.is_file()):
-        exe, why = None, "the model is not a GGUF file: llama.cpp skipped"
-    if exe is None:
-        for r in rows:
-            r.note = why
-        return rows
-    assert model is not None
-    base = [str(exe), "-m", str(model), "-t", str(threads), "-o", "json", "-fa", "1", "--progress"]
-    prefill = {r.context: r for r in rows if r.test == "prefill"}
-    wbytes = model.stat().st_size
-    runs = [(["-p", str(REFERENCE), "-n", "0", "-r", str(repeats)], [prefill[REFERENCE]]),
-            (["-p", ",".join(map(str, contexts)), "-n", "0", "-r", "1", "--no-warmup"],
-             [prefill[c] for c in contexts])]
-    for t in types:
-        mine = [r for r in rows if r.test == "decode" and r.kv == t]
-        for r in mine:
-            r.weight_bytes, r.kv_bytes_per_token = wbytes, kv_values_per_token * KV_TYPE_BYTES[t]
-        runs.append((["-p", "0", "-n", str(new), "-d", ",".join(map(str, contexts)), "-r", str(repeats),
-                      "-ctk", t, "-ctv", t], mine))
-    for args, targets in runs:
-        what = "decode " + targets[0].kv if targets[0].test == "decode" else "prefill"
-        res = run_child(base + args, "llama-bench", timeout=LONG_TIMEOUT_S, echo=f"llama.cpp {what}: ")
-        _fill(targets, res.data if res.ok else None, res.note)
-        if tick:
-            tick()
-    return rows
-
-
-def _fill(targets: list[DepthRow], data: object, note: str) -> None:
-    """Samples from llama-bench's JSON tests into ``targets`` (decode: by depth; prefill: by prompt)."""
-    for t in data if isinstance(data, list) else []:
-        n_prompt, n_gen, depth = int(t.get("n_prompt", 0)), int(t.get("n_gen", 0)), int(t.get("n_depth", 0))
-        for r in targets:
-            if r.test == "decode" and n_gen and not n_prompt and depth == r.context:
-                r.samples = [float(x) for x in t.get("samples_ts", [])]
-            elif r.test == "prefill" and n_prompt == r.context and not n_gen:
-                r.samples, r.stages = [float(x) / 1e9 for x in t.get("samples_ns", [])], 1
-    for r in targets:
-        if not r.samples:
-            r.note = note or "llama-bench gave no result for this test"
 
 
 _LLAMA_KV = {"fp16": "f16", "int8": "q8_0", "int4": "q4_0"}

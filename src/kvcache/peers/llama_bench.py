@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvcache.peers.llama_cpp import quantize
 from kvcache.peers.process import child_main, run, run_module
-from kvcache.peers.row import Row, Tick, shipped_type, step_bytes
+from kvcache.peers.row import DepthRow, Row, Tick, shipped_type, step_bytes
 
 if TYPE_CHECKING:
     from llama_cpp import Llama
@@ -252,6 +252,73 @@ def _bench(req: dict[str, Any]) -> list[dict[str, object]]:
 
 def _handle(req: dict[str, Any]) -> object:
     return _convert(req) if req.get("op") == "convert" else _bench(req)
+
+
+# -- llama-bench at depth, for bench context --long ------------------------------------------------
+
+
+# bytes per K or V value of each llama.cpp KV type (blocks of 32 values with an fp16 scale)
+KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
+                 "q5_0": 22 / 32, "q5_1": 24 / 32, "iq4_nl": 18 / 32}
+LONG_TIMEOUT_S = 4 * 3600.0
+
+
+
+
+def depth_expected(types: list[str], contexts: list[int], new: int, reference: int) -> list[DepthRow]:
+    """Every llama.cpp row of ``bench context --long``, empty."""
+    rows = [DepthRow("llama.cpp", "f16", "prefill", n) for n in [reference, *contexts]]
+    rows += [DepthRow("llama.cpp", t, "decode", c, new=new) for t in types for c in contexts]
+    return rows
+
+
+def depth_rows(exe: Path | None, why: str, model: Path | None, types: list[str], contexts: list[int], new: int,
+               repeats: int, threads: int, kv_values_per_token: int, reference: int,
+               tick: Tick | None = None) -> list[DepthRow]:
+    """llama-bench's rows of ``bench context --long``: prefill of ``reference`` and of each context
+    (f16 KV), and decode after each context with each KV type of ``types``; ``kv_values_per_token``:
+    K and V values of one token over all layers (2 x layers x KV heads x head dim)."""
+    rows = depth_expected(types, contexts, new, reference)
+    if exe is not None and (model is None or model.suffix != ".gguf" or not model.is_file()):
+        exe, why = None, "the model is not a GGUF file: llama.cpp skipped"
+    if exe is None:
+        for r in rows:
+            r.note = why
+        return rows
+    assert model is not None
+    base = [str(exe), "-m", str(model), "-t", str(threads), "-o", "json", "-fa", "1", "--progress"]
+    prefill = {r.context: r for r in rows if r.test == "prefill"}
+    wbytes = model.stat().st_size
+    runs = [(["-p", str(reference), "-n", "0", "-r", str(repeats)], [prefill[reference]]),
+            (["-p", ",".join(map(str, contexts)), "-n", "0", "-r", "1", "--no-warmup"],
+             [prefill[c] for c in contexts])]
+    for t in types:
+        mine = [r for r in rows if r.test == "decode" and r.kv == t]
+        for r in mine:
+            r.weight_bytes, r.kv_bytes_per_token = wbytes, kv_values_per_token * KV_TYPE_BYTES[t]
+        runs.append((["-p", "0", "-n", str(new), "-d", ",".join(map(str, contexts)), "-r", str(repeats),
+                      "-ctk", t, "-ctv", t], mine))
+    for args, targets in runs:
+        what = "decode " + targets[0].kv if targets[0].test == "decode" else "prefill"
+        res = run(base + args, "llama-bench", timeout=LONG_TIMEOUT_S, echo=f"llama.cpp {what}: ")
+        _fill(targets, res.data if res.ok else None, res.note)
+        if tick:
+            tick()
+    return rows
+
+
+def _fill(targets: list[DepthRow], data: object, note: str) -> None:
+    """Samples from llama-bench's JSON tests into ``targets`` (decode: by depth; prefill: by prompt)."""
+    for t in data if isinstance(data, list) else []:
+        n_prompt, n_gen, depth = int(t.get("n_prompt", 0)), int(t.get("n_gen", 0)), int(t.get("n_depth", 0))
+        for r in targets:
+            if r.test == "decode" and n_gen and not n_prompt and depth == r.context:
+                r.samples = [float(x) for x in t.get("samples_ts", [])]
+            elif r.test == "prefill" and n_prompt == r.context and not n_gen:
+                r.samples, r.stages = [float(x) / 1e9 for x in t.get("samples_ns", [])], 1
+    for r in targets:
+        if not r.samples:
+            r.note = note or "llama-bench gave no result for this test"
 
 
 if __name__ == "__main__":

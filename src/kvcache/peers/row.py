@@ -101,3 +101,36 @@ def spec_row(system: str, weights: str, pair: str, workload: str, method: str, l
              tokens_per_forward=(n - 1) / fwd if fwd and fwd > 0 else None,
              forward_cost=sms / pms if sms is not None and pms else None)
     return r
+
+
+# the row of `bench context --long`, whichever system made it
+
+
+@dataclass
+class DepthRow:
+    system: str  # kvcache | llama.cpp
+    kv: str  # kvcache's --kv spec, or llama.cpp's KV type (f16, q8_0, q4_0)
+    test: str  # decode (after ``context`` tokens) | prefill (a prompt of ``context`` tokens)
+    context: int
+    samples: list[float] = field(default_factory=list)  # decode: new tokens/s; prefill: seconds
+    kv_bytes_per_token: float = 0.0  # decode: KV bytes per context token (kvcache: its accounting)
+    weight_bytes: int = 0  # decode: bytes of weights one step reads
+    new: int = 0  # decode: new tokens per run
+    stages: int = 0  # prefill: forwards the prompt went in (kvcache grows in stages)
+    note: str = ""  # why there are no samples
+
+    def summary(self, read_gb_s: float | None) -> dict[str, object]:
+        out: dict[str, object] = {"system": self.system, "kv": self.kv, "test": self.test, "context": self.context,
+                                  "samples": list(self.samples), "note": self.note}
+        med = _median(self.samples)
+        if self.test == "decode":
+            nbytes = step_bytes(self.weight_bytes, self.kv_bytes_per_token, self.context, self.new)
+            gb_s = nbytes * med / 1e9 if med is not None else None
+            out.update(tok_s=med, tok_s_min=min(self.samples, default=None), tok_s_max=max(self.samples, default=None),
+                       new_tokens=self.new, weight_bytes=self.weight_bytes, kv_bytes_per_token=self.kv_bytes_per_token,
+                       kv_bytes_read=nbytes - self.weight_bytes, bytes_per_token=nbytes, gb_s=gb_s,
+                       wall_share=gb_s / read_gb_s if gb_s is not None and read_gb_s else None)
+        else:
+            out.update(seconds=med, tok_s=self.context / med if med else None,
+                       s_per_1k=1000 * med / self.context if med else None, stages=self.stages)
+        return out
