@@ -54,7 +54,7 @@ def test_a_started_server_is_stopped_afterwards():
 
 
 def test_percentile_is_the_nearest_rank():
-    from kvcache.bench.report import percentile
+    from kvcache.peers.row import percentile
 
     assert percentile([], 0.5) is None
     assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0

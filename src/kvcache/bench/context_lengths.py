@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvcache.bench.measure import english_prompt, pregrow, resolve_spec, use_config, weight_bytes
-from kvcache.bench.report import cell, median, run_meta
+from kvcache.bench.report import cell, run_meta
 from kvcache.cliargs import one_weights, split_specs
 from kvcache.errors import InvalidParams
-from kvcache.peers.row import step_bytes
+from kvcache.peers.row import median, step_bytes
 
 if TYPE_CHECKING:
     from kvcache.cache.config import CacheConfig

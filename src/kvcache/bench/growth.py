@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvcache.bench.report import cell, median, run_meta
+from kvcache.bench.report import cell, run_meta
 from kvcache.bench.rows import Headline, positive
 from kvcache.errors import InvalidParams
+from kvcache.peers.row import median
 
 if TYPE_CHECKING:
     import torch

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from kvcache.bench.report import median
 from kvcache.bench.rows import Headline, one, positive
 from kvcache.errors import InvalidParams
+from kvcache.peers.row import median
 
 if TYPE_CHECKING:
     import torch

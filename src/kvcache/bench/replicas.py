@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvcache.bench.measure import english_slices
-from kvcache.bench.report import cell, percentile, run_meta
+from kvcache.bench.report import cell, run_meta
 from kvcache.errors import InvalidParams
+from kvcache.peers.row import percentile
 
 # the suite's declaration (bench/suites.py reads it from this source)
 SUITE = "throughput"

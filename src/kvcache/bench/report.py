@@ -13,25 +13,11 @@ import io
 import os
 import platform
 import shlex
-import statistics
 import sys
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import TextIO
-
-
-def percentile(xs: list[float], q: float) -> float | None:
-    """The ``q`` quantile of ``xs`` (nearest rank; None for no values)."""
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
-
-
-def median(xs: list[float]) -> float | None:
-    """The median of ``xs`` (None for no values)."""
-    return statistics.median(xs) if xs else None
 
 
 def cell(x: float | None, spec: str = ".1f") -> str:

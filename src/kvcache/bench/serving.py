@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvcache.bench.measure import english_slices
+from kvcache.bench.report import cell, run_meta
 from kvcache.bench.rows import Headline, beside_same_file, suite_parts
-from kvcache.peers.llama_cpp import llama_server, llama_server_cmd
-from kvcache.peers.servers import server, stream
-from kvcache.bench.report import cell, percentile, run_meta
 from kvcache.errors import InvalidParams
+from kvcache.peers.llama_cpp import llama_server, llama_server_cmd
+from kvcache.peers.row import percentile
+from kvcache.peers.servers import server, stream
 
 # the suite's declaration (bench/suites.py reads it from this source)
 SUITE = "serve"

@@ -28,9 +28,10 @@ from pathlib import Path
 
 from kvcache.peers.servers import Stream, stream
 
-from kvcache.peers.llama_cpp import llama_server
-from kvcache.bench.report import cell, percentile, run_meta
+from kvcache.bench.report import cell, run_meta
 from kvcache.errors import InvalidParams
+from kvcache.peers.llama_cpp import llama_server
+from kvcache.peers.row import percentile
 
 # the suite's declaration (bench/suites.py reads it from this source)
 SUITE = "serve"

@@ -21,19 +21,17 @@ import gc
 import json
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvcache.bench.measure import weights_label
-from kvcache.bench.report import cell, percentile, run_meta
+from kvcache.bench.report import cell, run_meta
 from kvcache.bench.rows import Headline, positive
 from kvcache.cliargs import weights_list
 from kvcache.errors import InvalidParams
+from kvcache.peers.row import BatchRow
 
 if TYPE_CHECKING:
-    import torch
     from kvcache.engine.llm import LLM
     from kvcache.engine.scheduler import SchedulerConfig
 
@@ -44,25 +42,6 @@ OPTIONS = ("requests", "new_tokens", "peers", "kv", "weights")
 QUICK = {"requests": 4, "new_tokens": 8, "peers": "padded"}
 
 PEERS = ("sequential", "padded", "generate_batch")
-
-
-@dataclass
-class Result:
-    system: str
-    wall_s: float = 0.0
-    new_tokens: int = 0
-    ttft_s: list[float] = field(default_factory=list)
-    tpot_s: list[float] = field(default_factory=list)
-    note: str = ""
-    weights: str = "fp32"  # how the weights were held (transformers: fp32)
-
-    def summary(self) -> dict[str, object]:
-        return {"system": self.system, "weights": self.weights, "wall_s": self.wall_s or None, "new_tokens": self.new_tokens,
-                "tok_s": self.new_tokens / self.wall_s if self.wall_s else None,
-                "ttft_p50_s": percentile(self.ttft_s, 0.5), "ttft_p99_s": percentile(self.ttft_s, 0.99),
-                "tpot_p50_ms": None if not self.tpot_s else percentile(self.tpot_s, 0.5) * 1000,  # type: ignore[operator]
-                "tpot_p99_ms": None if not self.tpot_s else percentile(self.tpot_s, 0.99) * 1000,  # type: ignore[operator]
-                "note": self.note}
 
 
 def make_prompts(llm: LLM, count: int, shortest: int, longest: int) -> list[list[int]]:
@@ -81,10 +60,10 @@ def make_prompts(llm: LLM, count: int, shortest: int, longest: int) -> list[list
     return out
 
 
-def bench_kvcache(llm: LLM, prompts: list[list[int]], new: int, config: SchedulerConfig, label: str) -> Result:
+def bench_kvcache(llm: LLM, prompts: list[list[int]], new: int, config: SchedulerConfig, label: str) -> BatchRow:
     from kvcache.engine.params import SamplingParams
 
-    res = Result(f"kvcache continuous batching, {label}")
+    res = BatchRow(f"kvcache continuous batching, {label}")
     res.weights = llm.weights
     params = SamplingParams(max_tokens=new, ignore_eos=True)
     llm.generate_batch([p[:8] for p in prompts[:2]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
@@ -97,94 +76,6 @@ def bench_kvcache(llm: LLM, prompts: list[list[int]], new: int, config: Schedule
         res.ttft_s.append(o.prefill_s)
         if len(o.token_ids) > 1:
             res.tpot_s.append(o.decode_s / (len(o.token_ids) - 1))
-    return res
-
-
-class _Clock:
-    """A transformers streamer that records when each generation step's tokens arrive."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.calls = 0
-
-    def put(self, value: torch.Tensor) -> None:
-        self.calls += 1
-        if self.calls > 1:  # the first call carries the prompt
-            self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
-def bench_hf_sequential(model, prompts: list[list[int]], new: int, tick: Callable[[], None]) -> Result:
-    import torch
-
-    res = Result("transformers generate, one at a time")
-    pad = model.config.eos_token_id
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        for p in prompts:
-            clock = _Clock()
-            out = model.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                 pad_token_id=pad, streamer=clock)
-            made = out.shape[1] - len(p)
-            res.new_tokens += made
-            res.ttft_s.append(clock.times[0] - t0)
-            if made > 1:
-                res.tpot_s.append((clock.times[-1] - clock.times[0]) / (made - 1))
-            tick()
-    res.wall_s = time.perf_counter() - t0
-    return res
-
-
-def bench_hf_padded(model, prompts: list[list[int]], new: int, tick: Callable[[], None]) -> Result:
-    import torch
-
-    res = Result("transformers generate, padded batch")
-    pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    clock = _Clock()
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                             pad_token_id=pad, streamer=clock)
-    res.wall_s = time.perf_counter() - t0
-    made = out.shape[1] - width
-    res.new_tokens = made * len(prompts)
-    res.ttft_s = [clock.times[0] - t0] * len(prompts)
-    if made > 1:
-        res.tpot_s = [(clock.times[-1] - clock.times[0]) / (made - 1)] * len(prompts)
-    tick()
-    return res
-
-
-def bench_hf_generate_batch(model, prompts: list[list[int]], new: int, tick: Callable[[], None]) -> Result:
-    res = Result("transformers generate_batch")
-    if not hasattr(model, "generate_batch"):
-        res.note = "this transformers has no generate_batch: skipped"
-        return res
-    from transformers import GenerationConfig
-
-    cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    try:
-        model.generate_batch([p[:8] for p in prompts[:2]], generation_config=cfg, progress_bar=False)  # warm-up
-        t0 = time.perf_counter()
-        outs = model.generate_batch(prompts, generation_config=cfg, progress_bar=False, record_timestamps=True)
-        res.wall_s = time.perf_counter() - t0
-    except Exception as e:  # it is young and CUDA-first: report, do not crash the suite
-        res.note = f"failed here: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-        return res
-    for o in outs.values():
-        toks = list(o.generated_tokens)
-        res.new_tokens += len(toks)
-        stamps = list(o.timestamps or [])
-        if stamps:
-            res.ttft_s.append(stamps[0] - o.created_time)  # from the request's creation
-            if len(stamps) > 1:
-                res.tpot_s.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
-    tick()
     return res
 
 
@@ -245,10 +136,10 @@ def run(args: argparse.Namespace) -> int:
         del llm
         gc.collect()
     if peers:
-        from kvcache.peers.hf_transformers import transformers_model
+        from kvcache.peers.hf_transformers import generate_batch, generate_padded, generate_sequential, transformers_model
 
         model = transformers_model(fp32_folder(args.model))
-        runs = {"sequential": bench_hf_sequential, "padded": bench_hf_padded, "generate_batch": bench_hf_generate_batch}
+        runs = {"sequential": generate_sequential, "padded": generate_padded, "generate_batch": generate_batch}
         for p in peers:
             rows.append(runs[p](model, prompts, new, bar.update))
     bar.close()

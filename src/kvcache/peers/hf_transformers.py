@@ -12,13 +12,15 @@ forward over each prefill prompt (a fresh DynamicCache, the last position's logi
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvcache.peers.process import child_main, run_module
-from kvcache.peers.row import Row, Tick, step_bytes
+from kvcache.peers.row import BatchRow, Row, Tick, step_bytes
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedModel
 
 NO_TRANSFORMERS = "transformers not installed: skipped"
@@ -127,6 +129,97 @@ def _prefill(model: PreTrainedModel, n: int, ids: list[int], repeats: int) -> Ro
             model(x, use_cache=True, logits_to_keep=1)
             row.tok_s.append(n / (time.perf_counter() - t0))
     return row
+
+
+# -- bench throughput: generate over a batch of requests, in this process -----------------------------
+
+
+class _Clock:
+    """A transformers streamer that records when each generation step's tokens arrive."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.calls = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls > 1:  # the first call carries the prompt
+            self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def generate_sequential(model, prompts: list[list[int]], new: int, tick: Callable[[], None]) -> BatchRow:
+    import torch
+
+    res = BatchRow("transformers generate, one at a time")
+    pad = model.config.eos_token_id
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for p in prompts:
+            clock = _Clock()
+            out = model.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 pad_token_id=pad, streamer=clock)
+            made = out.shape[1] - len(p)
+            res.new_tokens += made
+            res.ttft_s.append(clock.times[0] - t0)
+            if made > 1:
+                res.tpot_s.append((clock.times[-1] - clock.times[0]) / (made - 1))
+            tick()
+    res.wall_s = time.perf_counter() - t0
+    return res
+
+
+def generate_padded(model, prompts: list[list[int]], new: int, tick: Callable[[], None]) -> BatchRow:
+    import torch
+
+    res = BatchRow("transformers generate, padded batch")
+    pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    clock = _Clock()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             pad_token_id=pad, streamer=clock)
+    res.wall_s = time.perf_counter() - t0
+    made = out.shape[1] - width
+    res.new_tokens = made * len(prompts)
+    res.ttft_s = [clock.times[0] - t0] * len(prompts)
+    if made > 1:
+        res.tpot_s = [(clock.times[-1] - clock.times[0]) / (made - 1)] * len(prompts)
+    tick()
+    return res
+
+
+def generate_batch(model, prompts: list[list[int]], new: int, tick: Callable[[], None]) -> BatchRow:
+    res = BatchRow("transformers generate_batch")
+    if not hasattr(model, "generate_batch"):
+        res.note = "this transformers has no generate_batch: skipped"
+        return res
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    try:
+        model.generate_batch([p[:8] for p in prompts[:2]], generation_config=cfg, progress_bar=False)  # warm-up
+        t0 = time.perf_counter()
+        outs = model.generate_batch(prompts, generation_config=cfg, progress_bar=False, record_timestamps=True)
+        res.wall_s = time.perf_counter() - t0
+    except Exception as e:  # it is young and CUDA-first: report, do not crash the suite
+        res.note = f"failed here: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        return res
+    for o in outs.values():
+        toks = list(o.generated_tokens)
+        res.new_tokens += len(toks)
+        stamps = list(o.timestamps or [])
+        if stamps:
+            res.ttft_s.append(stamps[0] - o.created_time)  # from the request's creation
+            if len(stamps) > 1:
+                res.tpot_s.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    tick()
+    return res
 
 
 if __name__ == "__main__":

@@ -19,6 +19,19 @@ from typing import Any
 Tick = Callable[[], None]
 
 
+def median(xs: list[float]) -> float | None:
+    """The median of ``xs`` (None for no values)."""
+    return statistics.median(xs) if xs else None
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """The ``q`` quantile of ``xs`` (nearest rank; None for no values)."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
 def shipped_type(name: str) -> str | None:
     """The quantization type a GGUF's file name ends with, as llama.cpp names it: ``Q4_1`` for
     ``SmolLM2-135M-Instruct.Q4_1.gguf``, ``Q4_K_M`` for ``qwen2.5-coder-1.5b-instruct-q4_k_m.gguf``;
@@ -48,7 +61,7 @@ class Row:
     note: str = ""
 
     def summary(self) -> dict[str, object]:
-        med = _median
+        med = median
         tok = med(self.tok_s)
         return {
             "system": self.system, "weights": self.weights, "cache": self.cache, "pair": self.pair,
@@ -65,9 +78,6 @@ class Row:
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})  # type: ignore[arg-type]
 
 
-
-def _median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
 
 
 # the row of `bench spec`, whichever system made it
@@ -122,7 +132,7 @@ class DepthRow:
     def summary(self, read_gb_s: float | None) -> dict[str, object]:
         out: dict[str, object] = {"system": self.system, "kv": self.kv, "test": self.test, "context": self.context,
                                   "samples": list(self.samples), "note": self.note}
-        med = _median(self.samples)
+        med = median(self.samples)
         if self.test == "decode":
             nbytes = step_bytes(self.weight_bytes, self.kv_bytes_per_token, self.context, self.new)
             gb_s = nbytes * med / 1e9 if med is not None else None
@@ -134,3 +144,28 @@ class DepthRow:
             out.update(seconds=med, tok_s=self.context / med if med else None,
                        s_per_1k=1000 * med / self.context if med else None, stages=self.stages)
         return out
+
+
+# the row of `bench throughput`, whichever system made it
+
+
+@dataclass
+class BatchRow:
+    """One system's run of a batch of requests (`bench throughput`): its wall time, new tokens, and
+    each request's time to first token and time per output token."""
+
+    system: str
+    wall_s: float = 0.0
+    new_tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+    note: str = ""
+    weights: str = "fp32"  # how the weights were held (transformers: fp32)
+
+    def summary(self) -> dict[str, object]:
+        return {"system": self.system, "weights": self.weights, "wall_s": self.wall_s or None, "new_tokens": self.new_tokens,
+                "tok_s": self.new_tokens / self.wall_s if self.wall_s else None,
+                "ttft_p50_s": percentile(self.ttft_s, 0.5), "ttft_p99_s": percentile(self.ttft_s, 0.99),
+                "tpot_p50_ms": None if not self.tpot_s else percentile(self.tpot_s, 0.5) * 1000,  # type: ignore[operator]
+                "tpot_p99_ms": None if not self.tpot_s else percentile(self.tpot_s, 0.99) * 1000,  # type: ignore[operator]
+                "note": self.note}
