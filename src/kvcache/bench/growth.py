@@ -10,7 +10,6 @@ length: 0-1k, 1k-2k, 2k-4k, 4k-8k, ... (k = 1024).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import time
@@ -79,17 +78,6 @@ def _per_bucket(times: list[float], ranges: list[tuple[int, int]]) -> list[float
     return [sum(times[a:b]) / (b - a) * 1e6 for a, b in ranges]
 
 
-def _inference(fn: Callable) -> Callable:
-    """``fn`` run under torch.inference_mode() (torch imported at the call, not with this module)."""
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        import torch
-
-        with torch.inference_mode():
-            return fn(*args, **kwargs)
-    return call
-
-
 def _writer(cache) -> Callable[[int, object, int, torch.Tensor, torch.Tensor], None]:
     """``cache.write(layer, seq, start, k, v)``, or the same through the page pool where the
     cache has no write of its own."""
@@ -106,7 +94,6 @@ def _writer(cache) -> Callable[[int, object, int, torch.Tensor, torch.Tensor], N
     return write
 
 
-@_inference
 def grow_kvcache(model: ModelConfig, max_context: int, progress=None) -> list[float]:
     """Seconds of each append (reserve, write every layer, advance) from 0 to max_context tokens."""
     import torch
@@ -123,42 +110,17 @@ def grow_kvcache(model: ModelConfig, max_context: int, progress=None) -> list[fl
     seq = cache.new_sequence()
     times = [0.0] * max_context
     clock = time.perf_counter
-    for pos in range(max_context):
-        t0 = clock()
-        cache.reserve(seq, 1)
-        for layer in range(layers):
-            write(layer, seq, pos, ks[layer], vs[layer])
-        seq.length += 1
-        times[pos] = clock() - t0
-        if progress and pos % 256 == 255:
-            progress(256)
+    with torch.inference_mode():
+        for pos in range(max_context):
+            t0 = clock()
+            cache.reserve(seq, 1)
+            for layer in range(layers):
+                write(layer, seq, pos, ks[layer], vs[layer])
+            seq.length += 1
+            times[pos] = clock() - t0
+            if progress and pos % 256 == 255:
+                progress(256)
     cache.free(seq)
-    return times
-
-
-@_inference
-def grow_transformers(model: ModelConfig, max_context: int, progress=None) -> list[float] | None:
-    """Seconds of each DynamicCache append (update every layer); None without transformers."""
-    import torch
-
-    try:
-        from transformers import DynamicCache
-    except ImportError:
-        return None
-    cache = DynamicCache()
-    layers = model.num_layers
-    torch.manual_seed(0)
-    ks = [torch.randn(1, model.num_kv_heads, 1, model.head_dim) for _ in range(layers)]
-    vs = [torch.randn(1, model.num_kv_heads, 1, model.head_dim) for _ in range(layers)]
-    times = [0.0] * max_context
-    clock = time.perf_counter
-    for pos in range(max_context):
-        t0 = clock()
-        for layer in range(layers):
-            cache.update(ks[layer], vs[layer], layer)
-        times[pos] = clock() - t0
-        if progress and pos % 256 == 255:
-            progress(256)
     return times
 
 
@@ -166,6 +128,8 @@ def bench_growth(model: ModelConfig, max_context: int, repeats: int, progress=No
                  ) -> tuple[list[Bucket], dict[str, list[float]], str]:
     """Per bucket the mean append time of each system (one value per repeat), the total seconds
     per repeat, and a note ('' or why transformers was skipped)."""
+    from kvcache.peers.hf_transformers import dynamic_cache_appends
+
     ranges = buckets(max_context)
     rows = [Bucket(a, b) for a, b in ranges]
     totals: dict[str, list[float]] = {"kvcache": [], "transformers": []}
@@ -175,7 +139,7 @@ def bench_growth(model: ModelConfig, max_context: int, repeats: int, progress=No
         totals["kvcache"].append(sum(kv))
         for row, us in zip(rows, _per_bucket(kv, ranges)):
             row.kvcache_us.append(us)
-        hf = grow_transformers(model, max_context, progress)
+        hf = dynamic_cache_appends(model.num_layers, model.num_kv_heads, model.head_dim, max_context, progress)
         if hf is None:
             note = "transformers not installed: DynamicCache skipped"
             continue

@@ -89,24 +89,11 @@ def bench_kvcache(llm: LLM, ids: list[int], spec: str, new: int, budget_s: float
 
 def bench_transformers(model, ids: list[int], use_cache: bool, new: int, budget_s: float,
                        tick: Callable[[], None]) -> Run:
-    import torch
-
-    from transformers import DynamicCache
+    from kvcache.peers.hf_transformers import greedy_stepper
 
     run = Run("transformers", "DynamicCache" if use_cache else "use_cache=False")
-    seq = list(ids)
-    cache = DynamicCache(config=model.config) if use_cache else None
-    with torch.inference_mode():
-        out = model(torch.tensor([seq]), past_key_values=cache, use_cache=use_cache)
-        first = int(out.logits[0, -1].argmax())
-
-        def step(tok: int) -> int:
-            seq.append(tok)
-            inp = torch.tensor([[tok]]) if use_cache else torch.tensor([seq])
-            o = model(inp, past_key_values=cache, use_cache=use_cache)
-            return int(o.logits[0, -1].argmax())
-
-        _loop(step, first, new, budget_s, run, tick)
+    first, step = greedy_stepper(model, ids, use_cache)
+    _loop(step, first, new, budget_s, run, tick)
     return run
 
 

@@ -16,13 +16,10 @@ hit rate and TTFT with the prefix cache against sessions that only reuse their o
 from __future__ import annotations
 
 import argparse
-import copy
-import inspect
 import json
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -144,36 +141,15 @@ def bench_kvcache(llm: LLM, system: str, repeats: int, redis_url: str | None,
 def bench_transformers(model_dir: str, llm: LLM, system: str, repeats: int,
                        progress: Callable[[], None] | None = None) -> Case:
     """Prefill + deepcopy: the documented way to reuse a prompt's cache in transformers."""
-    import torch
-
-    case = Case("transformers prefill + deepcopy")
-    from kvcache.peers.hf_transformers import NO_TRANSFORMERS, transformers_model
-
-    model = transformers_model(model_dir)
-    if model is None:
-        case.note = NO_TRANSFORMERS
-        return case
-    from transformers import DynamicCache
-
+    from kvcache.peers.hf_transformers import deepcopy_ttft
     from kvcache.prefix.radix import common_prefix
 
-    # generate() asks for the last position's logits only; a forward does too when it can
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    case = Case("transformers prefill + deepcopy")
     qs = [QUESTIONS[i % len(QUESTIONS)] for i in range(repeats)]
     prompts = [llm.encode(messages(system, q)) for q in qs + [QUESTIONS[-1]]]
     n = min(common_prefix(prompts[0], prompts[1]), min(len(p) for p in prompts) - 1)
-    with torch.inference_mode():
-        prompt_cache = DynamicCache(config=model.config)
-        model(torch.tensor([prompts[0][:n]]), past_key_values=prompt_cache, use_cache=True)
-        for ids in prompts[:repeats]:
-            t0 = time.perf_counter()
-            cache = copy.deepcopy(prompt_cache)
-            out = model(torch.tensor([ids[n:]]), past_key_values=cache, use_cache=True, **keep)
-            int(out.logits[0, -1].argmax())
-            case.ttft_s.append(time.perf_counter() - t0)
-            case.reused.append(n)
-            if progress:
-                progress()
+    ttft, case.note = deepcopy_ttft(model_dir, prompts[:repeats], n, progress)
+    case.ttft_s, case.reused = ttft, [n] * len(ttft)
     return case
 
 

@@ -222,5 +222,87 @@ def generate_batch(model, prompts: list[list[int]], new: int, tick: Callable[[],
     return res
 
 
+# -- in this process: bench cache-vs-none's steps, bench prefix's reuse, bench growth's appends -------
+
+
+def greedy_stepper(model: PreTrainedModel, ids: list[int], use_cache: bool) -> tuple[int, Callable[[int], int]]:
+    """The greedy token after the prompt ``ids``, and a step: the next greedy token after a given one,
+    with a DynamicCache or (``use_cache`` False) recomputing the whole sequence each step."""
+    import torch
+    from transformers import DynamicCache
+
+    seq = list(ids)
+    cache = DynamicCache(config=model.config) if use_cache else None
+    with torch.inference_mode():
+        first = int(model(torch.tensor([seq]), past_key_values=cache, use_cache=use_cache).logits[0, -1].argmax())
+
+    def step(tok: int) -> int:
+        seq.append(tok)
+        with torch.inference_mode():
+            inp = torch.tensor([[tok]]) if use_cache else torch.tensor([seq])
+            return int(model(inp, past_key_values=cache, use_cache=use_cache).logits[0, -1].argmax())
+
+    return first, step
+
+
+def deepcopy_ttft(model_dir: str, prompts: list[list[int]], shared: int,
+                  progress: Callable[[], None] | None = None) -> tuple[list[float], str]:
+    """Seconds to the first token of each prompt when its first ``shared`` tokens' DynamicCache,
+    prefilled once, is deep-copied and the rest read into the copy (the documented way to reuse a
+    prompt's cache in transformers); and a note ([] and why when transformers is missing)."""
+    import copy
+    import inspect
+
+    import torch
+
+    model = transformers_model(model_dir)
+    if model is None:
+        return [], NO_TRANSFORMERS
+    from transformers import DynamicCache
+
+    # generate() asks for the last position's logits only; a forward does too when it can
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    out: list[float] = []
+    with torch.inference_mode():
+        prompt_cache = DynamicCache(config=model.config)
+        model(torch.tensor([prompts[0][:shared]]), past_key_values=prompt_cache, use_cache=True)
+        for ids in prompts:
+            t0 = time.perf_counter()
+            cache = copy.deepcopy(prompt_cache)
+            logits = model(torch.tensor([ids[shared:]]), past_key_values=cache, use_cache=True, **keep).logits
+            int(logits[0, -1].argmax())
+            out.append(time.perf_counter() - t0)
+            if progress:
+                progress()
+    return out, ""
+
+
+def dynamic_cache_appends(layers: int, kv_heads: int, head_dim: int, max_context: int,
+                          progress: Callable[[int], None] | None = None) -> list[float] | None:
+    """Seconds of each DynamicCache append (one token's K and V updated into every layer) from 0 to
+    ``max_context`` tokens; None without transformers."""
+    import torch
+
+    try:
+        from transformers import DynamicCache
+    except ImportError:
+        return None
+    cache = DynamicCache()
+    torch.manual_seed(0)
+    ks = [torch.randn(1, kv_heads, 1, head_dim) for _ in range(layers)]
+    vs = [torch.randn(1, kv_heads, 1, head_dim) for _ in range(layers)]
+    times = [0.0] * max_context
+    clock = time.perf_counter
+    with torch.inference_mode():
+        for pos in range(max_context):
+            t0 = clock()
+            for layer in range(layers):
+                cache.update(ks[layer], vs[layer], layer)
+            times[pos] = clock() - t0
+            if progress and pos % 256 == 255:
+                progress(256)
+    return times
+
+
 if __name__ == "__main__":
     raise SystemExit(child_main(_measure))
