@@ -358,7 +358,7 @@ def status(text: str) -> None:
 def spec_child(req: dict[str, Any]) -> dict[str, Any]:
     """Everything one spec gives; ``req``: model, weights, spec, contexts, new, repeats, threads."""
     from kvcache.bench.measure import english_prompt, pregrow, resolve_spec, use_config, weight_bytes, weights_label
-    from kvcache.bench.memory import PeakRss, rss_bytes
+    from kvcache.peers.process import PeakRss, rss_bytes
     from kvcache.engine.llm import LLM
     from kvcache.engine.params import SamplingParams
 

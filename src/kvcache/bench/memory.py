@@ -21,12 +21,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from kvcache.peers.process import PeakRss, rss_bytes
 
 if TYPE_CHECKING:
     import argparse
@@ -42,34 +42,6 @@ QUICK = {"context": 320, "kv": "dynamic;int4", "new_tokens": 2, "peers": "dynami
 DEFAULT_SPECS = "dynamic;static;fp16;int8;int4;sink;disk"
 QUICK_SPECS = "dynamic;int4"
 DEFAULT_WEIGHTS, QUICK_WEIGHTS = "file,q8,fp32", "file,fp32"
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakRss:
-    """Samples the resident set on a thread between start() and stop()."""
-
-    def __init__(self, every_s: float = 0.005) -> None:
-        self.every_s, self.peak, self._stop = every_s, 0, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, rss_bytes())
-            time.sleep(self.every_s)
-
-    def __enter__(self) -> "PeakRss":
-        self.peak = rss_bytes()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
 
 
 def _prompt_ids(tokenizer_encode: Callable[[str], list[int]], context: int) -> list[int]:
@@ -102,28 +74,12 @@ def probe_kvcache(spec: str, context: int, new: int, model: str | None, weights:
 
 
 def probe_transformers(cache: str, context: int, new: int, model: str | None) -> dict[str, object]:
-    import torch
-
-    from kvcache.peers.hf_transformers import transformers_model
     from kvcache.models.loading import fp32_folder
     from kvcache.models.tokenizer import Tokenizer
+    from kvcache.peers.hf_transformers import memory_probe
 
     path = fp32_folder(model)
-    hf = transformers_model(path)
-    ids = _prompt_ids(Tokenizer.from_dir(path).encode, context)
-    kwargs: dict[str, object] = {"cache_implementation": "static"} if cache == "StaticCache" else {}
-    loaded = rss_bytes()
-    with PeakRss() as peak, torch.inference_mode():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                          pad_token_id=hf.config.eos_token_id, return_dict_in_generate=True, **kwargs)
-    kv = 0
-    for layer in getattr(out.past_key_values, "layers", []):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                kv += t.numel() * t.element_size()
-    return {"rss_loaded": loaded, "rss_peak": peak.peak, "kv_used": kv, "kv_allocated": kv,
-            "tokens": out.sequences.shape[1], "weights_label": "fp32",
-            "weight_bytes": sum(p.numel() * p.element_size() for p in hf.parameters())}
+    return memory_probe(path, _prompt_ids(Tokenizer.from_dir(path).encode, context), cache, new)
 
 
 @dataclass

@@ -304,5 +304,29 @@ def dynamic_cache_appends(layers: int, kv_heads: int, head_dim: int, max_context
     return times
 
 
+def memory_probe(model_dir: str | Path, ids: list[int], cache: str, new: int) -> dict[str, object]:
+    """``bench memory``'s probe of transformers in this process: resident bytes once loaded and at
+    the peak of a greedy generate of ``new`` tokens after ``ids`` with its DynamicCache or
+    StaticCache, and the bytes of the K and V tensors it held."""
+    import torch
+
+    from kvcache.peers.process import PeakRss, rss_bytes
+
+    hf = transformers_model(model_dir)
+    kwargs: dict[str, object] = {"cache_implementation": "static"} if cache == "StaticCache" else {}
+    loaded = rss_bytes()
+    with PeakRss() as peak, torch.inference_mode():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                          pad_token_id=hf.config.eos_token_id, return_dict_in_generate=True, **kwargs)
+    kv = 0
+    for layer in getattr(out.past_key_values, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                kv += t.numel() * t.element_size()
+    return {"rss_loaded": loaded, "rss_peak": peak.peak, "kv_used": kv, "kv_allocated": kv,
+            "tokens": out.sequences.shape[1], "weights_label": "fp32",
+            "weight_bytes": sum(p.numel() * p.element_size() for p in hf.parameters())}
+
+
 if __name__ == "__main__":
     raise SystemExit(child_main(_measure))
