@@ -63,13 +63,16 @@ def test_bad_input(tiny, tmp_path):
 
 def test_eval_command_on_the_default_model(tmp_path):
     out = tmp_path / "e.json"
-    r = run_kvcache("eval", "--tokens", "200", "--kv", "int8;sinks=4,window=64", "--json", str(out), timeout=600)
+    r = run_kvcache("eval", "--tokens", "200", "--kv", "int8;sinks=4,window=64", "--passkey-tokens", "300",
+                    "--passkey-depths", "0.1", "--greedy-tokens", "16", "--json", str(out), timeout=600)
     assert r.returncode == 0, r.stderr
     assert "dynamic,int8" in r.stdout and "window=64,sinks=4" in r.stdout
     import json
 
     rows = json.loads(out.read_text())["results"]
     assert rows[0]["agreement"] > 0.95 and rows[1]["kl"] > rows[0]["kl"]
+    # the key at a tenth of 300 tokens: int8 holds it, a window of 64 (and 4 sinks) lost it long ago
+    assert rows[0]["passkey"]["found"] == [True] and rows[1]["passkey"]["found"] == [False]
 
 
 def test_passkey_prompt_and_retrieval(smollm, tmp_path):
