@@ -1,6 +1,9 @@
 """transformers as a peer: its causal LM of the fp32 folder kvcache converted (the weights of
-kvcache's ``fp32`` mode), or a row that says it is not installed; and its decode and prefill rows
-for ``bench decode``, measured in a child process.
+kvcache's ``fp32`` mode), or a row that says it is not installed; its decode and prefill rows for
+``bench decode``, measured in a child process; and, in the calling process, what other suites time
+of it: generate over a batch (``bench throughput``), greedy steps with and without a cache
+(``bench cache-vs-none``), a prompt's cache deep-copied for reuse (``bench prefix``), DynamicCache
+appends (``bench growth``) and the memory probe (``bench memory``, itself a child of that suite).
 
 The child loads the fp32 folder, decodes after the same prompt token ids as kvcache (greedy, EOS
 ignored, same number of new tokens, same thread count) with each of its caches, and times one

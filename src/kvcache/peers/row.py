@@ -1,11 +1,12 @@
-"""The row every system's decode-bench measurements share (kvcache's own and each peer's), kept
-free of torch and of the engine so that peer child processes (llama.cpp's) import nothing they do
-not run.
+"""The rows every system's measurements are (kvcache's own and each peer's), kept free of torch and
+of the engine so that peer child processes (llama.cpp's) import nothing they do not run: ``Row``
+(`bench decode`), ``spec_row`` (`bench spec`), ``DepthRow`` (`bench context --long`) and
+``BatchRow`` (`bench throughput`), with ``median`` and the nearest-rank ``percentile``.
 
-``test`` is ``decode`` (batch 1 after a short chat prompt), ``prefill`` (``tokens`` prompt tokens
-into an empty cache) or ``depth`` (decode after ``tokens`` tokens of context); ``pair`` is the
-kvcache weights mode a row compares with (a peer's F32 row pairs with ``fp32``, its Q8_0 row with
-``q8``, the GGUF as shipped with ``file``).
+A decode row's ``test`` is ``decode`` (batch 1 after a short chat prompt), ``prefill`` (``tokens``
+prompt tokens into an empty cache) or ``depth`` (decode after ``tokens`` tokens of context);
+``pair`` is the kvcache weights mode a row compares with (a peer's F32 row pairs with ``fp32``, its
+Q8_0 row with ``q8``, the GGUF as shipped with ``file``).
 """
 
 from __future__ import annotations
