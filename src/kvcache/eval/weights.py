@@ -79,3 +79,13 @@ def compare_weights(llm, reference, parts: list[list[int]],
             progress(1)
     return WeightsFidelity(llm.weights, n, math.exp(nll / n), math.exp(nll_ref / n), kl / n, agree / n,
                            llm.model.weight_bytes(), llm.model.weight_kinds())
+
+
+def perplexity(llm, parts: list[list[int]]) -> float:
+    """exp of the mean negative log-likelihood of each part's scored tokens (llama.cpp's rule: the
+    second half of each chunk), the figure ``llama-perplexity`` prints for the same file and text."""
+    nll, n = 0.0, 0
+    for lp, target in chunked_logprobs(llm, parts):
+        nll -= float(lp[torch.arange(lp.shape[0]), target].sum())
+        n += lp.shape[0]
+    return math.exp(nll / n)
