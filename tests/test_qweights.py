@@ -50,10 +50,10 @@ def repacked(t: T, out: int, k: int, fmt: int | None = None, seed: int = 0) -> t
 
 ALL = [*LEGACY, *KQUANTS]
 # memory per weight in its repacked format: values (nibbles or bytes) plus scales (and minimums)
-# (Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 at the file's own density; Q4_K, Q5_K and Q6_K within 3%: the
-# file's integer scales as bytes, Q3_K as Q6_K; Q2_K its values as nibbles: 0.64 where the file takes 0.33)
+# (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K at the file's own density: the K-quants keep the
+# file's integer scales in as many bytes; Q3_K as Q6_K; Q2_K its values as nibbles: 0.64 where the file takes 0.33)
 BYTES_PER_WEIGHT = {T.Q4_0: 0.5625, T.Q4_1: 0.625, T.Q5_0: 0.6875, T.Q5_1: 0.75, T.Q8_0: 1.0625, T.Q2_K: 0.640625,
-                    T.Q3_K: 0.828125, T.Q4_K: 0.578125, T.Q5_K: 0.703125, T.Q6_K: 0.828125}
+                    T.Q3_K: 0.8203125, T.Q4_K: 0.5625, T.Q5_K: 0.6875, T.Q6_K: 0.8203125}
 
 
 @pytest.mark.parametrize("t", ALL, ids=lambda t: t.name)

@@ -569,9 +569,10 @@ static int probe(const Probe *p, uint64_t seed, char *why, size_t wn) {
         const int ks = KVQ_KS[fmt], ksb = kvq_ksb(ks), ints = kvq_ks_d(ks);
         for (int64_t sbk = 0; sbk < dsz / ksb; sbk++) {
             uint8_t *s = d + sbk * ksb;
-            for (int i = 0; i < ints; i++) s[i] = (uint8_t)(ks == 2 ? rnd(&st) : rnd(&st) & (ks == 3 ? 15 : 63));
-            for (int c = 0; c < 2 * KVQ_NC; c++) {
-                const uint16_t h = ks == 2 && c >= KVQ_NC ? 0 : (uint16_t)(rnd_half(&st) & 0x7fff);
+            /* kind 1's packed bytes take any value; kind 3's hold four bits */
+            for (int i = 0; i < ints; i++) s[i] = (uint8_t)(ks == 3 ? rnd(&st) & 15 : rnd(&st));
+            for (int c = 0; c < (ks == 2 ? 1 : 2) * KVQ_NC; c++) {
+                const uint16_t h = (uint16_t)(rnd_half(&st) & 0x7fff);
                 memcpy(s + ints + 2 * c, &h, 2);
             }
         }

@@ -16,13 +16,17 @@
  *   d   NS x 16 scales (NS = 2 for 16-input sub-blocks, else 1), fp16 or fp32 by format
  *   m   NS x 16 minimums of unsigned formats (same dtype), absent for signed and offset ones
  * K-quant formats (Q4_KS, Q5_KS: GGUF's Q4_K and Q5_K at the file's density) keep the file's scales
- * instead: per super-block of 256 inputs (8 blocks) 320 bytes, for block j (0..7) 16 six-bit scales
- * (bytes 32 j ..) and 16 six-bit minimums (bytes 32 j + 16 ..) as bytes, then 16 fp16 super-block
- * scales d (bytes 256 ..) and 16 fp16 dmin (bytes 288 ..), a column each; the weight is
- * d * sc * q - dmin * mn, both products exact in fp32. Q6_KS (GGUF's Q6_K, and Q3_K: its values
- * -4 .. 3 and six-bit scales less 32 fit) holds six-bit values offset by 32 and, per block j, 32
- * signed eight-bit scales (bytes 32 j + 16 h + c: sub-block h of 16 inputs) with one fp16 d per
- * column (bytes 256 ..; bytes 288 .. 319 unused): d * sc * (q - 32). Q2_KS (GGUF's Q2_K) holds
+ * instead, in as many bytes as the file: per super-block of 256 inputs (8 blocks) 256 bytes, a
+ * column's six-bit scale sc and minimum mn of block j (0..7) split in two places: their low four
+ * bits in byte 16 j + c (sc in bits 0..3, mn in bits 4..7), their bits 4 and 5 in byte
+ * 128 + 16 (j % 4) + c (sc's at bits 0..1, mn's at bits 2..3, shifted up by 4 for j >= 4); then
+ * 16 fp16 super-block scales d (bytes 192 ..) and 16 fp16 dmin (bytes 224 ..), a column each; the
+ * weight is d * sc * q - dmin * mn, both products exact in fp32 (kvq_ks1_scale and kvq_ks1_min
+ * below read them, kvq_ks1_scales128 and kvq_ks1_mins128 sixteen columns at once). Q6_KS (GGUF's
+ * Q6_K, and Q3_K: its values -4 .. 3 and six-bit scales less 32 fit) holds six-bit values offset
+ * by 32 and, per super-block, 288 bytes: per block j, 32 signed eight-bit scales (bytes
+ * 32 j + 16 h + c: sub-block h of 16 inputs), then one fp16 d per column (bytes 256 ..):
+ * d * sc * (q - 32). Q2_KS (GGUF's Q2_K) holds
  * values 0 .. 3 as nibbles and, per super-block, 576 bytes: for block j and sub-block h of 16 inputs
  * the four-bit scale (bytes 32 j + 16 h + c) and minimum (bytes 256 + 32 j + 16 h + c) as bytes, then
  * 16 fp16 d (bytes 512 ..) and 16 fp16 dmin (bytes 544 ..): d * sc * q - dmin * mn.
@@ -76,19 +80,33 @@ static const int KVQ_OFFSET[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 16, 0, 0,
 static const int KVQ_KS[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 2, 3};
 
 /* bytes of scales per super-block of a group in a K-quant format (KVQ_KS kind), and where its fp16
- * d and dmin start */
-static inline int kvq_ksb(int ks) { return ks == 3 ? 576 : 320; }
-static inline int kvq_ks_d(int ks) { return ks == 3 ? 512 : 256; }
-static inline int kvq_ks_dmin(int ks) { return ks == 3 ? 544 : 288; }
+ * d and dmin start (kind 2 has no dmin) */
+static inline int kvq_ksb(int ks) { return ks == 3 ? 576 : ks == 2 ? 288 : 256; }
+static inline int kvq_ks_d(int ks) { return ks == 3 ? 512 : ks == 2 ? 256 : 192; }
+static inline int kvq_ks_dmin(int ks) { return ks == 3 ? 544 : 224; }
+
+/* Kind 1's scale and minimum of block j, column c, and their writer. */
+static inline int kvq_ks1_scale(const uint8_t *sp, int j, int c) {
+    return (sp[16 * j + c] & 15) | ((sp[128 + 16 * (j & 3) + c] >> (4 * (j >> 2))) & 3) << 4;
+}
+static inline int kvq_ks1_min(const uint8_t *sp, int j, int c) {
+    return (sp[16 * j + c] >> 4) | ((sp[128 + 16 * (j & 3) + c] >> (4 * (j >> 2) + 2)) & 3) << 4;
+}
+static inline void kvq_ks1_put(uint8_t *sp, int j, int c, int sc, int mn) {
+    const int sh = 4 * (j >> 2);
+    uint8_t *hi = sp + 128 + 16 * (j & 3) + c;
+    sp[16 * j + c] = (uint8_t)((sc & 15) | (mn & 15) << 4);
+    *hi = (uint8_t)((*hi & ~(15 << sh)) | (((sc >> 4) & 3) | ((mn >> 4) & 3) << 2) << sh);
+}
 
 /* The minimums of K-quant kinds 1 and 3 as the SIMD kernels take them, two sub-blocks a 32-bit lane
- * (vpdpwssd): kvq_ks_pairs pairs a super-block; pair p's first minimums at byte kvq_ks_min(ks, p) of
- * the super-block's scales, its second kvq_ks_min_gap further (blocks 2 p and 2 p + 1 for kind 1,
- * block p's two halves for kind 3), and a row's activation sums of the same sub-blocks at
- * kvq_ks_sums (k32 or k16 of Scratch, at super-block sb), two as one lane by kvq_pair16. */
+ * (vpdpwssd): kvq_ks_pairs pairs a super-block; pair p's are blocks 2 p and 2 p + 1 for kind 1
+ * (kvq_ks1_mins128), block p's two halves for kind 3 (its first at byte kvq_ks3_min(p) of the
+ * super-block's scales, its second 16 further), and a row's activation sums of the same
+ * sub-blocks at kvq_ks_sums (k32 or k16 of Scratch, at super-block sb), two as one lane by
+ * kvq_pair16. */
 static inline int kvq_ks_pairs(int ks) { return ks == 3 ? 8 : 4; }
-static inline int kvq_ks_min(int ks, int p) { return ks == 3 ? 256 + 32 * p : 64 * p + 16; }
-static inline int kvq_ks_min_gap(int ks) { return ks == 3 ? 16 : 32; }
+static inline int kvq_ks3_min(int p) { return 256 + 32 * p; }
 static inline const int16_t *kvq_ks_sums(int ks, const int16_t *k16, const int16_t *k32, int sb) {
     return ks == 3 ? k16 + 16 * sb : k32 + 8 * sb;
 }
@@ -97,6 +115,24 @@ static inline int32_t kvq_pair16(const int16_t *p) {
     memcpy(&v, p, 4);
     return v;
 }
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+/* Kind 1's scales (and minimums) of block j for the sixteen columns, a byte each. */
+static inline __attribute__((always_inline)) __m128i kvq_ks1_high128(const uint8_t *sp, int j) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)(sp + 128 + 16 * (j & 3)));
+    return j >= 4 ? _mm_srli_epi16(h, 4) : h;
+}
+static inline __attribute__((always_inline)) __m128i kvq_ks1_scales128(const uint8_t *sp, int j) {
+    const __m128i lo = _mm_loadu_si128((const __m128i *)(sp + 16 * j)), h = kvq_ks1_high128(sp, j);
+    return _mm_or_si128(_mm_and_si128(lo, _mm_set1_epi8(15)), _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi8(3)), 4));
+}
+static inline __attribute__((always_inline)) __m128i kvq_ks1_mins128(const uint8_t *sp, int j) {
+    const __m128i lo = _mm_loadu_si128((const __m128i *)(sp + 16 * j)), h = kvq_ks1_high128(sp, j);
+    return _mm_or_si128(_mm_and_si128(_mm_srli_epi16(lo, 4), _mm_set1_epi8(15)),
+                        _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi8(12)), 2));
+}
+#endif
 
 /* Bytes of the scale array (d) a group takes for nb blocks, and of one element of it. */
 static inline int64_t kvq_group_scale_bytes(int fmt, int64_t nb) {

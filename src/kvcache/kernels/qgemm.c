@@ -219,7 +219,7 @@ static inline int32_t word(const int8_t *p) { /* four activations as one 32-bit 
  * variant computes those integers, in whatever order (they are exact), and those float steps, so
  * the bits agree; a row's result is the same in any tile. */
 static inline int ks_scale(const uint8_t *sp, int KS, int j, int h, int c) {
-    return KS == 2 ? (int)(int8_t)sp[32 * j + 16 * h + c] : KS == 3 ? (int)sp[32 * j + 16 * h + c] : (int)sp[32 * j + c];
+    return KS == 2 ? (int)(int8_t)sp[32 * j + 16 * h + c] : KS == 3 ? (int)sp[32 * j + 16 * h + c] : kvq_ks1_scale(sp, j, c);
 }
 
 #if ISA == 3
@@ -305,7 +305,7 @@ static inline __attribute__((always_inline)) void ks_group(const int HI, const i
                         S[r] += ks_scale(sp, KS, j, h, c) * t;
                         if (KS == 3) M[r] += (int32_t)sp[256 + 32 * j + 16 * h + c] * ar.k16[2 * b + h];
                     }
-                    if (KS == 1) M[r] += (int32_t)sp[32 * j + 16 + c] * ar.k32[b];
+                    if (KS == 1) M[r] += (int32_t)kvq_ks1_min(sp, j, c) * ar.k32[b];
                 }
             }
             uint16_t hd, hm;

@@ -249,11 +249,10 @@ int kv_q_repack(int gtype, int fmt, int rows, int K, const uint8_t *src, int64_t
                 for (int j = 0; j < 8; j++) {
                     int sc, mn;
                     k_scale_min(sb + 4, j, &sc, &mn);
-                    dst_s[32 * j + c] = (uint8_t)sc;
-                    dst_s[32 * j + 16 + c] = (uint8_t)mn;
+                    kvq_ks1_put(dst_s, j, c, sc, mn);
                 }
-                memcpy(dst_s + 256 + 2 * c, sb, 2);
-                memcpy(dst_s + 288 + 2 * c, sb + 2, 2);
+                memcpy(dst_s + kvq_ks_d(1) + 2 * c, sb, 2);
+                memcpy(dst_s + kvq_ks_dmin(1) + 2 * c, sb + 2, 2);
                 continue;
             }
             /* scales: per sub-block of the format (32 or 16 values) */
@@ -304,8 +303,8 @@ int kv_q_dequant(int fmt, int K, int out, const uint8_t *qs, const void *d, cons
                 } else if (ks == 2) {
                     sd = kvq_h2f(rd16(sb + 256 + 2 * c)) * (float)(int8_t)sj[16 * h + c];
                 } else {
-                    sd = kvq_h2f(rd16(sb + 256 + 2 * c)) * (float)sj[c];
-                    sm = -(kvq_h2f(rd16(sb + 288 + 2 * c)) * (float)sj[16 + c]);
+                    sd = kvq_h2f(rd16(sb + kvq_ks_d(1) + 2 * c)) * (float)kvq_ks1_scale(sb, b & 7, c);
+                    sm = -(kvq_h2f(rd16(sb + kvq_ks_dmin(1) + 2 * c)) * (float)kvq_ks1_min(sb, b & 7, c));
                 }
             } else {
                 const int64_t idx = ((g * nb + b) * ns + h) * KVQ_NC + c;

@@ -22,16 +22,17 @@ static inline __attribute__((always_inline)) void scales16(const int F16, const 
 /* Column c's integer scales of sub-block h of block j (h 0 for 32-input sub-blocks), sixteen columns
  * as int32 lanes. */
 static inline __attribute__((always_inline)) __m512i ks_scales16(const int KS, const uint8_t *sp, int j, int h) {
+    if (KS == 1) return _mm512_cvtepu8_epi32(kvq_ks1_scales128(sp, j));
     const __m128i v = _mm_loadu_si128((const __m128i *)(sp + 32 * j + 16 * h));
     return KS == 2 ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
 }
 
-/* Minimum pair p (qformat.h's kvq_ks_min) as 16-bit pairs, a column a lane. */
+/* Minimum pair p (qformat.h's kvq_ks_pairs) as 16-bit pairs, a column a lane. */
 static inline __attribute__((always_inline)) __m512i ks_min_pair(const int KS, const uint8_t *sp, int p) {
-    const uint8_t *lo_at = sp + kvq_ks_min(KS, p);
-    const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)lo_at));
-    const __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(lo_at + kvq_ks_min_gap(KS))));
-    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+    const __m128i l = KS == 1 ? kvq_ks1_mins128(sp, 2 * p) : _mm_loadu_si128((const __m128i *)(sp + kvq_ks3_min(p)));
+    const __m128i h = KS == 1 ? kvq_ks1_mins128(sp, 2 * p + 1)
+                              : _mm_loadu_si128((const __m128i *)(sp + kvq_ks3_min(p) + 16));
+    return _mm512_or_si512(_mm512_cvtepu8_epi32(l), _mm512_slli_epi32(_mm512_cvtepu8_epi32(h), 16));
 }
 
 /* The super-block's two float steps for one row and group: acc (+)= dk d S - dk dmin M, with M the

@@ -194,7 +194,8 @@ static inline __attribute__((always_inline)) void ks_half(const int HI, const in
         __m256i W[8];
         nibble_half(HI, wb, hf, W);
         _Pragma("GCC unroll 2") for (int h = 0; h < NS; h++) {
-            const __m128i sv = _mm_loadl_epi64((const __m128i *)(sp + 32 * j + 16 * h + 8 * hf));
+            const __m128i sv = KS == 1 ? (hf ? _mm_srli_si128(kvq_ks1_scales128(sp, j), 8) : kvq_ks1_scales128(sp, j))
+                                       : _mm_loadl_epi64((const __m128i *)(sp + 32 * j + 16 * h + 8 * hf));
             const __m256i sc = KS == 2 ? _mm256_cvtepi8_epi32(sv) : _mm256_cvtepu8_epi32(sv);
 #pragma GCC unroll 16
             for (int r = 0; r < RT; r++) {
@@ -208,17 +209,21 @@ static inline __attribute__((always_inline)) void ks_half(const int HI, const in
         }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + kvq_ks_d(KS) + 16 * hf)));
-    /* the minimums' pairs (qformat.h's kvq_ks_min) */
+    /* the minimums' pairs (qformat.h's kvq_ks_pairs) */
     const int npairs = kvq_ks_pairs(KS);
     __m256i mp[8];
     __m256 dm = _mm256_setzero_ps();
     if (KS != 2) {
         dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + kvq_ks_dmin(KS) + 16 * hf)));
         for (int p = 0; p < npairs; p++) {
-            const uint8_t *lo_at = sp + kvq_ks_min(KS, p) + 8 * hf;
-            const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)lo_at));
-            const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(lo_at + kvq_ks_min_gap(KS))));
-            mp[p] = _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16));
+            __m128i l = KS == 1 ? kvq_ks1_mins128(sp, 2 * p) : _mm_loadu_si128((const __m128i *)(sp + kvq_ks3_min(p)));
+            __m128i h = KS == 1 ? kvq_ks1_mins128(sp, 2 * p + 1)
+                                : _mm_loadu_si128((const __m128i *)(sp + kvq_ks3_min(p) + 16));
+            if (hf) {
+                l = _mm_srli_si128(l, 8);
+                h = _mm_srli_si128(h, 8);
+            }
+            mp[p] = _mm256_or_si256(_mm256_cvtepu8_epi32(l), _mm256_slli_epi32(_mm256_cvtepu8_epi32(h), 16));
         }
     }
 #pragma GCC unroll 16

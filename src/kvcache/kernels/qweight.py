@@ -40,7 +40,7 @@ _NS = (1, 1, 1, 2, 1, 1, 2, 1, 1, 1, 1, 1, 1, 2, 2)
 _OFFSET = (0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 16, 0, 0, 32, 0)
 # the file's K-quant scales as integers: d is [G, nb / 8, _KS_BYTES] bytes per super-block (qformat.h), no m
 _KS = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 2, 3)
-_KS_BYTES = {1: 320, 2: 320, 3: 576}
+_KS_BYTES = {1: 256, 2: 288, 3: 576}
 GROUP = 16  # output rows interleaved together (KVQ_NC)
 
 # GGUF (ggml) type ids -> the format that holds them most compactly

@@ -45,7 +45,7 @@ from kvcache.kernels.qweight import QWeight
 from kvcache.paths import one_at_a_time
 
 MAGIC = b"KVQPACK\0"
-VERSION = 4  # bump when this layout or kernels/qformat.h's layouts change
+VERSION = 5  # bump when this layout or kernels/qformat.h's layouts change
 HEAD = struct.Struct("<8sQI")  # magic, index length, CRC-32 of the rest of the file
 ALIGN = 4096
 PROGRESS_BYTES = 256 << 20  # files at least this large show a progress bar while repacked
