@@ -409,7 +409,7 @@ static ALWAYS AMX_TARGET void amx_pass(const int NIB, const int HI, const int SG
  * (ks_close, the same instructions). */
 static ALWAYS AMX_TARGET void amx_ks_pass(const int HI, const int KS, const int NG, int np, Rows a, const uint8_t *w,
                                           int64_t gq, const uint8_t *dv, int64_t gs, float acc[MAXR][NCOL]) {
-    const int NS = KS >= 2 ? 2 : 1, OFS = KS == 2 ? 32 : 0, nsb = a.nb / 8, ksb = kvq_ksb(KS);
+    const int NS = kvq_ks_ns(KS), OFS = KS == 2 ? 32 : 0, nsb = a.nb / 8, ksb = kvq_ksb(KS);
     uint8_t buf[2][512] __attribute__((aligned(64)));
     int32_t C[4][MAXR][NCOL] __attribute__((aligned(64)));
     int32_t S[MAXR][NCOL] __attribute__((aligned(64)));

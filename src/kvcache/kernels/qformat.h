@@ -79,11 +79,17 @@ static const int KVQ_OFFSET[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 16, 0, 0,
  * per 16 (Q6_K), 3 with minimums per 16 (Q2_K) */
 static const int KVQ_KS[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 2, 3};
 
-/* bytes of scales per super-block of a group in a K-quant format (KVQ_KS kind), and where its fp16
- * d and dmin start (kind 2 has no dmin) */
-static inline int kvq_ksb(int ks) { return ks == 3 ? 576 : ks == 2 ? 288 : 256; }
-static inline int kvq_ks_d(int ks) { return ks == 3 ? 512 : ks == 2 ? 256 : 192; }
-static inline int kvq_ks_dmin(int ks) { return ks == 3 ? 544 : 224; }
+/* Kind 4 is no format of its own: kind 1's scales widened for a product's rows (qgemm.c's mm_group
+ * makes it when several row tiles take the same columns): per super-block 320 bytes, block j's
+ * sixteen scales as bytes at 32 j, its minimums at 32 j + 16, then d at 256 and dmin at 288. */
+#define KVQ_KS_WIDE 4
+
+/* bytes of scales per super-block of a group in a K-quant format (KVQ_KS kind), where its fp16 d
+ * and dmin start (kind 2 has no dmin), and its sub-blocks a block (16 inputs for kinds 2 and 3) */
+static inline int kvq_ksb(int ks) { return ks == 3 ? 576 : ks == 2 ? 288 : ks == KVQ_KS_WIDE ? 320 : 256; }
+static inline int kvq_ks_d(int ks) { return ks == 3 ? 512 : ks == 2 || ks == KVQ_KS_WIDE ? 256 : 192; }
+static inline int kvq_ks_dmin(int ks) { return ks == 3 ? 544 : ks == KVQ_KS_WIDE ? 288 : 224; }
+static inline int kvq_ks_ns(int ks) { return ks == 2 || ks == 3 ? 2 : 1; }
 
 /* Kind 1's scale and minimum of block j, column c, and their writer. */
 static inline int kvq_ks1_scale(const uint8_t *sp, int j, int c) {
@@ -99,14 +105,15 @@ static inline void kvq_ks1_put(uint8_t *sp, int j, int c, int sc, int mn) {
     *hi = (uint8_t)((*hi & ~(15 << sh)) | (((sc >> 4) & 3) | ((mn >> 4) & 3) << 2) << sh);
 }
 
-/* The minimums of K-quant kinds 1 and 3 as the SIMD kernels take them, two sub-blocks a 32-bit lane
- * (vpdpwssd): kvq_ks_pairs pairs a super-block; pair p's are blocks 2 p and 2 p + 1 for kind 1
- * (kvq_ks1_mins128), block p's two halves for kind 3 (its first at byte kvq_ks3_min(p) of the
- * super-block's scales, its second 16 further), and a row's activation sums of the same
- * sub-blocks at kvq_ks_sums (k32 or k16 of Scratch, at super-block sb), two as one lane by
- * kvq_pair16. */
+/* The minimums of K-quant kinds 1, 3 and 4 as the SIMD kernels take them, two sub-blocks a 32-bit
+ * lane (vpdpwssd): kvq_ks_pairs pairs a super-block; pair p's are blocks 2 p and 2 p + 1 for
+ * kinds 1 (kvq_ks1_mins128) and 4, block p's two halves for kind 3 (kinds 3 and 4: the first at
+ * byte kvq_ks_min(ks, p) of the super-block's scales, the second kvq_ks_min_gap further), and a
+ * row's activation sums of the same sub-blocks at kvq_ks_sums (k32 or k16 of Scratch, at
+ * super-block sb), two as one lane by kvq_pair16. */
 static inline int kvq_ks_pairs(int ks) { return ks == 3 ? 8 : 4; }
-static inline int kvq_ks3_min(int p) { return 256 + 32 * p; }
+static inline int kvq_ks_min(int ks, int p) { return ks == 3 ? 256 + 32 * p : 64 * p + 16; }
+static inline int kvq_ks_min_gap(int ks) { return ks == 3 ? 16 : 32; }
 static inline const int16_t *kvq_ks_sums(int ks, const int16_t *k16, const int16_t *k32, int sb) {
     return ks == 3 ? k16 + 16 * sb : k32 + 8 * sb;
 }
@@ -133,6 +140,22 @@ static inline __attribute__((always_inline)) __m128i kvq_ks1_mins128(const uint8
                         _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi8(12)), 2));
 }
 #endif
+
+/* Kind 1's super-block sp widened into kind 4's 320 bytes at dst. */
+static inline void kvq_ks1_widen(const uint8_t *sp, uint8_t *dst) {
+    for (int j = 0; j < 8; j++) {
+#if defined(__SSE2__)
+        _mm_storeu_si128((__m128i *)(dst + 32 * j), kvq_ks1_scales128(sp, j));
+        _mm_storeu_si128((__m128i *)(dst + 32 * j + 16), kvq_ks1_mins128(sp, j));
+#else
+        for (int c = 0; c < 16; c++) {
+            dst[32 * j + c] = (uint8_t)kvq_ks1_scale(sp, j, c);
+            dst[32 * j + 16 + c] = (uint8_t)kvq_ks1_min(sp, j, c);
+        }
+#endif
+    }
+    memcpy(dst + 256, sp + 192, 64);
+}
 
 /* Bytes of the scale array (d) a group takes for nb blocks, and of one element of it. */
 static inline int64_t kvq_group_scale_bytes(int fmt, int64_t nb) {

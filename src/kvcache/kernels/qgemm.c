@@ -219,7 +219,7 @@ static inline int32_t word(const int8_t *p) { /* four activations as one 32-bit 
  * variant computes those integers, in whatever order (they are exact), and those float steps, so
  * the bits agree; a row's result is the same in any tile. */
 static inline int ks_scale(const uint8_t *sp, int KS, int j, int h, int c) {
-    return KS == 2 ? (int)(int8_t)sp[32 * j + 16 * h + c] : KS == 3 ? (int)sp[32 * j + 16 * h + c] : kvq_ks1_scale(sp, j, c);
+    return KS == 2 ? (int)(int8_t)sp[32 * j + 16 * h + c] : KS == 1 ? kvq_ks1_scale(sp, j, c) : (int)sp[32 * j + 16 * h + c];
 }
 
 #if ISA == 3
@@ -277,7 +277,7 @@ static inline __attribute__((always_inline)) void group(const int NIB, const int
 static inline __attribute__((always_inline)) void ks_group(const int HI, const int KS, int nr, Acts a,
                                                            const uint8_t *w, const uint8_t *dv,
                                                            float out[RT][NGMAX * KVQ_NC]) {
-    const int qb = 256 + 64 * HI, NS = KS >= 2 ? 2 : 1, ofs = KS == 2 ? 32 : 0, nsb = a.nb / 8, len = 32 / NS;
+    const int qb = 256 + 64 * HI, NS = kvq_ks_ns(KS), ofs = KS == 2 ? 32 : 0, nsb = a.nb / 8, len = 32 / NS;
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *sp = dv + (int64_t)sb * kvq_ksb(KS);
         for (int c = 0; c < KVQ_NC; c++) {
@@ -306,6 +306,7 @@ static inline __attribute__((always_inline)) void ks_group(const int HI, const i
                         if (KS == 3) M[r] += (int32_t)sp[256 + 32 * j + 16 * h + c] * ar.k16[2 * b + h];
                     }
                     if (KS == 1) M[r] += (int32_t)kvq_ks1_min(sp, j, c) * ar.k32[b];
+                    if (KS == KVQ_KS_WIDE) M[r] += (int32_t)sp[32 * j + 16 + c] * ar.k32[b];
                 }
             }
             uint16_t hd, hm;
@@ -409,6 +410,8 @@ KS_FN(g_q4_ks, 0, 1)
 KS_FN(g_q5_ks, 1, 1)
 KS_FN(g_q6_ks, 2, 2)
 KS_FN(g_q2_ks, 0, 3)
+KS_FN(g_q4_ksw, 0, KVQ_KS_WIDE)
+KS_FN(g_q5_ksw, 1, KVQ_KS_WIDE)
 typedef void (*GroupFn)(int, int, const Acts *, int, const uint8_t *, int64_t, const void *, const void *, int64_t,
                         float[RT][NGMAX * KVQ_NC]);
 static const GroupFn GROUPS[KVQ_NFMT] = {g_q4_f16, g_q4_f32, g_s8_f16, g_s8_f32_16, g_u8_f16, g_u8_f32, g_u8_f32_16,
@@ -431,12 +434,15 @@ KV_HIDDEN void mm_store(int nr, int cols, const float *res, int ldr, const float
 
 KV_HIDDEN TileGroupFn mm_tiles = NULL;
 
+#define WIDE_SB 96 /* super-blocks of widened scales at most (K <= 24576), 60 KiB of stack */
+
 /* Column groups NGMAX t .. (the tile column t) of rows r0 .. r1 - 1: y (+)= products * rscale + bias. */
 KV_HIDDEN void mm_group(const QW *wt, int t, int r0, int r1, const Scratch *s, const float *bias,
                         const float *rscale, float *y, int64_t ldy, int accumulate) {
     const int K = wt->K, nb = K / 32, qb = kvq_qbytes(wt->fmt), g = NGMAX * t;
     const int G = (wt->out + KVQ_NC - 1) / KVQ_NC, ng = G - g < NGMAX ? G - g : NGMAX;
-    const int64_t gq = (int64_t)nb * qb, gs = kvq_group_scale_bytes(wt->fmt, nb), sc = g * gs;
+    const int64_t gq = (int64_t)nb * qb, sc = g * kvq_group_scale_bytes(wt->fmt, nb);
+    int64_t gs = kvq_group_scale_bytes(wt->fmt, nb);
     const uint8_t *w = wt->qs + g * gq;
     const void *dv = (const char *)wt->d + sc, *mv = wt->m ? (const char *)wt->m + sc : NULL;
     const int c0 = KVQ_NC * g, cols = wt->out - c0 < KVQ_NC * ng ? wt->out - c0 : KVQ_NC * ng;
@@ -444,7 +450,20 @@ KV_HIDDEN void mm_group(const QW *wt, int t, int r0, int r1, const Scratch *s, c
         r0 += mm_tiles(wt, t, r0, r1, s, bias, rscale, y, ldy, accumulate);
         if (r0 >= r1) return;
     }
-    const GroupFn fn = GROUPS[wt->fmt];
+    GroupFn fn = GROUPS[wt->fmt];
+    /* kind 1's packed scales widened once for all the row tiles of these columns (qformat.h's kind
+     * 4), not unpacked again in each tile */
+    uint8_t wide[NGMAX * WIDE_SB * 320] __attribute__((aligned(64)));
+    if (KVQ_KS[wt->fmt] == 1 && r1 - r0 > RT && nb / 8 <= WIDE_SB) {
+        const int nsb = nb / 8;
+        for (int gi = 0; gi < ng; gi++)
+            for (int sb = 0; sb < nsb; sb++)
+                kvq_ks1_widen((const uint8_t *)dv + gi * gs + (int64_t)sb * kvq_ksb(1),
+                              wide + ((int64_t)gi * nsb + sb) * kvq_ksb(KVQ_KS_WIDE));
+        dv = wide;
+        gs = (int64_t)nsb * kvq_ksb(KVQ_KS_WIDE);
+        fn = KVQ_HIGH[wt->fmt] ? g_q5_ksw : g_q4_ksw;
+    }
     const Acts a0 = {s->q, s->da, s->sa, s->is, K, nb, s->kq, s->dk, s->k16, s->k32}; /* by address: a copy
                                                    made for each call cost ~5% of a prefill on a Zen4 */
     for (int r = r0; r < r1; r += RT) {

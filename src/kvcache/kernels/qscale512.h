@@ -29,9 +29,9 @@ static inline __attribute__((always_inline)) __m512i ks_scales16(const int KS, c
 
 /* Minimum pair p (qformat.h's kvq_ks_pairs) as 16-bit pairs, a column a lane. */
 static inline __attribute__((always_inline)) __m512i ks_min_pair(const int KS, const uint8_t *sp, int p) {
-    const __m128i l = KS == 1 ? kvq_ks1_mins128(sp, 2 * p) : _mm_loadu_si128((const __m128i *)(sp + kvq_ks3_min(p)));
+    const __m128i l = KS == 1 ? kvq_ks1_mins128(sp, 2 * p) : _mm_loadu_si128((const __m128i *)(sp + kvq_ks_min(KS, p)));
     const __m128i h = KS == 1 ? kvq_ks1_mins128(sp, 2 * p + 1)
-                              : _mm_loadu_si128((const __m128i *)(sp + kvq_ks3_min(p) + 16));
+                              : _mm_loadu_si128((const __m128i *)(sp + kvq_ks_min(KS, p) + kvq_ks_min_gap(KS)));
     return _mm512_or_si512(_mm512_cvtepu8_epi32(l), _mm512_slli_epi32(_mm512_cvtepu8_epi32(h), 16));
 }
 

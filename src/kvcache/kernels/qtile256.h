@@ -181,7 +181,7 @@ static inline __attribute__((always_inline)) __m256i ks_dot(const int HI, int n,
 static inline __attribute__((always_inline)) void ks_half(const int HI, const int KS, int hf, int sb, int nr, Acts a,
                                                           const uint8_t *w, const uint8_t *dv,
                                                           float out[RT][NGMAX * KVQ_NC]) {
-    const int qb = 256 + 64 * HI, NS = KS >= 2 ? 2 : 1, steps = 8 / NS, ofs = KS == 2 ? 32 : 0, nsb = a.nb / 8;
+    const int qb = 256 + 64 * HI, NS = kvq_ks_ns(KS), steps = 8 / NS, ofs = KS == 2 ? 32 : 0, nsb = a.nb / 8;
     const uint8_t *sp = dv + (int64_t)sb * kvq_ksb(KS);
     __m256i S[RT];
 #pragma GCC unroll 16
@@ -216,9 +216,9 @@ static inline __attribute__((always_inline)) void ks_half(const int HI, const in
     if (KS != 2) {
         dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + kvq_ks_dmin(KS) + 16 * hf)));
         for (int p = 0; p < npairs; p++) {
-            __m128i l = KS == 1 ? kvq_ks1_mins128(sp, 2 * p) : _mm_loadu_si128((const __m128i *)(sp + kvq_ks3_min(p)));
+            __m128i l = KS == 1 ? kvq_ks1_mins128(sp, 2 * p) : _mm_loadu_si128((const __m128i *)(sp + kvq_ks_min(KS, p)));
             __m128i h = KS == 1 ? kvq_ks1_mins128(sp, 2 * p + 1)
-                                : _mm_loadu_si128((const __m128i *)(sp + kvq_ks3_min(p) + 16));
+                                : _mm_loadu_si128((const __m128i *)(sp + kvq_ks_min(KS, p) + kvq_ks_min_gap(KS)));
             if (hf) {
                 l = _mm_srli_si128(l, 8);
                 h = _mm_srli_si128(h, 8);

@@ -222,7 +222,7 @@ static inline __attribute__((always_inline)) void tile(const int NIB, const int 
  * the integer sums in two chains. */
 static inline __attribute__((always_inline)) void ks_row1(const int HI, const int KS, Acts a, const uint8_t *w,
                                                           const uint8_t *dv, float *out) {
-    const int qb = 256 + 64 * HI, NS = KS >= 2 ? 2 : 1, steps = 8 / NS, ofs = KS == 2 ? 32 : 0;
+    const int qb = 256 + 64 * HI, NS = kvq_ks_ns(KS), steps = 8 / NS, ofs = KS == 2 ? 32 : 0;
     __m512 acc = _mm512_setzero_ps();
     for (int sb = 0; sb < a.nb / 8; sb++) {
         const uint8_t *sp = dv + (int64_t)sb * kvq_ksb(KS);
@@ -259,7 +259,7 @@ static inline __attribute__((always_inline)) void ks_row1(const int HI, const in
 static inline __attribute__((always_inline)) void ks_tile(const int HI, const int KS, const int NG, int nr, Acts a,
                                                           const uint8_t *w, int64_t gq, const uint8_t *dv, int64_t gs,
                                                           float out[RT][NGMAX * KVQ_NC]) {
-    const int qb = 256 + 64 * HI, NS = KS >= 2 ? 2 : 1, steps = 8 / NS, ofs = KS == 2 ? 32 : 0, nsb = a.nb / 8;
+    const int qb = 256 + 64 * HI, NS = kvq_ks_ns(KS), steps = 8 / NS, ofs = KS == 2 ? 32 : 0, nsb = a.nb / 8;
     for (int r = 0; r < nr; r++)
         for (int g = 0; g < NG; g++) _mm512_storeu_ps(out[r] + KVQ_NC * g, _mm512_setzero_ps());
     for (int sb = 0; sb < nsb; sb++) {
