@@ -54,8 +54,19 @@ def test_config_json_and_unknown_model(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     _, model = load_model_config(str(tmp_path))
     assert kv_size(model, parse_kv_spec("dynamic"), 100).bytes_total == 2 * 2 * 2 * 16 * 4 * 100
-    with pytest.raises(InvalidParams, match="unknown model 'nope'.*Llama-3-8B"):
+    with pytest.raises(InvalidParams, match="unknown model 'nope'.*bundled model .*gemma3-270m.*Llama-3-8B"):
         load_model_config("nope")
+
+
+def test_a_bundled_models_name_reads_its_gguf():
+    """`kvcache size gemma3-270m` (and `bench memory --model gemma3-270m`) read the bundled file's
+    own hyper-parameters, as LLM("gemma3-270m") loads it."""
+    from conftest import gemma_installed
+
+    if not gemma_installed():
+        pytest.skip("Gemma 3 270M packages not installed (make gemma)")
+    name, model = load_model_config("gemma3-270m")
+    assert name.startswith("gemma-3-270m") and model.num_layers == 18 and model.num_kv_heads == 1
 
 
 def test_size_command():

@@ -20,7 +20,8 @@ def add_size_parser(sub: argparse._SubParsersAction) -> None:
     from kvcache.inspect.known_models import known_names
 
     s = sub.add_parser("size", help="KV cache bytes of a model under each strategy, and what fits a budget",
-                       description=f"Known models: {known_names()}; or a config.json, model folder or GGUF file.")
+                       description=f"Known models: {known_names()}; or a bundled model (kvcache models), a config.json, "
+                                   "model folder or GGUF file.")
     s.add_argument("model", nargs="?", default=None, help="model (default: SmolLM2-135M)")
     s.add_argument("--context", type=int, default=None, help="tokens per sequence (default: the model's context)")
     s.add_argument("--batch", type=int, default=1, help="sequences held at once (default 1)")

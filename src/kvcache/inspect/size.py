@@ -32,7 +32,9 @@ def load_model_config(model: str | None) -> tuple[str, ModelConfig]:
     for known in KNOWN:
         if name and known.lower() == name.lower():
             return known, ModelConfig.from_hf({**_COMMON, **KNOWN[known]})
-    path = Path(str(model))
+    from kvcache.models.bundled import BUNDLED, bundled_path
+
+    path = bundled_path(str(model)) if model in BUNDLED else Path(str(model))  # its GGUF (or how to get it)
     if path.is_dir():
         path = path / "config.json"
     if path.suffix == ".gguf" and path.is_file():
@@ -46,8 +48,8 @@ def load_model_config(model: str | None) -> tuple[str, ModelConfig]:
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"{path} cannot be read ({e})") from None
         return path.parent.name, ModelConfig.from_hf({**_COMMON, **cfg})
-    raise InvalidParams(f"unknown model {model!r}: give a config.json, a model folder, a GGUF file or one of: "
-                        f"{known_names()}")
+    raise InvalidParams(f"unknown model {model!r}: give a config.json, a model folder, a GGUF file, a bundled "
+                        f"model ({', '.join(BUNDLED)}) or one of: {known_names()}")
 
 
 @dataclass(frozen=True)
