@@ -171,6 +171,32 @@ def test_a_stop_inside_a_callback_that_cannot_raise_is_kept_without_a_traceback(
     assert "KeyboardInterrupt" not in r.stderr and "ZeroDivisionError" in r.stderr, r.stderr
 
 
+DEFERRED = """
+import os, signal
+from kvcache.cliargs import stop_on_signals, stop_asked, stops_deferred
+stop_on_signals()
+try:
+    with stops_deferred():
+        with stops_deferred():  # nested: the outer block's end raises
+            os.kill(os.getpid(), signal.SIGTERM)
+            print("inner block ran on", stop_asked())
+        print("outer block ran on")
+    print("not reached")
+except KeyboardInterrupt as e:
+    print("raised at the end:", e)
+"""
+
+
+def test_a_stop_during_a_native_import_waits_for_the_import_and_then_stops():
+    """pydantic's core turned a SIGINT that landed while fastapi was imported into a SchemaError
+    (exit 1 and a traceback from `kvcache serve`): serve's imports run in stops_deferred, which keeps
+    the stop and raises it once they are done."""
+    r = subprocess.run([sys.executable, "-c", DEFERRED], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:3] == ["inner block ran on True", "outer block ran on",
+                                         f"raised at the end: signal {int(signal.SIGTERM)}"], r.stdout
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_at_any_moment_of_start_up_stops_the_server(tmp_path, sig):
     """Sent while Python imports, while the model loads and while uvicorn starts, to a server whose

@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from typing import TYPE_CHECKING
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator
 
 from kvcache.errors import InvalidParams
 
@@ -310,9 +311,28 @@ def stop_asked() -> bool:
     return bool(_STOPS)
 
 
+_DEFERRED = [0]  # depth of stops_deferred blocks running
+
+
+@contextmanager
+def stops_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM only remembered while the block runs, then raised as KeyboardInterrupt
+    when it ends: for imports of native extensions (torch, pydantic's core), where an exception
+    raised inside their initialisation comes out as their own error (a SchemaError) or aborts the
+    process. Such a block takes a second or two, so a stop still comes within seconds."""
+    _DEFERRED[0] += 1
+    try:
+        yield
+    finally:
+        _DEFERRED[0] -= 1
+    if _STOPS and not _DEFERRED[0]:
+        raise KeyboardInterrupt(f"signal {_STOPS[-1]}")
+
+
 def _stop(signum: int, _frame: object) -> None:
     _STOPS.append(signum)
-    raise KeyboardInterrupt(f"signal {signum}")
+    if not _DEFERRED[0]:
+        raise KeyboardInterrupt(f"signal {signum}")
 
 
 _default_unraisable = sys.unraisablehook

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from kvcache.cliargs import add_model_args, add_prefix_args, load_llm, stop_asked
+from kvcache.cliargs import add_model_args, add_prefix_args, load_llm, stop_asked, stops_deferred
 from kvcache.errors import InvalidParams
 from kvcache.server.replicas_cli import add_replica_args
 from kvcache.server.response_store import add_store_args, store_limits
@@ -92,13 +92,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvcache.models.bundled import check_named
 
     check_named(args.model)  # a mistyped --model waits for no import
-    from kvcache.engine.scheduler import SchedulerConfig
+    with stops_deferred():  # torch, pydantic's core and uvicorn imported whole; a stop acts after them
+        from kvcache.engine.scheduler import SchedulerConfig
+        from kvcache.server.intake import Limits
+        import uvicorn
+
+        from kvcache.server.app import build_app
 
     sched = SchedulerConfig(max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                             policy=args.policy, prompt_lookup=args.prompt_lookup,
                             document_work=document_work(args.document_step_work))  # refused before the model loads
-    from kvcache.server.intake import Limits
-
     limits = Limits(max_request_bytes=args.max_request_bytes, max_prompts=args.max_prompts,
                     max_choices=args.max_choices, unknown_fields=args.unknown_fields,
                     body_timeout_s=args.body_timeout, stall_after_s=args.stall_after)
@@ -113,10 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from kvcache.server.replicas_cli import serve_replicas
 
         return serve_replicas(args, sched, limits, keys, admins, SERVE_BUDGET)
-    import uvicorn
-
     from kvcache.fmt import human_bytes
-    from kvcache.server.app import build_app
 
     # SIGINT or SIGTERM before serving (main() made both raise from its first line) stops with
     # nothing served or written: exit 0; once serving, both are a graceful shutdown (_signals_recorded)
