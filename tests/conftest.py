@@ -115,10 +115,14 @@ def fresh_home(path: Path) -> Path:
     return path
 
 
-def run_kvcache(*args: str, stdin: str | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """The console command in a fresh process, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "kvcache", *args], capture_output=True, text=True,
-                          input=stdin, timeout=timeout)
+def run_kvcache(*args: str, stdin: str | None = None, timeout: int = 600,
+                fresh: bool = False) -> subprocess.CompletedProcess:
+    """The console command in a process of its own, as a user runs it: forked from the tests' helper
+    that has imported torch (tests/forkserve.py), or with `fresh` a new interpreter."""
+    import forkserve
+
+    return subprocess.run([sys.executable, "-m", "kvcache", *args] if fresh else forkserve.command(*args),
+                          capture_output=True, text=True, input=stdin, timeout=timeout)
 
 
 def gemma_installed() -> bool:

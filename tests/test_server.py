@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import forkserve
 import openai
 import pytest
 
@@ -19,12 +20,16 @@ from kvcache.peers.process import free_port
 
 
 class Server:
-    def __init__(self, model: str, *extra: str, env: dict[str, str] | None = None, admin: str | None = None) -> None:
+    def __init__(self, model: str, *extra: str, env: dict[str, str] | None = None, admin: str | None = None,
+                 fresh: bool = False) -> None:
+        """`kvcache serve` on a free port, forked from the tests' helper that has imported torch
+        (tests/forkserve.py); `fresh` starts a new interpreter instead."""
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.admin = admin  # the key stats() sends
+        args = ("serve", "--model", model, "--port", str(self.port), *extra)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvcache", "serve", "--model", model, "--port", str(self.port), *extra],
+            [sys.executable, "-m", "kvcache", *args] if fresh else forkserve.command(*args),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 120
         while True:

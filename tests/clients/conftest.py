@@ -78,23 +78,35 @@ def no_network(monkeypatch):
     assert not tried, f"a client tried to reach the network: {tried}"
 
 
-@pytest.fixture(scope="session", params=["smollm2", "qwen-tokens"])
-def server(request):
+@pytest.fixture(scope="session")
+def _servers():
+    """The suite's servers, each started when a test first needs it and kept to the session's end:
+    a worker runs the suite module by module, each module over both models, and a parametrized
+    session fixture would be torn down and started again at every switch of model."""
+    started: dict[str, LoggedServer] = {}
+    yield started
+    for s in started.values():
+        s.close()
+
+
+@pytest.fixture(scope="module", params=["smollm2", "qwen-tokens"])
+def server(request, _servers):
     """`kvcache serve` with its defaults, on the bundled SmolLM2-135M-Instruct and on a tiny random
     model that carries Qwen2.5's real tokenizer and chat template (tests/qwen_tiny.py): its tool tags
     are single special tokens and its template renders the tools itself, where SmolLM2 writes tags as
     text in kvcache's default format. What the tiny model says is noise: on it a test checks what the
     server owes (calls, shapes, streams), never an answer's sense."""
-    if request.param == "smollm2":
-        s = LoggedServer()
-    else:
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from qwen_tiny import tiny_qwen
+    if request.param not in _servers:
+        if request.param == "smollm2":
+            s = LoggedServer()
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            from qwen_tiny import tiny_qwen
 
-        s = LoggedServer(model=str(tiny_qwen()))
-    s.name = request.param
-    yield s
-    s.close()
+            s = LoggedServer(model=str(tiny_qwen()))
+        s.name = request.param
+        _servers[request.param] = s
+    return _servers[request.param]
 
 
 @pytest.fixture
