@@ -115,7 +115,7 @@ test: setup-test qwen-tokenizer llama-src
 	$(PYTEST) -q -m "not slow" -n 2 --dist loadscope
 
 test-all: $(VENV)/.setup-all qwen-tokenizer llama-src
-	$(PYTEST) -q -n 2 --dist loadscope
+	$(PYTEST) -q -n 2 --dist loadscope --no-loadscope-reorder
 
 # the quick suite three times in a row beside two busy processes: no test may depend on timing
 test-loaded: setup-test

@@ -288,6 +288,18 @@ SLOW = {
 }
 
 
+# the modules that take a worker longest in `make test-all` on two cores (from two minutes down to
+# twenty seconds), handed out first, so that the workers end together on short modules instead of
+# one of them running a long module alone at the end (the Makefile's --no-loadscope-reorder keeps
+# this order in `make test-all`: xdist would otherwise hand out the modules with the most tests first)
+LONGEST_FIRST = ("test_bench_all.py", "test_speculative.py", "test_bench_decode.py", "test_bench_context.py",
+                 "test_variants.py", "test_grammar.py", "test_hf_smollm.py", "test_real_smollm.py",
+                 "test_rotated_kv.py", "test_family_matrix.py", "test_replicas.py", "test_loading.py",
+                 "test_batch_invariance.py", "test_clean_stop.py", "test_hardening.py", "test_real_strategies.py",
+                 "test_qmodels.py", "test_load_hygiene.py", "test_fault_suite.py", "test_rollback.py",
+                 "test_structured_server.py", "test_eval.py", "test_bench_spec.py")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         file = Path(str(item.fspath)).name
@@ -295,3 +307,5 @@ def pytest_collection_modifyitems(config, items):
         names = [*parts[1:], getattr(item, "originalname", "")]
         if file in SLOW or any(f"{file}::{p}" in SLOW for p in names):
             item.add_marker(pytest.mark.slow)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # stable: the rest in order

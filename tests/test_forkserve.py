@@ -1,0 +1,69 @@
+"""The tests' way of starting `python -m kvcache` (tests/forkserve.py) behaves as a fresh interpreter:
+the same output and exit status, the caller's environment, signals reaching the command, and no
+command outliving a stand-in that was killed."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+import urllib.request
+
+import forkserve
+
+from conftest import run_kvcache
+from kvcache.peers.process import free_port
+
+
+def test_output_and_exit_status_are_a_fresh_interpreters():
+    for args in (("--version",), ("generate", "--model", "no-such-model", "hi"), ("no-such-command",),
+                 ("serve", "--port", "not-a-port")):
+        forked, fresh = run_kvcache(*args), run_kvcache(*args, fresh=True)
+        assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr), args
+
+
+def test_the_callers_environment_and_folder_are_the_commands(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVCACHE_HOME", str(tmp_path / "home"))
+    got = subprocess.run(forkserve.command("env", "--no-digest"), capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    assert str(tmp_path / "home") in got.stdout, got.stdout
+
+
+def _serving(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _started(port: int) -> subprocess.Popen:
+    proc = subprocess.Popen(forkserve.command("serve", "--port", str(port)), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not _serving(port):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+        time.sleep(0.2)
+    return proc
+
+
+def test_sigterm_reaches_the_server_and_its_status_comes_back():
+    port = free_port()
+    proc = _started(port)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
+    assert not _serving(port)
+
+
+def test_a_killed_stand_in_takes_its_command_with_it():
+    port = free_port()
+    proc = _started(port)
+    proc.kill()
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while _serving(port):
+        assert time.monotonic() < deadline, "the forked server outlived its stand-in"
+        time.sleep(0.1)
+
