@@ -26,7 +26,13 @@ def test_every_name_a_test_imports_from_kvcache_exists():
     assert len(imports) > 100 and any(m == "kvcache.eval.weights" for _, _, m, _ in imports)
     missing = []
     for file, line, module, name in imports:
-        mod = importlib.import_module(module)
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name and e.name.split(".")[0] != "kvcache":
+                continue  # needs an optional extra (Ray Serve for the replicas): its tests skip without it
+            missing.append(f"{file}:{line}: from {module} import {name} ({e})")
+            continue
         if name != "*" and not hasattr(mod, name):
             try:
                 importlib.import_module(f"{module}.{name}")
