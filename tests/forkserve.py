@@ -66,9 +66,20 @@ def _serve(path: str) -> tuple[list[int], dict]:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
+    listener.settimeout(1.0)
+    parent = os.getppid()
     print("ready", flush=True)
     while True:
-        conn, _ = listener.accept()
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            if os.getppid() != parent:  # the pytest worker is gone: so is the helper
+                import shutil
+
+                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+                os._exit(0)
+            continue
+        conn.settimeout(None)
         try:
             size = struct.unpack("!I", _recv_exact(conn, 4))[0]
             msg, fds, _, _ = socket.recv_fds(conn, size, 3)
@@ -204,9 +215,17 @@ def address() -> str:
                                    stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
         if _helper.stdout.readline().strip() != "ready":
             raise RuntimeError("the test fork helper did not start")
-        atexit.register(_helper.kill)
+        atexit.register(_stop_helper, _helper, path)
         _helper.path = path
     return _helper.path
+
+
+def _stop_helper(helper, path: str) -> None:
+    import shutil
+
+    helper.kill()
+    helper.wait()
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 def command(*args: str) -> list[str]:
