@@ -8,8 +8,8 @@ environment and arguments, imports kvcache afresh and runs its `__main__` exactl
 command does, exit status and signals included.
 
 The caller sees an ordinary `subprocess.Popen` of a tiny stdlib-only stand-in (this file run as
-a script with `--run`): the stand-in hands its three streams to the helper, forwards every signal
-it is sent to the forked child, and exits as the child did (with the same signal where the child
+a script with `--run`): the stand-in hands its three streams to the helper, forwards the signals
+it is sent (FORWARDED) to the forked child, and exits as the child did (with the same signal where the child
 was killed). If the stand-in itself is killed (SIGKILL), the helper kills the child.
 
 Tests of start-up itself (signals during imports, what a command imports, first compiles) start a
@@ -30,7 +30,6 @@ PREIMPORT = ("numpy", "torch", "fastapi", "uvicorn", "pydantic", "starlette", "h
              "psutil", "yaml")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGCONT, signal.SIGWINCH)
-_ADDRESS_ENV = "KVCACHE_TEST_FORKSERVER"
 
 
 def _send(sock: socket.socket, kind: bytes, value: int) -> None:

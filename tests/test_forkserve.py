@@ -28,6 +28,10 @@ def test_the_callers_environment_and_folder_are_the_commands(tmp_path, monkeypat
     got = subprocess.run(forkserve.command("env", "--no-digest"), capture_output=True, text=True, timeout=120)
     assert got.returncode == 0, got.stderr
     assert str(tmp_path / "home") in got.stdout, got.stdout
+    (tmp_path / "bad.gguf").write_bytes(b"junk\n")  # a relative path is read from the caller's folder
+    got = subprocess.run(forkserve.command("generate", "--model", "bad.gguf", "hi"), capture_output=True, text=True,
+                         timeout=120)
+    assert got.returncode == 2 and "bad.gguf is not a GGUF file" in got.stderr, got.stderr
 
 
 def _serving(port: int) -> bool:
