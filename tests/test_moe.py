@@ -267,7 +267,8 @@ def test_a_quantized_expert_runs_in_one_native_call_with_each_rows_own_bits(fold
 def test_a_rows_experts_in_one_native_call_give_the_loops_bits(folder) -> None:
     """kv_q_experts_row (a decode step's mixture in one call) == each expert's kv_q_expert output
     weighted and summed in the row's order by separate multiplies and adds, bitwise."""
-    from kvcache.kernels.qweight import expert_mlp, expert_table, experts_row
+    from kvcache.kernels.qmoe import expert_table, experts_row
+    from kvcache.kernels.qweight import expert_mlp
 
     path, _ = folder("norm")
     q8 = LLM(str(path), weights="q8", prefix=False)
@@ -287,6 +288,41 @@ def test_a_rows_experts_in_one_native_call_give_the_loops_bits(folder) -> None:
         experts_row(h, table, torch.tensor([0, len(experts)]), torch.ones(2), 0)
     fp32 = LLM(str(path), weights="fp32", prefix=False).model.layers[1].experts  # not quantized: no table
     assert expert_table([(ex.gate_up, ex.down) for ex in fp32]) is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_native_router_follows_the_routing_rules_and_a_decode_row_is_one_call(folder, case: str) -> None:
+    """The native router (kernels/dmoe.c) against torch's steps on the same rows: the same experts
+    in the same order, weights within 1e-6, the same normed rows within 1e-6; and a decode row's
+    whole block in one call (kv_q_moe_row) gives the bits of the router then the row's experts."""
+    from kvcache.kernels.qmoe import expert_table, experts_row, moe_row
+    from kvcache.models.layers import linear, pack, rms_norm
+
+    path, _ = folder(case)
+    q8 = LLM(str(path), weights="q8", prefix=False)
+    spec = q8.model.spec
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(6)) * 3
+    for ly in q8.model.layers:
+        router = ly.router
+        assert router.table is not None and router.weight is None  # the library is here: the native way
+        h, w, e = router(x)
+        want_h = rms_norm(x, router.norm, router.eps)
+        probs = torch.softmax(linear(want_h, pack(router.table[:, : spec.num_experts].t()))[:, : spec.num_experts], -1)
+        want_w, want_e = torch.topk(probs, spec.top_k, dim=-1)
+        if spec.norm_topk:
+            want_w = want_w / want_w.sum(-1, keepdim=True)
+        assert torch.equal(e, want_e)
+        torch.testing.assert_close(w, want_w, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(h, want_h, atol=1e-6, rtol=1e-6)
+        assert torch.allclose(w.sum(-1), torch.ones(40)) == spec.norm_topk
+        table = expert_table([(ex.gate_up, ex.down) for ex in ly.experts])
+        for r in (0, 17, 39):
+            row = x[r : r + 1].clone()
+            assert moe_row(row, router.norm, router.eps, router.table, spec.num_experts, spec.top_k, spec.norm_topk,
+                           table, 0)
+            want = x[r : r + 1] + experts_row(h[r : r + 1], table, e[r], w[r], 0)
+            assert torch.equal(row, want), (case, r)
 
 
 def _gguf_state(hf: Any, folder_: Path, ggml: int) -> dict[str, Any]:

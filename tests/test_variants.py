@@ -121,6 +121,42 @@ def test_mixture_experts_give_the_same_bits_on_every_variant(t):
     same(outs, f"{t.name} a row's three experts")
 
 
+def test_the_router_and_a_decode_rows_mixture_give_the_same_bits_on_every_variant():
+    """kv_moe_route (the norm, logits, top-k and weights of 1 and 7 rows; 21 experts padded to 32
+    columns, so vectors and their tail both count) and kv_q_moe_row (a row's whole block over five
+    Q4_K experts, three a row) on every variant."""
+    from kvcache.kernels.qweight import proj_fields
+
+    lib = libs("qgemm")
+    H, I, E, Ep, k = 256, 256, 21, 32, 3
+    rng = np.random.default_rng(17)
+    wt = np.zeros((H, Ep), np.float32)
+    wt[:, :E] = rng.standard_normal((H, E)).astype(np.float32)
+    post = (1 + 0.1 * rng.standard_normal(H)).astype(np.float32)
+    for n, norm in ((1, 1), (7, 0)):
+        x = rng.standard_normal((n, H)).astype(np.float32)
+        got = {}
+        for name, lib_ in lib.items():
+            h, w, e = np.empty((n, H), np.float32), np.empty((n, k), np.float32), np.empty((n, k), np.int64)
+            assert lib_.kv_moe_route(n, H, x.ctypes.data, H, post.ctypes.data, 1e-6, wt.ctypes.data, E, Ep, k, norm,
+                                     h.ctypes.data, w.ctypes.data, e.ctypes.data, 2) == 0
+            got[name] = np.concatenate([h.ravel(), w.ravel(), e.ravel().view(np.float32)])
+        same(got, f"the router over {n} rows")
+    experts = [(repacked(T.Q4_K, 2 * I, H, seed=40 + e)[0], repacked(T.Q4_K, H, I, seed=50 + e)[0]) for e in range(5)]
+    gu = torch.stack([torch.tensor(proj_fields([g], 0)) for g, _ in experts])
+    dn = torch.stack([torch.tensor(proj_fields([d], 0)) for _, d in experts])
+    wt5 = np.ascontiguousarray(wt[:, :16] * (np.arange(16) < 5))
+    x = rng.standard_normal(H).astype(np.float32)
+    outs = {}
+    for name, lib_ in lib.items():
+        y, w, e = x.copy(), np.empty(k, np.float32), np.empty(k, np.int64)
+        assert lib_.kv_q_moe_row(H, I, y.ctypes.data, post.ctypes.data, 1e-6, wt5.ctypes.data, 5, 16, k, 1,
+                                 gu.data_ptr(), dn.data_ptr(), 0, w.ctypes.data, e.ctypes.data, 2) == 0
+        assert len(set(e.tolist())) == k and 0 <= e.min() and e.max() < 5
+        outs[name] = np.concatenate([y, w, e.view(np.float32)])
+    same(outs, "a decode row's mixture")
+
+
 def test_fp32_products_give_the_same_bits_on_every_variant():
     """kv_packed_matmul: whole register tiles, single vectors and single columns (which of them a
     column falls in depends on the vector width)."""

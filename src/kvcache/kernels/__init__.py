@@ -6,7 +6,8 @@ over quantized and 16-bit pages read in place, in one canonical order (qlanes.h,
 ``cattn.c`` (in the qgemm library) attends any number of new tokens per sequence over float32
 pages in place, in one canonical order, so that a row's result
 is the same bits whether it is decoded, extended, prefilled or recomputed, alone or in a batch;
-``dattn.c`` fuses it with the rotary embedding, the cache write and the projections;
+``dattn.c`` fuses it with the rotary embedding, the cache write and the projections; ``dmoe.c``
+holds a mixture of experts' router and a decode row's whole sparse block (qmoe.py calls them);
 ``pgemm.c`` multiplies several rows by packed fp32 projection weights (register tiles that reuse
 every weight across rows). build.py compiles each once per CPU variant (AVX512-VNNI, AVX-VNNI,
 AVX2, generic) into ``$KVCACHE_HOME/kernels`` and loads the best variant this CPU runs; when there

@@ -132,7 +132,7 @@ def kernel_dir() -> Path:
 def sources(name: str) -> list[Path]:
     """The C files of kernel ``name`` (qgemm also holds the repacking code and the fused decode
     attention, which shares its quantized steps)."""
-    return [SOURCES / f"{name}.c", *([SOURCES / "qpack.c", SOURCES / "qamx.c", SOURCES / "dattn.c", SOURCES / "cattn.c", SOURCES / "membw.c", SOURCES / "vmask.c"] if name == "qgemm" else [])]
+    return [SOURCES / f"{name}.c", *([SOURCES / "qpack.c", SOURCES / "qamx.c", SOURCES / "dattn.c", SOURCES / "dmoe.c", SOURCES / "cattn.c", SOURCES / "membw.c", SOURCES / "vmask.c"] if name == "qgemm" else [])]
 
 
 def library_path(name: str, v: Variant, cc: list[str]) -> Path:

@@ -606,20 +606,28 @@ KV_HIDDEN QProj proj_of(const int64_t *f, int K) {
 
 KV_HIDDEN const float *proj_bias(const int64_t *f) { return (const float *)(intptr_t)f[KVP_BIAS]; }
 
+KV_HIDDEN int proj_tiles(const QProj *w) {
+    int T = 0;
+    for (int i = 0; i < w->n; i++) T += (w->p[i].out + NGMAX * KVQ_NC - 1) / (NGMAX * KVQ_NC);
+    return T;
+}
+
+KV_HIDDEN void proj_tile(const QProj *w, int t, int r0, int r1, const Scratch *s, const float *bias,
+                         const float *rscale, float *y, int64_t ldy, int accumulate) {
+    int i = 0;
+    for (int tiles; i + 1 < w->n && t >= (tiles = (w->p[i].out + NGMAX * KVQ_NC - 1) / (NGMAX * KVQ_NC)); i++)
+        t -= tiles;
+    const int o = w->off[i];
+    mm_group(&w->p[i], t, r0, r1, s, bias ? bias + o : NULL, rscale, y + o, ldy, accumulate);
+}
+
 KV_HIDDEN void mm_proj(const QProj *w, int n, const Scratch *s, const float *bias, const float *rscale, float *y,
                        int64_t ldy, int accumulate) {
-    int first[KV_MAXPARTS + 1] = {0}; /* part i's tile columns are first[i] .. first[i + 1] - 1 */
-    for (int i = 0; i < w->n; i++) first[i + 1] = first[i] + (w->p[i].out + NGMAX * KVQ_NC - 1) / (NGMAX * KVQ_NC);
-    const int T = first[w->n];
+    const int T = proj_tiles(w);
     for (int r0 = 0; r0 < n; r0 += RCHUNK) {
         const int r1 = n - r0 < RCHUNK ? n : r0 + RCHUNK;
 #pragma omp for schedule(static)
-        for (int t = 0; t < T; t++) {
-            int i = 0;
-            while (t >= first[i + 1]) i++;
-            const int o = w->off[i];
-            mm_group(&w->p[i], t - first[i], r0, r1, s, bias ? bias + o : NULL, rscale, y + o, ldy, accumulate);
-        }
+        for (int t = 0; t < T; t++) proj_tile(w, t, r0, r1, s, bias, rscale, y, ldy, accumulate);
     }
 }
 
@@ -643,7 +651,7 @@ KV_HIDDEN void mm_residual(const QW *wt, int n, const Scratch *s, const float *b
 
 /* act(gate) * up for one row of [gate | up] (I each, a multiple of VL): silu (act 0) or the tanh
  * GELU (1), both from exp of non-positive numbers (vmath.h), written over the gate half. */
-static void glu_row(int act, int I, float *h) {
+KV_HIDDEN void glu_row(int act, int I, float *h) {
     for (int i = 0; i < I; i += VL) {
         const vec x = *(const vec *)(h + i), up = *(const vec *)(h + I + i);
         vec a;
@@ -719,51 +727,6 @@ int kv_q_expert(int n, int H, int I, const float *x, int64_t ldx, const int64_t 
             act_row(&m.b, r, I, m.h, 2 * I, NULL, -1.f);
         }
         mm_rows(&m.dn, n, &m.b, m.dn_b, NULL, y, H, 0);
-    }
-    return 0;
-}
-
-/* One row's experts in one call (a decode step's mixture): out = (((y_0 * w_0) + y_1 * w_1) + ...) over
- * the k experts in the given order, y_j = expert j of x [H] as kv_q_expert computes it (x's int8
- * activations made once: they are the same for every expert). Each product and sum rounds once, in
- * that order: the bits of kv_q_expert's outputs combined by separate multiplies and adds. gu, dn: k
- * projections' fields, KVP_N each; w [k]; out [H]. Returns 0, 1 for bad arguments, 4 without memory. */
-int kv_q_experts_row(int H, int I, const float *x, int k, const int64_t *gu, const int64_t *dn, const float *w,
-                     int act, float *out, int n_threads) {
-    if (k < 1 || n_threads < 1) return 1;
-    int need = 0; /* the orders every expert's gate_up takes: the row's activations serve them all */
-    for (int j = 0; j < k; j++) {
-        const QProj g = proj_of(gu + (size_t)j * KVP_N, H), d = proj_of(dn + (size_t)j * KVP_N, I);
-        if (d.n != 1 || !mlp_valid(&g, &d.p[0], H, I, act)) return 1;
-        need |= proj_acts(&g);
-    }
-    const size_t one = mlp_bytes(1, H, I, 0);
-    char *buf = scratch_take(one + (size_t)H * sizeof(float) + 64);
-    if (buf == NULL) return 4;
-    float *y = (float *)(((uintptr_t)(buf + one) + 63) & ~(uintptr_t)63); /* [H]: one expert's output */
-#pragma omp parallel num_threads(n_threads)
-    for (int j = 0; j < k; j++) {
-        const QProj g = proj_of(gu + (size_t)j * KVP_N, H), d = proj_of(dn + (size_t)j * KVP_N, I);
-        Mlp m = mlp_at(buf, 1, H, I, &g, &d.p[0], NULL, -1.f, proj_bias(gu + (size_t)j * KVP_N),
-                       proj_bias(dn + (size_t)j * KVP_N), act, NULL, 0.f);
-        m.a.need = need;
-        if (j == 0) {
-#pragma omp single
-            act_row(&m.a, 0, H, x, H, NULL, -1.f);
-        }
-        mm_proj(&m.gu, 1, &m.a, m.gu_b, NULL, m.h, 2 * I, 0);
-#pragma omp single
-        {
-            glu_row(m.act, I, m.h);
-            act_row(&m.b, 0, I, m.h, 2 * I, NULL, -1.f);
-        }
-        mm_rows(&m.dn, 1, &m.b, m.dn_b, NULL, y, H, 0);
-        const float wj = w[j];
-#pragma omp for schedule(static)
-        for (int i = 0; i < H; i++) {
-            const float t = y[i] * wj;
-            out[i] = j == 0 ? t : out[i] + t;
-        }
     }
     return 0;
 }

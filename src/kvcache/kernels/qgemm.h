@@ -93,6 +93,14 @@ KV_HIDDEN void mm_rows(const QW *wt, int n, const Scratch *s, const float *bias,
 /* mm_rows over every part of a projection, the parts' column groups shared out as one loop */
 KV_HIDDEN void mm_proj(const QProj *w, int n, const Scratch *s, const float *bias, const float *rscale, float *y,
                        int64_t ldy, int accumulate);
+/* proj_tiles: the tile columns of a projection (its parts' side by side); proj_tile: tile column t
+ * of them over rows r0 .. r1 - 1 of s's activations, the very steps mm_proj shares out with `omp for` */
+KV_HIDDEN int proj_tiles(const QProj *w);
+KV_HIDDEN void proj_tile(const QProj *w, int t, int r0, int r1, const Scratch *s, const float *bias,
+                         const float *rscale, float *y, int64_t ldy, int accumulate);
+/* act(gate) * up for one row of [gate | up] (I each, a multiple of VL): silu (act 0) or the tanh
+ * GELU (1), written over the gate half */
+KV_HIDDEN void glu_row(int act, int I, float *h);
 KV_HIDDEN void mm_residual(const QW *wt, int n, const Scratch *s, const float *bias, float *x, int64_t ldx, float *y,
                            const float *post_w, float post_eps);
 

@@ -334,49 +334,6 @@ def expert_mlp(h: torch.Tensor, gate_up: object, down: object, act: int | None) 
     return y
 
 
-def expert_table(experts: Sequence[tuple[object, object]]) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
-    """Every expert's (gate_up, down) fields as kv_q_experts_row takes them, made once for a layer:
-    ([E, KVP_N] int64 gate_up fields, [E, KVP_N] down fields, the hidden size, the expert size), or
-    None when some expert is not quantized in a form the native call takes."""
-    gus, dns = [], []
-    for gate_up, down in experts:
-        (pg, gu), (pd, dn) = _projection(gate_up, None), _projection(down, None)
-        if (gu is None or dn is None or len(pd) != 1 or down.out != gate_up.k  # type: ignore[attr-defined]
-                or 2 * down.k != gate_up.out):  # type: ignore[attr-defined]
-            return None
-        gus.append(gu)
-        dns.append(dn)
-    if not gus or len({(g.k, d.k) for g, d in experts}) != 1:  # type: ignore[attr-defined]
-        return None
-    return torch.stack(gus), torch.stack(dns), experts[0][0].k, experts[0][1].k  # type: ignore[attr-defined]
-
-
-def experts_row(h: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor, int, int], chosen: torch.Tensor,
-                weights: torch.Tensor, act: int | None) -> torch.Tensor | None:
-    """One row's mixture in one native call (kernels/qgemm.c kv_q_experts_row): sum over j of
-    weights[j] * expert_{chosen[j]}(h), h [1, H], ``table`` the layer's ``expert_table``, chosen
-    [k] int64 expert ids in the row's order, weights [k] fp32 -> [1, H]; the bits of ``expert_mlp``
-    per expert combined by separate multiplies and adds in that order. None: not done here (no
-    activation kernel, a row of another shape)."""
-    gu_all, dn_all, hidden, size = table
-    if act is None or h.shape != (1, hidden) or h.dtype != torch.float32 or not h.is_contiguous():
-        return None
-    idx = chosen.to(torch.int64)
-    try:  # [k, KVP_N] each, in the row's order; index_select checks every id
-        gu, dn = gu_all.index_select(0, idx), dn_all.index_select(0, idx)
-    except (IndexError, RuntimeError):
-        raise IndexError(f"an expert id outside the layer's {gu_all.shape[0]} experts") from None
-    w = weights.to(torch.float32).contiguous()
-    out = torch.empty(1, hidden)
-    rc = _lib().kv_q_experts_row(hidden, size, h.data_ptr(), idx.numel(), gu.data_ptr(), dn.data_ptr(),
-                                 w.data_ptr(), act, out.data_ptr(), torch.get_num_threads())
-    if rc == 4:
-        raise MemoryError("the quantized experts could not allocate their activation buffers")
-    if rc:
-        raise RuntimeError(f"the quantized experts kernel refused its inputs ({rc})")
-    return out
-
-
 def attn_block(x: torch.Tensor, weights: tuple, heads: tuple[int, int, int], cos: torch.Tensor, sin: torch.Tensor,
                qk_norm: torch.Tensor | None, eps: float, scale: float, post_norm: torch.Tensor | None,
                flat: torch.Tensor, page_size: int, slots: torch.Tensor,

@@ -38,6 +38,15 @@ _TABLE = (
     Signature("qgemm", "kv_q_experts_row", "int", (
         ("H", "int"), ("I", "int"), ("x", "const float *"), ("k", "int"), ("gu", "const int64_t *"),
         ("dn", "const int64_t *"), ("w", "const float *"), ("act", "int"), ("out", "float *"), ("n_threads", "int"))),
+    # dmoe.c: the router (norm, logits, top-k and weights) and a decode row's whole mixture
+    Signature("qgemm", "kv_moe_route", "int", (
+        ("n", "int"), ("H", "int"), ("x", "const float *"), ("ldx", "int64_t"), ("post_w", "const float *"),
+        ("eps", "float"), ("wt", "const float *"), ("E", "int"), ("Ep", "int"), ("k", "int"), ("norm", "int"),
+        ("h", "float *"), ("w", "float *"), ("e", "int64_t *"), ("n_threads", "int"))),
+    Signature("qgemm", "kv_q_moe_row", "int", (
+        ("H", "int"), ("I", "int"), ("x", "float *"), ("post_w", "const float *"), ("eps", "float"),
+        ("wt", "const float *"), ("E", "int"), ("Ep", "int"), ("k", "int"), ("norm", "int"), ("gu", "const int64_t *"),
+        ("dn", "const int64_t *"), ("act", "int"), ("w", "float *"), ("e", "int64_t *"), ("n_threads", "int"))),
     # qamx.c: whether the products of many rows use AMX tiles here, and why
     Signature("qgemm", "kv_amx_status", "const char *", ()),
     # qpack.c: repacking GGUF blocks, dequantizing rows

@@ -3,8 +3,11 @@ expert.
 
 ``MoeSpec`` reads a sparse model's hyper-parameters from its HF config and refuses the variants this
 code does not implement. ``Router`` holds the router matrix (always fp32: a routing decision is
-discrete, and llama.cpp keeps it unquantized too) and picks each row's experts: a softmax over the
-router logits in fp32, the top k of it, renormalized to sum to one when the config says so.
+discrete, and llama.cpp keeps it unquantized too) and, from a layer's residual rows, makes the rows
+the experts read (the post-attention RMSNorm) and picks each row's experts: a softmax over the
+router logits in fp32, the top k of it, renormalized to sum to one when the config says so. With
+the native library (kernels/dmoe.c) every row takes one written order, alone or in a batch; a
+decode row's whole block (norm, router, experts, residual) is then one native call.
 ``Expert`` is one gated MLP (gate and up fused into one projection, then down), its matrices held
 as ``projection`` gives them (packed fp32, or a QWeight in the file's own quantized type).
 
@@ -24,9 +27,10 @@ import torch
 from torch import nn
 
 from kvcache.errors import UnsupportedArchitecture
-from kvcache.kernels.qweight import expert_mlp, expert_table, experts_row
+from kvcache.kernels.qmoe import expert_table, experts_row, moe_row, route, router_table
+from kvcache.kernels.qweight import expert_mlp
 from kvcache.models.config import ModelConfig
-from kvcache.models.layers import linear, pack
+from kvcache.models.layers import frozen, linear, pack, rms_norm
 from kvcache.models.weights import Part, as_fp32, projection
 
 
@@ -71,34 +75,36 @@ class MoeSpec:
 
 
 class Router(nn.Module):
-    """Top-k routing over ``num_experts`` experts."""
+    """Top-k routing over ``num_experts`` experts, after the post-attention RMSNorm of weight
+    ``norm`` (the rows it gives are what the experts read)."""
 
-    def __init__(self, weight: Part, spec: MoeSpec) -> None:
+    def __init__(self, weight: Part, norm: torch.Tensor, eps: float, spec: MoeSpec) -> None:
         super().__init__()
         w = as_fp32(weight)  # [E, H]
         if w.shape[0] != spec.num_experts:
             raise UnsupportedArchitecture(f"a router of {w.shape[0]} experts where the config has {spec.num_experts}")
-        self.weight = pack(w)  # [k, H, E / k]
+        self.norm, self.eps = norm, eps  # [H]
+        table = router_table(w)  # [H, Ep]: the native calls' layout, or None without the library
+        self.table = None if table is None else frozen(table)
+        self.weight = pack(w) if table is None else None  # [k, H, E / k]: torch's way
         self.spec = spec
 
-    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        """h [N, H] (normed) -> (weights [N, K] fp32, experts [N, K] int64), best first."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        """x [N, H] (the residual rows) -> (h [N, H] normed, weights [N, K] fp32, experts [N, K] int64),
+        best first."""
         spec = self.spec
+        if self.table is not None:
+            return route(x, self.norm, self.eps, self.table, spec.num_experts, spec.top_k, spec.norm_topk)
+        h = rms_norm(x, self.norm, self.eps)
         logits = linear(h, self.weight)[:, : spec.num_experts].contiguous()  # [N, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [N, E]
         weights, experts = torch.topk(probs, spec.top_k, dim=-1)  # [N, K] each
-        if spec.norm_topk and weights.shape[0] == 1:  # a decode's row: the same float32 steps on numpy scalars
-            w = weights[0].numpy()  # (IEEE float32 adds and divisions, as torch's), without a dozen tensor calls
-            total = w[0]
-            for j in range(1, spec.top_k):
-                total = total + w[j]
-            weights = torch.from_numpy(w / total)[None]
-        elif spec.norm_topk:
+        if spec.norm_topk:
             total = weights[:, 0].clone()  # [N]: the chosen weights summed in top-k order
             for j in range(1, spec.top_k):
                 total += weights[:, j]
             weights = weights / total[:, None]
-        return weights, experts
+        return h, weights, experts
 
 
 class Expert(nn.Module):
@@ -151,21 +157,26 @@ def expert_parts(sd: dict[str, Any], m: str, spec: MoeSpec) -> list[tuple[list[P
     return out
 
 
-def moe_block(x: torch.Tensor, h: torch.Tensor, router: Router, experts: nn.ModuleList,
+def moe_block(x: torch.Tensor, router: Router, experts: nn.ModuleList,
               act: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """x [N, H] += sum over each row's chosen experts e_j (j in top-k order) of w_j * e_j(h), with
-    h [N, H] the normed rows the router and the experts read. Rows are grouped by expert: each
+    h [N, H] the normed rows (``router``'s) the experts read. Rows are grouped by expert: each
     chosen expert runs once, over all the rows that chose it. A single row (a decode step) runs its
-    experts in its top-k order and sums them as the grouped path does: the same bits."""
-    n, hidden = h.shape
-    weights, chosen = router(h)  # [N, K] each
-    k = weights.shape[1]
+    experts in its top-k order and sums them as the grouped path does: the same bits (with quantized
+    experts and the native router, the whole block in one call)."""
+    n, hidden = x.shape
     if n == 1:  # a decode step: the row's experts in its top-k order, no grouping to do
         kept = experts.__dict__.get("_row_table")
         if kept is None:  # every expert's native fields and the activation's kernel, made once
             kept = experts.__dict__["_row_table"] = (expert_table([(ex.gate_up, ex.down) for ex in experts]),
                                                      experts[0].act_kernel)
         table, act_kernel = kept  # table None: some expert is not quantized
+        spec = router.spec
+        if (table is not None and router.table is not None
+                and moe_row(x, router.norm, router.eps, router.table, spec.num_experts, spec.top_k, spec.norm_topk,
+                            table, act_kernel)):
+            return
+        h, weights, chosen = router(x)
         native = None if table is None else experts_row(h, table, chosen[0], weights[0], act_kernel)
         if native is not None:  # quantized experts: one native call, the same bits as the loop below
             x += native
@@ -176,6 +187,8 @@ def moe_block(x: torch.Tensor, h: torch.Tensor, router: Router, experts: nn.Modu
             out = y if out is None else out.add_(y)
         x += out
         return
+    h, weights, chosen = router(x)  # [N, H], [N, K] each
+    k = weights.shape[1]
     flat = chosen.reshape(-1)  # [N K]: slot r * K + j is row r's j-th choice
     order = torch.argsort(flat, stable=True)  # [N K] slots grouped by expert
     used, counts = torch.unique_consecutive(flat[order], return_counts=True)  # the chosen experts only

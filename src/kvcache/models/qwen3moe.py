@@ -7,8 +7,8 @@ Mixtral's checkpoints name the block ``block_sparse_moe`` and its experts' matri
 
 Attention is built as in models/llama.py: Q/K/V fused into one projection with the input RMSNorm
 folded in, o apart, biases where the checkpoint has them. The feed-forward half (models/moe.py)
-normalizes each row once with the post-attention RMSNorm; the router and the chosen experts read
-that. Every layer runs through ``attention_block`` then ``moe_block``; the fused all-layers call
+normalizes each row once with the post-attention RMSNorm (in the router's call); the router and the
+chosen experts read that. Every layer runs through ``attention_block`` then ``moe_block``; the fused all-layers call
 (kernels/qweight.py LayerStack) is for dense MLPs and is not used here.
 """
 
@@ -23,7 +23,7 @@ from kvcache.kernels.rotary import Rotary
 from kvcache.models.base import CausalLM
 from kvcache.models.config import ModelConfig
 from kvcache.models.layers import (
-    ACT_KERNEL, activation, attention_block, frozen, norm_linear, pack_bias, packed_rows, rms_norm, text_model_names,
+    ACT_KERNEL, activation, attention_block, frozen, norm_linear, pack_bias, packed_rows, text_model_names,
 )
 from kvcache.models.moe import Expert, MoeSpec, Router, expert_parts, moe_block
 from kvcache.models.weights import embedding, projection
@@ -52,7 +52,7 @@ class Qwen3MoeLayer(nn.Module):
             q_w, k_w = sd[f"{a}.q_norm.weight"].float(), sd[f"{a}.k_norm.weight"].float()  # [D] each
             self.qk_norm = frozen(torch.cat((q_w.expand(hq, d), k_w.expand(hkv, d))))  # [Hq + Hkv, D]
         self.post_norm = frozen(sd[f"{p}.post_attention_layernorm.weight"])  # [H]
-        self.router = Router(sd[f"{m}.gate.weight"], spec)
+        self.router = Router(sd[f"{m}.gate.weight"], self.post_norm, cfg.norm_eps, spec)
         self.experts = nn.ModuleList(
             Expert(gate_up, down, weights, spec.expert_size, ACT_KERNEL.get(cfg.hidden_act))
             for gate_up, down in expert_parts(sd, m, spec))
@@ -96,7 +96,7 @@ class Qwen3MoeForCausalLM(CausalLM):
         cos, sin = self.rope.tables(positions)  # [N, 1, R] each
         for i, ly in enumerate(self.layers):
             attention_block(ctx, i, x, (ly.qkv, ly.qkv_b, ly.o, ly.o_b), heads, cos, sin, ly.qk_norm, eps, cfg.scale)
-            moe_block(x, rms_norm(x, ly.post_norm, eps), ly.router, ly.experts, self.act)
+            moe_block(x, ly.router, ly.experts, self.act)
         if logits_rows is not None:
             x = x[logits_rows]
         logits = norm_linear(x, self.lm_head, None, eps, self.norm)  # [R, k * V / k]

@@ -1,0 +1,279 @@
+/* Mixture-of-experts steps, built into the quantized-weights library (qgemm).
+ *
+ * kv_moe_route: for each of n rows x, the post-attention RMSNorm h = x * post_w / rms(x), the
+ * router's logits l = h @ R (R [H, Ep] fp32, the router matrix transposed and its E columns padded
+ * with zeros to Ep, a multiple of 16: each logit one multiply-add chain over the inputs in order, so
+ * every variant gives the same bits whatever its vector width or row tile), the row's k largest
+ * logits (larger first, equal ones by lower expert id) and their weights: softmax probabilities
+ * p = exp(l - max) / S, S the sum of all E exponentials in expert order, renormalised p_j / (p_0 +
+ * ... + p_{k-1}) in top-k order when `norm`. A row's results depend on that row alone.
+ * kv_q_experts_row: one row's chosen experts, y_j = down(act(gate) * up) of [gate | up] =
+ * gate_up_j(h), combined as out = ((y_0 * w_0) + y_1 * w_1) + ... (each product and sum rounding
+ * once, in that order): the bits of kv_q_expert's outputs weighted and summed one by one. The k
+ * experts' products are shared out together: every gate_up tile of every expert in one loop, every
+ * down tile in another (four barriers a row instead of five an expert).
+ * kv_q_moe_row: a decode row's whole sparse half, x += the mixture of its experts, route and experts
+ * in one parallel region (the steps of kv_moe_route then kv_q_experts_row, so the same bits).
+ *
+ * Layouts: x [n, H] rows ldx apart; post_w [H]; wt [H, Ep]; h [n, H]; w [n, k] float and e [n, k]
+ * int64 (the chosen weights and expert ids, best first); gu, dn: qgemm.h's KVP_N fields of each
+ * expert's gate_up and down (kv_q_experts_row: the k chosen ones in order; kv_q_moe_row: all E).
+ * Returns 0, 1 for bad arguments, 4 when scratch memory cannot be had.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "qgemm.h"
+#include "vmath.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define KMAX 32 /* experts a row */
+#if VL == 16
+#define RR 4 /* rows of a router tile */
+#else
+#define RR 2
+#endif
+#define CV 4 /* vectors of logits a router tile */
+
+typedef struct {
+    int H, E, Ep, k, norm;
+    const float *post_w, *wt;
+    float eps;
+} Route;
+
+static int route_valid(const Route *r) {
+    return r->H >= 1 && r->E >= 1 && r->k >= 1 && r->k <= KMAX && r->k <= r->E && r->Ep >= r->E && r->Ep % 16 == 0 &&
+           r->post_w && r->wt && r->eps >= 0.f;
+}
+
+/* h = x * post_w / rms(x), one row */
+static void norm_row(const Route *r, const float *x, float *h) {
+    const float inv = 1.f / sqrtf(kv_dot(x, x, r->H) / (float)r->H + r->eps);
+    for (int c = 0; c < r->H; c++) h[c] = x[c] * inv * r->post_w[c];
+}
+
+/* logits of nr <= RR rows (h[i], l[i]) for the nv vectors of experts from vector v0 on; nv is a
+ * constant at each call site, so the sums stay in registers */
+static inline __attribute__((always_inline)) void logits_tile(const Route *r, int nr, int nv, float *const *h,
+                                                              float *const *l, int v0) {
+    vec acc[RR][CV];
+    for (int i = 0; i < RR; i++)
+        for (int c = 0; c < nv; c++) acc[i][c] = (vec){0};
+    for (int k = 0; k < r->H; k++) {
+        const float *wk = r->wt + (int64_t)k * r->Ep + (int64_t)v0 * VL;
+        vec w[CV];
+        for (int c = 0; c < nv; c++) w[c] = *(const vec *)(wk + VL * c);
+        for (int i = 0; i < RR; i++)
+            if (i < nr) {
+                const vec s = (vec){0} + h[i][k];
+                for (int c = 0; c < nv; c++) acc[i][c] = vmadd(s, w[c], acc[i][c]);
+            }
+    }
+    for (int i = 0; i < nr; i++)
+        for (int c = 0; c < nv; c++) *(vec *)(l[i] + (int64_t)(v0 + c) * VL) = acc[i][c];
+}
+
+/* logits of nr rows over the expert vectors [v0, v1) */
+static void logits_rows(const Route *r, int nr, float *const *h, float *const *l, int v0, int v1) {
+    int v = v0;
+    for (; v + CV <= v1; v += CV) logits_tile(r, nr, CV, h, l, v);
+    for (; v < v1; v++) logits_tile(r, nr, 1, h, l, v);
+}
+
+/* a row's top k of its logits l [E] and their weights; ex [Ep]: scratch */
+static void pick(const Route *r, const float *l, float *ex, float *w, int64_t *e) {
+    int sel[KMAX], n = 0;
+    for (int x = 0; x < r->E; x++) {
+        if (n < r->k) {
+            n++;
+        } else if (!(l[x] > l[sel[r->k - 1]])) {
+            continue;
+        }
+        int p = n - 1;
+        for (; p > 0 && l[x] > l[sel[p - 1]]; p--) sel[p] = sel[p - 1];
+        sel[p] = x;
+    }
+    const float m = l[sel[0]];
+    int x = 0;
+    for (; x + VL <= r->E; x += VL) *(vec *)(ex + x) = vexp(*(const vec *)(l + x) - m);
+    for (; x < r->E; x++) ex[x] = kv_exp1(l[x] - m);
+    float s = ex[0];
+    for (x = 1; x < r->E; x++) s = s + ex[x];
+    float p[KMAX], t = 0.f;
+    for (int j = 0; j < r->k; j++) {
+        p[j] = ex[sel[j]] / s;
+        t = j == 0 ? p[j] : t + p[j];
+    }
+    for (int j = 0; j < r->k; j++) {
+        w[j] = r->norm ? p[j] / t : p[j];
+        e[j] = sel[j];
+    }
+}
+
+int kv_moe_route(int n, int H, const float *x, int64_t ldx, const float *post_w, float eps, const float *wt, int E,
+                 int Ep, int k, int norm, float *h, float *w, int64_t *e, int n_threads) {
+    const Route r = {H, E, Ep, k, norm, post_w, wt, eps};
+    if (n < 1 || ldx < H || n_threads < 1 || !route_valid(&r)) return 1;
+    const size_t per = (size_t)2 * Ep * sizeof(float); /* a row's logits and exponentials */
+    char *buf = scratch_take(per * RR * (size_t)n_threads + 64 * (size_t)n_threads + 64);
+    if (!buf) return 4;
+    const int tiles = (n + RR - 1) / RR, nvec = Ep / VL;
+#pragma omp parallel num_threads(n_threads)
+    {
+        int me = 0;
+#ifdef _OPENMP
+        me = omp_get_thread_num();
+#endif
+        float *mine = (float *)(((uintptr_t)(buf + (per * RR + 64) * (size_t)me) + 63) & ~(uintptr_t)63);
+#pragma omp for schedule(static)
+        for (int t = 0; t < tiles; t++) {
+            const int r0 = t * RR, nr = n - r0 < RR ? n - r0 : RR;
+            float *hs[RR], *ls[RR];
+            for (int i = 0; i < nr; i++) {
+                hs[i] = h + (int64_t)(r0 + i) * H;
+                ls[i] = mine + (size_t)i * 2 * Ep;
+                norm_row(&r, x + (int64_t)(r0 + i) * ldx, hs[i]);
+            }
+            logits_rows(&r, nr, hs, ls, 0, nvec);
+            for (int i = 0; i < nr; i++)
+                pick(&r, ls[i], ls[i] + Ep, w + (int64_t)(r0 + i) * k, e + (int64_t)(r0 + i) * k);
+        }
+    }
+    return 0;
+}
+
+/* One row's k experts (see the top of the file): their weights, scratch and tile counts. */
+typedef struct {
+    int H, I, k, act;
+    QProj gu[KMAX];
+    QW dn[KMAX];
+    const float *gu_b[KMAX], *dn_b[KMAX];
+    float w[KMAX];
+    int ga[KMAX + 1], gd[KMAX + 1]; /* expert j's gate_up tiles are ga[j] .. ga[j + 1] - 1; down's gd */
+    Scratch a, b[KMAX]; /* the row's activations (every gate_up takes them); each expert's down input */
+    float *hh[KMAX], *y[KMAX]; /* [2I] each: gate | up, then act(gate) * up; [H] each: its output */
+} Row;
+
+static size_t row_bytes(int k, int H, int I) {
+    return scratch_bytes(1, H) + (size_t)k * (scratch_bytes(1, I) + (size_t)(2 * I + H) * sizeof(float) + 192) + 64;
+}
+
+static char *align64(char *p) { return (char *)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
+
+/* The row's experts from their fields (gu, dn: k of KVP_N each, or the table and the ids e), laid
+ * out in buf; 0 when some expert does not fit H, I and act. */
+static int row_at(Row *rw, char *buf, int H, int I, int k, const int64_t *gu, const int64_t *dn, const int64_t *e,
+                  const float *w, int act) {
+    rw->H = H, rw->I = I, rw->k = k, rw->act = act;
+    rw->ga[0] = rw->gd[0] = 0;
+    int need = 0;
+    buf = align64(buf);
+    rw->a = scratch_at(buf, 1, H);
+    buf = align64(buf + scratch_bytes(1, H));
+    for (int j = 0; j < k; j++) {
+        const int64_t at = (e ? e[j] : j) * (int64_t)KVP_N;
+        const QProj g = proj_of(gu + at, H), d = proj_of(dn + at, I);
+        if (d.n != 1 || !mlp_valid(&g, &d.p[0], H, I, act)) return 0;
+        rw->gu[j] = g, rw->dn[j] = d.p[0], rw->gu_b[j] = proj_bias(gu + at), rw->dn_b[j] = proj_bias(dn + at);
+        rw->w[j] = w[j];
+        need |= proj_acts(&g);
+        const QProj d1 = qproj1(&rw->dn[j]);
+        rw->ga[j + 1] = rw->ga[j] + proj_tiles(&g);
+        rw->gd[j + 1] = rw->gd[j] + proj_tiles(&d1);
+        rw->b[j] = scratch_at(buf, 1, I);
+        rw->b[j].need = proj_acts(&d1);
+        buf = align64(buf + scratch_bytes(1, I));
+        rw->hh[j] = (float *)buf;
+        buf = align64(buf + (size_t)2 * I * sizeof(float));
+        rw->y[j] = (float *)buf;
+        buf = align64(buf + (size_t)H * sizeof(float));
+    }
+    rw->a.need = need;
+    return 1;
+}
+
+static int expert_of(const int *first, int t) {
+    int j = 0;
+    while (t >= first[j + 1]) j++;
+    return j;
+}
+
+/* Inside a parallel region, with the row's activations made (rw->a): out = the mixture (accumulate
+ * 0) or out += it (1). */
+static void experts_in_region(const Row *rw, float *out, int accumulate) {
+    const int k = rw->k, H = rw->H, I = rw->I;
+#pragma omp for schedule(static)
+    for (int t = 0; t < rw->ga[k]; t++) {
+        const int j = expert_of(rw->ga, t);
+        proj_tile(&rw->gu[j], t - rw->ga[j], 0, 1, &rw->a, rw->gu_b[j], NULL, rw->hh[j], 2 * I, 0);
+    }
+#pragma omp for schedule(static)
+    for (int j = 0; j < k; j++) {
+        glu_row(rw->act, I, rw->hh[j]);
+        act_row(&rw->b[j], 0, I, rw->hh[j], 2 * I, NULL, -1.f);
+    }
+#pragma omp for schedule(static)
+    for (int t = 0; t < rw->gd[k]; t++) {
+        const int j = expert_of(rw->gd, t);
+        const QProj d = qproj1(&rw->dn[j]);
+        proj_tile(&d, t - rw->gd[j], 0, 1, &rw->b[j], rw->dn_b[j], NULL, rw->y[j], H, 0);
+    }
+#pragma omp for schedule(static)
+    for (int c = 0; c < H; c++) {
+        float o = rw->y[0][c] * rw->w[0];
+        for (int j = 1; j < k; j++) {
+            const float t = rw->y[j][c] * rw->w[j];
+            o = o + t;
+        }
+        out[c] = accumulate ? out[c] + o : o;
+    }
+}
+
+int kv_q_experts_row(int H, int I, const float *x, int k, const int64_t *gu, const int64_t *dn, const float *w,
+                     int act, float *out, int n_threads) {
+    if (k < 1 || k > KMAX || n_threads < 1) return 1;
+    char *buf = scratch_take(row_bytes(k, H, I));
+    if (buf == NULL) return 4;
+    Row rw;
+    if (!row_at(&rw, buf, H, I, k, gu, dn, NULL, w, act)) return 1;
+#pragma omp parallel num_threads(n_threads)
+    {
+#pragma omp single
+        act_row(&rw.a, 0, H, x, H, NULL, -1.f);
+        experts_in_region(&rw, out, 0);
+    }
+    return 0;
+}
+
+int kv_q_moe_row(int H, int I, float *x, const float *post_w, float eps, const float *wt, int E, int Ep, int k,
+                 int norm, const int64_t *gu, const int64_t *dn, int act, float *w, int64_t *e, int n_threads) {
+    const Route r = {H, E, Ep, k, norm, post_w, wt, eps};
+    if (n_threads < 1 || !route_valid(&r)) return 1;
+    const size_t head = ((size_t)H + 2 * (size_t)Ep) * sizeof(float) + 128;
+    char *buf = scratch_take(head + row_bytes(k, H, I));
+    if (buf == NULL) return 4;
+    float *h = (float *)align64(buf), *l = h + ((H + 15) & ~15), *ex = l + Ep;
+    Row rw;
+    int ok = 1;
+    const int nvec = Ep / VL, chunks = (nvec + CV - 1) / CV;
+#pragma omp parallel num_threads(n_threads)
+    {
+#pragma omp single
+        norm_row(&r, x, h);
+        float *hs[1] = {h}, *ls[1] = {l};
+#pragma omp for schedule(static)
+        for (int c = 0; c < chunks; c++) logits_rows(&r, 1, hs, ls, c * CV, (c + 1) * CV < nvec ? (c + 1) * CV : nvec);
+#pragma omp single
+        {
+            pick(&r, l, ex, w, e);
+            ok = row_at(&rw, buf + head, H, I, k, gu, dn, e, w, act);
+            if (ok) act_row(&rw.a, 0, H, h, H, NULL, -1.f);
+        }
+        if (ok) experts_in_region(&rw, x, 1);
+    }
+    return ok ? 0 : 1;
+}
