@@ -255,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
 
     pooled: dict[tuple[str, ...], Row] = {}
     products: dict[str, float] = {}  # weights mode -> the products' best read of its weights, GB/s
-    ids, prompts, depth_ids, name, kv_f32, macs, read_gb_s = [], {}, [], "", 0, 0, 0.0
+    ids, prompts, depth_ids, name, kv_f32, macs, read_gb_s, share = [], {}, [], "", 0, 0, 0.0, 1.0
     for _ in range(rounds):  # every system once a round, in turn: the host's speed drifts over minutes
         rows: list[Row] = []
         for mode in weights:
@@ -263,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
             if not ids:
                 ids, name, kv_f32 = llm.encode(PROMPT, chat=True), llm.model_name, llm.config.kv_bytes_per_token()
                 macs = projection_macs(llm.config)
+                share = weight_bytes(llm.model) / max(1, llm.model.weight_bytes())  # what a step reads
                 prompts = {n: english_prompt(llm, n) for n in prefill}
                 depth_ids = english_prompt(llm, depth) if depth else []
             rows += bench_decode(llm, ids, strategies, new, repeats, bar.update)
@@ -284,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
         if "llama.cpp" in peers:
             from kvcache.peers.llama_bench import Work
 
-            work = Work(len(ids), ids, new, repeats, threads, prompts, depth_ids, depth_new, kv_f32)
+            work = Work(len(ids), ids, new, repeats, threads, prompts, depth_ids, depth_new, kv_f32, share)
             src = Path(str(resolved.source)) if resolved.source is not None else None
             rows += llama_bench.rows(src, weights, work, depth_pair, bin_dir, bar.update)
         read_gb_s = max(read_gb_s, read_bandwidth(threads))  # the best the memory gave in any round

@@ -59,6 +59,14 @@ class Work:
     depth_ids: list[int]  # context for the long-context row ([] for none)
     depth_new: int  # new tokens of the long-context row
     kv_f32_per_token: int  # bytes of one token's K and V in fp32 (for GB/s)
+    read_share: float = 1.0  # the share of a file's weights a decode step reads (a mixture's chosen experts)
+
+
+def step_weights(model: Path, share: float) -> int:
+    """Bytes of a GGUF's weights one decode step reads: the file, times the share of its weights
+    the same model's step reads in kvcache (below 1 for a mixture of experts, which reads only its
+    chosen experts; the input embedding table's unread rows)."""
+    return int(model.stat().st_size * share)
 
 
 def kind(bin_dir: Path | None) -> str | None:
@@ -135,7 +143,7 @@ def _llama_bench(exe: Path, model: Path, label: str, pair: str, work: Work, dept
     res = run(base + ["-p", ",".join(map(str, lengths)), "-n", str(work.new)], "llama-bench")
     if not res.ok:
         return expected(label, pair, work, depth, res.note)
-    wbytes = model.stat().st_size
+    wbytes = step_weights(model, work.read_share)
     for t in res.data if isinstance(res.data, list) else []:
         n_prompt, n_gen = int(t.get("n_prompt", 0)), int(t.get("n_gen", 0))
         ts = [float(x) for x in t.get("samples_ts", [])]
@@ -171,7 +179,7 @@ def _request(model: Path, label: str, pair: str, work: Work, depth: bool) -> dic
             "repeats": work.repeats, "threads": work.threads,
             "prefill": {str(n): p for n, p in work.prefill.items()},
             "depth_ids": work.depth_ids if depth else [], "depth_new": work.depth_new,
-            "kv_f32_per_token": work.kv_f32_per_token}
+            "kv_f32_per_token": work.kv_f32_per_token, "read_share": work.read_share}
 
 
 def _convert(req: dict[str, Any]) -> dict[str, object]:
@@ -216,7 +224,7 @@ def _bench(req: dict[str, Any]) -> list[dict[str, object]]:
     longest = max([len(ids) + new, *prefill]) + 16
     common = dict(n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
     llm = Llama(model_path=str(model), n_ctx=longest, **common)
-    wbytes, kv_f32 = model.stat().st_size, int(req["kv_f32_per_token"])
+    wbytes, kv_f32 = step_weights(model, float(req.get("read_share", 1.0))), int(req["kv_f32_per_token"])
     decode = Row("llama.cpp", label, "f16", pair, "decode", len(ids))
     _generate(llm, ids[:8], 4)  # warm-up
     for _ in range(repeats):
