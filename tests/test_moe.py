@@ -294,9 +294,10 @@ def test_a_rows_experts_in_one_native_call_give_the_loops_bits(folder) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_native_router_follows_the_routing_rules_and_a_decode_row_is_one_call(folder, case: str) -> None:
     """The native router (kernels/dmoe.c) against torch's steps on the same rows: the same experts
-    in the same order, weights within 1e-6, the same normed rows within 1e-6; and a decode row's
-    whole block in one call (kv_q_moe_row) gives the bits of the router then the row's experts."""
-    from kvcache.kernels.qmoe import expert_table, experts_row, moe_row
+    in the same order, weights within 1e-6, the same normed rows within 1e-6; a decode row's whole
+    block in one call (kv_q_moe_row) gives the bits of the router then the row's experts, and 40
+    rows grouped by expert in one call (kv_q_moe_rows) each row's bits alone."""
+    from kvcache.kernels.qmoe import expert_table, experts_row, moe_row, moe_rows
     from kvcache.models.layers import linear, pack, rms_norm
 
     path, _ = folder(case)
@@ -323,6 +324,15 @@ def test_the_native_router_follows_the_routing_rules_and_a_decode_row_is_one_cal
                            table, 0)
             want = x[r : r + 1] + experts_row(h[r : r + 1], table, e[r], w[r], 0)
             assert torch.equal(row, want), (case, r)
+        rows = x.clone()  # every row at once, grouped by expert: each row's bits as alone
+        assert moe_rows(rows, h, w, e, table, 0)
+        for r in range(40):
+            alone = x[r : r + 1].clone()
+            moe_row(alone, router.norm, router.eps, router.table, spec.num_experts, spec.top_k, spec.norm_topk,
+                    table, 0)
+            assert torch.equal(rows[r : r + 1], alone), (case, r)
+        with pytest.raises(IndexError, match="outside the layer's"):
+            moe_rows(x.clone(), h, w, torch.where(e == e[3, 0], spec.num_experts, e), table, 0)
 
 
 def _gguf_state(hf: Any, folder_: Path, ggml: int) -> dict[str, Any]:

@@ -123,8 +123,8 @@ def test_mixture_experts_give_the_same_bits_on_every_variant(t):
 
 def test_the_router_and_a_decode_rows_mixture_give_the_same_bits_on_every_variant():
     """kv_moe_route (the norm, logits, top-k and weights of 1 and 7 rows; 21 experts padded to 32
-    columns, so vectors and their tail both count) and kv_q_moe_row (a row's whole block over five
-    Q4_K experts, three a row) on every variant."""
+    columns, so vectors and their tail both count), kv_q_moe_row (a row's whole block over five
+    Q4_K experts, three a row) and kv_q_moe_rows (seven rows grouped by expert) on every variant."""
     from kvcache.kernels.qweight import proj_fields
 
     lib = libs("qgemm")
@@ -155,6 +155,18 @@ def test_the_router_and_a_decode_rows_mixture_give_the_same_bits_on_every_varian
         assert len(set(e.tolist())) == k and 0 <= e.min() and e.max() < 5
         outs[name] = np.concatenate([y, w, e.view(np.float32)])
     same(outs, "a decode row's mixture")
+    n = 7  # rows grouped by expert (kv_q_moe_rows), from one variant's routing
+    x = rng.standard_normal((n, H)).astype(np.float32)
+    h, w, e = np.empty((n, H), np.float32), np.empty((n, k), np.float32), np.empty((n, k), np.int64)
+    assert lib["generic"].kv_moe_route(n, H, x.ctypes.data, H, post.ctypes.data, 1e-6, wt5.ctypes.data, 5, 16, k, 1,
+                                       h.ctypes.data, w.ctypes.data, e.ctypes.data, 2) == 0
+    outs = {}
+    for name, lib_ in lib.items():
+        y = x.copy()
+        assert lib_.kv_q_moe_rows(n, H, I, y.ctypes.data, H, h.ctypes.data, w.ctypes.data, e.ctypes.data, k, 5,
+                                  gu.data_ptr(), dn.data_ptr(), 0, 2) == 0
+        outs[name] = y
+    same(outs, f"{n} rows' mixtures")
 
 
 def test_fp32_products_give_the_same_bits_on_every_variant():

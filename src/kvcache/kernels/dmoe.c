@@ -14,6 +14,8 @@
  * down tile in another (four barriers a row instead of five an expert).
  * kv_q_moe_row: a decode row's whole sparse half, x += the mixture of its experts, route and experts
  * in one parallel region (the steps of kv_moe_route then kv_q_experts_row, so the same bits).
+ * kv_q_moe_rows: the same for any number of rows after kv_moe_route: each chosen expert once over
+ * all the rows that chose it, each row's sum in its top-k order (the same bits again).
  *
  * Layouts: x [n, H] rows ldx apart; post_w [H]; wt [H, Ep]; h [n, H]; w [n, k] float and e [n, k]
  * int64 (the chosen weights and expert ids, best first); gu, dn: qgemm.h's KVP_N fields of each
@@ -22,6 +24,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "qgemm.h"
@@ -276,4 +279,97 @@ int kv_q_moe_row(int H, int I, float *x, const float *post_w, float eps, const f
         if (ok) experts_in_region(&rw, x, 1);
     }
     return ok ? 0 : 1;
+}
+
+/* kv_q_moe_rows: x [n, H] += the mixture of each row's k experts (e, w [n, k] from kv_moe_route, h
+ * [n, H] its normed rows), every chosen expert once over all the rows that chose it (each row's
+ * products its own bits, as kv_q_expert's), the outputs in grouped order in one buffer, then each
+ * row's sum in its top-k order, as kv_q_experts_row combines them. gu, dn: every expert's fields
+ * [E, KVP_N]. Returns 0, 1 for bad arguments (an expert id outside 0 .. E - 1 among them), 4
+ * without memory. */
+int kv_q_moe_rows(int n, int H, int I, float *x, int64_t ldx, const float *h, const float *w, const int64_t *e,
+                  int k, int E, const int64_t *gu, const int64_t *dn, int act, int n_threads) {
+    if (n < 1 || k < 1 || k > KMAX || E < 1 || ldx < H || n_threads < 1) return 1;
+    const int64_t slots = (int64_t)n * k;
+    int cmax = 0;
+    int *count = calloc((size_t)E + 1, sizeof(int));
+    if (!count) return 4;
+    for (int64_t s = 0; s < slots; s++) {
+        if (e[s] < 0 || e[s] >= E) {
+            free(count);
+            return 1;
+        }
+        count[e[s] + 1]++;
+    }
+    for (int j = 0; j < E; j++) {
+        if (count[j + 1] > cmax) cmax = count[j + 1];
+        if (count[j + 1]) {
+            const QProj g = proj_of(gu + (int64_t)j * KVP_N, H), d = proj_of(dn + (int64_t)j * KVP_N, I);
+            if (d.n != 1 || !mlp_valid(&g, &d.p[0], H, I, act)) {
+                free(count);
+                return 1;
+            }
+        }
+        count[j + 1] += count[j]; /* count[j]: expert j's first grouped position */
+    }
+    const size_t grouped = (size_t)slots * (2 * sizeof(int32_t) + (size_t)H * sizeof(float)) + 64,
+                 one = scratch_bytes(cmax, H) + scratch_bytes(cmax, I) + (size_t)cmax * 2 * I * sizeof(float) + 512;
+    char *buf = scratch_take(grouped + one);
+    if (!buf) {
+        free(count);
+        return 4;
+    }
+    int32_t *pos = (int32_t *)align64(buf), *rowof = pos + slots; /* slot -> grouped position -> row */
+    float *ys = (float *)align64((char *)(rowof + slots));
+    int *at = malloc(sizeof(int) * (size_t)E);
+    if (!at) {
+        free(count);
+        return 4;
+    }
+    memcpy(at, count, sizeof(int) * (size_t)E);
+    for (int64_t s = 0; s < slots; s++) { /* grouped by expert, slots in order within each */
+        const int p = at[e[s]]++;
+        pos[s] = p, rowof[p] = (int32_t)(s / k);
+    }
+    free(at);
+    char *eb = align64((char *)(ys + (size_t)slots * H));
+    Scratch a = scratch_at(eb, cmax, H), b = scratch_at(align64(eb + scratch_bytes(cmax, H)), cmax, I);
+    float *hh = (float *)align64(eb + scratch_bytes(cmax, H) + 64 + scratch_bytes(cmax, I));
+#pragma omp parallel num_threads(n_threads)
+    {
+        for (int j = 0; j < E; j++) {
+            const int c = count[j + 1] - count[j], p0 = count[j];
+            if (!c) continue;
+            const QProj g = proj_of(gu + (int64_t)j * KVP_N, H), d = proj_of(dn + (int64_t)j * KVP_N, I);
+            const QW down = d.p[0];
+            const QProj d1 = qproj1(&down);
+            Scratch sa = a, sb = b;
+            sa.need = proj_acts(&g), sb.need = proj_acts(&d1);
+#pragma omp for schedule(static)
+            for (int i = 0; i < c; i++) act_row(&sa, i, H, h + (int64_t)rowof[p0 + i] * H, 0, NULL, -1.f);
+            mm_proj(&g, c, &sa, proj_bias(gu + (int64_t)j * KVP_N), NULL, hh, 2 * I, 0);
+#pragma omp for schedule(static)
+            for (int i = 0; i < c; i++) {
+                glu_row(act, I, hh + (size_t)i * 2 * I);
+                act_row(&sb, i, I, hh, 2 * I, NULL, -1.f);
+            }
+            mm_rows(&down, c, &sb, proj_bias(dn + (int64_t)j * KVP_N), NULL, ys + (size_t)p0 * H, H, 0);
+        }
+#pragma omp for schedule(static)
+        for (int r = 0; r < n; r++) {
+            const float *wr = w + (int64_t)r * k;
+            const int32_t *pr = pos + (int64_t)r * k;
+            float *xr = x + (int64_t)r * ldx;
+            for (int c = 0; c < H; c++) {
+                float o = ys[(size_t)pr[0] * H + c] * wr[0];
+                for (int j = 1; j < k; j++) {
+                    const float t = ys[(size_t)pr[j] * H + c] * wr[j];
+                    o = o + t;
+                }
+                xr[c] = xr[c] + o;
+            }
+        }
+    }
+    free(count);
+    return 0;
 }

@@ -113,3 +113,24 @@ def moe_row(x: torch.Tensor, post_norm: torch.Tensor, eps: float, router: torch.
                              dn_all.data_ptr(), act, w.data_ptr(), e.data_ptr(), torch.get_num_threads())
     _checked(rc, "mixture")
     return True
+
+
+def moe_rows(x: torch.Tensor, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+             table: tuple[torch.Tensor, torch.Tensor, int, int], act: int | None) -> bool:
+    """x [N, H] += each row's mixture of its chosen experts (``route``'s h [N, H], weights and
+    experts [N, k]) in one native call (kv_q_moe_rows): every chosen expert once over the rows that
+    chose it, a row's result its own bits (those of ``moe_row`` for that row). False: not done here
+    (nothing changed)."""
+    gu_all, dn_all, hidden, size = table
+    n, k = experts.shape
+    if (act is None or x.dtype != torch.float32 or x.dim() != 2 or x.shape != (n, hidden) or x.stride(1) != 1
+            or h.shape != (n, hidden) or not h.is_contiguous() or weights.shape != (n, k) or not 1 <= k <= MAX_K):
+        return False
+    w = weights.to(torch.float32).contiguous()
+    e = experts.to(torch.int64).contiguous()
+    rc = _lib().kv_q_moe_rows(n, hidden, size, x.data_ptr(), x.stride(0), h.data_ptr(), w.data_ptr(), e.data_ptr(),
+                              k, gu_all.shape[0], gu_all.data_ptr(), dn_all.data_ptr(), act, torch.get_num_threads())
+    if rc == 1:
+        raise IndexError(f"an expert id outside the layer's {gu_all.shape[0]} experts, or experts that do not fit")
+    _checked(rc, "mixture")
+    return True

@@ -47,6 +47,10 @@ _TABLE = (
         ("H", "int"), ("I", "int"), ("x", "float *"), ("post_w", "const float *"), ("eps", "float"),
         ("wt", "const float *"), ("E", "int"), ("Ep", "int"), ("k", "int"), ("norm", "int"), ("gu", "const int64_t *"),
         ("dn", "const int64_t *"), ("act", "int"), ("w", "float *"), ("e", "int64_t *"), ("n_threads", "int"))),
+    Signature("qgemm", "kv_q_moe_rows", "int", (
+        ("n", "int"), ("H", "int"), ("I", "int"), ("x", "float *"), ("ldx", "int64_t"), ("h", "const float *"),
+        ("w", "const float *"), ("e", "const int64_t *"), ("k", "int"), ("E", "int"), ("gu", "const int64_t *"),
+        ("dn", "const int64_t *"), ("act", "int"), ("n_threads", "int"))),
     # qamx.c: whether the products of many rows use AMX tiles here, and why
     Signature("qgemm", "kv_amx_status", "const char *", ()),
     # qpack.c: repacking GGUF blocks, dequantizing rows

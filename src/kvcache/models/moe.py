@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from kvcache.errors import UnsupportedArchitecture
-from kvcache.kernels.qmoe import expert_table, experts_row, moe_row, route, router_table
+from kvcache.kernels.qmoe import expert_table, experts_row, moe_row, moe_rows, route, router_table
 from kvcache.kernels.qweight import expert_mlp
 from kvcache.models.config import ModelConfig
 from kvcache.models.layers import frozen, linear, pack, rms_norm
@@ -162,15 +162,16 @@ def moe_block(x: torch.Tensor, router: Router, experts: nn.ModuleList,
     """x [N, H] += sum over each row's chosen experts e_j (j in top-k order) of w_j * e_j(h), with
     h [N, H] the normed rows (``router``'s) the experts read. Rows are grouped by expert: each
     chosen expert runs once, over all the rows that chose it. A single row (a decode step) runs its
-    experts in its top-k order and sums them as the grouped path does: the same bits (with quantized
-    experts and the native router, the whole block in one call)."""
+    experts in its top-k order and sums them as the grouped path does: the same bits. Quantized
+    experts run in one native call a layer (with the native router, a decode row's norm and routing
+    too), without torch's steps between the experts or buffers of the allocator's."""
     n, hidden = x.shape
+    kept = experts.__dict__.get("_row_table")
+    if kept is None:  # every expert's native fields and the activation's kernel, made once
+        kept = experts.__dict__["_row_table"] = (expert_table([(ex.gate_up, ex.down) for ex in experts]),
+                                                 experts[0].act_kernel)
+    table, act_kernel = kept  # table None: some expert is not quantized
     if n == 1:  # a decode step: the row's experts in its top-k order, no grouping to do
-        kept = experts.__dict__.get("_row_table")
-        if kept is None:  # every expert's native fields and the activation's kernel, made once
-            kept = experts.__dict__["_row_table"] = (expert_table([(ex.gate_up, ex.down) for ex in experts]),
-                                                     experts[0].act_kernel)
-        table, act_kernel = kept  # table None: some expert is not quantized
         spec = router.spec
         if (table is not None and router.table is not None
                 and moe_row(x, router.norm, router.eps, router.table, spec.num_experts, spec.top_k, spec.norm_topk,
@@ -188,6 +189,8 @@ def moe_block(x: torch.Tensor, router: Router, experts: nn.ModuleList,
         x += out
         return
     h, weights, chosen = router(x)  # [N, H], [N, K] each
+    if table is not None and moe_rows(x, h, weights, chosen, table, act_kernel):  # quantized experts: one call
+        return
     k = weights.shape[1]
     flat = chosen.reshape(-1)  # [N K]: slot r * K + j is row r's j-th choice
     order = torch.argsort(flat, stable=True)  # [N K] slots grouped by expert
