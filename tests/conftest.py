@@ -300,6 +300,16 @@ LONGEST_FIRST = ("test_bench_all.py", "test_speculative.py", "test_bench_decode.
                  "test_structured_server.py", "test_eval.py", "test_bench_spec.py")
 
 
+def pytest_collection_finish(session):
+    """Everything collection imported (torch, transformers, every test module) and made moves to the
+    collector's permanent generation: the worker's later full collections walk only what tests make
+    (the workers spent 4.6% of their time in the collector, walking those imports again)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         file = Path(str(item.fspath)).name

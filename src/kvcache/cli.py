@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvcache import gcpolicy
 from kvcache.cliargs import (add_model_args, add_prefix_args, add_sampling_args, load_llm, prediction_text,
                              sampling_params, stop_asked, stop_on_signals)
 from kvcache.fmt import human_bytes
@@ -213,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     stop_on_signals()  # Ctrl-C and SIGTERM stop every command from its first line
+    gcpolicy.defer()  # no garbage collection while the imports and the model's load run (gcpolicy.py)
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
@@ -232,6 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if stop_asked() and _caused_by_interrupt(e):
             return _interrupted(argv)
         raise
+    finally:
+        gcpolicy.settle()  # a command that loaded no model
 
 
 def _interrupted(argv: Sequence[str] | None) -> int:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Union
 
 import torch
 
-from kvcache import hugepages, kernels
+from kvcache import gcpolicy, hugepages, kernels
 from kvcache.cache.paged import CacheStats
 from kvcache.cache.config import CacheConfig, parse_kv_spec
 from kvcache.engine.generate import RequestRun
@@ -104,6 +104,7 @@ class LLM:
             self.draft = self._load_draft(draft_model, draft_weights, threads)
             self.runner.draft = self.draft.runner
         hugepages.trim()  # what the load parsed and freed goes back to the kernel
+        gcpolicy.settle()  # a command's deferred collection resumes, its start-up frozen (gcpolicy.py)
         self.load_s = time.perf_counter() - t0
 
     def _load_draft(self, model: str, weights: str, threads: int | None) -> LLM:
