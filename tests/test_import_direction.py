@@ -10,7 +10,7 @@ The order, top to bottom, is docs/architecture.md's:
     cache          pages, page tables, their manager, visibility, plans
     press          token scoring for eviction
     kernels        native kernels, repacked weight formats, RoPE
-    base           errors, fmt, paths, plotting, hugepages
+    base           errors, fmt, paths, plotting, hugepages, gcpolicy
 
 Imports under ``if TYPE_CHECKING:`` never run and are not counted (the same walk as
 test_import_cycles.py).
@@ -33,7 +33,7 @@ LAYERS = [
     ["kvcache.cache"],
     ["kvcache.press"],
     ["kvcache.kernels"],
-    ["kvcache.errors", "kvcache.fmt", "kvcache.paths", "kvcache.plotting", "kvcache.hugepages"],
+    ["kvcache.errors", "kvcache.fmt", "kvcache.paths", "kvcache.plotting", "kvcache.hugepages", "kvcache.gcpolicy"],
 ]
 
 
