@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     stop_on_signals()  # Ctrl-C and SIGTERM stop every command from its first line
-    gcpolicy.defer()  # no garbage collection while the imports and the model's load run (gcpolicy.py)
+    gcpolicy.defer()  # garbage collected rarely while the imports and the model's load run (gcpolicy.py)
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
