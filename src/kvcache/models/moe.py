@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from kvcache.errors import UnsupportedArchitecture
-from kvcache.kernels.qmoe import expert_table, experts_row, moe_row, moe_rows, route, router_table
+from kvcache.kernels.qmoe import expert_table, moe_row, moe_rows, route, router_table
 from kvcache.kernels.qweight import expert_mlp
 from kvcache.models.config import ModelConfig
 from kvcache.models.layers import frozen, linear, pack, rms_norm
@@ -177,11 +177,7 @@ def moe_block(x: torch.Tensor, router: Router, experts: nn.ModuleList,
                 and moe_row(x, router.norm, router.eps, router.table, spec.num_experts, spec.top_k, spec.norm_topk,
                             table, act_kernel)):
             return
-        h, weights, chosen = router(x)
-        native = None if table is None else experts_row(h, table, chosen[0], weights[0], act_kernel)
-        if native is not None:  # quantized experts: one native call, the same bits as the loop below
-            x += native
-            return
+        h, weights, chosen = router(x)  # fp32 experts (or no library): the experts one by one
         out = None
         for j, e in enumerate(chosen[0].tolist()):
             y = experts[e](h, act) * weights[:, j : j + 1]  # [1, H]
