@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -17,6 +18,7 @@ def out(tmp_path_factory):
     d = tmp_path_factory.mktemp("bench")
     p = run_kvcache("bench", "all", "--quick", "--out", str(d), timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
+    (d / "stdout.txt").write_text(p.stdout)
     return d
 
 
@@ -114,6 +116,64 @@ def test_suites_measure_what_they_say(out):
     ours, theirs = hf[("kvcache.hf", "dynamic")], hf[("transformers", "DynamicCache")]
     assert ours["tok_s"] > 0 and theirs["tok_s"] > 0
     assert ours["kv_bytes_per_token"] == theirs["kv_bytes_per_token"]  # fp32 K/V either way
+
+
+FP32_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2: K and V x layers x KV heads x head_dim x fp32
+
+
+@pytest.mark.slow
+def test_decode_gives_file_q8_and_fp32_rows(out):
+    """bench decode under --quick (bench all's settings): each weights mode's decode and prefill,
+    the depth row, transformers beside fp32, the products' own read and the ratios."""
+    data, stdout = _rows(out, "decode"), (out / "stdout.txt").read_text()
+    rows = data["results"]
+    ours = {(r["pair"], r["test"]): r for r in rows if r["system"] == "kvcache"}
+    assert set(ours) == {(w, t) for w in ("file", "q8", "fp32") for t in ("decode", "prefill")} | {("file", "depth")}
+    assert ours[("file", "decode")]["weights"] == "file (Q4_1)" and ours[("q8", "decode")]["weights"] == "q8"
+    for r in ours.values():
+        assert r["tok_s"] > 0 and r["tok_s_min"] <= r["tok_s"] <= r["tok_s_max"], r
+    assert ours[("file", "prefill")]["tokens"] == 128 and ours[("file", "prefill")]["seconds"] > 0
+    depth = ours[("file", "depth")]
+    assert depth["tokens"] == 128 and depth["cache"] == "int8" and depth["gb_s"] > 0
+    # the quantized weights read fewer bytes per step than fp32 (GB/s = bytes per step x tok/s)
+    per_step = {w: ours[(w, "decode")]["gb_s"] / ours[(w, "decode")]["tok_s"] for w in ("file", "q8", "fp32")}
+    assert per_step["file"] < per_step["q8"] < 0.3 * per_step["fp32"]
+    hf = [r for r in rows if r["system"] == "transformers"]
+    assert {(r["cache"], r["test"]) for r in hf} == {("DynamicCache", "decode"), ("DynamicCache", "prefill")}
+    assert all(r["tok_s"] > 0 and r["pair"] == "fp32" for r in hf)
+    assert all(r["gb_s"] > 0 for r in hf if r["test"] == "decode")
+    assert any(x["kvcache"] == "fp32 dynamic" and x["peer"].startswith("transformers") and x["ratio"] > 0
+               for x in data["ratios"])
+    assert re.search(r"kvcache\s+fp32\s+dynamic\s+[\d.]+", stdout)
+    assert re.search(r"transformers\s+fp32\s+DynamicCache\s+[\d.]+", stdout)
+    assert "kvcache / peer" in stdout and "host: " in stdout and data["meta"]["kernel_variant"]
+    # the products' own read of the weights, for the modes that have quantized weights
+    assert set(data["meta"]["products_gb_s"]) == {"file", "q8"} and "the products alone" in stdout
+    assert all(v > 0 for v in data["meta"]["products_gb_s"].values())
+
+
+@pytest.mark.slow
+def test_context_and_growth_rows(out):
+    """bench context: a row per spec and context, every token but the last stored, bytes against
+    the fp32 reference; bench growth: per bucket of context, kvcache's and transformers' step."""
+    data, stdout = _rows(out, "context"), (out / "stdout.txt").read_text()
+    assert "context 256 tokens" in stdout
+    rows = {(r["spec"], r["context"]): r for r in data["results"]}
+    assert set(rows) == {("dynamic", 256), ("int8", 256)}
+    for r in rows.values():
+        assert r["tok_s"] > 0 and r["prefill_s"] > 0 and r["gb_s"] > 0
+        assert r["tok_s_min"] <= r["tok_s"] <= r["tok_s_max"]
+        assert r["tokens_stored"] == 256 + 8 - 1  # the prompt and every new token but the last
+    dense, int8 = rows[("dynamic", 256)], rows[("int8", 256)]
+    assert dense["kv_bytes_per_token"] == FP32_BYTES_PER_TOKEN and dense["bytes_vs_ref"] == dense["tok_s_vs_ref"] == 1.0
+    assert 0.2 < int8["bytes_vs_ref"] < 0.7 and int8["kv_bytes_per_token_stored"] < FP32_BYTES_PER_TOKEN / 3
+    assert data["meta"]["reference"] == "dynamic" and data["meta"]["new_tokens"] == 8
+    growth = _rows(out, "growth")
+    assert [b["bucket"] for b in growth["buckets"]] == ["0-512"] and growth["meta"]["max_context"] == 512
+    for b in growth["buckets"]:
+        assert b["kvcache_us"] > 0 and b["transformers_us"] > 0 and b["ratio"] > 0
+    assert growth["total"]["kvcache_s"] > 0 and growth["total"]["transformers_s"] > 0
+    assert "0-512" in stdout and "total s" in stdout
 
 
 def test_bad_bench_options(tmp_path):

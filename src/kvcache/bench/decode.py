@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 SUITE = "decode"
 ORDER = 10
 OPTIONS = ("new_tokens", "repeats", "rounds", "kv", "peers", "weights", "prefill", "depth", "llama_cpp_bin", "profile")
-QUICK = {"new_tokens": 16, "repeats": 1, "peers": "dynamic", "weights": "file,fp32", "prefill": "128", "depth": 128}
+QUICK = {"new_tokens": 16, "repeats": 1, "peers": "dynamic", "weights": "file,q8,fp32", "prefill": "128", "depth": 128}
 QUICK_LLAMA_CPP = {"peers": "dynamic,llama.cpp"}
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
