@@ -53,7 +53,8 @@ def test_committed_json_gives_one_table_per_host_kind_with_the_files_own_ratios(
     assert e.run.path.name == src.name and e.run.date == "2026-11-28"
     assert e.row.kvcache == k and e.row.peer == p
     assert abs(e.row.ratio - k / p) < 1e-12
-    line = next(ln for ln in text.splitlines() if ln.startswith("| 1B Q4_K_M: prefill 512 tokens"))
+    zen4 = text.split(f"### {ZEN4}\n", 1)[1].split("\n### ", 1)[0]  # that host's table (newest host first)
+    line = next(ln for ln in zen4.splitlines() if ln.startswith("| 1B Q4_K_M: prefill 512 tokens"))
     assert f"| {k / p:.2f}x | 2026-11-28 | docs/bench/scale/zen4/1b-Q4_K_M-acts-2026-11-28.json |" in line
 
     # the same row on the other host kind comes from that host's own file
