@@ -176,6 +176,38 @@ def test_context_and_growth_rows(out):
     assert "0-512" in stdout and "total s" in stdout
 
 
+@pytest.mark.slow
+def test_structured_rows_compile_and_engines(out):
+    """bench structured: constrained and free runs of the same requests at batch 4 and 1, every
+    output valid; the schema cache's cold, cached and lookup times; llguidance's own row, and
+    xgrammar's measured or skipped with the reason."""
+    from kvcache.bench import structured as sb
+
+    data, stdout = _rows(out, "structured"), (out / "stdout.txt").read_text()
+    assert data["meta"]["torch"] and data["meta"]["schema"] == sb.SCHEMA
+    rows = {r["batch"]: r for r in data["results"]}
+    assert set(rows) == {4, 1} and rows[4]["requests"] == 4 and rows[1]["requests"] == 2
+    for r in rows.values():
+        assert r["tokens"] > 0 and r["free_tokens"] == r["constrained_tokens"] == r["tokens"]
+        for key in ("free_tok_s", "constrained_tok_s", "ratio", "free_step_ms", "constrained_step_ms",
+                    "mask_us_per_token", "mask_ms_per_step", "mask_share"):
+            assert r[key] > 0, key
+        assert r["outputs"] == 2 * r["requests"] and r["valid"] == r["outputs"]  # warm-up and timed run
+        assert r["finish"] == ["stop"] and sb.valid(r["sample_output"])
+    comp = data["compile"]
+    assert 0 < comp["lookup_s"] <= comp["cached_s"] < comp["cold_s"]
+    engines = {e["engine"]: e for e in data["engines"]}
+    eng = engines["llguidance"]
+    assert eng["accepted"] is True and eng["note"] == "" and eng["tokens"] > 20 and eng["version"]
+    for key in ("tokenizer_s", "compile_s", "first_mask_us", "cold_mean_us", "mask_mean_us", "mask_max_us",
+                "advance_us"):
+        assert eng[key] > 0, key
+    xg = engines["xgrammar"]
+    assert (xg["accepted"] is True and xg["mask_mean_us"] > 0) or "not installed" in xg["note"]
+    assert "compared: output tokens / wall time" in stdout and "llguidance" in stdout
+    assert "8/8" in stdout and "4/4" in stdout  # every constrained output valid, in the table
+
+
 def test_bad_bench_options(tmp_path):
     p = run_kvcache("bench", "all", "--kv", "dynamic")
     assert p.returncode == 2 and "does not apply to 'bench all'" in p.stderr
