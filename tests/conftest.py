@@ -149,8 +149,9 @@ def smollm_q():
 def gguf_parsed_fast():
     """transformers' GGUF loading with gguf's reader swapped for kvcache's subclass of it
     (models/gguf_reader.py), which parses a vocabulary's values over a plain array view instead of
-    numpy.memmap slices: the same fields and tensors (test_gguf_reader.py), so the same weights;
-    transformers' Gemma 3 270M load takes 12 s instead of 31."""
+    numpy.memmap slices: the same fields and tensors (test_gguf_reader.py), so the same weights
+    (transformers' Gemma 3 270M load: 31 s -> 12 s on the host it was measured on); and with gguf's
+    tensor name map made once per (arch, layers), 19.3 s -> 14-16 s on a Zen5 host."""
     import functools
 
     import gguf

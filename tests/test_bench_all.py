@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from conftest import run_kvcache
+from test_bench_context import FP32_BYTES_PER_TOKEN
 
 SUITES = ("decode", "cache-vs-none", "context", "memory", "growth", "prefix", "throughput", "serve", "hf")
 
@@ -116,9 +117,6 @@ def test_suites_measure_what_they_say(out):
     ours, theirs = hf[("kvcache.hf", "dynamic")], hf[("transformers", "DynamicCache")]
     assert ours["tok_s"] > 0 and theirs["tok_s"] > 0
     assert ours["kv_bytes_per_token"] == theirs["kv_bytes_per_token"]  # fp32 K/V either way
-
-
-FP32_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2: K and V x layers x KV heads x head_dim x fp32
 
 
 @pytest.mark.slow
