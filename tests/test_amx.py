@@ -28,7 +28,7 @@ TESTS = Path(__file__).parent
 HAS_AMX = "amx_int8" in build.cpu_info()[1] and "amx_tile" in build.cpu_info()[1]
 AVX512 = next((v for v in build.variants() if v.name == "avx512vnni"), None)
 
-# Products of 16 to 100 rows (whole tiles, rows over, two row chunks) for GGUF Q4_0, Q8_0, Q4_K, Q5_K,
+# Products of 16 to 310 rows (whole tiles, rows over, two row chunks, two windows of the folded K-quants) for GGUF Q4_0, Q8_0, Q4_K, Q5_K,
 # Q6_K and Q2_K weights, with a bias, the RMS row scale and accumulation in some; prints the status of each
 # library given (the default one: "") and a digest of every product's bytes.
 CHECK = """
@@ -57,7 +57,7 @@ for path in {paths!r}:
         w, _ = repacked(t, o, k, seed=3)
         qs, d, m = w.parts()
         rng = np.random.default_rng(4)
-        for n in (16, 17, 37, 64, 100):
+        for n in (16, 17, 37, 64, 100, 310):
             x = rng.standard_normal((n, k)).astype(np.float32)
             bias = rng.standard_normal(o).astype(np.float32)
             y = rng.standard_normal((n, o)).astype(np.float32)

@@ -156,7 +156,8 @@ _Static_assert(sizeof(TileCfg) == 64, "a tile configuration is 64 bytes");
 /* C tiles 0-3: 16 rows x 16 int32; A tiles 4, 5: 16 rows x KD bytes; B tiles 6, 7: KD / 4 rows x 64 bytes
  * (KD: inputs a product takes, 32, or 16 for formats with scales per 16) */
 #define TILE_CFG(KD) {1, 0, {0}, {64, 64, 64, 64, KD, KD, 64, 64}, {16, 16, 16, 16, 16, 16, (KD) / 4, (KD) / 4}}
-static const TileCfg CFG[2] __attribute__((aligned(64))) = {TILE_CFG(32), TILE_CFG(16)};
+/* by KVQ_NS (32 or 16 inputs a product), then 64 inputs (two blocks) for the folded K-quants */
+static const TileCfg CFG[3] __attribute__((aligned(64))) = {TILE_CFG(32), TILE_CFG(16), TILE_CFG(64)};
 
 /* GCC's tile intrinsics are asm statements that name no memory: a barrier on buffer p orders its
  * ordinary stores and loads around them */
@@ -457,6 +458,182 @@ static ALWAYS AMX_TARGET void amx_ks_pass(const int HI, const int KS, const int 
     }
 }
 
+/* The folded K-quants (amx_ksf_run): their integer scales go into the B tiles. The value times the
+ * scale fits a byte for Q2_KS (at most 3 x 15), and for Q4_KS and Q5_KS in two parts of the scale,
+ * its low bits and the rest (Q4_KS four and two: 15 x 15, 15 x 3; Q5_KS three and three: 31 x 7).
+ * Q6_KS's signed six-bit values times eight-bit scales do not: it keeps amx_ks_pass. */
+
+/* Sixteen columns' integer scales (int32 lanes) as the 16-bit words of each lane's two halves, the
+ * bits lo .. lo + n - 1 of each: fold_mul's factor for the four bytes of a column. */
+static ALWAYS __m512i fold_factor(__m512i sc, int lo, int n) {
+    const __m512i v = _mm512_and_si512(_mm512_srli_epi32(sc, lo), _mm512_set1_epi32((1 << n) - 1));
+    return _mm512_or_si512(v, _mm512_slli_epi32(v, 16));
+}
+
+/* Bytes v (values below 32) times their column's factor f (fold_factor) where every product is
+ * below 256: one 16-bit multiply takes both bytes of a word, since the low byte's product does not
+ * carry into the high one and the high one's wraps at 2^16 exactly above its own byte. */
+static ALWAYS __m512i fold_mul(__m512i v, __m512i f) { return _mm512_mullo_epi16(v, f); }
+
+/* Sixteen bytes (one a column) each repeated in the four bytes of its column's lane. */
+static ALWAYS __m512i fold_bytes4(__m128i b) {
+    return _mm512_shuffle_epi8(_mm512_cvtepu8_epi32(b),
+                               _mm512_set4_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0x00000000));
+}
+
+/* One super-block of one group as the B tiles of amx_ksf_run: 2 parts x 4 pairs of blocks x 16 rows
+ * of 64 bytes (row 8 (j & 1) + s of pair j >> 1: qformat.h's byte layout of block j's inputs 4 s ..
+ * 4 s + 3). P 2 (Q4_KS, Q5_KS): the values times the scale's low SH bits, and times the rest; P 1
+ * (Q2_KS): the values times the scale, and the block's minimums (each half's) in every byte. sp at
+ * the super-block's scales. */
+static ALWAYS void ksf_build(const int HI, const int KS, const int P, const uint8_t *wg, const uint8_t *sp, int sb,
+                             uint8_t B[][4][1024]) {
+    const int SH = HI ? 3 : 4, qb = 256 + 64 * HI, NS = kvq_ks_ns(KS);
+    for (int j = 0; j < 8; j++) {
+        const uint8_t *wb = wg + (int64_t)(8 * sb + j) * qb;
+        for (int l = 0; l < qb; l += 64) _mm_prefetch((const char *)(wb + AMX_PF + l), _MM_HINT_T0);
+        __m512i f[2][2]; /* [half of the block (Q2_KS's scales per 16)][part]: factors, or minimums' bytes */
+#pragma GCC unroll 2
+        for (int h = 0; h < NS; h++) {
+            const __m512i sc = ks_scales16(KS, sp, j, h);
+            f[h][0] = fold_factor(sc, 0, P == 1 ? 8 : SH);
+            f[h][1] = P == 2 ? fold_factor(sc, SH, 6 - SH)
+                             : fold_bytes4(_mm_loadu_si128((const __m128i *)(sp + kvq_ks_min(KS, j) + kvq_ks_min_gap(KS) * h)));
+        }
+        if (NS == 1) f[1][0] = f[0][0], f[1][1] = f[0][1];
+        uint64_t hm[8];
+        if (HI) memcpy(hm, wb + 256, 64);
+        const int at = 512 * (j & 1);
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; s++) { /* amx_unpack's steps, kept in registers */
+            __m512i v = _mm512_loadu_si512(wb + 64 * (s & 3));
+            if (s >= 4) v = _mm512_srli_epi16(v, 4);
+            v = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+            if (HI) v = _mm512_or_si512(v, _mm512_maskz_mov_epi8(hm[s], _mm512_set1_epi8(0x10)));
+            _mm512_store_si512(B[0][j >> 1] + at + 64 * s, fold_mul(v, f[s >> 2][0]));
+            _mm512_store_si512(B[1][j >> 1] + at + 64 * s, P == 2 ? fold_mul(v, f[s >> 2][1]) : f[s >> 2][1]);
+        }
+    }
+}
+
+static const int32_t ZEROS[16 * KVQ_NC] __attribute__((aligned(64))); /* a C tile of zeros, loaded: tilezero
+                                                                         before a product chain is slower */
+
+#define KSF_ROWS 256 /* rows a folded super-block's B tiles serve (amx_ksf_run): its float sums, 16 KiB */
+
+/* Row tiles 2 i and 2 i + 1 (two: whether the second is there) of super-block sb: both parts' sums
+ * into C [part][row][column] (C 0, 1: row tile 0's parts, 2, 3 row tile 1's; A 4, 5 the row tiles'
+ * 64 inputs; B 6, 7 the parts). q: the first row tile's activations, in the tile order (Scratch's
+ * kt; T 1) or by rows (kq; T 0), of K inputs a row. */
+static ALWAYS AMX_TARGET void ksf_tiles(const int T, const int8_t *q, int64_t K, int sb, int two, uint8_t (*Bs)[4][1024],
+                                        int32_t C[2][32][KVQ_NC]) {
+    const int64_t lda = T ? 64 : K; /* bytes from a row to the next in an A tile */
+    T_LOAD(0, ZEROS, 4 * KVQ_NC);
+    T_LOAD(1, ZEROS, 4 * KVQ_NC);
+    if (two) {
+        T_LOAD(2, ZEROS, 4 * KVQ_NC);
+        T_LOAD(3, ZEROS, 4 * KVQ_NC);
+    }
+#pragma GCC unroll 4
+    for (int kk = 0; kk < 4; kk++) {
+        const int8_t *a0 = q + (T ? 1024 : 64) * (4 * sb + kk); /* the second row tile's 16 K bytes on */
+        T_LOAD(6, Bs[0][kk], 64);
+        T_LOAD(4, a0, lda);
+        T_DPSU(0, 4, 6);
+        T_LOAD(7, Bs[1][kk], 64);
+        T_DPSU(1, 4, 7);
+        if (two) {
+            T_LOAD(5, a0 + 16 * K, lda);
+            T_DPSU(2, 5, 6);
+            T_DPSU(3, 5, 7);
+        }
+    }
+    T_STORE(0, &C[0][0][0], 4 * KVQ_NC);
+    T_STORE(1, &C[1][0][0], 4 * KVQ_NC);
+    if (two) {
+        T_STORE(2, &C[0][16][0], 4 * KVQ_NC);
+        T_STORE(3, &C[1][16][0], 4 * KVQ_NC);
+    }
+    MEMBAR(C); /* the stored sums are read as memory from here */
+}
+
+/* The float steps of super-block sb for the nr rows of a row tile pair (rows r .. of a's): S =
+ * part 0 + (part 1 << SH) (P 2) or part 0 (P 1), M part 1 (P 1) or the activation sums' pairs times
+ * the minimums' (P 2, qtile512.h's), then ks_steps into acc. */
+static ALWAYS void ksf_close(const int P, const int SH, const int KS, int nr, int r, Rows a, int sb, const uint8_t *sp,
+                             int32_t C[2][32][KVQ_NC], float acc[][KVQ_NC]) {
+    const int nsb = a.nb / 8;
+    __m512i mp[8];
+    if (P == 2)
+        for (int p = 0; p < kvq_ks_pairs(KS); p++) mp[p] = ks_min_pair(KS, sp, p);
+    const __m512 d = ks_d16(KS, sp, 0), dmin = ks_d16(KS, sp, 1);
+    for (int i = 0; i < nr; i++) {
+        const int64_t row = r + i; /* of a and of acc */
+        __m512i S = _mm512_load_si512(&C[0][i][0]), M;
+        if (P == 2) {
+            S = _mm512_add_epi32(S, _mm512_slli_epi32(_mm512_load_si512(&C[1][i][0]), SH));
+            const int16_t *ks = kvq_ks_sums(KS, a.k16 + row * 2 * a.nb, a.k32 + row * a.nb, sb);
+            M = _mm512_setzero_si512();
+            for (int p = 0; p < kvq_ks_pairs(KS); p++)
+                M = _mm512_dpwssd_epi32(M, mp[p], _mm512_set1_epi32(kvq_pair16(ks + 2 * p)));
+        } else {
+            M = _mm512_load_si512(&C[1][i][0]);
+        }
+        _mm512_store_ps(acc[row], ks_steps(1, _mm512_load_ps(acc[row]), S, M, a.dk[row * nsb + sb], d, dmin));
+    }
+}
+
+/* The K-quant order (qgemm.c) for the folded formats (above), the file's integer scales in the
+ * weights' bytes: for each group of the tile column and each window of up to KSF_ROWS rows, each
+ * super-block is built once as B tiles of 64 inputs (ksf_build), and the tile unit sums both parts
+ * over the whole super-block against A tiles of 64 inputs of the activations rounded per 256, two
+ * row tiles at a time (ksf_tiles). S and the minimums' sum M are the very int32 sums of amx_ks_pass
+ * and qtile512.h (integer sums are exact in every order), and ks_steps the same two float steps
+ * (ksf_close). A row tile pair's tiles are issued before the pair before it takes its float steps
+ * (two sets of sums), and the next super-block is built after the first pair's tiles, so the tile
+ * unit and the vector units overlap. */
+static ALWAYS AMX_TARGET void amx_ksf_run(const int HI, const int KS, const QW *wt, int t, int r0, int n, const Scratch *s,
+                                          const float *bias, const float *rscale, float *y, int64_t ldy, int accumulate) {
+    const int P = KS == 3 ? 1 : 2, SH = HI ? 3 : 4, K = wt->K, nb = K / 32, nsb = nb / 8, ksb = kvq_ksb(KS);
+    const int G = (wt->out + KVQ_NC - 1) / KVQ_NC, g0 = NGMAX * t, ng = G - g0 < NGMAX ? G - g0 : NGMAX;
+    const int64_t gq = (int64_t)nb * kvq_qbytes(wt->fmt), gs = kvq_group_scale_bytes(wt->fmt, nb);
+    uint8_t B[2][2][4][1024] __attribute__((aligned(64))); /* [super-block parity][part][pair of blocks][row] */
+    int32_t C[2][2][32][KVQ_NC] __attribute__((aligned(64))); /* [pair parity][part][row][column] */
+    float acc[KSF_ROWS][KVQ_NC] __attribute__((aligned(64)));
+    T_CFG(&CFG[2]);
+    for (int p = r0; p < r0 + n; p += KSF_ROWS) {
+        const int np = r0 + n - p < KSF_ROWS ? r0 + n - p : KSF_ROWS, npair = (np + 31) / 32;
+        const Rows a = {s->kq + (int64_t)p * K, s->da, s->sa, K, nb, s->dk + (int64_t)p * nsb,
+                        s->k16 + (int64_t)p * 2 * nb, s->k32 + (int64_t)p * nb}; /* from row p on */
+        /* the tile order's copy from row p on, where there is one and p starts a row tile of it */
+        const int8_t *kt = s->kt && p % 16 == 0 ? s->kt + (int64_t)p * K : NULL;
+        for (int g = g0; g < g0 + ng; g++) {
+            const uint8_t *wg = wt->qs + g * gq, *sg = (const uint8_t *)wt->d + g * gs;
+            const int c0 = KVQ_NC * g, cols = wt->out - c0 < KVQ_NC ? wt->out - c0 : KVQ_NC;
+            for (int r = 0; r < np; r++) _mm512_store_ps(acc[r], _mm512_setzero_ps());
+            ksf_build(HI, KS, P, wg, sg, 0, B[0]);
+            for (int sb = 0; sb < nsb; sb++) {
+                const uint8_t *sp = sg + (int64_t)sb * ksb;
+                uint8_t(*Bs)[4][1024] = B[sb & 1];
+                MEMBAR(Bs); /* the built bytes are in memory before the tiles load them */
+                for (int i = 0; i < npair; i++) {
+                    const int nr = np - 32 * i < 32 ? np - 32 * i : 32;
+                    if (kt) ksf_tiles(1, kt + (int64_t)32 * i * K, K, sb, nr > 16, Bs, C[i & 1]);
+                    else ksf_tiles(0, a.q + (int64_t)32 * i * K, K, sb, nr > 16, Bs, C[i & 1]);
+                    if (i == 0 && sb + 1 < nsb) ksf_build(HI, KS, P, wg, sp + ksb, sb + 1, B[(sb + 1) & 1]);
+                    if (i > 0) ksf_close(P, SH, KS, 32, 32 * (i - 1), a, sb, sp, C[(i - 1) & 1], acc);
+                }
+                const int last = npair - 1, nl = np - 32 * last;
+                ksf_close(P, SH, KS, nl, 32 * last, a, sb, sp, C[last & 1], acc);
+                MEMBAR(C); /* the sums read before the next super-block's tiles store theirs */
+            }
+            mm_store(np, cols, acc[0], KVQ_NC, rscale ? rscale + p : NULL, bias ? bias + c0 : NULL,
+                     y + (int64_t)p * ldy + c0, ldy, accumulate);
+        }
+    }
+    T_RELEASE();
+}
+
 typedef void (*PassFn)(int ng, int np, Rows a, const uint8_t *w, int64_t gq, const void *dv, const void *mv,
                        int64_t gs, float acc[MAXR][NCOL]);
 #define PASS_FN(name, NIB, HI, SGN, F16, NS, OFS) \
@@ -489,12 +666,10 @@ PASS_FN(p_q5o_f16, 1, 1, 0, 1, 1, 16)
         else \
             amx_ks_pass(HI, KS, 1, np, a, w, gq, (const uint8_t *)dv, gs, acc); \
     }
-KS_PASS_FN(p_q4_ks, 0, 1)
-KS_PASS_FN(p_q5_ks, 1, 1)
 KS_PASS_FN(p_q6_ks, 2, 2)
-KS_PASS_FN(p_q2_ks, 0, 3)
+/* NULL: the format's products go by amx_ksf_run */
 static const PassFn PASSES[KVQ_NFMT] = {p_q4_f16, p_q4_f32, p_s8_f16, p_s8_f32_16, p_u8_f16, p_u8_f32, p_u8_f32_16,
-                                        p_q5_f16, p_q5_f32, p_q4o_f16, p_q5o_f16, p_q4_ks, p_q5_ks, p_q6_ks, p_q2_ks};
+                                        p_q5_f16, p_q5_f32, p_q4o_f16, p_q5o_f16, NULL, NULL, p_q6_ks, NULL};
 static const char *const FMT_NAMES[KVQ_NFMT] = {"q4_f16", "q4_f32", "s8_f16", "s8_f32_16", "u8_f16",
                                                 "u8_f32", "u8_f32_16", "q5_f16", "q5_f32", "q4o_f16",
                                                 "q5o_f16", "q4_ks", "q5_ks", "q6_ks", "q2_ks"};
@@ -509,6 +684,12 @@ static __attribute__((noinline)) AMX_TARGET void amx_run(const QW *wt, int t, in
     const uint8_t *w = wt->qs + g * gq;
     const void *dv = (const char *)wt->d + g * gs, *mv = wt->m ? (const char *)wt->m + g * gs : NULL;
     const int c0 = KVQ_NC * g, cols = wt->out - c0 < KVQ_NC * ng ? wt->out - c0 : KVQ_NC * ng;
+    switch (fmt) { /* the formats whose integer scales fold into the tiles */
+    case KVQ_Q4_KS: amx_ksf_run(0, 1, wt, t, r0, n, s, bias, rscale, y, ldy, accumulate); return;
+    case KVQ_Q5_KS: amx_ksf_run(1, 1, wt, t, r0, n, s, bias, rscale, y, ldy, accumulate); return;
+    case KVQ_Q2_KS: amx_ksf_run(0, 3, wt, t, r0, n, s, bias, rscale, y, ldy, accumulate); return;
+    default: break;
+    }
     float acc[MAXR][NCOL] __attribute__((aligned(64)));
     T_CFG(&CFG[KVQ_NS[fmt] - 1]);
     for (int p = r0; p < r0 + n; p += MAXR) {
@@ -598,7 +779,9 @@ static int probe(const Probe *p, uint64_t seed, char *why, size_t wn) {
         }
     for (int c = 0; c < out; c++) bias[c] = rnd_float(&st);
     for (int64_t i = 0; i < (int64_t)n * ldy; i++) y0[i] = y1[i] = rnd_float(&st);
+    tl_probe = 2; /* the activations in the tile order too (amx_acts), as the tiles would have them */
     const Scratch s = scratch_at((char *)(((uintptr_t)sb + 63) & ~(uintptr_t)63), n, K);
+    tl_probe = 0;
     for (int r = 0; r < n; r++) act_row(&s, r, K, x, K, NULL, p->rscale ? 1e-5f : -1.f);
     const QW wt = {fmt, out, K, qs, d, m};
     const int T = (G + NGMAX - 1) / NGMAX;
@@ -642,16 +825,21 @@ done:
 
 /* Every format through three probes: (1) 37 rows in one chunk (a pass of 32, 5 rows over), 40
  * columns (a tile column of two groups and one of a group and a half); (2) rows 3 .. 82 in chunks of
- * 64 with bias, 1 / rms row scales and accumulation, 70 columns over 768 inputs; (3) 100 rows in one
- * call (three passes, 4 rows over), 23 columns. *arg: the probes that agreed, or -1. */
+ * 64 with bias, 1 / rms row scales and accumulation, 70 columns over 768 inputs (the folded
+ * K-quants' activations by rows: the chunks start off a row tile); (3) 100 rows in one call (three
+ * passes, 4 rows over), 23 columns; the folded K-quants (amx_ksf_run) also (4) 310 rows in one call
+ * (a window of KSF_ROWS and one of 48: a pair of row tiles and a lone one, 6 rows over), 20 columns,
+ * row scales and accumulation. *arg: the probes that agreed, or -1. */
 static void *amx_selfcheck(void *arg) {
     int *res = arg, n = 0;
     char why[sizeof(amx_why)];
     for (int fmt = 0; fmt < KVQ_NFMT; fmt++) {
-        const Probe ps[3] = {{fmt, 40, 512, 37, 0, 37, RCHUNK, 0, 0, 0},
+        const Probe ps[4] = {{fmt, 40, 512, 37, 0, 37, RCHUNK, 0, 0, 0},
                              {fmt, 70, 768, 83, 3, 83, RCHUNK, 1, 1, 1},
-                             {fmt, 23, 512, 100, 0, 100, 100, 1, 0, 0}};
-        for (int i = 0; i < 3; i++) {
+                             {fmt, 23, 512, 100, 0, 100, 100, 1, 0, 0},
+                             {fmt, 20, 256, 310, 0, 310, 310, 0, 1, 1}};
+        const int folded = fmt == KVQ_Q4_KS || fmt == KVQ_Q5_KS || fmt == KVQ_Q2_KS;
+        for (int i = 0; i < 3 + folded; i++) {
             if (!probe(&ps[i], 0x9E3779B97F4A7C15ULL * (uint64_t)(3 * fmt + i + 1), why, sizeof(why))) {
                 memcpy(amx_why, why, sizeof(amx_why));
                 *res = -1;
@@ -770,7 +958,20 @@ static int amx_group(const QW *wt, int t, int r0, int r1, const Scratch *s, cons
 
 #if AMX_CODE
 /* mm_group's tile path, from the moment the library is loaded (amx_group decides per call) */
-__attribute__((constructor)) static void amx_register(void) { mm_tiles = amx_group; }
+/* Scratch's kt for the products of n rows: where the tiles would take them (the self-check's tile
+ * side; or, its checks run, whenever AMX is used: n >= 16 rows go to amx_group, which declines only
+ * calls from more threads than cores, and then the copy is unused) */
+static int amx_acts(int n) {
+    if (n < 16 || tl_probe == 1) return 0;
+    if (tl_probe == 2) return 1;
+    pthread_once(&amx_once, amx_init);
+    return amx_on;
+}
+
+__attribute__((constructor)) static void amx_register(void) {
+    mm_tiles = amx_group;
+    mm_tile_acts = amx_acts;
+}
 #endif
 
 /* Whether the quantized products use AMX tiles in this process, and why: a line starting with

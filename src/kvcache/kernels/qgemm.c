@@ -164,6 +164,9 @@ KV_HIDDEN void act_row(const Scratch *sc, int r, int K, const float *x, int64_t 
             for (int j = 0; j < 256 / VL; j++) {
                 s[(VL * j) >> 4] += put_sum(qb + VL * j, round_step(v[j], id)); /* VL <= 16: one sub-block's */
             }
+            if (sc->kt) /* the tile order's copy: four 64-byte rows of row tile r / 16 */
+                for (int kk = 0; kk < 4; kk++)
+                    memcpy(sc->kt + (int64_t)(r / 16) * 16 * K + 1024 * (4 * sb + kk) + 64 * (r % 16), qb + 64 * kk, 64);
             sc->dk[(int64_t)r * (K / 256) + sb] = amax / 127.f;
             int16_t *k16 = sc->k16 + (int64_t)r * (K / 16) + 16 * sb, *k32 = sc->k32 + (int64_t)r * nb + 8 * sb;
             for (int i = 0; i < 16; i++) k16[i] = (int16_t)s[i];
@@ -433,6 +436,7 @@ KV_HIDDEN void mm_store(int nr, int cols, const float *res, int ldr, const float
 }
 
 KV_HIDDEN TileGroupFn mm_tiles = NULL;
+KV_HIDDEN TileActsFn mm_tile_acts = NULL;
 
 #define WIDE_SB 96 /* super-blocks of widened scales at most (K <= 24576), 60 KiB of stack */
 
@@ -481,9 +485,12 @@ KV_HIDDEN int qw_valid(const QW *w) {
            (!KVQ_KS[w->fmt] || w->K % 256 == 0);
 }
 
+/* whole row tiles of the tile order's copy (Scratch's kt) of n rows and its alignment, where it can be made */
+static size_t kt_bytes(int n, int K) { return n >= 16 && K % 256 == 0 ? (size_t)(n + 15) / 16 * 16 * K + 64 : 0; }
+
 KV_HIDDEN size_t scratch_bytes(int n, int K) {
     const size_t q = ((size_t)n * K + 63) & ~(size_t)63, nb = (size_t)n * (K / 32);
-    return 2 * q + nb * (4 * sizeof(float) + 2 * sizeof(int32_t)) + /* both orders' values; the blocks' */
+    return 2 * q + kt_bytes(n, K) + nb * (4 * sizeof(float) + 2 * sizeof(int32_t)) + /* both orders' values; the blocks' */
            (size_t)n * (K / 256) * sizeof(float) + ((size_t)n * (K / 16) + nb) * sizeof(int16_t) + /* super-blocks' */
            (size_t)n * sizeof(float) + 64;
 }
@@ -537,6 +544,10 @@ KV_HIDDEN Scratch scratch_at(char *p, int n, int K) {
     s.inv = s.dk + (size_t)n * (K / 256);
     s.k16 = (int16_t *)(s.inv + n);
     s.k32 = s.k16 + (size_t)n * (K / 16);
+    /* after the rest, 64-byte aligned: the int16 sums end on an even address */
+    s.kt = kt_bytes(n, K) && mm_tile_acts && mm_tile_acts(n)
+               ? (int8_t *)(((uintptr_t)(s.k32 + (size_t)n * (K / 32)) + 63) & ~(uintptr_t)63)
+               : NULL;
     s.need = ACT_BLOCK | ACT_SUPER;
     return s;
 }

@@ -33,11 +33,14 @@ typedef struct { /* int8 activations of n rows of K inputs, in two orders, each 
                   per super-block of 256 (K-quant weights, K a multiple of 256): kq [n, K] values,
                   dk [n, K / 256] steps, k16 [n, K / 16] the integer sums of each 16 values, k32 [n, nb]
                   of each 32;
-                  inv [n] row scales (either order) */
+                  inv [n] row scales (either order);
+                  kt: the super-block order's values again in the tile order of qamx.c (16-row tiles,
+                  each 64 inputs of its 16 rows as 1 KiB: kt[(r / 16) K 16 + 1024 (k / 64) + 64 (r % 16)
+                  + k % 64]), made only where scratch_at found mm_tile_acts asking for them, else NULL */
     int8_t *q;
     float *da, *sa;
     int32_t *is;
-    int8_t *kq;
+    int8_t *kq, *kt;
     float *dk;
     int16_t *k16, *k32;
     float *inv;
@@ -82,6 +85,10 @@ KV_HIDDEN void mm_store(int nr, int cols, const float *res, int ldr, const float
 typedef int (*TileGroupFn)(const QW *wt, int t, int r0, int r1, const Scratch *s, const float *bias,
                            const float *rscale, float *y, int64_t ldy, int accumulate);
 KV_HIDDEN extern TileGroupFn mm_tiles;
+/* Whether the tile path wants the activations of n rows in its own order too (Scratch's kt): set with
+ * mm_tiles; asked by scratch_at, before a product's activations are made. NULL: never. */
+typedef int (*TileActsFn)(int n);
+KV_HIDDEN extern TileActsFn mm_tile_acts;
 /* x += rms_norm(y) * w, one row of H */
 KV_HIDDEN void add_normed(int H, const float *y, const float *w, float eps, float *x);
 /* Called inside a parallel region (the loops are shared with `omp for`):

@@ -38,19 +38,28 @@ static inline __attribute__((always_inline)) __m512i ks_min_pair(const int KS, c
 /* The super-block's two float steps for one row and group: acc (+)= dk d S - dk dmin M, with M the
  * minimums' pairs mp times the row's activation sums ks (k32 for KS 1, k16 for KS 3, at the
  * super-block). */
+/* The super-block's fp16 d (dmin: its minimums' step), sixteen columns as floats. */
+static inline __attribute__((always_inline)) __m512 ks_d16(const int KS, const uint8_t *sp, int dmin) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + (dmin ? kvq_ks_dmin(KS) : kvq_ks_d(KS)))));
+}
+
+/* The two float steps themselves, from the integer sums S and the minimums' sum M (MIN: the format
+ * has minimums), d and dmin as ks_d16 has them and the row's step dk. */
+static inline __attribute__((always_inline)) __m512 ks_steps(const int MIN, __m512 acc, __m512i S, __m512i M, float dk,
+                                                             __m512 d, __m512 dmin) {
+    const __m512 da = _mm512_set1_ps(dk);
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(da, d), _mm512_cvtepi32_ps(S), acc);
+    if (MIN) acc = _mm512_fnmadd_ps(_mm512_mul_ps(da, dmin), _mm512_cvtepi32_ps(M), acc);
+    return acc;
+}
+
 static inline __attribute__((always_inline)) __m512 ks_close(const int KS, __m512 acc, __m512i S, const uint8_t *sp,
                                                              float dk, const int16_t *ks, const __m512i mp[8]) {
-    const __m512 da = _mm512_set1_ps(dk);
-    acc = _mm512_fmadd_ps(_mm512_mul_ps(da, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + kvq_ks_d(KS))))),
-                          _mm512_cvtepi32_ps(S), acc);
-    if (KS != 2) {
-        __m512i M = _mm512_setzero_si512();
+    __m512i M = _mm512_setzero_si512();
+    if (KS != 2)
         for (int p = 0; p < kvq_ks_pairs(KS); p++)
             M = _mm512_dpwssd_epi32(M, mp[p], _mm512_set1_epi32(kvq_pair16(ks + 2 * p)));
-        acc = _mm512_fnmadd_ps(_mm512_mul_ps(da, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + kvq_ks_dmin(KS))))),
-                               _mm512_cvtepi32_ps(M), acc);
-    }
-    return acc;
+    return ks_steps(KS != 2, acc, S, M, dk, ks_d16(KS, sp, 0), KS != 2 ? ks_d16(KS, sp, 1) : _mm512_setzero_ps());
 }
 
 #endif
