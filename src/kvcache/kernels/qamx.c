@@ -31,17 +31,19 @@
  * activations' sum back (integer sums are exact). The C tiles are stored; block b + 1's sums are
  * taken before block b's float steps, which each row's accumulators take in qtile512.h's order with
  * the same intrinsics; a pass ends in mm_store, every kernel's tail. The K-quant formats take their
- * own order (qgemm.c): the A tiles hold the activations rounded per 256 inputs, each block's sums
- * are multiplied by the file's integer scales into one int32 sum a super-block, and only the
- * super-block's two float steps remain (amx_ks_pass). The tile configuration is
- * loaded at the start of every call and released at its end: a thread's tile state is never
- * assumed.
+ * own order (qgemm.c) and more of it (amx_ksf_run): the file's integer scales go into the B tiles
+ * (in parts whose bytes hold the products), so the tile unit sums a whole super-block of 64-input
+ * tiles into the very int32 sum that VNNI's block sums times the scales make, and only the
+ * super-block's two float steps remain; its A tiles read the activations rounded per 256 in a copy
+ * laid out as the tiles load them (Scratch's kt). The tile configuration is loaded at the start of
+ * every call and released at its end: a thread's tile state is never assumed.
  *
- * Speed (a 16-vCPU Xeon VM, 8 cores with two threads each; kv_q_linear of 512 rows, Q4_0, Q8_0,
- * Q4_K, Q6_K at 2048 x 8192): one thread 1.1-1.4x the VNNI kernels', eight threads on eight cores
- * 1.0-1.4x, all sixteen threads about even (0.85-1.05x): two threads of a core share its tile unit.
- * So a call from a parallel region of more threads than the process has cores takes the VNNI
- * kernels (amx_cores).
+ * Speed, kv_q_linear of 512 rows at 2048 x 8192 (python -m kvcache.bench.amx_check): on a 2-core
+ * Xeon VM (AMX, no second thread a core), one thread: Q4_K 1.9-2.0x the VNNI kernels', Q6_K 1.6-1.7x,
+ * Q4_0 and Q8_0 (their float steps every 32 inputs) 1.1-1.45x. On a 16-vCPU Xeon VM (8 cores with two
+ * threads each), before the K-quants' folding: eight threads on eight cores 1.0-1.4x, all sixteen
+ * about even (0.85-1.05x): two threads of a core share its tile unit. So a call from a parallel
+ * region of more threads than the process has cores takes the VNNI kernels (amx_cores).
  *
  * KV_AMX_EMULATE (tests only) builds the tile instructions as plain C after Intel's definitions,
  * checking what the hardware would fault on, so the whole path runs on CPUs without AMX.
@@ -267,24 +269,30 @@ static void emu_dp(int c, int a, int b, int b_signed) {
 
 #include "qscale512.h"
 
-/* One block of a nibble format's group as bytes, the B tile's layout: out[64 s + 4 c + t] =
- * value (c, 4 s + t) (qtile512.h's step_w for each step, stored), less OFS (then signed). */
+/* Row s of one block of a nibble format's group as bytes, the B tile's layout: byte 4 c + t =
+ * value (c, 4 s + t) (qtile512.h's step_w for step s). HI: 1 the fifth bits (words hm), 2 bits 4 and 5. */
+static ALWAYS __m512i amx_row(const int HI, const uint8_t *wb, const uint64_t *hm, int s) {
+    __m512i v = _mm512_loadu_si512(wb + 64 * (s & 3)); /* low nibbles: step s; high ones: step s + 4 */
+    if (s >= 4) v = _mm512_srli_epi16(v, 4);
+    v = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+    if (HI == 2) { /* bits 4 and 5: the pair at bits 2 (s & 3) of bytes 256 + 64 (s >> 2) + 4 c + t */
+        const __m512i u = _mm512_loadu_si512(wb + 256 + 64 * (s >> 2));
+        const int k = s & 3;
+        const __m512i t = k == 2 ? u : k < 2 ? _mm512_slli_epi16(u, 4 - 2 * k) : _mm512_srli_epi16(u, 2 * k - 4);
+        v = _mm512_or_si512(v, _mm512_and_si512(t, _mm512_set1_epi8(0x30)));
+    } else if (HI) { /* the fifth bits: bit (4 c + t) of word s */
+        v = _mm512_or_si512(v, _mm512_maskz_mov_epi8(hm[s], _mm512_set1_epi8(0x10)));
+    }
+    return v;
+}
+
+/* One block (HI 0 or 1) as amx_row's eight rows at out, less OFS (then signed). */
 static ALWAYS void amx_unpack(const int HI, const int OFS, const uint8_t *wb, uint8_t *out) {
     uint64_t hm[8];
     if (HI == 1) memcpy(hm, wb + 256, 64);
 #pragma GCC unroll 8
     for (int s = 0; s < 8; s++) {
-        __m512i v = _mm512_loadu_si512(wb + 64 * (s & 3)); /* low nibbles: step s; high ones: step s + 4 */
-        if (s >= 4) v = _mm512_srli_epi16(v, 4);
-        v = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
-        if (HI == 2) { /* bits 4 and 5: the pair at bits 2 (s & 3) of bytes 256 + 64 (s >> 2) + 4 c + t */
-            const __m512i u = _mm512_loadu_si512(wb + 256 + 64 * (s >> 2));
-            const int k = s & 3;
-            const __m512i t = k == 2 ? u : k < 2 ? _mm512_slli_epi16(u, 4 - 2 * k) : _mm512_srli_epi16(u, 2 * k - 4);
-            v = _mm512_or_si512(v, _mm512_and_si512(t, _mm512_set1_epi8(0x30)));
-        } else if (HI) { /* the fifth bits: bit (4 c + t) of word s */
-            v = _mm512_or_si512(v, _mm512_maskz_mov_epi8(hm[s], _mm512_set1_epi8(0x10)));
-        }
+        __m512i v = amx_row(HI, wb, hm, s);
         if (OFS) v = _mm512_sub_epi8(v, _mm512_set1_epi8((char)OFS)); /* q - OFFSET as signed bytes */
         _mm512_storeu_si512(out + 64 * s, v);
     }
@@ -404,64 +412,11 @@ static ALWAYS AMX_TARGET void amx_pass(const int NIB, const int HI, const int SG
     }
 }
 
-/* The K-quant order (qgemm.c) for the np rows of a pass: each block's integer sums from the tile
- * unit (Q6_KS unpacked as q - 32, signed, so a sum is qtile512.h's with its offset taken back), times
- * the file's integer scales into one int32 sum a super-block (S), then qtile512.h's two float steps
- * (ks_close, the same instructions). */
-static ALWAYS AMX_TARGET void amx_ks_pass(const int HI, const int KS, const int NG, int np, Rows a, const uint8_t *w,
-                                          int64_t gq, const uint8_t *dv, int64_t gs, float acc[MAXR][NCOL]) {
-    const int NS = kvq_ks_ns(KS), OFS = KS == 2 ? 32 : 0, nsb = a.nb / 8, ksb = kvq_ksb(KS);
-    uint8_t buf[2][512] __attribute__((aligned(64)));
-    int32_t C[4][MAXR][NCOL] __attribute__((aligned(64)));
-    int32_t S[MAXR][NCOL] __attribute__((aligned(64)));
-    for (int r = 0; r < np; r++)
-        for (int c = 0; c < NCOL; c++) acc[r][c] = 0.f;
-    const uint8_t *b0, *b1;
-    amx_weights(1, HI, OFS, NG, w, gq, 0, buf, &b0, &b1);
-    amx_sums(OFS, NS, NG, np, a, 0, b0, b1, C);
-    for (int b = 0; b < a.nb; b++) {
-        if (b + 1 < a.nb) {
-            amx_weights(1, HI, OFS, NG, w, gq, b + 1, buf, &b0, &b1);
-            amx_sums(OFS, NS, NG, np, a, b + 1, b0, b1, C + NS * ((b + 1) & 1));
-        }
-        int32_t(*Cb)[MAXR][NCOL] = C + NS * (b & 1);
-        const int j = b & 7, sb = b >> 3;
-        __m512i sc[2][2];
-#pragma GCC unroll 2
-        for (int g = 0; g < NG; g++)
-#pragma GCC unroll 2
-            for (int h = 0; h < NS; h++) sc[g][h] = ks_scales16(KS, dv + g * gs + (int64_t)sb * ksb, j, h);
-        for (int r = 0; r < np; r++)
-#pragma GCC unroll 2
-            for (int g = 0; g < NG; g++) {
-                __m512i t = j ? _mm512_loadu_si512(&S[r][KVQ_NC * g]) : _mm512_setzero_si512();
-#pragma GCC unroll 2
-                for (int h = 0; h < NS; h++)
-                    t = _mm512_add_epi32(t, _mm512_mullo_epi32(_mm512_loadu_si512(&Cb[h][r][KVQ_NC * g]), sc[g][h]));
-                _mm512_storeu_si512(&S[r][KVQ_NC * g], t);
-            }
-        MEMBAR(Cb); /* block b's sums read before the tiles store block b + 2's over them */
-        if (j < 7) continue;
-#pragma GCC unroll 2
-        for (int g = 0; g < NG; g++) {
-            const uint8_t *sp = dv + g * gs + (int64_t)sb * ksb;
-            __m512i mp[8];
-            if (KS != 2)
-                for (int p = 0; p < kvq_ks_pairs(KS); p++) mp[p] = ks_min_pair(KS, sp, p);
-            for (int r = 0; r < np; r++) {
-                const int16_t *ks = kvq_ks_sums(KS, a.k16 + (int64_t)r * 2 * a.nb, a.k32 + (int64_t)r * a.nb, sb);
-                const __m512 v = ks_close(KS, _mm512_loadu_ps(&acc[r][KVQ_NC * g]), _mm512_loadu_si512(&S[r][KVQ_NC * g]),
-                                          sp, a.dk[(int64_t)r * nsb + sb], ks, mp);
-                _mm512_storeu_ps(&acc[r][KVQ_NC * g], v);
-            }
-        }
-    }
-}
-
-/* The folded K-quants (amx_ksf_run): their integer scales go into the B tiles. The value times the
- * scale fits a byte for Q2_KS (at most 3 x 15), and for Q4_KS and Q5_KS in two parts of the scale,
- * its low bits and the rest (Q4_KS four and two: 15 x 15, 15 x 3; Q5_KS three and three: 31 x 7).
- * Q6_KS's signed six-bit values times eight-bit scales do not: it keeps amx_ks_pass. */
+/* The folded K-quants (amx_ksf_run): their integer scales go into the B tiles, in parts whose products
+ * with the values fit a byte. Q2_KS: the value times the scale (at most 3 x 15), one part. Q4_KS and
+ * Q5_KS: the scale's low bits and the rest (Q4_KS four and two: 15 x 15, 15 x 3; Q5_KS three and
+ * three: 31 x 7). Q6_KS: its signed eight-bit scale as three base-4 digits and a top one of -2 .. 1
+ * (sc = d0 + 4 d1 + 16 d2 + 64 d3), each times the value less 32 (-96 .. 93, signed bytes). */
 
 /* Sixteen columns' integer scales (int32 lanes) as the 16-bit words of each lane's two halves, the
  * bits lo .. lo + n - 1 of each: fold_mul's factor for the four bytes of a column. */
@@ -475,43 +430,69 @@ static ALWAYS __m512i fold_factor(__m512i sc, int lo, int n) {
  * carry into the high one and the high one's wraps at 2^16 exactly above its own byte. */
 static ALWAYS __m512i fold_mul(__m512i v, __m512i f) { return _mm512_mullo_epi16(v, f); }
 
+/* The low byte of each int32 lane repeated in the lane's four bytes. */
+static ALWAYS __m512i fold_bytes4z(__m512i v) {
+    return _mm512_shuffle_epi8(v, _mm512_set4_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0x00000000));
+}
+
 /* Sixteen bytes (one a column) each repeated in the four bytes of its column's lane. */
 static ALWAYS __m512i fold_bytes4(__m128i b) {
     return _mm512_shuffle_epi8(_mm512_cvtepu8_epi32(b),
                                _mm512_set4_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0x00000000));
 }
 
-/* One super-block of one group as the B tiles of amx_ksf_run: 2 parts x 4 pairs of blocks x 16 rows
+/* One super-block of one group as the B tiles of amx_ksf_run: NP parts x 4 pairs of blocks x 16 rows
  * of 64 bytes (row 8 (j & 1) + s of pair j >> 1: qformat.h's byte layout of block j's inputs 4 s ..
- * 4 s + 3). P 2 (Q4_KS, Q5_KS): the values times the scale's low SH bits, and times the rest; P 1
- * (Q2_KS): the values times the scale, and the block's minimums (each half's) in every byte. sp at
- * the super-block's scales. */
-static ALWAYS void ksf_build(const int HI, const int KS, const int P, const uint8_t *wg, const uint8_t *sp, int sb,
+ * 4 s + 3). Q4_KS, Q5_KS: the values times the scale's low SH bits, and times the rest; Q2_KS: the
+ * values times the scale, and the block's minimums (each half's) in every byte; Q6_KS: the values
+ * less 32 times each digit of the scale (above). sp at the super-block's scales. */
+static ALWAYS void ksf_build(const int HI, const int KS, const uint8_t *wg, const uint8_t *sp, int sb,
                              uint8_t B[][4][1024]) {
-    const int SH = HI ? 3 : 4, qb = 256 + 64 * HI, NS = kvq_ks_ns(KS);
+    const int SH = HI == 1 ? 3 : 4, qb = 256 + 64 * HI, NS = kvq_ks_ns(KS);
     for (int j = 0; j < 8; j++) {
         const uint8_t *wb = wg + (int64_t)(8 * sb + j) * qb;
         for (int l = 0; l < qb; l += 64) _mm_prefetch((const char *)(wb + AMX_PF + l), _MM_HINT_T0);
-        __m512i f[2][2]; /* [half of the block (Q2_KS's scales per 16)][part]: factors, or minimums' bytes */
+        /* [half of the block (scales per 16)][part]: the parts' factors (or Q2_KS's minimums' bytes),
+         * and Q6_KS's bytes to take off: 32 d0 .. 32 d2, and 32 (d3 + 2) - 64 */
+        __m512i f[2][4], o[2][4];
 #pragma GCC unroll 2
         for (int h = 0; h < NS; h++) {
             const __m512i sc = ks_scales16(KS, sp, j, h);
-            f[h][0] = fold_factor(sc, 0, P == 1 ? 8 : SH);
-            f[h][1] = P == 2 ? fold_factor(sc, SH, 6 - SH)
-                             : fold_bytes4(_mm_loadu_si128((const __m128i *)(sp + kvq_ks_min(KS, j) + kvq_ks_min_gap(KS) * h)));
+            if (KS == 2) {
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) {
+                    const __m512i dg = k < 3 ? _mm512_and_si512(_mm512_srai_epi32(sc, 2 * k), _mm512_set1_epi32(3))
+                                             : _mm512_add_epi32(_mm512_srai_epi32(sc, 6), _mm512_set1_epi32(2));
+                    f[h][k] = _mm512_or_si512(dg, _mm512_slli_epi32(dg, 16));
+                    o[h][k] = fold_bytes4z(_mm512_sub_epi32(_mm512_slli_epi32(dg, 5), _mm512_set1_epi32(k < 3 ? 0 : 64)));
+                }
+            } else {
+                f[h][0] = fold_factor(sc, 0, KS == 3 ? 8 : SH);
+                f[h][1] = KS == 1 ? fold_factor(sc, SH, 6 - SH)
+                                  : fold_bytes4(_mm_loadu_si128((const __m128i *)(sp + kvq_ks_min(KS, j) + kvq_ks_min_gap(KS) * h)));
+            }
         }
-        if (NS == 1) f[1][0] = f[0][0], f[1][1] = f[0][1];
+        if (NS == 1)
+            for (int k = 0; k < 2; k++) f[1][k] = f[0][k];
         uint64_t hm[8];
-        if (HI) memcpy(hm, wb + 256, 64);
+        if (HI == 1) memcpy(hm, wb + 256, 64);
         const int at = 512 * (j & 1);
 #pragma GCC unroll 8
-        for (int s = 0; s < 8; s++) { /* amx_unpack's steps, kept in registers */
-            __m512i v = _mm512_loadu_si512(wb + 64 * (s & 3));
-            if (s >= 4) v = _mm512_srli_epi16(v, 4);
-            v = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
-            if (HI) v = _mm512_or_si512(v, _mm512_maskz_mov_epi8(hm[s], _mm512_set1_epi8(0x10)));
-            _mm512_store_si512(B[0][j >> 1] + at + 64 * s, fold_mul(v, f[s >> 2][0]));
-            _mm512_store_si512(B[1][j >> 1] + at + 64 * s, P == 2 ? fold_mul(v, f[s >> 2][1]) : f[s >> 2][1]);
+        for (int s = 0; s < 8; s++) {
+            const __m512i v = amx_row(HI, wb, hm, s);
+            uint8_t *row = B[0][j >> 1] + at + 64 * s;
+            const int h = s >> 2;
+            if (KS == 2) { /* (v - 32) d = v d - 32 d; the top digit as d3 + 2, less 2 v */
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) {
+                    __m512i b = _mm512_sub_epi8(fold_mul(v, f[h][k]), o[h][k]);
+                    if (k == 3) b = _mm512_sub_epi8(b, _mm512_add_epi8(v, v));
+                    _mm512_store_si512(row + 4096 * k, b);
+                }
+            } else {
+                _mm512_store_si512(row, fold_mul(v, f[h][0]));
+                _mm512_store_si512(row + 4096, KS == 1 ? fold_mul(v, f[h][1]) : f[h][1]);
+            }
         }
     }
 }
@@ -523,10 +504,10 @@ static const int32_t ZEROS[16 * KVQ_NC] __attribute__((aligned(64))); /* a C til
 
 /* Row tiles 2 i and 2 i + 1 (two: whether the second is there) of super-block sb: both parts' sums
  * into C [part][row][column] (C 0, 1: row tile 0's parts, 2, 3 row tile 1's; A 4, 5 the row tiles'
- * 64 inputs; B 6, 7 the parts). q: the first row tile's activations, in the tile order (Scratch's
- * kt; T 1) or by rows (kq; T 0), of K inputs a row. */
-static ALWAYS AMX_TARGET void ksf_tiles(const int T, const int8_t *q, int64_t K, int sb, int two, uint8_t (*Bs)[4][1024],
-                                        int32_t C[2][32][KVQ_NC]) {
+ * 64 inputs; B 6, 7 the parts; SGN: signed parts). q: the first row tile's activations, in the tile
+ * order (Scratch's kt; T 1) or by rows (kq; T 0), of K inputs a row. */
+static ALWAYS AMX_TARGET void ksf_tiles(const int T, const int SGN, const int8_t *q, int64_t K, int sb, int two,
+                                        uint8_t (*Bs)[4][1024], int32_t C[][32][KVQ_NC]) {
     const int64_t lda = T ? 64 : K; /* bytes from a row to the next in an A tile */
     T_LOAD(0, ZEROS, 4 * KVQ_NC);
     T_LOAD(1, ZEROS, 4 * KVQ_NC);
@@ -539,13 +520,13 @@ static ALWAYS AMX_TARGET void ksf_tiles(const int T, const int8_t *q, int64_t K,
         const int8_t *a0 = q + (T ? 1024 : 64) * (4 * sb + kk); /* the second row tile's 16 K bytes on */
         T_LOAD(6, Bs[0][kk], 64);
         T_LOAD(4, a0, lda);
-        T_DPSU(0, 4, 6);
+        T_DP(SGN, 0, 4, 6);
         T_LOAD(7, Bs[1][kk], 64);
-        T_DPSU(1, 4, 7);
+        T_DP(SGN, 1, 4, 7);
         if (two) {
             T_LOAD(5, a0 + 16 * K, lda);
-            T_DPSU(2, 5, 6);
-            T_DPSU(3, 5, 7);
+            T_DP(SGN, 2, 5, 6);
+            T_DP(SGN, 3, 5, 7);
         }
     }
     T_STORE(0, &C[0][0][0], 4 * KVQ_NC);
@@ -557,48 +538,52 @@ static ALWAYS AMX_TARGET void ksf_tiles(const int T, const int8_t *q, int64_t K,
     MEMBAR(C); /* the stored sums are read as memory from here */
 }
 
-/* The float steps of super-block sb for the nr rows of a row tile pair (rows r .. of a's): S =
- * part 0 + (part 1 << SH) (P 2) or part 0 (P 1), M part 1 (P 1) or the activation sums' pairs times
- * the minimums' (P 2, qtile512.h's), then ks_steps into acc. */
-static ALWAYS void ksf_close(const int P, const int SH, const int KS, int nr, int r, Rows a, int sb, const uint8_t *sp,
-                             int32_t C[2][32][KVQ_NC], float acc[][KVQ_NC]) {
+/* The float steps of super-block sb for the nr rows of a row tile pair (rows r .. of a's), from the
+ * parts' sums C [part][row][column]: S = part 0 + (part 1 << SH) (Q4_KS, Q5_KS), part 0 (Q2_KS), or
+ * the digits' parts times 1, 4, 16, 64 (Q6_KS); M part 1 (Q2_KS) or the activation sums' pairs times
+ * the minimums' (Q4_KS, Q5_KS: qtile512.h's), none for Q6_KS; then ks_steps into acc. */
+static ALWAYS void ksf_close(const int SH, const int KS, int nr, int r, Rows a, int sb, const uint8_t *sp,
+                             int32_t C[][32][KVQ_NC], float acc[][KVQ_NC]) {
     const int nsb = a.nb / 8;
     __m512i mp[8];
-    if (P == 2)
+    if (KS == 1)
         for (int p = 0; p < kvq_ks_pairs(KS); p++) mp[p] = ks_min_pair(KS, sp, p);
-    const __m512 d = ks_d16(KS, sp, 0), dmin = ks_d16(KS, sp, 1);
+    const __m512 d = ks_d16(KS, sp, 0), dmin = KS != 2 ? ks_d16(KS, sp, 1) : _mm512_setzero_ps();
     for (int i = 0; i < nr; i++) {
         const int64_t row = r + i; /* of a and of acc */
-        __m512i S = _mm512_load_si512(&C[0][i][0]), M;
-        if (P == 2) {
+        __m512i S = _mm512_load_si512(&C[0][i][0]), M = _mm512_setzero_si512();
+        if (KS == 1) {
             S = _mm512_add_epi32(S, _mm512_slli_epi32(_mm512_load_si512(&C[1][i][0]), SH));
             const int16_t *ks = kvq_ks_sums(KS, a.k16 + row * 2 * a.nb, a.k32 + row * a.nb, sb);
-            M = _mm512_setzero_si512();
             for (int p = 0; p < kvq_ks_pairs(KS); p++)
                 M = _mm512_dpwssd_epi32(M, mp[p], _mm512_set1_epi32(kvq_pair16(ks + 2 * p)));
-        } else {
+        } else if (KS == 3) {
             M = _mm512_load_si512(&C[1][i][0]);
+        } else {
+            S = _mm512_add_epi32(S, _mm512_slli_epi32(_mm512_load_si512(&C[1][i][0]), 2));
+            S = _mm512_add_epi32(S, _mm512_slli_epi32(_mm512_load_si512(&C[2][i][0]), 4));
+            S = _mm512_add_epi32(S, _mm512_slli_epi32(_mm512_load_si512(&C[3][i][0]), 6));
         }
-        _mm512_store_ps(acc[row], ks_steps(1, _mm512_load_ps(acc[row]), S, M, a.dk[row * nsb + sb], d, dmin));
+        _mm512_store_ps(acc[row], ks_steps(KS != 2, _mm512_load_ps(acc[row]), S, M, a.dk[row * nsb + sb], d, dmin));
     }
 }
 
-/* The K-quant order (qgemm.c) for the folded formats (above), the file's integer scales in the
- * weights' bytes: for each group of the tile column and each window of up to KSF_ROWS rows, each
- * super-block is built once as B tiles of 64 inputs (ksf_build), and the tile unit sums both parts
+/* The K-quant order (qgemm.c) with the file's integer scales in the weights' bytes (the folded
+ * formats, above): for each group of the tile column and each window of up to KSF_ROWS rows, each
+ * super-block is built once as B tiles of 64 inputs (ksf_build), and the tile unit sums every part
  * over the whole super-block against A tiles of 64 inputs of the activations rounded per 256, two
- * row tiles at a time (ksf_tiles). S and the minimums' sum M are the very int32 sums of amx_ks_pass
- * and qtile512.h (integer sums are exact in every order), and ks_steps the same two float steps
+ * row tiles and two parts at a time (ksf_tiles). S and the minimums' sum M are the very int32 sums of qtile512.h's
+ * K-quant order (integer sums are exact in every order), and ks_steps the same two float steps
  * (ksf_close). A row tile pair's tiles are issued before the pair before it takes its float steps
  * (two sets of sums), and the next super-block is built after the first pair's tiles, so the tile
  * unit and the vector units overlap. */
 static ALWAYS AMX_TARGET void amx_ksf_run(const int HI, const int KS, const QW *wt, int t, int r0, int n, const Scratch *s,
                                           const float *bias, const float *rscale, float *y, int64_t ldy, int accumulate) {
-    const int P = KS == 3 ? 1 : 2, SH = HI ? 3 : 4, K = wt->K, nb = K / 32, nsb = nb / 8, ksb = kvq_ksb(KS);
+    const int NP = KS == 2 ? 4 : 2, SH = HI == 1 ? 3 : 4, K = wt->K, nb = K / 32, nsb = nb / 8, ksb = kvq_ksb(KS);
     const int G = (wt->out + KVQ_NC - 1) / KVQ_NC, g0 = NGMAX * t, ng = G - g0 < NGMAX ? G - g0 : NGMAX;
     const int64_t gq = (int64_t)nb * kvq_qbytes(wt->fmt), gs = kvq_group_scale_bytes(wt->fmt, nb);
-    uint8_t B[2][2][4][1024] __attribute__((aligned(64))); /* [super-block parity][part][pair of blocks][row] */
-    int32_t C[2][2][32][KVQ_NC] __attribute__((aligned(64))); /* [pair parity][part][row][column] */
+    uint8_t B[2][NP][4][1024] __attribute__((aligned(64))); /* [super-block parity][part][pair of blocks][row] */
+    int32_t C[2][NP][32][KVQ_NC] __attribute__((aligned(64))); /* [pair parity][part][row][column] */
     float acc[KSF_ROWS][KVQ_NC] __attribute__((aligned(64)));
     T_CFG(&CFG[2]);
     for (int p = r0; p < r0 + n; p += KSF_ROWS) {
@@ -611,20 +596,21 @@ static ALWAYS AMX_TARGET void amx_ksf_run(const int HI, const int KS, const QW *
             const uint8_t *wg = wt->qs + g * gq, *sg = (const uint8_t *)wt->d + g * gs;
             const int c0 = KVQ_NC * g, cols = wt->out - c0 < KVQ_NC ? wt->out - c0 : KVQ_NC;
             for (int r = 0; r < np; r++) _mm512_store_ps(acc[r], _mm512_setzero_ps());
-            ksf_build(HI, KS, P, wg, sg, 0, B[0]);
+            ksf_build(HI, KS, wg, sg, 0, B[0]);
             for (int sb = 0; sb < nsb; sb++) {
                 const uint8_t *sp = sg + (int64_t)sb * ksb;
                 uint8_t(*Bs)[4][1024] = B[sb & 1];
                 MEMBAR(Bs); /* the built bytes are in memory before the tiles load them */
                 for (int i = 0; i < npair; i++) {
                     const int nr = np - 32 * i < 32 ? np - 32 * i : 32;
-                    if (kt) ksf_tiles(1, kt + (int64_t)32 * i * K, K, sb, nr > 16, Bs, C[i & 1]);
-                    else ksf_tiles(0, a.q + (int64_t)32 * i * K, K, sb, nr > 16, Bs, C[i & 1]);
-                    if (i == 0 && sb + 1 < nsb) ksf_build(HI, KS, P, wg, sp + ksb, sb + 1, B[(sb + 1) & 1]);
-                    if (i > 0) ksf_close(P, SH, KS, 32, 32 * (i - 1), a, sb, sp, C[(i - 1) & 1], acc);
+                    for (int h = 0; h < NP; h += 2) /* two parts at a time */
+                        if (kt) ksf_tiles(1, KS == 2, kt + (int64_t)32 * i * K, K, sb, nr > 16, Bs + h, C[i & 1] + h);
+                        else ksf_tiles(0, KS == 2, a.q + (int64_t)32 * i * K, K, sb, nr > 16, Bs + h, C[i & 1] + h);
+                    if (i == 0 && sb + 1 < nsb) ksf_build(HI, KS, wg, sp + ksb, sb + 1, B[(sb + 1) & 1]);
+                    if (i > 0) ksf_close(SH, KS, 32, 32 * (i - 1), a, sb, sp, C[(i - 1) & 1], acc);
                 }
                 const int last = npair - 1, nl = np - 32 * last;
-                ksf_close(P, SH, KS, nl, 32 * last, a, sb, sp, C[last & 1], acc);
+                ksf_close(SH, KS, nl, 32 * last, a, sb, sp, C[last & 1], acc);
                 MEMBAR(C); /* the sums read before the next super-block's tiles store theirs */
             }
             mm_store(np, cols, acc[0], KVQ_NC, rscale ? rscale + p : NULL, bias ? bias + c0 : NULL,
@@ -656,20 +642,9 @@ PASS_FN(p_q5_f16, 1, 1, 0, 1, 1, 0)
 PASS_FN(p_q5_f32, 1, 1, 0, 0, 1, 0)
 PASS_FN(p_q4o_f16, 1, 0, 0, 1, 1, 8)
 PASS_FN(p_q5o_f16, 1, 1, 0, 1, 1, 16)
-/* the K-quant formats: their own order (above) */
-#define KS_PASS_FN(name, HI, KS) \
-    static AMX_TARGET void name(int ng, int np, Rows a, const uint8_t *w, int64_t gq, const void *dv, \
-                                const void *mv, int64_t gs, float acc[MAXR][NCOL]) { \
-        (void)mv; \
-        if (ng == 2) \
-            amx_ks_pass(HI, KS, 2, np, a, w, gq, (const uint8_t *)dv, gs, acc); \
-        else \
-            amx_ks_pass(HI, KS, 1, np, a, w, gq, (const uint8_t *)dv, gs, acc); \
-    }
-KS_PASS_FN(p_q6_ks, 2, 2)
-/* NULL: the format's products go by amx_ksf_run */
+/* NULL: the K-quants' products go by amx_ksf_run */
 static const PassFn PASSES[KVQ_NFMT] = {p_q4_f16, p_q4_f32, p_s8_f16, p_s8_f32_16, p_u8_f16, p_u8_f32, p_u8_f32_16,
-                                        p_q5_f16, p_q5_f32, p_q4o_f16, p_q5o_f16, NULL, NULL, p_q6_ks, NULL};
+                                        p_q5_f16, p_q5_f32, p_q4o_f16, p_q5o_f16, NULL, NULL, NULL, NULL};
 static const char *const FMT_NAMES[KVQ_NFMT] = {"q4_f16", "q4_f32", "s8_f16", "s8_f32_16", "u8_f16",
                                                 "u8_f32", "u8_f32_16", "q5_f16", "q5_f32", "q4o_f16",
                                                 "q5o_f16", "q4_ks", "q5_ks", "q6_ks", "q2_ks"};
@@ -687,6 +662,7 @@ static __attribute__((noinline)) AMX_TARGET void amx_run(const QW *wt, int t, in
     switch (fmt) { /* the formats whose integer scales fold into the tiles */
     case KVQ_Q4_KS: amx_ksf_run(0, 1, wt, t, r0, n, s, bias, rscale, y, ldy, accumulate); return;
     case KVQ_Q5_KS: amx_ksf_run(1, 1, wt, t, r0, n, s, bias, rscale, y, ldy, accumulate); return;
+    case KVQ_Q6_KS: amx_ksf_run(2, 2, wt, t, r0, n, s, bias, rscale, y, ldy, accumulate); return;
     case KVQ_Q2_KS: amx_ksf_run(0, 3, wt, t, r0, n, s, bias, rscale, y, ldy, accumulate); return;
     default: break;
     }
@@ -838,7 +814,7 @@ static void *amx_selfcheck(void *arg) {
                              {fmt, 70, 768, 83, 3, 83, RCHUNK, 1, 1, 1},
                              {fmt, 23, 512, 100, 0, 100, 100, 1, 0, 0},
                              {fmt, 20, 256, 310, 0, 310, 310, 0, 1, 1}};
-        const int folded = fmt == KVQ_Q4_KS || fmt == KVQ_Q5_KS || fmt == KVQ_Q2_KS;
+        const int folded = KVQ_KS[fmt] != 0;
         for (int i = 0; i < 3 + folded; i++) {
             if (!probe(&ps[i], 0x9E3779B97F4A7C15ULL * (uint64_t)(3 * fmt + i + 1), why, sizeof(why))) {
                 memcpy(amx_why, why, sizeof(amx_why));
