@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
 
@@ -250,3 +252,76 @@ def test_the_machine_probes_read_and_count():
     assert kernels.stream_sum(x) == pytest.approx(float(x.sum()), rel=1e-6)
     assert kernels.stream_sum(x[:1000]) is None and kernels.stream_sum(x.double()) is None
     assert kernels.int8_peak(0.01) > 1e8
+
+
+# kv_fmaf's inline path (vmath.h, KV_FMAF_INLINE: taken whatever the CPU) against libm's fmaf, compiled
+# as the generic build compiles it: random operands
+# over the whole float range, products that nearly cancel the addend (where rounding twice would
+# show), halfway sums, subnormals, zeros, infinities and NaNs. Prints the mismatches and the count.
+FMAF_CHECK = r"""
+#define KV_FMAF_INLINE
+#include "vmath.h"
+#include <stdio.h>
+static uint64_t st = 88172645463325252ULL;
+static uint32_t rnd(void) { st ^= st << 13; st ^= st >> 7; st ^= st << 17; return (uint32_t)(st >> 16); }
+static float bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static uint32_t ubits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+int main(void) {
+    long bad = 0, n = 0;
+    const float edge[] = {0.f, -0.f, 1.f, -1.f, 1e-45f, -1e-45f, 1.17549435e-38f, 3.4028235e38f, -3.4028235e38f,
+                          __builtin_inff(), -__builtin_inff(), __builtin_nanf(""), 0.5f, 3.f, 1.0000001f};
+    const int ne = sizeof(edge) / sizeof(edge[0]);
+    for (long i = 0; i < 3000000 + ne * ne * ne; i++) {
+        float a, b, c;
+        if (i < ne * ne * ne) {
+            a = edge[i % ne], b = edge[i / ne % ne], c = edge[i / ne / ne];
+        } else {
+            const int kind = (int)(i % 5);
+            a = bits(rnd() ^ (rnd() << 16)), b = bits(rnd() ^ (rnd() << 16)), c = bits(rnd() ^ (rnd() << 16));
+            if (kind >= 1) { /* moderate exponents */
+                a = bits((ubits(a) & 0x807fffffu) | (uint32_t)(110 + rnd() % 36) << 23);
+                b = bits((ubits(b) & 0x807fffffu) | (uint32_t)(110 + rnd() % 36) << 23);
+            }
+            if (kind == 2) /* an addend that nearly cancels the product */
+                c = bits(ubits(-(float)((double)a * b)) + (uint32_t)(rnd() % 5) - 2u);
+            if (kind == 3) /* a product whose low half lands at a float's halfway point */
+                c = bits((ubits(a) & 0x80000000u) | ((ubits(a) >> 23 & 255u) + (ubits(b) >> 23 & 255u) - 127u + 24u) << 23);
+            if (kind == 4) { /* (1 + k u) (1 - k u) h = h - k^2 u^2 h, h half an ulp of c: the sum lies a hair
+                              * from c's halfway point, where rounding to double and then to float errs */
+                const int k = 1 + (int)(rnd() % 300), e = (int)(rnd() % 40) - 20;
+                const float s = rnd() & 1 ? 1.f : -1.f, cm = 1.f + (float)(rnd() % 8388608) * 0x1p-23f;
+                a = (1.f + (float)k * 0x1p-23f) * ldexpf(1.f, e);
+                b = s * (1.f - (float)k * 0x1p-23f) * 0x1p-24f;
+                c = (rnd() & 1 ? cm : -cm) * ldexpf(1.f, e);
+            }
+        }
+        const float r = kv_fmaf(a, b, c), want = fmaf(a, b, c);
+        n++;
+        if (ubits(r) != ubits(want) && !(r != r && want != want)) {
+            if (bad < 10) printf("fmaf(%a, %a, %a): %a, libm %a\n", a, b, c, r, want);
+            bad++;
+        }
+    }
+    printf("%ld of %ld\n", bad, n);
+    return 0;
+}
+"""
+
+
+def test_the_generic_builds_fused_multiply_add_is_libms_fmaf(tmp_path):
+    """Where neither the build nor the CPU has an FMA instruction (the generic build on an x86
+    without FMA), kv_fmaf is computed inline in double arithmetic; it must round exactly as libm's
+    correctly rounded fmaf does."""
+    from kvcache.kernels import build
+
+    cc = build.compiler()
+    if cc is None:
+        pytest.skip("no C compiler here")
+    src = tmp_path / "fmaf.c"
+    src.write_text(FMAF_CHECK)
+    exe = tmp_path / "fmaf"
+    p = subprocess.run([*cc, build.optimization(build.GENERIC), *build.MATH, f"-I{build.SOURCES}", str(src), "-o",
+                        str(exe), "-lm"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300).stdout
+    assert out.strip().endswith(f"0 of {3000000 + 15 ** 3}"), out

@@ -74,7 +74,7 @@ static void rest(int r0, int r1, int in, const float *x, int64_t ldx, const floa
     for (; c < width; c++)
         for (int r = r0; r < r1; r++) {
             float s = bias ? bias[c] : 0.f;
-            for (int i = 0; i < in; i++) s = fmaf(x[(int64_t)r * ldx + i], w[(int64_t)i * ldw + c], s);
+            for (int i = 0; i < in; i++) s = kv_fmaf(x[(int64_t)r * ldx + i], w[(int64_t)i * ldw + c], s);
             y[(int64_t)r * ldy + c] = s;
         }
 }

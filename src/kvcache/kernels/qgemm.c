@@ -261,13 +261,13 @@ static inline __attribute__((always_inline)) void group(const int NIB, const int
                 const float *sa = a.sa + 3 * at;
                 float v = out[r][c]; /* the SIMD tiles' steps (qtile256.h, qtile512.h), one rounding each */
                 if (NS == 1) {
-                    v = fmaf((float)(s[0] + s[1]) * a.da[at], dw[0], v);
-                    if (!SGN && !OFS) v = fmaf(mw[0], sa[0], v);
+                    v = kv_fmaf((float)(s[0] + s[1]) * a.da[at], dw[0], v);
+                    if (!SGN && !OFS) v = kv_fmaf(mw[0], sa[0], v);
                 } else {
-                    v = fmaf(fmaf((float)s[1], dw[1], (float)s[0] * dw[0]), a.da[at], v);
+                    v = kv_fmaf(kv_fmaf((float)s[1], dw[1], (float)s[0] * dw[0]), a.da[at], v);
                     if (!SGN && !OFS) {
-                        v = fmaf(mw[0], sa[1], v);
-                        v = fmaf(mw[1], sa[2], v);
+                        v = kv_fmaf(mw[0], sa[1], v);
+                        v = kv_fmaf(mw[1], sa[2], v);
                     }
                 }
                 out[r][c] = v;
@@ -318,8 +318,8 @@ static inline __attribute__((always_inline)) void ks_group(const int HI, const i
             const float d = kvq_h2f(hd), dmin = kvq_h2f(hm);
             for (int r = 0; r < nr; r++) {
                 const float da = a.dk[(int64_t)r * nsb + sb];
-                float v = fmaf(da * d, (float)S[r], sb ? out[r][c] : 0.f);
-                if (KS != 2) v = fmaf(-(da * dmin), (float)M[r], v);
+                float v = kv_fmaf(da * d, (float)S[r], sb ? out[r][c] : 0.f);
+                if (KS != 2) v = kv_fmaf(-(da * dmin), (float)M[r], v);
                 out[r][c] = v;
             }
         }

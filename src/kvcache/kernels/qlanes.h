@@ -35,7 +35,7 @@ typedef uint32_t u32x4 __attribute__((vector_size(16)));
 #else
 #define MADD(a, b, c) madd16((v16){0} + (a), (v16){0} + (b), (c))
 #endif
-#define MADDF(a, b, c) fmaf((a), (b), (c))
+#define MADDF(a, b, c) kv_fmaf((a), (b), (c))
 KV_VEXP_MADD(vexp16, v16, i16, MADD)
 
 #define CH 256          /* keys per chunk */

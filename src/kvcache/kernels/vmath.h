@@ -30,18 +30,60 @@ typedef int32_t i16 __attribute__((vector_size(64), aligned(4), may_alias));
 
 typedef float v8 __attribute__((vector_size(32), aligned(4), may_alias));
 
-/* a * b + c lane by lane with fmaf: libm's correctly rounded fmaf where the build has no FMA, two
- * FMA instructions on halves for a sixteen-float vector in AVX2 builds */
+/* a * b + c rounded once, as C's fmaf. Where the build has a fused multiply-add instruction (FMA
+ * builds, and the targets whose every CPU has one: aarch64, ...) the compiler inlines fmaf as it.
+ * The generic build on x86 has none. There libm's fmaf is the FMA instruction behind a call on CPUs
+ * that have it (glibc picks it at load), and on those that do not (the CPUs the generic build is
+ * for) a software path that saves and restores the floating-point environment: 2 prompt tokens a
+ * second for the bundled model. So where the CPU has no FMA, kv_fmaf does that arithmetic inline
+ * (11 a second): a * b is exact in double (24 + 24 bits), the sum is rounded to odd (to nearest,
+ * then, where that was inexact, to whichever neighbour has an odd last bit, found by the sum's exact
+ * error), and a sum rounded to odd with 53 >= 24 + 2 bits rounds to float correctly: the same bits
+ * as fmaf for every input (tests/test_kernels.py holds it to libm's on random and edge operands,
+ * KV_FMAF_INLINE taking the inline path on any CPU). */
+#if !defined(__FMA__) && (defined(__x86_64__) || defined(__i386__))
+#define KV_FMAF_SOFT 1
+#ifndef KV_FMAF_INLINE
+static int kv_fma_cpu; /* this CPU has FMA (set when the library loads, a copy per source file) */
+__attribute__((constructor)) static void kv_fma_probe(void) { kv_fma_cpu = __builtin_cpu_supports("fma"); }
+#endif
+#endif
+
+static KV_ALWAYS float kv_fmaf(float a, float b, float c) {
+#ifndef KV_FMAF_SOFT
+    return fmaf(a, b, c);
+#else
+#ifndef KV_FMAF_INLINE
+    if (__builtin_expect(kv_fma_cpu, 1)) return fmaf(a, b, c);
+#endif
+    const double p = (double)a * (double)b, x = (double)c;
+    double s = p + x;
+    if (!__builtin_isfinite(s)) return (float)s; /* an infinity or a NaN: as fmaf's */
+    const double z = s - p, err = (p - (s - z)) + (x - z); /* p + x - s, exactly (the two-sum) */
+    if (err != 0.0) {
+        uint64_t u;
+        memcpy(&u, &s, 8);
+        if (!(u & 1)) { /* the neighbour on err's side: one step of the bits, up in magnitude or down */
+            u += (err > 0.0) == (s > 0.0) ? 1 : (uint64_t)-1;
+            memcpy(&s, &u, 8);
+        }
+    }
+    return (float)s;
+#endif
+}
+
+/* a * b + c lane by lane with kv_fmaf where the build has no FMA, two FMA instructions on halves for
+ * a sixteen-float vector in AVX2 builds */
 #define KV_LANE_FMA(name, V, N)                                          \
     static KV_ALWAYS V name(V a, V b, V c) {                             \
         V r;                                                             \
-        for (int i = 0; i < (N); i++) r[i] = fmaf(a[i], b[i], c[i]);     \
+        for (int i = 0; i < (N); i++) r[i] = kv_fmaf(a[i], b[i], c[i]);  \
         return r;                                                        \
     }
 
 /* The build contracts nothing (-ffp-contract=off) and never reassociates: every fused multiply-add
  * is written out. An FMA build takes its FMA instruction (intrinsics: the compiler keeps the
- * operands in registers), the generic build fmaf lane by lane. So each one rounds once in every
+ * operands in registers), the generic build kv_fmaf lane by lane. So each one rounds once in every
  * variant. */
 #if defined(__FMA__)
 #include <immintrin.h>
@@ -84,7 +126,7 @@ static KV_ALWAYS float kv_dot(const float *x, const float *y, int n) {
     float t[16];
     memcpy(t, &lo, sizeof(lo));
     memcpy(t + 8, &hi, sizeof(hi));
-    for (int l = 0; k + l < n; l++) t[l] = fmaf(x[k + l], y[k + l], t[l]);
+    for (int l = 0; k + l < n; l++) t[l] = kv_fmaf(x[k + l], y[k + l], t[l]);
     v16 all;
     memcpy(&all, t, sizeof(all));
     return hsum16(all);
