@@ -497,6 +497,9 @@ static ALWAYS void ksf_build(const int HI, const int KS, const uint8_t *wg, cons
     }
 }
 
+/* one part's B tiles of a super-block (ksf_build): 4 pairs of blocks x 16 rows of 64 bytes */
+typedef uint8_t KsfPart[4][1024];
+
 static const int32_t ZEROS[16 * KVQ_NC] __attribute__((aligned(64))); /* a C tile of zeros, loaded: tilezero
                                                                          before a product chain is slower */
 
@@ -507,7 +510,7 @@ static const int32_t ZEROS[16 * KVQ_NC] __attribute__((aligned(64))); /* a C til
  * 64 inputs; B 6, 7 the parts; SGN: signed parts). q: the first row tile's activations, in the tile
  * order (Scratch's kt; T 1) or by rows (kq; T 0), of K inputs a row. */
 static ALWAYS AMX_TARGET void ksf_tiles(const int T, const int SGN, const int8_t *q, int64_t K, int sb, int two,
-                                        uint8_t (*Bs)[4][1024], int32_t C[][32][KVQ_NC]) {
+                                        KsfPart *Bs, int32_t C[][32][KVQ_NC]) {
     const int64_t lda = T ? 64 : K; /* bytes from a row to the next in an A tile */
     T_LOAD(0, ZEROS, 4 * KVQ_NC);
     T_LOAD(1, ZEROS, 4 * KVQ_NC);
@@ -599,7 +602,7 @@ static ALWAYS AMX_TARGET void amx_ksf_run(const int HI, const int KS, const QW *
             ksf_build(HI, KS, wg, sg, 0, B[0]);
             for (int sb = 0; sb < nsb; sb++) {
                 const uint8_t *sp = sg + (int64_t)sb * ksb;
-                uint8_t(*Bs)[4][1024] = B[sb & 1];
+                KsfPart *Bs = B[sb & 1];
                 MEMBAR(Bs); /* the built bytes are in memory before the tiles load them */
                 for (int i = 0; i < npair; i++) {
                     const int nr = np - 32 * i < 32 ? np - 32 * i : 32;
