@@ -39,7 +39,7 @@
  * every call and released at its end: a thread's tile state is never assumed.
  *
  * Speed, kv_q_linear of 512 rows at 2048 x 8192 (python -m kvcache.bench.amx_check): on a 2-core
- * Xeon VM (AMX, no second thread a core), one thread: Q4_K 1.9-2.0x the VNNI kernels', Q6_K 1.6-1.7x,
+ * Xeon VM (AMX, no second thread a core), one thread: Q4_K 1.9-2.1x the VNNI kernels', Q6_K 1.6-1.7x,
  * Q4_0 and Q8_0 (their float steps every 32 inputs) 1.1-1.45x. On a 16-vCPU Xeon VM (8 cores with two
  * threads each), before the K-quants' folding: eight threads on eight cores 1.0-1.4x, all sixteen
  * about even (0.85-1.05x): two threads of a core share its tile unit. So a call from a parallel
@@ -298,8 +298,8 @@ static ALWAYS void amx_unpack(const int HI, const int OFS, const uint8_t *wb, ui
     }
 }
 
-typedef struct { /* a pass's activations from its first row on (Scratch's arrays; q: the K-quant order's
-                  kq for its formats) */
+typedef struct { /* a pass's activations from its first row on (Scratch's arrays): the per-32 order's
+                  q, da, sa (amx_pass), or the K-quant order's kq as q, dk, k16, k32 (amx_ksf_run) */
     const int8_t *q;
     const float *da, *sa;
     int K, nb;
@@ -418,11 +418,13 @@ static ALWAYS AMX_TARGET void amx_pass(const int NIB, const int HI, const int SG
  * three: 31 x 7). Q6_KS: its signed eight-bit scale as three base-4 digits and a top one of -2 .. 1
  * (sc = d0 + 4 d1 + 16 d2 + 64 d3), each times the value less 32 (-96 .. 93, signed bytes). */
 
-/* Sixteen columns' integer scales (int32 lanes) as the 16-bit words of each lane's two halves, the
- * bits lo .. lo + n - 1 of each: fold_mul's factor for the four bytes of a column. */
+/* Each int32 lane's value (below 2^16) in both of its 16-bit words: fold_mul's factor for the four
+ * bytes of a column. */
+static ALWAYS __m512i fold_words(__m512i v) { return _mm512_or_si512(v, _mm512_slli_epi32(v, 16)); }
+
+/* Sixteen columns' integer scales (int32 lanes), the bits lo .. lo + n - 1 of each, as fold_words. */
 static ALWAYS __m512i fold_factor(__m512i sc, int lo, int n) {
-    const __m512i v = _mm512_and_si512(_mm512_srli_epi32(sc, lo), _mm512_set1_epi32((1 << n) - 1));
-    return _mm512_or_si512(v, _mm512_slli_epi32(v, 16));
+    return fold_words(_mm512_and_si512(_mm512_srli_epi32(sc, lo), _mm512_set1_epi32((1 << n) - 1)));
 }
 
 /* Bytes v (values below 32) times their column's factor f (fold_factor) where every product is
@@ -436,10 +438,7 @@ static ALWAYS __m512i fold_bytes4z(__m512i v) {
 }
 
 /* Sixteen bytes (one a column) each repeated in the four bytes of its column's lane. */
-static ALWAYS __m512i fold_bytes4(__m128i b) {
-    return _mm512_shuffle_epi8(_mm512_cvtepu8_epi32(b),
-                               _mm512_set4_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0x00000000));
-}
+static ALWAYS __m512i fold_bytes4(__m128i b) { return fold_bytes4z(_mm512_cvtepu8_epi32(b)); }
 
 /* One super-block of one group as the B tiles of amx_ksf_run: NP parts x 4 pairs of blocks x 16 rows
  * of 64 bytes (row 8 (j & 1) + s of pair j >> 1: qformat.h's byte layout of block j's inputs 4 s ..
@@ -463,7 +462,7 @@ static ALWAYS void ksf_build(const int HI, const int KS, const uint8_t *wg, cons
                 for (int k = 0; k < 4; k++) {
                     const __m512i dg = k < 3 ? _mm512_and_si512(_mm512_srai_epi32(sc, 2 * k), _mm512_set1_epi32(3))
                                              : _mm512_add_epi32(_mm512_srai_epi32(sc, 6), _mm512_set1_epi32(2));
-                    f[h][k] = _mm512_or_si512(dg, _mm512_slli_epi32(dg, 16));
+                    f[h][k] = fold_words(dg);
                     o[h][k] = fold_bytes4z(_mm512_sub_epi32(_mm512_slli_epi32(dg, 5), _mm512_set1_epi32(k < 3 ? 0 : 64)));
                 }
             } else {
@@ -575,11 +574,11 @@ static ALWAYS void ksf_close(const int SH, const int KS, int nr, int r, Rows a, 
  * formats, above): for each group of the tile column and each window of up to KSF_ROWS rows, each
  * super-block is built once as B tiles of 64 inputs (ksf_build), and the tile unit sums every part
  * over the whole super-block against A tiles of 64 inputs of the activations rounded per 256, two
- * row tiles and two parts at a time (ksf_tiles). S and the minimums' sum M are the very int32 sums of qtile512.h's
- * K-quant order (integer sums are exact in every order), and ks_steps the same two float steps
- * (ksf_close). A row tile pair's tiles are issued before the pair before it takes its float steps
- * (two sets of sums), and the next super-block is built after the first pair's tiles, so the tile
- * unit and the vector units overlap. */
+ * row tiles and two parts at a time (ksf_tiles). S and the minimums' sum M are the very int32 sums
+ * of qtile512.h's K-quant order (integer sums are exact in every order), and ks_steps the same two
+ * float steps (ksf_close). A row tile pair's tiles are issued before the pair before it takes its
+ * float steps (two sets of sums), and the next super-block is built after the first pair's tiles, so
+ * the tile unit and the vector units overlap. */
 static ALWAYS AMX_TARGET void amx_ksf_run(const int HI, const int KS, const QW *wt, int t, int r0, int n, const Scratch *s,
                                           const float *bias, const float *rscale, float *y, int64_t ldy, int accumulate) {
     const int NP = KS == 2 ? 4 : 2, SH = HI == 1 ? 3 : 4, K = wt->K, nb = K / 32, nsb = nb / 8, ksb = kvq_ksb(KS);
@@ -591,7 +590,7 @@ static ALWAYS AMX_TARGET void amx_ksf_run(const int HI, const int KS, const QW *
     T_CFG(&CFG[2]);
     for (int p = r0; p < r0 + n; p += KSF_ROWS) {
         const int np = r0 + n - p < KSF_ROWS ? r0 + n - p : KSF_ROWS, npair = (np + 31) / 32;
-        const Rows a = {s->kq + (int64_t)p * K, s->da, s->sa, K, nb, s->dk + (int64_t)p * nsb,
+        const Rows a = {s->kq + (int64_t)p * K, NULL, NULL, K, nb, s->dk + (int64_t)p * nsb,
                         s->k16 + (int64_t)p * 2 * nb, s->k32 + (int64_t)p * nb}; /* from row p on */
         /* the tile order's copy from row p on, where there is one and p starts a row tile of it */
         const int8_t *kt = s->kt && p % 16 == 0 ? s->kt + (int64_t)p * K : NULL;
@@ -673,9 +672,8 @@ static __attribute__((noinline)) AMX_TARGET void amx_run(const QW *wt, int t, in
     T_CFG(&CFG[KVQ_NS[fmt] - 1]);
     for (int p = r0; p < r0 + n; p += MAXR) {
         const int np = r0 + n - p < MAXR ? r0 + n - p : MAXR;
-        const Rows a = {(KVQ_KS[fmt] ? s->kq : s->q) + (int64_t)p * K, s->da + (int64_t)p * nb,
-                        s->sa + (int64_t)p * 3 * nb, K, nb, s->dk + (int64_t)p * (nb / 8), s->k16 + (int64_t)p * 2 * nb,
-                        s->k32 + (int64_t)p * nb};
+        const Rows a = {s->q + (int64_t)p * K, s->da + (int64_t)p * nb, s->sa + (int64_t)p * 3 * nb, K, nb,
+                        NULL, NULL, NULL};
         PASSES[fmt](ng, np, a, w, gq, dv, mv, gs, acc);
         mm_store(np, cols, acc[0], NCOL, rscale ? rscale + p : NULL, bias ? bias + c0 : NULL,
                  y + (int64_t)p * ldy + c0, ldy, accumulate);

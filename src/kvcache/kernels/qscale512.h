@@ -35,9 +35,6 @@ static inline __attribute__((always_inline)) __m512i ks_min_pair(const int KS, c
     return _mm512_or_si512(_mm512_cvtepu8_epi32(l), _mm512_slli_epi32(_mm512_cvtepu8_epi32(h), 16));
 }
 
-/* The super-block's two float steps for one row and group: acc (+)= dk d S - dk dmin M, with M the
- * minimums' pairs mp times the row's activation sums ks (k32 for KS 1, k16 for KS 3, at the
- * super-block). */
 /* The super-block's fp16 d (dmin: its minimums' step), sixteen columns as floats. */
 static inline __attribute__((always_inline)) __m512 ks_d16(const int KS, const uint8_t *sp, int dmin) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + (dmin ? kvq_ks_dmin(KS) : kvq_ks_d(KS)))));
@@ -53,6 +50,9 @@ static inline __attribute__((always_inline)) __m512 ks_steps(const int MIN, __m5
     return acc;
 }
 
+/* The super-block's two float steps for one row and group: acc (+)= dk d S - dk dmin M, with M the
+ * minimums' pairs mp times the row's activation sums ks (k32 for KS 1, k16 for KS 3, at the
+ * super-block). */
 static inline __attribute__((always_inline)) __m512 ks_close(const int KS, __m512 acc, __m512i S, const uint8_t *sp,
                                                              float dk, const int16_t *ks, const __m512i mp[8]) {
     __m512i M = _mm512_setzero_si512();

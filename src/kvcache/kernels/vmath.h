@@ -45,7 +45,10 @@ typedef float v8 __attribute__((vector_size(32), aligned(4), may_alias));
 #define KV_FMAF_SOFT 1
 #ifndef KV_FMAF_INLINE
 static int kv_fma_cpu; /* this CPU has FMA (set when the library loads, a copy per source file) */
-__attribute__((constructor)) static void kv_fma_probe(void) { kv_fma_cpu = __builtin_cpu_supports("fma"); }
+__attribute__((constructor)) static void kv_fma_probe(void) {
+    __builtin_cpu_init(); /* a constructor may run before libgcc's own has read the CPU */
+    kv_fma_cpu = __builtin_cpu_supports("fma");
+}
 #endif
 #endif
 
