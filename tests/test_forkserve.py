@@ -11,7 +11,7 @@ import urllib.request
 
 import forkserve
 
-from conftest import run_kvcache
+from conftest import fresh_home, run_kvcache
 from kvcache.peers.process import free_port
 
 
@@ -24,7 +24,7 @@ def test_output_and_exit_status_are_a_fresh_interpreters():
 
 def test_the_callers_environment_and_folder_are_the_commands(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("KVCACHE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("KVCACHE_HOME", str(fresh_home(tmp_path / "home")))  # its kernels the suite's: no compile
     got = subprocess.run(forkserve.command("env", "--no-digest"), capture_output=True, text=True, timeout=120)
     assert got.returncode == 0, got.stderr
     assert str(tmp_path / "home") in got.stdout, got.stdout

@@ -259,6 +259,20 @@ def test_packed_linear(k: int) -> None:
     assert torch.equal(packed_rows(wp, ids), w[ids])
 
 
+@pytest.mark.parametrize("out,inn,k", [(11, 7, 3), (1, 5, 4), (257, 9, 2), (1000, 3, 3), (300, 130, 1), (2049, 16, 8)])
+def test_pack_lays_out_each_part_as_its_rows_transposed(out, inn, k):
+    """pack copies blocks of rows: across block and part edges, part j holds rows j * part .. as
+    columns, the columns past the last row zeros, in memory of its own."""
+    w = torch.randn(out, inn, dtype=torch.float64).to(torch.float16 if out == 257 else torch.float32)
+    part = -(-out // k)
+    ref = torch.zeros(k * part, inn)
+    ref[:out] = w.float()
+    got = pack(w, k)
+    assert got.shape == (k, inn, part) and got.dtype == torch.float32 and got.is_contiguous()
+    assert not got.requires_grad and got.data_ptr() != w.data_ptr()
+    assert torch.equal(got, ref.view(k, part, inn).transpose(1, 2))
+
+
 @pytest.mark.parametrize("style", ["model.language_model.", "language_model.model."])
 def test_multimodal_checkpoint_names(style: str) -> None:
     """A Gemma 3 image-text checkpoint's text weights (transformers 5 / 4 naming) load as the text model."""

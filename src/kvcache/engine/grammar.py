@@ -255,8 +255,30 @@ def _limits() -> Any:
     return llguidance.LLParserLimits(max_grammar_size=200_000, max_lexer_states=100_000, verbose_errors=False)
 
 
+_ll_made: OrderedDict[tuple[int, int, tuple[int, ...]], tuple[Any, Any]] = OrderedDict()
+_ll_lock = threading.Lock()
+
+
 def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
-    """llguidance's view of the model's tokenizer (``kvcache.models.tokenizer.Tokenizer``)."""
+    """llguidance's view of the model's tokenizer (``kvcache.models.tokenizer.Tokenizer``), made
+    once a process for each parsed tokenizer (models/tokenizer.py shares one for every load of a
+    file; making the view serializes and parses the whole vocabulary three times)."""
+    backend = tokenizer.backend
+    key = (id(backend), vocab_size, tuple(tokenizer.eos_token_ids))
+    with _ll_lock:
+        hit = _ll_made.get(key)
+        if hit is not None and hit[0] is backend:  # the entry holds the backend: its id stays its own
+            _ll_made.move_to_end(key)
+            return hit[1]
+    made = _make_ll_tokenizer(tokenizer, vocab_size)
+    with _ll_lock:
+        _ll_made[key] = (backend, made)
+        while len(_ll_made) > 4:
+            _ll_made.popitem(last=False)
+    return made
+
+
+def _make_ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
     import llguidance
 
     backend = tokenizer.backend

@@ -36,10 +36,24 @@ def pack(w: torch.Tensor, k: int | None = None) -> nn.Parameter:
     out, inn = w.shape
     k = k or max(1, min(torch.get_num_threads(), 8))
     part = -(-out // k)
-    wt = w.detach().to(torch.float32).t()  # [in, out]
-    if part * k != out:
-        wt = F.pad(wt, (0, part * k - out))
-    return frozen(wt.reshape(inn, k, part).permute(1, 0, 2))
+    w = w.detach()
+    dst = torch.empty(k, inn, part, dtype=torch.float32)
+    # column c of part j is row j * part + c of w: copied 128 rows at a time, each block's transpose
+    # a cache-sized copy (one strided copy of the whole matrix took 3.1 s for Gemma 3's 262k-row
+    # head, blocks 0.5-1.3 s); the columns past the last row are zeros
+    for j in range(k):
+        for c in range(0, part, _PACK_ROWS):
+            end = min(c + _PACK_ROWS, part)  # this block's columns: c .. end - 1
+            lo, hi = j * part + c, min(j * part + end, out)
+            n = max(0, hi - lo)
+            if n:
+                dst[j, :, c : c + n].copy_(w[lo:hi].t())
+            if c + n < end:
+                dst[j, :, c + n : end].zero_()
+    return nn.Parameter(dst, requires_grad=False)
+
+
+_PACK_ROWS = 128
 
 
 def pack_bias(b: torch.Tensor | None, packed: Any) -> nn.Parameter | None:

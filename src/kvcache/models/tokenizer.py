@@ -4,6 +4,8 @@ models/templates.py (Jinja's sandbox, bounded in time and size)."""
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +51,7 @@ class Tokenizer:
         tj = path / "tokenizer.json"
         if not tj.is_file():
             raise ModelLoadError(f"{path} has no tokenizer.json")
-        try:
-            backend = Backend.from_file(str(tj))
-        except Exception as e:
-            raise ModelLoadError(f"{tj} cannot be read ({e})") from None
+        backend = _backend(Backend, tj)
         config: dict[str, Any] = {}
         if (path / "tokenizer_config.json").is_file():
             config = json.loads((path / "tokenizer_config.json").read_text())
@@ -173,3 +172,35 @@ class IncrementalDecoder:
         else:
             self.emitted_text = text
         return delta
+
+
+_KEPT = 4  # tokenizer files a process keeps parsed (a server's model and draft, a test's few models)
+_backends: OrderedDict[tuple[str, int, int, int], Any] = OrderedDict()
+_backends_lock = threading.Lock()
+
+
+def _backend(backend_type: Any, tj: Path) -> Any:
+    """``tokenizers.Tokenizer.from_file(tj)``, parsed once a process for each version of the file
+    (its path, inode, size and modification time): a load of Gemma 3's 262k-token vocabulary
+    takes a second, and a process (a test run, a server reloading, a draft beside its target) may
+    load one model many times. The object is shared: kvcache never changes a tokenizer once made
+    (padding and truncation stay off; llguidance's view is made from a copy)."""
+    try:
+        st = tj.stat()
+        key = (str(tj.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+    except OSError as e:
+        raise ModelLoadError(f"{tj} cannot be read ({e.strerror})") from None
+    with _backends_lock:
+        hit = _backends.get(key)
+        if hit is not None:
+            _backends.move_to_end(key)
+            return hit
+    try:
+        backend = backend_type.from_file(str(tj))
+    except Exception as e:
+        raise ModelLoadError(f"{tj} cannot be read ({e})") from None
+    with _backends_lock:
+        _backends[key] = backend
+        while len(_backends) > _KEPT:
+            _backends.popitem(last=False)
+    return backend
