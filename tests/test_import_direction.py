@@ -33,7 +33,8 @@ LAYERS = [
     ["kvcache.cache"],
     ["kvcache.press"],
     ["kvcache.kernels"],
-    ["kvcache.errors", "kvcache.fmt", "kvcache.paths", "kvcache.plotting", "kvcache.hugepages", "kvcache.gcpolicy"],
+    ["kvcache.errors", "kvcache.fmt", "kvcache.paths", "kvcache.plotting", "kvcache.hugepages", "kvcache.gcpolicy",
+     "kvcache.recent"],
 ]
 
 

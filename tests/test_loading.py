@@ -183,3 +183,27 @@ def test_converted_tokenizer_loads_in_transformers_as_ours():
     theirs, ours = AutoTokenizer.from_pretrained(str(folder)), Tokenizer.from_dir(folder)
     for text in ("\n\nRepeat the previous context exactly.", "The pass key is 60494. Remember it."):
         assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
+
+
+def test_a_tokenizer_file_is_parsed_once_until_it_changes(tmp_path):
+    """Loads of one tokenizer.json share its parse; a file rewritten (another size or time) or
+    damaged is read again, and the damage is one clear error."""
+    import os
+
+    from conftest import write_tiny_tokenizer
+    from kvcache.models.tokenizer import Tokenizer
+
+    write_tiny_tokenizer(tmp_path)
+    a, b = Tokenizer.from_dir(tmp_path), Tokenizer.from_dir(tmp_path)
+    assert a.backend is b.backend and a is not b
+    tj = tmp_path / "tokenizer.json"
+    data = json.loads(tj.read_text())
+    data["model"]["vocab"]["t3"], data["model"]["vocab"]["t4"] = 4, 3  # two ids swapped: the same size
+    tj.write_text(json.dumps(data))
+    st = tj.stat()
+    os.utime(tj, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # a later modification time, as an edit gives
+    c = Tokenizer.from_dir(tmp_path)
+    assert c.backend is not a.backend and c.encode("t3") == [4] and a.encode("t3") == [3]
+    tj.write_text("{not json")
+    with pytest.raises(ModelLoadError, match="tokenizer.json cannot be read"):
+        Tokenizer.from_dir(tmp_path)

@@ -27,6 +27,7 @@ from kvcache.engine.masks import MaskWorker
 from kvcache.engine.nesting import MAX_DEPTH, MAX_SCHEMA_JSON_DEPTH, grammar_syntax, text_depth
 from kvcache.engine.schema import bounded_whitespace, closed_schema
 from kvcache.errors import InvalidParams
+from kvcache.recent import Recent
 
 if TYPE_CHECKING:  # torch is imported where a mask is made: a request's parameters are checked without it
     import torch
@@ -255,27 +256,17 @@ def _limits() -> Any:
     return llguidance.LLParserLimits(max_grammar_size=200_000, max_lexer_states=100_000, verbose_errors=False)
 
 
-_ll_made: OrderedDict[tuple[int, int, tuple[int, ...]], tuple[Any, Any]] = OrderedDict()
-_ll_lock = threading.Lock()
+_ll_views = Recent(4)
 
 
 def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
     """llguidance's view of the model's tokenizer (``kvcache.models.tokenizer.Tokenizer``), made
     once a process for each parsed tokenizer (models/tokenizer.py shares one for every load of a
-    file; making the view serializes and parses the whole vocabulary three times)."""
+    file; making the view serializes and parses the whole vocabulary three times). The entry holds
+    the backend, so the id in its key stays that backend's while it is kept."""
     backend = tokenizer.backend
     key = (id(backend), vocab_size, tuple(tokenizer.eos_token_ids))
-    with _ll_lock:
-        hit = _ll_made.get(key)
-        if hit is not None and hit[0] is backend:  # the entry holds the backend: its id stays its own
-            _ll_made.move_to_end(key)
-            return hit[1]
-    made = _make_ll_tokenizer(tokenizer, vocab_size)
-    with _ll_lock:
-        _ll_made[key] = (backend, made)
-        while len(_ll_made) > 4:
-            _ll_made.popitem(last=False)
-    return made
+    return _ll_views.get(key, lambda: (backend, _make_ll_tokenizer(tokenizer, vocab_size)))[1]
 
 
 def _make_ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:

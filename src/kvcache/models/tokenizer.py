@@ -4,13 +4,12 @@ models/templates.py (Jinja's sandbox, bounded in time and size)."""
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 from kvcache.errors import InvalidParams, ModelLoadError
 from kvcache.models.template_limits import DEFAULT_TIMEOUT, text_limit
+from kvcache.recent import Recent
 
 
 class Tokenizer:
@@ -174,9 +173,7 @@ class IncrementalDecoder:
         return delta
 
 
-_KEPT = 4  # tokenizer files a process keeps parsed (a server's model and draft, a test's few models)
-_backends: OrderedDict[tuple[str, int, int, int], Any] = OrderedDict()
-_backends_lock = threading.Lock()
+_parsed = Recent(4)  # tokenizer files a process keeps parsed (a server's model and draft, a test's few models)
 
 
 def _backend(backend_type: Any, tj: Path) -> Any:
@@ -190,17 +187,11 @@ def _backend(backend_type: Any, tj: Path) -> Any:
         key = (str(tj.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
     except OSError as e:
         raise ModelLoadError(f"{tj} cannot be read ({e.strerror})") from None
-    with _backends_lock:
-        hit = _backends.get(key)
-        if hit is not None:
-            _backends.move_to_end(key)
-            return hit
-    try:
-        backend = backend_type.from_file(str(tj))
-    except Exception as e:
-        raise ModelLoadError(f"{tj} cannot be read ({e})") from None
-    with _backends_lock:
-        _backends[key] = backend
-        while len(_backends) > _KEPT:
-            _backends.popitem(last=False)
-    return backend
+
+    def parse() -> Any:
+        try:
+            return backend_type.from_file(str(tj))
+        except Exception as e:
+            raise ModelLoadError(f"{tj} cannot be read ({e})") from None
+
+    return _parsed.get(key, parse)
