@@ -302,13 +302,15 @@ class Redis:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _until_cached(server: Server, prompt: list[int], want: list[int], seconds: float) -> int:
-    """Ask again until the prompt's pages come from Redis (the tier retries 5 s after a failure)."""
+def _until_cached(server: Server, prompt: list[int], want: list[int], seconds: float, full: int = 44) -> int:
+    """Ask again until all ``full`` cached tokens of the prompt come from Redis (the tier retries 5 s
+    after a failure, and writes go through a queue: a read can find the first pages of a prompt
+    before the writer has stored the rest)."""
     deadline = time.monotonic() + seconds
     while True:
         ids, cached = _complete(server, prompt, 4)
         assert ids == want
-        if cached or time.monotonic() > deadline:
+        if cached >= full or time.monotonic() > deadline:
             return cached
         time.sleep(0.5)
 
