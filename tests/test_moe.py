@@ -294,7 +294,7 @@ def test_a_rows_experts_in_one_native_call_give_the_loops_bits(folder) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_native_router_follows_the_routing_rules_and_a_decode_row_is_one_call(folder, case: str) -> None:
     """The native router (kernels/dmoe.c) against torch's steps on the same rows: the same experts
-    in the same order, weights within 1e-6, the same normed rows within 1e-6; a decode row's whole
+    in the same order (increasing ids), weights within 1e-6, the same normed rows within 1e-6; a decode row's whole
     block in one call (kv_q_moe_row) gives the bits of the router then the row's experts, and 40
     rows grouped by expert in one call (kv_q_moe_rows) each row's bits alone."""
     from kvcache.kernels.qmoe import expert_table, experts_row, moe_row, moe_rows
@@ -311,6 +311,8 @@ def test_the_native_router_follows_the_routing_rules_and_a_decode_row_is_one_cal
         want_h = rms_norm(x, router.norm, router.eps)
         probs = torch.softmax(linear(want_h, pack(router.table[:, : spec.num_experts].t()))[:, : spec.num_experts], -1)
         want_w, want_e = torch.topk(probs, spec.top_k, dim=-1)
+        want_e, by_id = torch.sort(want_e, dim=-1)  # a row's experts in increasing id order
+        want_w = want_w.gather(1, by_id)
         if spec.norm_topk:
             want_w = want_w / want_w.sum(-1, keepdim=True)
         assert torch.equal(e, want_e)
@@ -333,6 +335,8 @@ def test_the_native_router_follows_the_routing_rules_and_a_decode_row_is_one_cal
             assert torch.equal(rows[r : r + 1], alone), (case, r)
         with pytest.raises(IndexError, match="outside the layer's"):
             moe_rows(x.clone(), h, w, torch.where(e == e[3, 0], spec.num_experts, e), table, 0)
+        with pytest.raises(IndexError, match="not in increasing order"):  # the order the sums are built in
+            moe_rows(x.clone(), h, w, e.flip(-1), table, 0)
 
 
 def _gguf_state(hf: Any, folder_: Path, ggml: int) -> dict[str, Any]:

@@ -4,9 +4,11 @@
  * router's logits l = h @ R (R [H, Ep] fp32, the router matrix transposed and its E columns padded
  * with zeros to Ep, a multiple of 16: each logit one multiply-add chain over the inputs in order, so
  * every variant gives the same bits whatever its vector width or row tile), the row's k largest
- * logits (larger first, equal ones by lower expert id) and their weights: softmax probabilities
- * p = exp(l - max) / S, S the sum of all E exponentials in expert order, renormalised p_j / (p_0 +
- * ... + p_{k-1}) in top-k order when `norm`. A row's results depend on that row alone.
+ * logits (larger first, equal ones by lower expert id), then put in increasing expert id order,
+ * and their weights: softmax probabilities p = exp(l - max) / S, S the sum of all E exponentials
+ * in expert order, renormalised p_j / (p_0 + ... + p_{k-1}) in that id order when `norm`. Every
+ * sum over a row's experts below takes the id order too (transformers' too: it adds its experts'
+ * outputs expert by expert). A row's results depend on that row alone.
  * kv_q_experts_row: one row's chosen experts, y_j = down(act(gate) * up) of [gate | up] =
  * gate_up_j(h), combined as out = ((y_0 * w_0) + y_1 * w_1) + ... (each product and sum rounding
  * once, in that order): the bits of kv_q_expert's outputs weighted and summed one by one. The k
@@ -15,10 +17,11 @@
  * kv_q_moe_row: a decode row's whole sparse half, x += the mixture of its experts, route and experts
  * in one parallel region (the steps of kv_moe_route then kv_q_experts_row, so the same bits).
  * kv_q_moe_rows: the same for any number of rows after kv_moe_route: each chosen expert once over
- * all the rows that chose it, each row's sum in its top-k order (the same bits again).
+ * all the rows that chose it, the experts in id order, so each row's sum takes its terms in its
+ * own order (the same bits again) into one [n, H] buffer: one expert's outputs held at a time.
  *
  * Layouts: x [n, H] rows ldx apart; post_w [H]; wt [H, Ep]; h [n, H]; w [n, k] float and e [n, k]
- * int64 (the chosen weights and expert ids, best first); gu, dn: qgemm.h's KVP_N fields of each
+ * int64 (the chosen weights and expert ids, ids increasing along a row); gu, dn: qgemm.h's KVP_N fields of each
  * expert's gate_up and down (kv_q_experts_row: the k chosen ones in order; kv_q_moe_row: all E).
  * Returns 0, 1 for bad arguments, 4 when scratch memory cannot be had.
  */
@@ -87,7 +90,7 @@ static void logits_rows(const Route *r, int nr, float *const *h, float *const *l
     for (; v < v1; v++) logits_tile(r, nr, 1, h, l, v);
 }
 
-/* a row's top k of its logits l [E] and their weights; ex [Ep]: scratch */
+/* a row's top k of its logits l [E] in increasing expert id order, and their weights; ex [Ep]: scratch */
 static void pick(const Route *r, const float *l, float *ex, float *w, int64_t *e) {
     int sel[KMAX], n = 0;
     for (int x = 0; x < r->E; x++) {
@@ -101,6 +104,12 @@ static void pick(const Route *r, const float *l, float *ex, float *w, int64_t *e
         sel[p] = x;
     }
     const float m = l[sel[0]];
+    for (int j = 1; j < r->k; j++) { /* the chosen experts in increasing id order: the order of every sum below */
+        const int v = sel[j];
+        int p = j;
+        for (; p > 0 && sel[p - 1] > v; p--) sel[p] = sel[p - 1];
+        sel[p] = v;
+    }
     int x = 0;
     for (; x + VL <= r->E; x += VL) *(vec *)(ex + x) = vexp(*(const vec *)(l + x) - m);
     for (; x < r->E; x++) ex[x] = kv_exp1(l[x] - m);
@@ -281,12 +290,13 @@ int kv_q_moe_row(int H, int I, float *x, const float *post_w, float eps, const f
     return ok ? 0 : 1;
 }
 
-/* kv_q_moe_rows: x [n, H] += the mixture of each row's k experts (e, w [n, k] from kv_moe_route, h
- * [n, H] its normed rows), every chosen expert once over all the rows that chose it (each row's
- * products its own bits, as kv_q_expert's), the outputs in grouped order in one buffer, then each
- * row's sum in its top-k order, as kv_q_experts_row combines them. gu, dn: every expert's fields
- * [E, KVP_N]. Returns 0, 1 for bad arguments (an expert id outside 0 .. E - 1 among them), 4
- * without memory. */
+/* kv_q_moe_rows: x [n, H] += the mixture of each row's k experts (e, w [n, k] from kv_moe_route:
+ * a row's experts in increasing id order; h [n, H] its normed rows), every chosen expert once over
+ * all the rows that chose it (each row's products its own bits, as kv_q_expert's), the experts in id
+ * order, so each row's sum takes its terms in its own order, as kv_q_experts_row combines them: the
+ * first term's product, then adds, into one [n, H] buffer that joins x at the end. Only one expert's
+ * outputs are held at a time. gu, dn: every expert's fields [E, KVP_N]. Returns 0, 1 for bad
+ * arguments (an expert id outside 0 .. E - 1, or a row's ids not increasing), 4 without memory. */
 int kv_q_moe_rows(int n, int H, int I, float *x, int64_t ldx, const float *h, const float *w, const int64_t *e,
                   int k, int E, const int64_t *gu, const int64_t *dn, int act, int n_threads) {
     if (n < 1 || k < 1 || k > KMAX || E < 1 || ldx < H || n_threads < 1) return 1;
@@ -295,7 +305,7 @@ int kv_q_moe_rows(int n, int H, int I, float *x, int64_t ldx, const float *h, co
     int *count = calloc((size_t)E + 1, sizeof(int));
     if (!count) return 4;
     for (int64_t s = 0; s < slots; s++) {
-        if (e[s] < 0 || e[s] >= E) {
+        if (e[s] < 0 || e[s] >= E || (s % k && e[s] <= e[s - 1])) {
             free(count);
             return 1;
         }
@@ -312,29 +322,27 @@ int kv_q_moe_rows(int n, int H, int I, float *x, int64_t ldx, const float *h, co
         }
         count[j + 1] += count[j]; /* count[j]: expert j's first grouped position */
     }
-    const size_t grouped = (size_t)slots * (2 * sizeof(int32_t) + (size_t)H * sizeof(float)) + 64,
-                 one = scratch_bytes(cmax, H) + scratch_bytes(cmax, I) + (size_t)cmax * 2 * I * sizeof(float) + 512;
+    const size_t grouped = (size_t)slots * sizeof(int32_t) + (size_t)n * H * sizeof(float) + 128,
+                 one = scratch_bytes(cmax, H) + scratch_bytes(cmax, I) + (size_t)cmax * (2 * I + H) * sizeof(float) + 512;
     char *buf = scratch_take(grouped + one);
     if (!buf) {
         free(count);
         return 4;
     }
-    int32_t *pos = (int32_t *)align64(buf), *rowof = pos + slots; /* slot -> grouped position -> row */
-    float *ys = (float *)align64((char *)(rowof + slots));
+    int32_t *slot = (int32_t *)align64(buf); /* grouped position -> slot (row s / k) */
+    float *acc = (float *)align64((char *)(slot + slots)); /* [n, H] each row's sum so far */
     int *at = malloc(sizeof(int) * (size_t)E);
     if (!at) {
         free(count);
         return 4;
     }
     memcpy(at, count, sizeof(int) * (size_t)E);
-    for (int64_t s = 0; s < slots; s++) { /* grouped by expert, slots in order within each */
-        const int p = at[e[s]]++;
-        pos[s] = p, rowof[p] = (int32_t)(s / k);
-    }
+    for (int64_t s = 0; s < slots; s++) slot[at[e[s]]++] = (int32_t)s; /* grouped by expert, slots in order */
     free(at);
-    char *eb = align64((char *)(ys + (size_t)slots * H));
+    char *eb = align64((char *)(acc + (size_t)n * H));
     Scratch a = scratch_at(eb, cmax, H), b = scratch_at(align64(eb + scratch_bytes(cmax, H)), cmax, I);
     float *hh = (float *)align64(eb + scratch_bytes(cmax, H) + 64 + scratch_bytes(cmax, I));
+    float *ys = (float *)align64((char *)(hh + (size_t)cmax * 2 * I)); /* [cmax, H] one expert's outputs */
 #pragma omp parallel num_threads(n_threads)
     {
         for (int j = 0; j < E; j++) {
@@ -346,28 +354,34 @@ int kv_q_moe_rows(int n, int H, int I, float *x, int64_t ldx, const float *h, co
             Scratch sa = a, sb = b;
             sa.need = proj_acts(&g), sb.need = proj_acts(&d1);
 #pragma omp for schedule(static)
-            for (int i = 0; i < c; i++) act_row(&sa, i, H, h + (int64_t)rowof[p0 + i] * H, 0, NULL, -1.f);
+            for (int i = 0; i < c; i++) act_row(&sa, i, H, h + (int64_t)(slot[p0 + i] / k) * H, 0, NULL, -1.f);
             mm_proj(&g, c, &sa, proj_bias(gu + (int64_t)j * KVP_N), NULL, hh, 2 * I, 0);
 #pragma omp for schedule(static)
             for (int i = 0; i < c; i++) {
                 glu_row(act, I, hh + (size_t)i * 2 * I);
                 act_row(&sb, i, I, hh, 2 * I, NULL, -1.f);
             }
-            mm_rows(&down, c, &sb, proj_bias(dn + (int64_t)j * KVP_N), NULL, ys + (size_t)p0 * H, H, 0);
+            mm_rows(&down, c, &sb, proj_bias(dn + (int64_t)j * KVP_N), NULL, ys, H, 0);
+#pragma omp for schedule(static)
+            for (int i = 0; i < c; i++) { /* a row chose this expert once: its row of acc is this thread's */
+                const int64_t s = slot[p0 + i];
+                const float wt = w[s], *y = ys + (size_t)i * H;
+                float *o = acc + (size_t)(s / k) * H;
+                if (s % k == 0) {
+                    for (int q = 0; q < H; q++) o[q] = y[q] * wt;
+                } else {
+                    for (int q = 0; q < H; q++) {
+                        const float t = y[q] * wt;
+                        o[q] = o[q] + t;
+                    }
+                }
+            }
         }
 #pragma omp for schedule(static)
         for (int r = 0; r < n; r++) {
-            const float *wr = w + (int64_t)r * k;
-            const int32_t *pr = pos + (int64_t)r * k;
+            const float *o = acc + (size_t)r * H;
             float *xr = x + (int64_t)r * ldx;
-            for (int c = 0; c < H; c++) {
-                float o = ys[(size_t)pr[0] * H + c] * wr[0];
-                for (int j = 1; j < k; j++) {
-                    const float t = ys[(size_t)pr[j] * H + c] * wr[j];
-                    o = o + t;
-                }
-                xr[c] = xr[c] + o;
-            }
+            for (int q = 0; q < H; q++) xr[q] = xr[q] + o[q];
         }
     }
     free(count);

@@ -42,7 +42,8 @@ def _checked(rc: int, what: str) -> None:
 
 def route(x: torch.Tensor, post_norm: torch.Tensor, eps: float, table: torch.Tensor, num_experts: int, k: int,
           norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [N, H] -> (h [N, H] the normed rows, weights [N, k] fp32, experts [N, k] int64, best first)."""
+    """x [N, H] -> (h [N, H] the normed rows, weights [N, k] fp32, experts [N, k] int64: a row's top k
+    in increasing expert id order)."""
     n, hidden = x.shape
     if x.dtype != torch.float32 or x.stride(1) != 1 or table.shape[0] != hidden or not 1 <= k <= min(MAX_K, num_experts):
         raise ValueError(f"the router takes fp32 rows of {table.shape[0]} and 1..{MAX_K} experts a row")
@@ -131,6 +132,7 @@ def moe_rows(x: torch.Tensor, h: torch.Tensor, weights: torch.Tensor, experts: t
     rc = _lib().kv_q_moe_rows(n, hidden, size, x.data_ptr(), x.stride(0), h.data_ptr(), w.data_ptr(), e.data_ptr(),
                               k, gu_all.shape[0], gu_all.data_ptr(), dn_all.data_ptr(), act, torch.get_num_threads())
     if rc == 1:
-        raise IndexError(f"an expert id outside the layer's {gu_all.shape[0]} experts, or experts that do not fit")
+        raise IndexError(f"an expert id outside the layer's {gu_all.shape[0]} experts, a row's ids not in increasing "
+                         "order, or experts that do not fit")
     _checked(rc, "mixture")
     return True

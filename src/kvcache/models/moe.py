@@ -12,7 +12,9 @@ decode row's whole block (norm, router, experts, residual) is then one native ca
 as ``projection`` gives them (packed fp32, or a QWeight in the file's own quantized type).
 
 ``moe_block`` runs a step: rows are grouped by the expert they chose, each expert's weights are
-read once for all of its rows, and every row sums its experts' outputs in its own top-k order.
+read once for all of its rows, and every row sums its experts' outputs in its own order (the
+router gives a row's experts in increasing id order; the experts run in that order, so a row's sum
+is built as its experts come, with one expert's outputs held at a time).
 Nothing a row computes depends on which other rows chose the same expert or on how many rows the
 step has: the products reduce each output element in one fixed order whatever their row count
 (kernels/pgemm.c, kernels/qgemm.c), and the combination is element-wise in a fixed order.
@@ -91,7 +93,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # type: ignore[override]
         """x [N, H] (the residual rows) -> (h [N, H] normed, weights [N, K] fp32, experts [N, K] int64),
-        best first."""
+        a row's chosen experts in increasing id order (the order every sum over them takes)."""
         spec = self.spec
         if self.table is not None:
             return route(x, self.norm, self.eps, self.table, spec.num_experts, spec.top_k, spec.norm_topk)
@@ -99,8 +101,10 @@ class Router(nn.Module):
         logits = linear(h, self.weight)[:, : spec.num_experts].contiguous()  # [N, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [N, E]
         weights, experts = torch.topk(probs, spec.top_k, dim=-1)  # [N, K] each
+        experts, order = torch.sort(experts, dim=-1)  # a row's experts in increasing id order, as the native router's
+        weights = weights.gather(1, order)
         if spec.norm_topk:
-            total = weights[:, 0].clone()  # [N]: the chosen weights summed in top-k order
+            total = weights[:, 0].clone()  # [N]: the chosen weights summed in that order
             for j in range(1, spec.top_k):
                 total += weights[:, j]
             weights = weights / total[:, None]
@@ -159,10 +163,10 @@ def expert_parts(sd: dict[str, Any], m: str, spec: MoeSpec) -> list[tuple[list[P
 
 def moe_block(x: torch.Tensor, router: Router, experts: nn.ModuleList,
               act: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """x [N, H] += sum over each row's chosen experts e_j (j in top-k order) of w_j * e_j(h), with
+    """x [N, H] += sum over each row's chosen experts e_j (j in the router's id order) of w_j * e_j(h), with
     h [N, H] the normed rows (``router``'s) the experts read. Rows are grouped by expert: each
     chosen expert runs once, over all the rows that chose it. A single row (a decode step) runs its
-    experts in its top-k order and sums them as the grouped path does: the same bits. Quantized
+    experts in that order and sums them as the grouped path does: the same bits. Quantized
     experts run in one native call a layer (with the native router, a decode row's norm and routing
     too), without torch's steps between the experts or buffers of the allocator's."""
     n, hidden = x.shape
@@ -171,7 +175,7 @@ def moe_block(x: torch.Tensor, router: Router, experts: nn.ModuleList,
         kept = experts.__dict__["_row_table"] = (expert_table([(ex.gate_up, ex.down) for ex in experts]),
                                                  experts[0].act_kernel)
     table, act_kernel = kept  # table None: some expert is not quantized
-    if n == 1:  # a decode step: the row's experts in its top-k order, no grouping to do
+    if n == 1:  # a decode step: the row's experts in their order, no grouping to do
         spec = router.spec
         if (table is not None and router.table is not None
                 and moe_row(x, router.norm, router.eps, router.table, spec.num_experts, spec.top_k, spec.norm_topk,
@@ -189,19 +193,19 @@ def moe_block(x: torch.Tensor, router: Router, experts: nn.ModuleList,
         return
     k = weights.shape[1]
     flat = chosen.reshape(-1)  # [N K]: slot r * K + j is row r's j-th choice
-    order = torch.argsort(flat, stable=True)  # [N K] slots grouped by expert
+    order = torch.argsort(flat, stable=True)  # [N K] slots grouped by expert, in increasing id order
     used, counts = torch.unique_consecutive(flat[order], return_counts=True)  # the chosen experts only
     rows = torch.div(order, k, rounding_mode="floor")  # [N K]: the row of each grouped slot
-    ys = torch.empty(n * k, hidden)  # [N K, H]: each slot's expert output
+    first = order % k == 0  # a row's first term: its lowest expert id, so the first of its experts to run
+    w = weights.reshape(-1)
+    out = torch.empty(n, hidden)  # each row's sum so far, built as its experts come
     start = 0
     for e, c in zip(used.tolist(), counts.tolist()):
-        slots = order[start : start + c]  # [c]
-        y = experts[e](h.index_select(0, rows[start : start + c]), act)  # [c, H]
-        ys.index_copy_(0, slots, y)
+        at = slice(start, start + c)
+        r = rows[at]
+        t = experts[e](h.index_select(0, r), act) * w[order[at]][:, None]  # [c, H]
+        f = first[at]
+        out.index_copy_(0, r[f], t[f])
+        out.index_add_(0, r[~f], t[~f])  # a row chose this expert once: one add to its sum
         start += c
-    ys = ys.view(n, k, hidden)
-    out = ys[:, 0] * weights[:, :1]  # [N, H]
-    tmp = torch.empty_like(out)
-    for j in range(1, k):
-        out += torch.mul(ys[:, j], weights[:, j : j + 1], out=tmp)
     x += out
