@@ -47,6 +47,23 @@ def test_a_short_run_writes_positive_rows_and_the_same_texts(tmp_path, capsys):
     assert "code edit, file" in printed and "a prediction that misses" in printed
 
 
+def test_the_draft_row_of_fp32_weights_proposes_from_the_gguf_and_keeps_the_text():
+    """fp32 weights add a draft row: the model's own GGUF weights propose for their fp32 self (here
+    on the shortest workload, the one `bench all --quick` no longer runs in fp32)."""
+    from kvcache.engine.llm import LLM
+
+    llm = LLM(None, weights="fp32")
+    draft = sb._draft(None, llm, None)
+    assert draft is not None and draft.weights != "fp32"
+    ids = llm.encode(sb.WORKLOADS["free text"][0], chat=True)
+    rows, text = sb.bench_workload(llm, "free text", ids, ("draft",), 12, 1, sb.LOOKUP, {}, None, draft.runner)
+    (row,) = rows
+    assert row["method"] == "draft" and row["pair"] == "fp32" and len(text) == row["tokens"] == 12
+    assert row["identical"] is True and row["runs"] == 2 and row["proposed"] > 0 and row["spec_tok_s"] > 0
+    assert row["forwards"] < row["tokens"] - 1  # accepted proposals: fewer forwards than tokens
+    assert llm.runner.draft is None  # attached for the draft's runs only
+
+
 def test_transformers_rows_in_a_child_process():
     from kvcache.models.loading import fp32_folder, resolve_model
     from kvcache.models.tokenizer import Tokenizer

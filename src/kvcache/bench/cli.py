@@ -116,7 +116,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="a short run: decode 16 tokens, 1 repeat, prefill 512, depth 512; context 256,1024 with 16 tokens, 1 repeat, "
                         "kv dynamic,static; growth to 2048 tokens; structured 4 requests (2 one at a time), 1 repeat; "
                         "spec 32 tokens, 1 repeat, transformers on the first workload only; with 'all', each suite "
-                        "smaller still (spec without transformers' rows), llama.cpp's rows only where --llama-cpp-bin "
+                        "smaller still (spec on the file's weights alone, without transformers' rows), llama.cpp's rows only "
+                        "where --llama-cpp-bin "
                         "names its tools")
     b.add_argument("--json", default=None, help="write results to this JSON file")
     b.add_argument("--out", default=None, metavar="DIR",

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 SUITE = "cache-vs-none"
 ORDER = 90
 OPTIONS = ("new_tokens", "time_budget", "peers", "weights")
-QUICK = {"new_tokens": 24, "time_budget": 3.0, "peers": "dynamic,none"}
+QUICK = {"new_tokens": 24, "time_budget": 1.5, "peers": "dynamic,none"}
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 

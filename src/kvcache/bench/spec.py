@@ -79,7 +79,8 @@ from kvcache.peers.speculation import llama_rows, peer_rows
 SUITE = "spec"
 ORDER = 50
 OPTIONS = ("new_tokens", "repeats", "weights", "peers", "llama_cpp_bin")
-QUICK = {"new_tokens": 16, "repeats": 1, "weights": "fp32", "peers": ""}  # transformers' rows: 60 s more
+# the file's weights: fp32 (and its draft rows) decodes several times slower; transformers' rows: 60 s more
+QUICK = {"new_tokens": 16, "repeats": 1, "weights": "file", "peers": ""}
 QUICK_LLAMA_CPP = {"peers": "llama-server"}
 
 DEFAULT_NEW, QUICK_NEW = 128, 32
