@@ -495,11 +495,22 @@ static void finish(const job_t *j, int h, int r, const part_t *S) {
 
 static part_t *part_at(float *base, int64_t index, int D) { return (part_t *)(base + index * PART_FLOATS(D)); }
 
-/* Few rows per KV head: items (h, chunk) store partials, then rows merge them in chunk order. */
+static __thread float *t_parts;
+static __thread size_t t_parts_cap;
+
+/* Few rows per KV head: items (h, chunk) store partials, then rows merge them in chunk order. The
+ * partials' buffer is the calling thread's, kept from call to call (a decode layer's call at 32k
+ * tokens stores a MiB of them: a fresh one faulted its pages in again every call). */
 static int run_split(const job_t *j, int n_threads) {
     const int R = j->T * j->g, nc = j->nq + j->nr, D = j->D;
-    float *parts = (float *)malloc(sizeof(float) * (size_t)j->hkv * nc * R * PART_FLOATS(D));
-    if (!parts) return 2;
+    const size_t need = (size_t)j->hkv * nc * R * PART_FLOATS(D);
+    if (t_parts_cap < need) {
+        free(t_parts);
+        t_parts = (float *)malloc(sizeof(float) * need);
+        t_parts_cap = t_parts ? need : 0;
+        if (!t_parts) return 2;
+    }
+    float *parts = t_parts;
     int bad = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads) reduction(| : bad)
     for (int item = 0; item < j->hkv * nc; item++) {
@@ -540,7 +551,6 @@ static int run_split(const job_t *j, int n_threads) {
             finish(j, h, r, S);
         }
     }
-    free(parts);
     return bad ? 2 : 0;
 }
 
