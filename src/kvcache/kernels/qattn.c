@@ -495,6 +495,31 @@ static void finish(const job_t *j, int h, int r, const part_t *S) {
 
 static part_t *part_at(float *base, int64_t index, int D) { return (part_t *)(base + index * PART_FLOATS(D)); }
 
+/* Ask the memory for quantized chunk c of KV head h (its pages' key and value codes and scales)
+ * into the second-level cache: a decode runs each thread's chunks in order, so the next one's pages
+ * (scattered over the pool) arrive while this one is scored. Reads nothing; changes no bit. */
+static void prefetch_chunk(const job_t *j, int h, int c) {
+    const int D = j->D, ps = j->ps, ng = ps / j->G, vg = D / j->G;
+    const int64_t codes = (int64_t)ps * D * j->bits / 8; /* a page's key codes, and its value codes */
+    const int p0 = c * j->cp, p1 = p0 + j->cp < j->n_pages ? p0 + j->cp : j->n_pages;
+    for (int pi = p0; pi < p1; pi++) {
+        const int64_t base = (int64_t)h * j->P + j->pages[pi];
+        const char *k = (const char *)(j->kc + base * codes), *v = (const char *)(j->vc + base * codes);
+        for (int64_t b = 0; b < codes; b += 64) {
+            __builtin_prefetch(k + b, 0, 2);
+            __builtin_prefetch(v + b, 0, 2);
+        }
+        for (int64_t b = 0; b < (int64_t)ng * D * 2; b += 64) {
+            __builtin_prefetch((const char *)(j->ks + base * ng * D) + b, 0, 2);
+            __builtin_prefetch((const char *)(j->km + base * ng * D) + b, 0, 2);
+        }
+        for (int64_t b = 0; b < (int64_t)ps * vg * 2; b += 64) {
+            __builtin_prefetch((const char *)(j->vs + base * ps * vg) + b, 0, 2);
+            __builtin_prefetch((const char *)(j->vm + base * ps * vg) + b, 0, 2);
+        }
+    }
+}
+
 static __thread float *t_parts;
 static __thread size_t t_parts_cap;
 
@@ -512,11 +537,12 @@ static int run_split(const job_t *j, int n_threads) {
     }
     float *parts = t_parts;
     int bad = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads) reduction(| : bad)
+#pragma omp parallel for schedule(static) num_threads(n_threads) reduction(| : bad)
     for (int item = 0; item < j->hkv * nc; item++) {
         scratch_t sc;
         if (scratch_get(j, &sc)) { bad = 1; continue; }
         const int h = item / nc, c = item % nc;
+        if (c + 1 < j->nq) prefetch_chunk(j, h, c + 1);
         part_t *ps[SPLIT_ROWS];
         for (int r = 0; r < R; r++) ps[r] = part_at(parts, (int64_t)item * R + r, D);
         if (c < j->nq && j->bits < KV_INT_MIN_BITS && R <= NR) { /* a float decode: codes read in place */
