@@ -496,8 +496,9 @@ static void finish(const job_t *j, int h, int r, const part_t *S) {
 static part_t *part_at(float *base, int64_t index, int D) { return (part_t *)(base + index * PART_FLOATS(D)); }
 
 /* Ask the memory for quantized chunk c of KV head h (its pages' key and value codes and scales)
- * into the second-level cache: a decode runs each thread's chunks in order, so the next one's pages
- * (scattered over the pool) arrive while this one is scored. Reads nothing; changes no bit. */
+ * into the second-level cache: a decode's threads take chunks in runs of 16, so the next one's
+ * pages (scattered over the pool) arrive while this one is scored. Reads nothing; changes no bit.
+ * (Runs rather than two fixed halves: a thread the host preempts keeps only its current run.) */
 static void prefetch_chunk(const job_t *j, int h, int c) {
     const int D = j->D, ps = j->ps, ng = ps / j->G, vg = D / j->G;
     const int64_t codes = (int64_t)ps * D * j->bits / 8; /* a page's key codes, and its value codes */
@@ -537,7 +538,7 @@ static int run_split(const job_t *j, int n_threads) {
     }
     float *parts = t_parts;
     int bad = 0;
-#pragma omp parallel for schedule(static) num_threads(n_threads) reduction(| : bad)
+#pragma omp parallel for schedule(dynamic, 16) num_threads(n_threads) reduction(| : bad)
     for (int item = 0; item < j->hkv * nc; item++) {
         scratch_t sc;
         if (scratch_get(j, &sc)) { bad = 1; continue; }
