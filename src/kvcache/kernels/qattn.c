@@ -465,18 +465,23 @@ static void run_rows(const job_t *j, int h, int c, scratch_t *sc, int a, int b, 
     }
 }
 
-static __thread float *t_mem;
-static __thread size_t t_cap;
-
-/* The calling thread's scratch, grown to the job's size (kept from call to call). */
-static int scratch_get(const job_t *j, scratch_t *sc) {
-    const size_t need = scratch_floats(j);
-    if (t_cap < need) {
-        free(t_mem);
-        t_mem = (float *)aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
-        t_cap = t_mem ? need : 0;
-        if (!t_mem) return 1;
+/* *mem grown to at least ``need`` floats (64-byte aligned), kept from call to call by its thread;
+ * NULL without memory. */
+static float *kept(float **mem, size_t *cap, size_t need) {
+    if (*cap < need) {
+        free(*mem);
+        *mem = (float *)aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
+        *cap = *mem ? need : 0;
     }
+    return *mem;
+}
+
+static __thread float *t_mem, *t_parts;
+static __thread size_t t_cap, t_parts_cap;
+
+/* The calling thread's scratch, grown to the job's size. */
+static int scratch_get(const job_t *j, scratch_t *sc) {
+    if (!kept(&t_mem, &t_cap, scratch_floats(j))) return 1;
     scratch_bind(j, t_mem, sc);
     return 0;
 }
@@ -521,22 +526,13 @@ static void prefetch_chunk(const job_t *j, int h, int c) {
     }
 }
 
-static __thread float *t_parts;
-static __thread size_t t_parts_cap;
-
 /* Few rows per KV head: items (h, chunk) store partials, then rows merge them in chunk order. The
  * partials' buffer is the calling thread's, kept from call to call (a decode layer's call at 32k
  * tokens stores a MiB of them: a fresh one faulted its pages in again every call). */
 static int run_split(const job_t *j, int n_threads) {
     const int R = j->T * j->g, nc = j->nq + j->nr, D = j->D;
-    const size_t need = (size_t)j->hkv * nc * R * PART_FLOATS(D);
-    if (t_parts_cap < need) {
-        free(t_parts);
-        t_parts = (float *)malloc(sizeof(float) * need);
-        t_parts_cap = t_parts ? need : 0;
-        if (!t_parts) return 2;
-    }
-    float *parts = t_parts;
+    float *parts = kept(&t_parts, &t_parts_cap, (size_t)j->hkv * nc * R * PART_FLOATS(D));
+    if (!parts) return 2;
     int bad = 0;
 #pragma omp parallel for schedule(dynamic, 16) num_threads(n_threads) reduction(| : bad)
     for (int item = 0; item < j->hkv * nc; item++) {
