@@ -110,16 +110,19 @@ def random_pool(bits: int, group: int, pages: int = 20, page_size: int = 32, d: 
     return pool
 
 
-@pytest.mark.parametrize("bits,group", [(8, 16), (4, 32), (2, 32), (2, 16)])
+@pytest.mark.parametrize("bits,group,d", [(8, 16, 32), (4, 32, 32), (2, 32, 32), (2, 16, 32), (8, 32, 64),
+                                          (4, 32, 64), (8, 16, 48)])
 @pytest.mark.parametrize("rotate", [False, True])
-def test_a_row_has_the_same_bits_however_it_is_computed(bits, group, rotate):
+def test_a_row_has_the_same_bits_however_it_is_computed(bits, group, d, rotate):
     """Row t of a T-row call equals the same row alone (the rest cut after it), and the kernel's two
-    ways of spreading work and its thread count change no bit."""
-    pool = random_pool(bits, group)
+    ways of spreading work and its thread count change no bit. 27 rows a KV head take tiles of
+    many rows (the last one short); a row alone takes a decode's (head_dim 64 with groups of 32:
+    codes read in place)."""
+    pool = random_pool(bits, group, d=d)
     pages = torch.tensor([7, 3, 11, 0, 19, 5, 8, 1, 2, 4, 6, 9, 10], dtype=torch.long)  # 13 pages: 2 chunks
     t, rest_n = 9, 300  # the rest spans two chunks
-    q = torch.randn(t, 6, 32)
-    rest = torch.randn(2, 2, rest_n, 32)
+    q = torch.randn(t, 6, d)
+    rest = torch.randn(2, 2, rest_n, d)
     parts = pool.parts[0]
     whole = kernels.quant_attend(q, pages, parts, 32, group, bits, rest, rotate)
     assert whole is not None and torch.isfinite(whole).all()

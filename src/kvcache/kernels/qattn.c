@@ -77,16 +77,24 @@ typedef struct { /* a thread's scratch */
 /* Keys of a chunk at most: whole pages of CH keys, or one page where a page is longer. */
 static int chunk_keys(const job_t *j) { return j->cp * j->ps > CH ? j->cp * j->ps : CH; }
 
+/* Floats of the scratch's value region: a chunk's value rows widened, or (prep_int) its value codes
+ * as pairs, their scales and minimums, then NM rows' rounded weights and one row's products. */
+static size_t value_floats(const job_t *j) {
+    const size_t n = (size_t)chunk_keys(j), D = (size_t)j->D, vg = D / 16; /* G >= 16 */
+    const size_t codes = n * D / 2 + 2 * n * vg + (size_t)NM * vg * (n / 2) + n; /* n >= CH: ws = n / 2 */
+    return codes > n * D ? codes : n * D;
+}
+
 static size_t scratch_floats(const job_t *j) {
     const int n = chunk_keys(j);
-    return (size_t)n * j->D * 2 + (size_t)2 * (n / 16 + 1) * j->D + (size_t)NR * n + 64;
+    return (size_t)n * j->D + value_floats(j) + (size_t)2 * (n / 16 + 1) * j->D + (size_t)NM * n + 64;
 }
 
 static void scratch_bind(const job_t *j, float *mem, scratch_t *sc) {
     const int n = chunk_keys(j);
     sc->KT = mem;
     sc->V = sc->KT + (size_t)n * j->D;
-    sc->ks = sc->V + (size_t)n * j->D;
+    sc->ks = sc->V + value_floats(j);
     sc->kz = sc->ks + (size_t)(n / 16 + 1) * j->D;
     sc->st = sc->kz + (size_t)(n / 16 + 1) * j->D;
 }
@@ -182,7 +190,7 @@ static ALWAYS void fused_quant(const job_t *j, int h, int c, const float *const 
             const int t0 = (pi - p0) * ps + kgi * G;
             halves(j->ks + (base * ng + kgi) * D, D, ks);
             halves(j->km + (base * ng + kgi) * D, D, kz);
-            group_terms(qr, nr, D, ks, kz, qs, zt);
+            group_terms(qr, nr, NR, D, ks, kz, qs, zt);
             const uint8_t *codes = j->kc + (base * ng + kgi) * D * nb;
             for (int v = 0; v < G / 16; v++) {
                 v16 acc[NR];
@@ -250,7 +258,8 @@ static void wide(const job_t *j, int h, int c, scratch_t *sc, chunk_t *ck) {
 static ALWAYS void prep_int(const job_t *j, int h, int c, scratch_t *sc, ichunk_t *ck, int bits, int G) {
     const int D = j->D, nb = G * bits / 8, ng = j->ps / G, Dp = D * bits / 8, vg = D / G, ps = j->ps;
     const int p0 = c * j->cp, p1 = p0 + j->cp < j->n_pages ? p0 + j->cp : j->n_pages;
-    const int n = (p1 - p0) * ps, fast = FAST512 && G == 32 && D % 64 == 0;
+    /* codes read in place (fast) where few rows take them; many rows (a prefill's) widen them once */
+    const int n = (p1 - p0) * ps, fast = FAST512 && G == 32 && D % 64 == 0 && j->T * j->g <= SPLIT_ROWS;
     const int mid = 1 << (bits - 1);
     uint32_t *KI = (uint32_t *)sc->KT, *VI = (uint32_t *)sc->V;
     const uint8_t **vr = (const uint8_t **)sc->KT, **kg = vr + n; /* fast: pointers instead of copies */
@@ -303,8 +312,9 @@ static ALWAYS void prep_int(const job_t *j, int h, int c, scratch_t *sc, ichunk_
         }
     }
     uint32_t *wd = (uint32_t *)(vz + (int64_t)n * vg);
-    *ck = (ichunk_t){n, G, bits, fast, KI, VI, kg, vr, sc->ks, sc->kz, vs, vz, wd,
-                     (float *)(wd + (int64_t)NR * vg * (n / 2)), sc->chan};
+    const int ws = (n > CH ? n : CH) / 2;
+    *ck = (ichunk_t){n, G, bits, fast, KI, VI, kg, vr, sc->ks, sc->kz, vs, vz, wd, ws,
+                     (float *)(wd + (int64_t)NM * vg * ws), sc->chan};
 }
 
 #define PREP(B, GG)                                                                                      \
@@ -379,7 +389,7 @@ static ALWAYS void half_rows(const job_t *j, int h, int c, const float *const *q
         vh[t] = j->hv + row * D;
     }
     float qs[NR][MAXD], zt[NR];
-    group_terms(qr, nr, D, NULL, NULL, qs, zt);
+    group_terms(qr, nr, NR, D, NULL, NULL, qs, zt);
     { /* the next chunk's rows asked for now, to be near when its turn comes (1 thread: 10.4 -> 9.2-9.7
        * ms a layer at 32k tokens) */
         const int r1 = r0 + CH, cnt1 = j->n_rest - r1 < CH ? j->n_rest - r1 : CH;
@@ -450,18 +460,19 @@ static void run_rows(const job_t *j, int h, int c, scratch_t *sc, int a, int b, 
         wide(j, h, c, sc, &ck);
     else
         prepare(j, h, c, sc, &ck);
-    for (int r0 = a; r0 < b; r0 += NR) {
-        const int nr = b - r0 < NR ? b - r0 : NR;
-        const float *qr[NR];
-        int vis[NR];
+    const int step = b - a > NR && !(integer && ik.fast) ? NM : NR; /* rows a tile takes */
+    for (int r0 = a; r0 < b; r0 += step) {
+        const int nr = b - r0 < step ? b - r0 : step;
+        const float *qr[NM];
+        int vis[NM];
         for (int r = 0; r < nr; r++) {
             qr[r] = row_q(j, h, c, r0 + r);
             vis[r] = c < j->nq ? ck.n : j->n_rest - j->T + (r0 + r) / j->g + 1 - (c - j->nq) * CH;
         }
         if (integer)
-            tile_int(&ik, j->D, qr, nr, sc->st, parts + (r0 - a));
+            (step == NR ? tile_int : tile_int_many)(&ik, j->D, qr, nr, sc->st, parts + (r0 - a));
         else
-            tile(&ck, j->D, qr, vis, nr, sc->st, parts + (r0 - a));
+            (step == NR ? tile : tile_many)(&ck, j->D, qr, vis, nr, sc->st, parts + (r0 - a));
     }
 }
 

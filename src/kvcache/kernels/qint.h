@@ -32,10 +32,16 @@ typedef struct {
     const uint8_t *const *vr; /* fast: [n] each token's value codes [D * bits / 8] */
     const float *ks, *kz;     /* [n / G, D] each key group's per-channel scale and minimum + K scale */
     const float *vs, *vz;     /* [D / G, n] each token's value scale and minimum + K scale, per group */
-    uint32_t *wd;             /* [NR, D / G, n / 2] room for the rows' rounded weights */
+    uint32_t *wd;             /* [D / G, NM, ws] room for the rows' rounded weights (wrow) */
+    int ws;                   /* a row's stride there: CH / 2 for a chunk of at most CH keys, else n / 2 */
     float *u;                 /* [n] room for a row's weights times one group's scales */
     const int *chan;          /* [D] the element each value lane holds */
 } ichunk_t;
+
+/* Row r's rounded weight pairs for value group gr (ws: ck->ws, a constant where it is known). */
+static ALWAYS uint32_t *wrow(const ichunk_t *ck, int r, int gr, int ws) {
+    return ck->wd + ((int64_t)gr * NM + r) * ws;
+}
 
 /* hsum16's tree (8 pairs, 4, 2, 1) on vector registers where the build has AVX-512: the same sums. */
 static ALWAYS float tree16(v16 x) {
@@ -50,7 +56,10 @@ static ALWAYS float tree16(v16 x) {
 #endif
 }
 
-static ALWAYS v16 vmax16(v16 a, v16 b) {
+static ALWAYS v16 vmax16(v16 a, v16 b) { /* (never given a NaN) */
+#if FAST512
+    return (v16)_mm512_max_ps((__m512)a, (__m512)b);
+#endif
     const i16 gt = a > b;
     return (v16)(((i16)a & gt) | ((i16)b & ~gt));
 }
@@ -89,11 +98,11 @@ static ALWAYS float round_pairs(const float *x, int n, float amax, float top, ui
     return amax / top;
 }
 
-/* One key group's terms for rows qr (NR, the extra ones copies of row 0): zt = q . kz (a sixteen-lane
- * chain, then the tree), and q * scale rounded (round_pairs) into qd with its scale a. */
-static ALWAYS void key_terms(const float *const *qr, int nr, int D, const float *s, const float *z, float *qs,
-                             float *zt, uint32_t qd[NR][MAXD / 2], float *a) {
-    for (int r = 0; r < NR; r++) {
+/* One key group's terms for rows qr (``rows``, the extra ones copies of row 0): zt = q . kz (a
+ * sixteen-lane chain, then the tree), and q * scale rounded (round_pairs) into qd with its scale a. */
+static ALWAYS void key_terms(const float *const *qr, int nr, int rows, int D, const float *s, const float *z,
+                             float *qs, float *zt, uint32_t qd[][MAXD / 2], float *a) {
+    for (int r = 0; r < rows; r++) {
         const float *q = qr[r < nr ? r : 0];
         v16 acc = (v16){0}, mx = (v16){0};
         for (int c = 0; c < D; c += 16) {
@@ -253,15 +262,37 @@ static ALWAYS void value_sums512(const uint8_t *const *vr, int n, int s, int bit
 }
 #endif
 
+/* One row's value terms for a chunk whose weights st [n] it has: per value group gr, the weights
+ * times the tokens' scales rounded (round_pairs) into wd with their scale b[gr], and zs[gr] =
+ * weights . (m + K s) (a sixteen-lane chain, then the tree). */
+static ALWAYS void value_terms(const ichunk_t *ck, int vg, const float *w, uint32_t *const *wd, float *b,
+                               float *zs) {
+    const int n = ck->n;
+    const float top = top_for(n);
+    float *u = ck->u;
+    for (int gr = 0; gr < vg; gr++) {
+        const float *s = ck->vs + (int64_t)gr * n, *z = ck->vz + (int64_t)gr * n;
+        v16 m = (v16){0}, mx = (v16){0};
+        for (int t = 0; t < n; t += 16) {
+            const v16 x = *(const v16 *)(w + t), y = x * *(const v16 *)(s + t);
+            *(v16 *)(u + t) = y;
+            mx = vmax16(y, mx); /* the weights and the scales are not negative */
+            m = MADD(x, *(const v16 *)(z + t), m);
+        }
+        zs[gr] = tree16(m);
+        b[gr] = round_pairs(u, n, lanes_max(mx), top, wd[gr]);
+    }
+}
+
 /* Rows qr[0 .. nr-1] (NR computed, the extra ones copies of row 0) against a quantized chunk, every
  * key visible: the scores, the softmax, the value sums (the header's arithmetic). */
 static NOINLINE void tile_int(const ichunk_t *ck, int D, const float *const *qr, int nr, float *st,
                               part_t *const *parts) {
-    const int n = ck->n, G = ck->G, ng = n / G, vg = D / G, D2 = D / 2;
+    const int n = ck->n, G = ck->G, ng = n / G, vg = D / G, D2 = D / 2, ws = ck->ws;
     float qs[MAXD], zt[NR], a[NR];
     uint32_t qd[NR][MAXD / 2];
     for (int gi = 0; gi < ng; gi++) {
-        key_terms(qr, nr, D, ck->ks + (int64_t)gi * D, ck->kz + (int64_t)gi * D, qs, zt, qd, a);
+        key_terms(qr, nr, NR, D, ck->ks + (int64_t)gi * D, ck->kz + (int64_t)gi * D, qs, zt, qd, a);
 #if FAST512
         if (ck->fast) {
             __m512i sums[NR][2];
@@ -288,22 +319,10 @@ static NOINLINE void tile_int(const ichunk_t *ck, int D, const float *const *qr,
     for (int r = 0; r < NR; r++) vis[r] = n;
     softmax_rows(st, n, vis, nr, parts);
     float b[NR][MAXD / 16], zs[NR][MAXD / 16];
-    float *u = ck->u;
-    const float top = top_for(n);
     for (int r = 0; r < nr; r++) {
-        const float *w = st + (int64_t)r * n;
-        for (int gr = 0; gr < vg; gr++) {
-            const float *s = ck->vs + (int64_t)gr * n, *z = ck->vz + (int64_t)gr * n;
-            v16 m = (v16){0}, mx = (v16){0};
-            for (int t = 0; t < n; t += 16) {
-                const v16 x = *(const v16 *)(w + t), y = x * *(const v16 *)(s + t);
-                *(v16 *)(u + t) = y;
-                mx = vmax16(y, mx); /* the weights and the scales are not negative */
-                m = MADD(x, *(const v16 *)(z + t), m);
-            }
-            zs[r][gr] = tree16(m);
-            b[r][gr] = round_pairs(u, n, lanes_max(mx), top, ck->wd + ((int64_t)r * vg + gr) * (n / 2));
-        }
+        uint32_t *wd[MAXD / 16];
+        for (int gr = 0; gr < vg; gr++) wd[gr] = wrow(ck, r, gr, ws);
+        value_terms(ck, vg, st + (int64_t)r * n, wd, b[r], zs[r]);
     }
 #if FAST512
     if (ck->fast) {
@@ -311,7 +330,7 @@ static NOINLINE void tile_int(const ichunk_t *ck, int D, const float *const *qr,
             const uint32_t *wd[NR][2];
             __m512i sums[NR][4];
             for (int r = 0; r < NR; r++)
-                for (int i = 0; i < 2; i++) wd[r][i] = ck->wd + ((int64_t)(r < nr ? r : 0) * vg + 2 * s + i) * (n / 2);
+                for (int i = 0; i < 2; i++) wd[r][i] = wrow(ck, r < nr ? r : 0, 2 * s + i, ws);
             value_sums512(ck->vr, n, s, ck->bits, wd, sums);
             for (int m = 0; m < 4; m++) {
                 const int d0 = 64 * s + 16 * m, gr = d0 / G;
@@ -327,7 +346,7 @@ static NOINLINE void tile_int(const ichunk_t *ck, int D, const float *const *qr,
     for (int d0 = 0; d0 < D; d0 += 16) {
         const int gr = d0 / G;
         const uint32_t *wr[NR];
-        for (int r = 0; r < NR; r++) wr[r] = ck->wd + ((int64_t)(r < nr ? r : 0) * vg + gr) * (n / 2);
+        for (int r = 0; r < NR; r++) wr[r] = wrow(ck, r < nr ? r : 0, gr, ws);
         i16 acc[NR];
         for (int r = 0; r < NR; r++) acc[r] = (i16){0};
         for (int tp = 0; tp < n / 2; tp++) {
@@ -338,6 +357,80 @@ static NOINLINE void tile_int(const ichunk_t *ck, int D, const float *const *qr,
         for (int r = 0; r < nr; r++) o[r] = MADD(__builtin_convertvector(acc[r], v16), b[r][gr], (v16){0} + zs[r][gr]);
         store_out(o, nr, d0, ck->chan, parts);
     }
+}
+
+/* tile_int's arithmetic for up to NM rows over a chunk widened into the scratch (a prefill's): the
+ * integer sums are exact, so taking two code vectors at a time for NM rows (sixteen sums in
+ * registers) changes no bit. ws constant where inlined. */
+static ALWAYS void tile_int_rows(const ichunk_t *ck, int D, const float *const *qr, int nr, float *st,
+                                 part_t *const *parts, int ws) {
+    const int n = ck->n, G = ck->G, ng = n / G, vg = D / G, D2 = D / 2;
+    float qs[MAXD], zt[NM], a[NM];
+    uint32_t qd[NM][MAXD / 2];
+    for (int gi = 0; gi < ng; gi++) {
+        key_terms(qr, nr, NM, D, ck->ks + (int64_t)gi * D, ck->kz + (int64_t)gi * D, qs, zt, qd, a);
+        const uint32_t *K = ck->KI + (int64_t)gi * D2 * G;
+        for (int v = 0; v < G; v += 32) {
+            const int two = v + 32 <= G; /* two vectors of sixteen tokens, or the group's last one */
+            i16 acc0[NM], acc1[NM];
+            for (int r = 0; r < NM; r++) acc0[r] = acc1[r] = (i16){0};
+            for (int cp = 0; cp < D2; cp++) {
+                const uint32_t *k = K + (int64_t)cp * G + v;
+                for (int r = 0; r < NM; r++) {
+                    acc0[r] = dot2(acc0[r], k, qd[r][cp]);
+                    if (two) acc1[r] = dot2(acc1[r], k + 16, qd[r][cp]);
+                }
+            }
+            for (int r = 0; r < NM; r++) {
+                *(v16 *)(st + (int64_t)r * n + gi * G + v) =
+                    MADD(__builtin_convertvector(acc0[r], v16), a[r], (v16){0} + zt[r]);
+                if (two)
+                    *(v16 *)(st + (int64_t)r * n + gi * G + v + 16) =
+                        MADD(__builtin_convertvector(acc1[r], v16), a[r], (v16){0} + zt[r]);
+            }
+        }
+    }
+    int vis[NM];
+    for (int r = 0; r < NM; r++) vis[r] = n;
+    softmax_rows(st, n, vis, nr, parts);
+    float b[NM][MAXD / 16], zs[NM][MAXD / 16];
+    for (int r = 0; r < nr; r++) {
+        uint32_t *wd[MAXD / 16];
+        for (int gr = 0; gr < vg; gr++) wd[gr] = wrow(ck, r, gr, ws);
+        value_terms(ck, vg, st + (int64_t)r * n, wd, b[r], zs[r]);
+    }
+    for (int r = nr; r < NM; r++) /* a last tile's missing rows: sums of zeros, never stored */
+        for (int gr = 0; gr < vg; gr++) memset(wrow(ck, r, gr, ws), 0, sizeof(uint32_t) * (size_t)(n / 2));
+    for (int d0 = 0; d0 < D; d0 += 32) {
+        const int two = d0 + 32 <= D, g0 = d0 / G, g1 = two ? (d0 + 16) / G : g0;
+        const uint32_t *w0 = wrow(ck, 0, g0, ws), *w1 = wrow(ck, 0, g1, ws); /* row r: + r * ws */
+        i16 acc0[NM], acc1[NM];
+        for (int r = 0; r < NM; r++) acc0[r] = acc1[r] = (i16){0};
+        for (int tp = 0; tp < n / 2; tp++) {
+            const uint32_t *x = ck->VI + (int64_t)tp * D + d0;
+            for (int r = 0; r < NM; r++) {
+                acc0[r] = dot2(acc0[r], x, w0[(int64_t)r * ws + tp]);
+                if (two) acc1[r] = dot2(acc1[r], x + 16, w1[(int64_t)r * ws + tp]);
+            }
+        }
+        v16 o[NM];
+        for (int r = 0; r < nr; r++) o[r] = MADD(__builtin_convertvector(acc0[r], v16), b[r][g0], (v16){0} + zs[r][g0]);
+        store_out(o, nr, d0, ck->chan, parts);
+        if (two) {
+            for (int r = 0; r < nr; r++)
+                o[r] = MADD(__builtin_convertvector(acc1[r], v16), b[r][g1], (v16){0} + zs[r][g1]);
+            store_out(o, nr, d0 + 16, ck->chan, parts);
+        }
+    }
+}
+
+/* Up to NM rows of a prefill over a chunk widened once into the scratch. */
+static NOINLINE void tile_int_many(const ichunk_t *ck, int D, const float *const *qr, int nr, float *st,
+                                   part_t *const *parts) {
+    if (ck->ws == CH / 2)
+        tile_int_rows(ck, D, qr, nr, st, parts, CH / 2);
+    else
+        tile_int_rows(ck, D, qr, nr, st, parts, ck->ws);
 }
 
 #endif

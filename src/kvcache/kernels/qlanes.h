@@ -40,6 +40,11 @@ KV_VEXP_MADD(vexp16, v16, i16, MADD)
 
 #define CH 256          /* keys per chunk */
 #define NR 4            /* query rows per tile */
+#if defined(__AVX512F__)
+#define NM 8            /* rows per tile of an integer chunk taken by many rows (a prefill's): 16 sums in registers */
+#else
+#define NM NR           /* (sixteen ymm registers: no room for more sums) */
+#endif
 #define SPLIT_ROWS 16   /* at most this many rows per KV head: chunks spread over the threads */
 #define RB 128          /* rows per work item otherwise */
 #define MAXD 512

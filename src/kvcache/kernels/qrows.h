@@ -23,11 +23,11 @@ typedef struct {      /* one row's share of a chunk, or the running state of a r
 
 #define PART_FLOATS(D) (2 + (D))
 
-/* One key group's query terms for rows qr (NR, the extra ones copies of row 0): qs = q * scale per
- * channel, zt = q . min (one sixteen-lane chain and the fixed tree); the rest's: q and 0. */
-static ALWAYS void group_terms(const float *const *qr, int nr, int D, const float *s, const float *z,
-                               float qs[NR][MAXD], float *zt) {
-    for (int r = 0; r < NR; r++) {
+/* One key group's query terms for rows qr (``rows``, the extra ones copies of row 0): qs = q * scale
+ * per channel, zt = q . min (one sixteen-lane chain and the fixed tree); the rest's: q and 0. */
+static ALWAYS void group_terms(const float *const *qr, int nr, int rows, int D, const float *s, const float *z,
+                               float qs[][MAXD], float *zt) {
+    for (int r = 0; r < rows; r++) {
         const float *q = qr[r < nr ? r : 0];
         if (s) {
             v16 a = (v16){0};
@@ -83,36 +83,57 @@ static ALWAYS void store_out(const v16 *a, int nr, int d, const int *chan, part_
     }
 }
 
-/* Rows qr[0 .. nr-1] (NR computed, the extra ones copies of row 0) against a chunk made ready in
- * the scratch; row r sees its first vis[r] keys. Each row's (m, l, acc) goes to parts[r]. */
-static NOINLINE void tile(const chunk_t *ck, int D, const float *const *qr, const int *vis, int nr, float *st,
-                          part_t *const *parts) {
+/* Rows qr[0 .. nr-1] (``rows`` computed, the extra ones copies of row 0; NR or NM, constant where
+ * inlined) against a chunk made ready in the scratch; row r sees its first vis[r] keys. Each row's
+ * (m, l, acc) goes to parts[r]. A row's multiply-adds run in the same order whatever ``rows`` is:
+ * more rows only give the vector units more chains at once. */
+static ALWAYS void tile_rows(const chunk_t *ck, int D, const float *const *qr, const int *vis, int nr, float *st,
+                             part_t *const *parts, int rows) {
     const int n = ck->n;
-    float qs[NR][MAXD], zt[NR];
+    float qs[NM][MAXD], zt[NM];
     for (int g0 = 0; g0 < n; g0 += ck->kg) {
         const int64_t gi = g0 / ck->kg;
-        group_terms(qr, nr, D, ck->ks ? ck->ks + gi * D : NULL, ck->ks ? ck->kz + gi * D : NULL, qs, zt);
+        group_terms(qr, nr, rows, D, ck->ks ? ck->ks + gi * D : NULL, ck->ks ? ck->kz + gi * D : NULL, qs, zt);
         for (int v = 0; v < ck->kg; v += 16) {
-            v16 a[NR];
-            for (int r = 0; r < NR; r++) a[r] = (v16){0} + zt[r];
+            v16 a[NM];
+            for (int r = 0; r < rows; r++) a[r] = (v16){0} + zt[r];
             const float *k = ck->KT + g0 + v;
             for (int c = 0; c < D; c++) {
                 const v16 kv = *(const v16 *)(k + (int64_t)c * n);
-                for (int r = 0; r < NR; r++) a[r] = MADD(qs[r][c], kv, a[r]);
+                for (int r = 0; r < rows; r++) a[r] = MADD(qs[r][c], kv, a[r]);
             }
-            for (int r = 0; r < NR; r++) *(v16 *)(st + (int64_t)r * n + g0 + v) = a[r];
+            for (int r = 0; r < rows; r++) *(v16 *)(st + (int64_t)r * n + g0 + v) = a[r];
         }
     }
     const int top = softmax_rows(st, n, vis, nr, parts);
-    for (int d = 0; d < D; d += 16) {
-        v16 a[NR];
-        for (int r = 0; r < NR; r++) a[r] = (v16){0};
+    for (int r = nr; r < rows; r++) /* a last tile's missing rows take weights of zero, never stored */
+        memset(st + (int64_t)r * n, 0, sizeof(float) * (size_t)top);
+    for (int d = 0; d < D; d += 32) {
+        const int two = d + 32 <= D;
+        v16 a[NM], b[NM];
+        for (int r = 0; r < rows; r++) a[r] = b[r] = (v16){0};
         for (int t = 0; t < top; t++) {
             const v16 x = *(const v16 *)(ck->V + (int64_t)t * D + d);
-            for (int r = 0; r < NR; r++) a[r] = MADD(st[(int64_t)(r < nr ? r : 0) * n + t], x, a[r]);
+            const v16 y = two ? *(const v16 *)(ck->V + (int64_t)t * D + d + 16) : x;
+            for (int r = 0; r < rows; r++) {
+                a[r] = MADD(st[(int64_t)r * n + t], x, a[r]);
+                if (two) b[r] = MADD(st[(int64_t)r * n + t], y, b[r]);
+            }
         }
         store_out(a, nr, d, ck->chan, parts);
+        if (two) store_out(b, nr, d + 16, ck->chan, parts);
     }
+}
+
+static NOINLINE void tile(const chunk_t *ck, int D, const float *const *qr, const int *vis, int nr, float *st,
+                          part_t *const *parts) {
+    tile_rows(ck, D, qr, vis, nr, st, parts, NR);
+}
+
+/* Up to NM rows (a prefill's). */
+static NOINLINE void tile_many(const chunk_t *ck, int D, const float *const *qr, const int *vis, int nr, float *st,
+                               part_t *const *parts) {
+    tile_rows(ck, D, qr, vis, nr, st, parts, NM);
 }
 
 /* The running state S takes partial p (chunk order). */
