@@ -44,3 +44,27 @@ def test_bad_input_is_named(kv, contexts, message):
     args = argparse.Namespace(threads=None, contexts=contexts, kv=kv, peers="", repeats=1, json=None)
     with pytest.raises(InvalidParams, match=message):
         attention.run(args)
+
+
+def test_rows_time_a_prefill_chunk_without_the_decode_peer(tmp_path, capsys, monkeypatch):
+    if kernels.qattn() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setattr(attention, "ROUND", 1 << 20)
+    monkeypatch.setattr(attention, "WALL_FLOATS", 1 << 20)
+    out = tmp_path / "a.json"
+    args = argparse.Namespace(threads=None, contexts="64", kv="int8,fp16", peers=None, repeats=1, json=str(out),
+                              rows=40)
+    assert attention.run(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["kv"], r["rows"]) for r in rows] == [("int8", 40), ("fp16", 40)]
+    for r in rows:  # 40 rows of 32 query heads (64 channels) over 64 keys and the rows before them
+        macs = 40 * 32 * 64 * 2 * (64 + 41 / 2)
+        assert r["gflop_s"] == pytest.approx(2 * macs / r["ms_layer"] / 1e6) and r["torch_ms_layer"] is None
+    assert "for 40 new rows" in capsys.readouterr().out
+    assert attention.headline(json.loads(out.read_text())) == []  # no peer to stand beside
+    args.peers = "torch"
+    with pytest.raises(InvalidParams, match="--peers ''"):
+        attention.run(args)
+    args.peers, args.rows = "", -1
+    with pytest.raises(InvalidParams, match="--rows"):
+        attention.run(args)

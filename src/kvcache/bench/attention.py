@@ -11,6 +11,11 @@ the call reads (the encoding's pages at that depth) and the read bandwidth they 
 the read bandwidth measured in the same run (kernels/membw.c). Calls go round enough copies of
 the pages (256 MB at least) that none is still in the caches when it is read again. The pages
 hold random codes and scales: the work does not depend on what they say.
+
+``--rows N`` times a prefill chunk's attention instead: N new tokens of the sequence, causal among
+themselves (kept in fp32 after quantized pages, as the engine keeps a chunk's own K/V; written
+after the 16-bit pages), against the C tokens before them; the line then gives the milliseconds
+for the N rows and their multiply-adds' GFLOP/s. The torch peer is a decode's, so it is left out.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ if TYPE_CHECKING:
 # the suite's declaration (bench/suites.py reads it from this source)
 SUITE = "attention"
 ORDER = 30
-OPTIONS = ("repeats", "kv", "contexts", "peers")
+OPTIONS = ("repeats", "kv", "contexts", "peers", "rows")
 QUICK = {"contexts": "1024", "repeats": 1, "kv": "fp16,int4"}
 
 HKV, G, D, LAYERS, PAGE = 8, 4, 64, 16, 32  # Llama-3.2-1B's attention; quantized pages of 32 tokens
@@ -91,7 +96,7 @@ def _quant_case(bits: int, rotate: bool, ctx: int, q: torch.Tensor) -> tuple[int
             else:
                 t.copy_((torch.rand(t.shape) * 0.05).to(t.dtype))
         pools.append(pool)
-    pages, rest, turn = torch.arange(ctx // PAGE), torch.randn(2, HKV, 1, D), [0]
+    pages, rest, turn = torch.arange(ctx // PAGE), torch.randn(2, HKV, q.shape[0], D), [0]
     nbytes = sum(t.numel() * t.element_size() for t in pools[0].parts[0].values())
 
     def next_pool() -> QuantPool:
@@ -115,7 +120,8 @@ def _half_case(dtype: torch.dtype, ctx: int, q: torch.Tensor) -> tuple[int, obje
 
     from kvcache import kernels
 
-    flats = [torch.randn(2, HKV, ctx, D).to(dtype) for _ in range(_copies(ctx * HKV * D * 4))]
+    n = ctx if q.shape[0] == 1 else ctx + q.shape[0]  # a decode's token is the context's last; a prefill's follow it
+    flats = [torch.randn(2, HKV, n, D).to(dtype) for _ in range(_copies(n * HKV * D * 4))]
     turn = [0]
 
     def next_flat() -> torch.Tensor:
@@ -123,7 +129,7 @@ def _half_case(dtype: torch.dtype, ctx: int, q: torch.Tensor) -> tuple[int, obje
         return flats[turn[0]]
 
     def native():
-        return kernels.half_attend(q, next_flat(), None, 0, ctx)
+        return kernels.half_attend(q, next_flat(), None, 0, n)
 
     return flats[0].numel() * flats[0].element_size(), native, lambda: _attend(q, next_flat().float())
 
@@ -161,21 +167,28 @@ def run(args: argparse.Namespace) -> int:
     if any(c % PAGE for c in contexts):
         raise InvalidParams(f"--contexts: each must be a multiple of {PAGE} tokens (whole pages)")
     encodings = parse_kv(args.kv or DEFAULT_KV)
-    peers = "torch" if args.peers is None else args.peers
+    n_rows = getattr(args, "rows", None) or 1
+    if n_rows < 1 or n_rows > 8192:
+        raise InvalidParams(f"--rows: {n_rows}; give the new tokens of a call, 1 (a decode) to 8192")
+    peers = ("torch" if n_rows == 1 else "") if args.peers is None else args.peers
     if peers not in ("torch", ""):
         raise InvalidParams(f"--peers: {peers!r}; this suite's peer is torch (or '' for none)")
+    if peers and n_rows > 1:
+        raise InvalidParams("--peers torch times a decode's attention; with --rows above 1 give --peers ''")
     repeats = args.repeats or 5
     wall = read_wall()
     print(f"read wall: {wall:.1f} GB/s" if wall else "read wall: unmeasured", flush=True)
     rows = []
-    q = torch.randn(1, HKV * G, D) * 0.1
+    q = torch.randn(n_rows, HKV * G, D) * 0.1
     for ctx in contexts:
         for enc, rotate in encodings:
             nbytes, native, torch_path = (_half_case(getattr(torch, _HALF[enc]), ctx, q) if enc in _HALF
                                           else _quant_case(_BITS[enc], rotate, ctx, q))
             t = _time(native, repeats)
             peer = _time(torch_path, max(1, repeats // 2)) if peers else None
-            row = {"context": ctx, "kv": enc + (",rotate" if rotate else ""), "ms_layer": t * 1e3,
+            macs = 2 * n_rows * HKV * G * D * (ctx + (n_rows + 1) / 2)  # K.q and weights.V; row t sees ctx + t + 1 keys
+            row = {"context": ctx, "kv": enc + (",rotate" if rotate else ""), "rows": n_rows, "ms_layer": t * 1e3,
+                   "gflop_s": 2 * macs / t / 1e9,
                    "ms_token": t * 1e3 * LAYERS, "bytes_layer": nbytes, "gb_s": nbytes / t / 1e9,
                    "share_of_wall": nbytes / t / 1e9 / wall if wall else None,
                    "torch_ms_layer": peer * 1e3 if peer else None, "vs_torch": peer / t if peer else None}
@@ -188,6 +201,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _line(r: dict) -> str:
+    if r.get("rows", 1) > 1:
+        return (f"{r['context']:>6} {r['kv']:<12} {r['ms_layer']:7.2f} ms/layer for {r['rows']} new rows "
+                f"({r['rows'] / r['ms_layer'] * 1e3:.0f} rows/s, {r['gflop_s']:.1f} GFLOP/s)")
     share = f" ({r['share_of_wall']:.0%} of the wall)" if r["share_of_wall"] else ""
     peer = f"; torch path {r['torch_ms_layer']:.2f} ms ({r['vs_torch']:.1f}x)" if r["torch_ms_layer"] else ""
     return (f"{r['context']:>6} {r['kv']:<12} {r['ms_layer']:7.2f} ms/layer ({r['ms_token']:.1f} ms a token of "
@@ -197,7 +213,9 @@ def _line(r: dict) -> str:
 def headline(d: dict) -> list[Headline]:
     """``bench attention``: one layer's decode attention at the deepest context, the native kernel
     beside the torch path over the same cache."""
-    rows = d["rows"]
+    rows = [r for r in d["rows"] if r.get("rows", 1) == 1]  # --rows N times a prefill's, without a peer
+    if not rows:
+        return []
     ctx = max(r["context"] for r in rows)
     return [Headline(f"decode attention ms per layer at {ctx} tokens, {r['kv']} KV", positive(r["ms_layer"]),
                 "torch path, same cache", positive(r["torch_ms_layer"]), "ms", higher_better=False)

@@ -111,6 +111,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="serve: kvcache serve's --max-batch-tokens (default: the server's, 256)")
     b.add_argument("--document-step-work", type=int, default=None, metavar="N",
                    help="serve --mixed: kvcache serve's --document-step-work (default: the server's, 32; 0: never capped)")
+    b.add_argument("--rows", type=int, default=None, metavar="N",
+                   help="attention: new tokens of one call (default 1, a decode); N > 1 times a prefill chunk of N "
+                        "tokens over the context (causal among themselves), without the torch peer")
     b.add_argument("--threads", type=int, default=None, help="torch threads for every system")
     b.add_argument("--quick", action="store_true",
                    help="a short run: decode 16 tokens, 1 repeat, prefill 512, depth 512; context 256,1024 with 16 tokens, 1 repeat, "
