@@ -284,6 +284,20 @@ static ALWAYS void value_terms(const ichunk_t *ck, int vg, const float *w, uint3
     }
 }
 
+/* Rows 0 .. nr-1's scores st [nr, n] (every key visible) -> their softmax weights (m and l to parts),
+ * then each row's value terms (value_terms) into its rows of the weights' room, b and zs. */
+static ALWAYS void chunk_weights(const ichunk_t *ck, int vg, int ws, float *st, int nr, part_t *const *parts,
+                                 float b[][MAXD / 16], float zs[][MAXD / 16]) {
+    int vis[NM];
+    for (int r = 0; r < nr; r++) vis[r] = ck->n;
+    softmax_rows(st, ck->n, vis, nr, parts);
+    for (int r = 0; r < nr; r++) {
+        uint32_t *wd[MAXD / 16];
+        for (int gr = 0; gr < vg; gr++) wd[gr] = wrow(ck, r, gr, ws);
+        value_terms(ck, vg, st + (int64_t)r * ck->n, wd, b[r], zs[r]);
+    }
+}
+
 /* Rows qr[0 .. nr-1] (NR computed, the extra ones copies of row 0) against a quantized chunk, every
  * key visible: the scores, the softmax, the value sums (the header's arithmetic). */
 static NOINLINE void tile_int(const ichunk_t *ck, int D, const float *const *qr, int nr, float *st,
@@ -315,15 +329,8 @@ static NOINLINE void tile_int(const ichunk_t *ck, int D, const float *const *qr,
                     MADD(__builtin_convertvector(acc[r], v16), a[r], (v16){0} + zt[r]);
         }
     }
-    int vis[NR];
-    for (int r = 0; r < NR; r++) vis[r] = n;
-    softmax_rows(st, n, vis, nr, parts);
     float b[NR][MAXD / 16], zs[NR][MAXD / 16];
-    for (int r = 0; r < nr; r++) {
-        uint32_t *wd[MAXD / 16];
-        for (int gr = 0; gr < vg; gr++) wd[gr] = wrow(ck, r, gr, ws);
-        value_terms(ck, vg, st + (int64_t)r * n, wd, b[r], zs[r]);
-    }
+    chunk_weights(ck, vg, ws, st, nr, parts, b, zs);
 #if FAST512
     if (ck->fast) {
         for (int s = 0; s < D / 64; s++) {
@@ -390,15 +397,8 @@ static ALWAYS void tile_int_rows(const ichunk_t *ck, int D, const float *const *
             }
         }
     }
-    int vis[NM];
-    for (int r = 0; r < NM; r++) vis[r] = n;
-    softmax_rows(st, n, vis, nr, parts);
     float b[NM][MAXD / 16], zs[NM][MAXD / 16];
-    for (int r = 0; r < nr; r++) {
-        uint32_t *wd[MAXD / 16];
-        for (int gr = 0; gr < vg; gr++) wd[gr] = wrow(ck, r, gr, ws);
-        value_terms(ck, vg, st + (int64_t)r * n, wd, b[r], zs[r]);
-    }
+    chunk_weights(ck, vg, ws, st, nr, parts, b, zs);
     for (int r = nr; r < NM; r++) /* a last tile's missing rows: sums of zeros, never stored */
         for (int gr = 0; gr < vg; gr++) memset(wrow(ck, r, gr, ws), 0, sizeof(uint32_t) * (size_t)(n / 2));
     for (int d0 = 0; d0 < D; d0 += 32) {
