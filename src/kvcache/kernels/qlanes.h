@@ -41,7 +41,7 @@ KV_VEXP_MADD(vexp16, v16, i16, MADD)
 #define CH 256          /* keys per chunk */
 #define NR 4            /* query rows per tile */
 #if defined(__AVX512F__)
-#define NM 8            /* rows per tile of an integer chunk taken by many rows (a prefill's): 16 sums in registers */
+#define NM 8            /* rows per tile where many rows take a chunk (a prefill): 16 sums or chains in registers */
 #else
 #define NM NR           /* (sixteen ymm registers: no room for more sums) */
 #endif
