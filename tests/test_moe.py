@@ -339,6 +339,54 @@ def test_the_native_router_follows_the_routing_rules_and_a_decode_row_is_one_cal
             moe_rows(x.clone(), h, w, e.flip(-1), table, 0)
 
 
+@needs_kernels
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_decode_step_runs_every_layer_in_one_call_with_the_layer_by_layer_bits(folder, case: str) -> None:
+    """With quantized weights a decode row runs every layer (attention half, norm, router and
+    experts) in one native call (kernels/dattn.c kv_q_layers with a mixture); its logits are the
+    bits of the layer-by-layer path (attention_block, then moe_block's kv_q_moe_row) at every step,
+    alone and beside a second sequence (two rows: the layer-by-layer path groups them by expert). A
+    prompt's rows never take the one call; a mixture layer without its router is refused (the
+    kernel's 1, in one line)."""
+    from kvcache.kernels.qweight import LayerStack
+
+    path, _ = folder(case)
+    llm = LLM(str(path), weights="q8", prefix=False)
+    stack = llm.model.stack
+    assert isinstance(stack, LayerStack) and stack.mixture[0] == CASES[case]["num_experts"]
+    taken, real_run = [], LayerStack.run
+
+    def counted(self, ctx, x, *a):
+        done = real_run(self, ctx, x, *a)
+        taken.append((x.shape[0], done))
+        return done
+
+    other = tokens(9, 3)
+    LayerStack.run = counted
+    try:
+        fused = feed(llm, [PROMPT], STEPS)[0]
+        assert taken == [(len(PROMPT), False)] + [(1, True)] * STEPS, taken
+        llm.model.stack = None
+        steps = feed(llm, [PROMPT], STEPS)[0]
+        pair = feed(llm, [PROMPT, other], STEPS)[0]
+    finally:
+        LayerStack.run, llm.model.stack = real_run, stack
+    for a, b, c in zip(fused, steps, pair):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    good = stack.table
+    stack.table = good.clone()
+    stack.table[-1, -3] = 0  # the last layer's router (KVL_ROUTER)
+    runner = llm.runner
+    seq = runner.new_sequence()
+    try:
+        runner.step([seq], [PROMPT])
+        with pytest.raises(RuntimeError, match=r"refused its inputs \(1\)"):
+            runner.step([seq], [[7]])
+    finally:
+        runner.free(seq)
+        stack.table = good
+
+
 def _gguf_state(hf: Any, folder_: Path, ggml: int) -> dict[str, Any]:
     """The HF model's weights as the GGUF loader gives them under ``file``: every expert's
     matrices (and attention's) quantized to ``ggml`` blocks in a file, left there as GGUFTensors;

@@ -396,7 +396,7 @@ def test_layer_stack_refuses_bad_tables_before_touching_anything(tiny_dir):
 
     def call(table, kvs, groups):
         return _lib().kv_q_layers(1, stack.hidden, x.data_ptr(), x.stride(0), n_layers, table.data_ptr(),
-                                  kvs.data_ptr(), hq, hkv, d, d, stack.inter, stack.act, cos.data_ptr(),
+                                  kvs.data_ptr(), hq, hkv, d, d, stack.inter, stack.act, *stack.mixture, cos.data_ptr(),
                                   sin.data_ptr(), None, None, 1e-6, 1.0, groups.shape[0], groups.data_ptr(), 1,
                                   row0.data_ptr(), nnew.data_ptr(), 1)
 

@@ -11,8 +11,9 @@
  * kv_q_attn_block: the whole attention half of a layer with quantized weights: the input norm and
  * the q|k|v projection, the above, the output projection and the residual (through Gemma 3's
  * post-attention norm when it has one), in one parallel region.
- * kv_q_layers: every layer of a forward (kv_q_attn_block's steps, then kv_q_mlp's) in one parallel
- * region, the threads never leaving it between layers.
+ * kv_q_layers: every layer of a forward (kv_q_attn_block's steps, then kv_q_mlp's, or a mixture of
+ * experts' kv_q_moe_row for each row) in one parallel region, the threads never leaving it between
+ * layers.
  *
  * Layouts (N rows in all; S = slots in the pool = pages * ps):
  *   qkv    [N, (hq + 2 hkv) * D] float, rows ldq apart (q and k heads are rotated in place)
@@ -197,7 +198,12 @@ int kv_q_attn_block(int N, int H, float *x, int64_t ldx, const float *g_in, floa
  * side by side: a fused q|k|v or gate|up whose tensors came in different types). kvs [L, 2] int64: each layer's pool layer
  * [2, hkv, S, D] and group; groups [G, KVG_N] int64: each layer group's slots, page tables,
  * lengths, window and pool shape (the layers of a group share them); cos0/sin0 (and cos1/sin1: a
- * second rotary table, Gemma 3's local layers) [N, rot]. Returns as kv_q_attn_block. */
+ * second rotary table, Gemma 3's local layers) [N, rot]. E > 0: each layer's MLP is a mixture of E
+ * experts of size I, k a row (norm: their weights renormalised), run row by row as kv_q_moe_row runs
+ * one (so the bits of kv_q_moe_rows too): its router [H, Ep] at KVL_ROUTER, every expert's gate_up
+ * and down fields [E, KVP_N] at KVL_EXPERTS_GU and KVL_EXPERTS_DN, the router's norm weight at
+ * KVL_G_MLP; KVL_GU and KVL_DN unused. Returns as kv_q_attn_block (1 also when a row's chosen
+ * expert does not fit: the rows before it are done). */
 enum {
     KVL_QKV = 0, /* the fused q|k|v projection */
     KVL_O = KVP_N, /* the output projection (one part) */
@@ -209,6 +215,9 @@ enum {
     KVL_G_MLP, /* the MLP's input norm weight or 0 */
     KVL_POST_FF, /* the MLP output's RMSNorm weight or 0 */
     KVL_ROPE, /* 0: cos0/sin0, 1: cos1/sin1 */
+    KVL_ROUTER, /* a mixture's router [H, Ep] (E > 0) */
+    KVL_EXPERTS_GU, /* its experts' gate_up fields [E, KVP_N] */
+    KVL_EXPERTS_DN, /* and down fields [E, KVP_N] */
     KVL_N
 };
 enum { KVG_SLOTS = 0, KVG_TABLES, KVG_MAX_PAGES, KVG_LENS, KVG_WINDOW, KVG_S, KVG_PS, KVG_N };
@@ -216,25 +225,30 @@ enum { KVG_SLOTS = 0, KVG_TABLES, KVG_MAX_PAGES, KVG_LENS, KVG_WINDOW, KVG_S, KV
 #define P(v) ((const void *)(intptr_t)(v))
 
 int kv_q_layers(int N, int H, float *x, int64_t ldx, int L, const int64_t *layers, const int64_t *kvs, int hq,
-                int hkv, int D, int rot, int I, int act, const float *cos0, const float *sin0, const float *cos1,
+                int hkv, int D, int rot, int I, int act, int E, int Ep, int topk, int norm, const float *cos0, const float *sin0, const float *cos1,
                 const float *sin1, float eps, float scale, int G, const int64_t *groups, int B,
                 const int64_t *row0, const int64_t *nnew, int n_threads) {
     enum { MAXG = 4 };
     const int QKV = (hq + 2 * hkv) * D, HD = hq * D;
     if (N < 1 || B < 1 || L < 1 || G < 1 || G > MAXG || n_threads < 1 || ldx < H || hkv < 1 || hq % hkv) return 1;
+    if (E < 0) return 1;
     int post = 0;
+    MoeRow moe = {H, I, E, Ep, topk, norm, act, eps, NULL, NULL, NULL, NULL};
     for (int l = 0; l < L; l++) {
         const int64_t *f = layers + (int64_t)l * KVL_N;
         const QProj wqkv = proj_of(f + KVL_QKV, H), wo = proj_of(f + KVL_O, HD), gu = proj_of(f + KVL_GU, H),
                     dn = proj_of(f + KVL_DN, I);
+        moe.post_w = P(f[KVL_G_MLP]), moe.wt = P(f[KVL_ROUTER]);
+        moe.gu = P(f[KVL_EXPERTS_GU]), moe.dn = P(f[KVL_EXPERTS_DN]);
+        const int mlp_ok = E ? moe_row_valid(&moe) : dn.n == 1 && mlp_valid(&gu, &dn.p[0], H, I, act);
         if (!qproj_valid(&wqkv) || wqkv.out != QKV || wo.n != 1 || !qw_valid(&wo.p[0]) || wo.out != H ||
-            dn.n != 1 || !mlp_valid(&gu, &dn.p[0], H, I, act) || !kvs[2 * l] ||
+            !mlp_ok || !kvs[2 * l] ||
             kvs[2 * l + 1] < 0 || kvs[2 * l + 1] >= G || f[KVL_ROPE] < 0 || f[KVL_ROPE] > 1 ||
             (f[KVL_ROPE] && rot && (!cos1 || !sin1)))
             return 1;
         post |= f[KVL_POST_ATTN] != 0 || f[KVL_POST_FF] != 0;
     }
-    const size_t ab = attn_bytes(N, H, QKV, HD, post), mb = mlp_bytes(N, H, I, post);
+    const size_t ab = attn_bytes(N, H, QKV, HD, post), mb = E ? moe_row_bytes(&moe) : mlp_bytes(N, H, I, post);
     char *buf = scratch_take(ab > mb ? ab : mb);
     if (!buf) return 4;
     float *qkv;
@@ -253,7 +267,7 @@ int kv_q_layers(int N, int H, float *x, int64_t ldx, int L, const int64_t *layer
                                           (int)q[KVG_MAX_PAGES], row0, nnew, P(q[KVG_LENS]), q[KVG_WINDOW], a0.att)))
             rc = 4;
     }
-    int bad = 0;
+    int bad = 0, refused = 0;
     if (!rc) {
 #pragma omp parallel num_threads(n_threads)
         for (int l = 0; l < L; l++) {
@@ -266,6 +280,13 @@ int kv_q_layers(int N, int H, float *x, int64_t ldx, int L, const int64_t *layer
             p.kv = (float *)(intptr_t)kvs[2 * l], p.qk_norm = P(f[KVL_QK_NORM]);
             if (f[KVL_ROPE]) p.cos = cos1, p.sin = sin1;
             attn_in_region(&a, &p, plan[kvs[2 * l + 1]], x, ldx, &bad);
+            if (E) {
+                MoeRow m = moe;
+                m.post_w = P(f[KVL_G_MLP]), m.wt = P(f[KVL_ROUTER]);
+                m.gu = P(f[KVL_EXPERTS_GU]), m.dn = P(f[KVL_EXPERTS_DN]);
+                for (int r = 0; r < N; r++) moe_row_in_region(&m, x + (int64_t)r * ldx, buf, &refused);
+                continue;
+            }
             const QProj gu = proj_of(f + KVL_GU, H), dn = proj_of(f + KVL_DN, I);
             const Mlp m = mlp_at(buf, N, H, I, &gu, &dn.p[0], P(f[KVL_G_MLP]), eps, proj_bias(f + KVL_GU),
                                  proj_bias(f + KVL_DN), act, P(f[KVL_POST_FF]), eps);
@@ -273,5 +294,5 @@ int kv_q_layers(int N, int H, float *x, int64_t ldx, int L, const int64_t *layer
         }
     }
     for (int g = 0; g < G; g++) cattn_free(plan[g]);
-    return rc ? rc : bad ? 2 : 0;
+    return rc ? rc : bad ? 2 : refused;
 }

@@ -261,33 +261,59 @@ int kv_q_experts_row(int H, int I, const float *x, int k, const int64_t *gu, con
     return 0;
 }
 
+KV_HIDDEN int moe_row_valid(const MoeRow *m) {
+    const Route r = {m->H, m->E, m->Ep, m->k, m->norm, m->post_w, m->wt, m->eps};
+    return route_valid(&r) && m->I >= 1 && m->gu && m->dn;
+}
+
+/* the scratch a row takes: its Row, then h [H], the logits [Ep], the exponentials [Ep], the chosen
+ * weights [k] and ids [k], then row_at's buffers */
+KV_HIDDEN size_t moe_row_bytes(const MoeRow *m) {
+    return sizeof(Row) + ((size_t)m->H + 16 + 2 * (size_t)m->Ep + (size_t)m->k) * sizeof(float) +
+           (size_t)m->k * sizeof(int64_t) + 4 * 64 + row_bytes(m->k, m->H, m->I);
+}
+
+static float *moe_row_h(char *buf) { return (float *)align64((char *)((Row *)align64(buf) + 1)); }
+
+static float *moe_row_w(const MoeRow *m, char *buf) { return moe_row_h(buf) + ((m->H + 15) & ~15) + 2 * m->Ep; }
+
+static int64_t *moe_row_e(const MoeRow *m, char *buf) { return (int64_t *)align64((char *)(moe_row_w(m, buf) + m->k)); }
+
+KV_HIDDEN void moe_row_in_region(const MoeRow *m, float *x, char *buf, int *refused) {
+    const Route r = {m->H, m->E, m->Ep, m->k, m->norm, m->post_w, m->wt, m->eps};
+    Row *rw = (Row *)align64(buf);
+    float *h = moe_row_h(buf), *l = h + ((m->H + 15) & ~15), *ex = l + m->Ep, *w = moe_row_w(m, buf);
+    int64_t *e = moe_row_e(m, buf);
+    char *rest = align64((char *)(e + m->k));
+    const int nvec = m->Ep / VL, chunks = (nvec + CV - 1) / CV;
+    float *hs[1] = {h}, *ls[1] = {l};
+#pragma omp single
+    norm_row(&r, x, h);
+#pragma omp for schedule(static)
+    for (int c = 0; c < chunks; c++) logits_rows(&r, 1, hs, ls, c * CV, (c + 1) * CV < nvec ? (c + 1) * CV : nvec);
+#pragma omp single
+    {
+        pick(&r, l, ex, w, e);
+        if (row_at(rw, rest, m->H, m->I, m->k, m->gu, m->dn, e, w, m->act))
+            act_row(&rw->a, 0, m->H, h, m->H, NULL, -1.f);
+        else
+            *refused = 1;
+    }
+    if (!*refused) experts_in_region(rw, x, 1);
+}
+
 int kv_q_moe_row(int H, int I, float *x, const float *post_w, float eps, const float *wt, int E, int Ep, int k,
                  int norm, const int64_t *gu, const int64_t *dn, int act, float *w, int64_t *e, int n_threads) {
-    const Route r = {H, E, Ep, k, norm, post_w, wt, eps};
-    if (n_threads < 1 || !route_valid(&r)) return 1;
-    const size_t head = ((size_t)H + 2 * (size_t)Ep) * sizeof(float) + 128;
-    char *buf = scratch_take(head + row_bytes(k, H, I));
+    const MoeRow m = {H, I, E, Ep, k, norm, act, eps, post_w, wt, gu, dn};
+    if (n_threads < 1 || !moe_row_valid(&m)) return 1;
+    char *buf = scratch_take(moe_row_bytes(&m));
     if (buf == NULL) return 4;
-    float *h = (float *)align64(buf), *l = h + ((H + 15) & ~15), *ex = l + Ep;
-    Row rw;
-    int ok = 1;
-    const int nvec = Ep / VL, chunks = (nvec + CV - 1) / CV;
+    int refused = 0;
 #pragma omp parallel num_threads(n_threads)
-    {
-#pragma omp single
-        norm_row(&r, x, h);
-        float *hs[1] = {h}, *ls[1] = {l};
-#pragma omp for schedule(static)
-        for (int c = 0; c < chunks; c++) logits_rows(&r, 1, hs, ls, c * CV, (c + 1) * CV < nvec ? (c + 1) * CV : nvec);
-#pragma omp single
-        {
-            pick(&r, l, ex, w, e);
-            ok = row_at(&rw, buf + head, H, I, k, gu, dn, e, w, act);
-            if (ok) act_row(&rw.a, 0, H, h, H, NULL, -1.f);
-        }
-        if (ok) experts_in_region(&rw, x, 1);
-    }
-    return ok ? 0 : 1;
+    moe_row_in_region(&m, x, buf, &refused);
+    memcpy(w, moe_row_w(&m, buf), sizeof(float) * (size_t)k);
+    memcpy(e, moe_row_e(&m, buf), sizeof(int64_t) * (size_t)k);
+    return refused;
 }
 
 /* kv_q_moe_rows: x [n, H] += the mixture of each row's k experts (e, w [n, k] from kv_moe_route:

@@ -131,4 +131,19 @@ KV_HIDDEN Mlp mlp_at(char *buf, int n, int H, int I, const QProj *gu, const QW *
 KV_HIDDEN void mlp_in_region(const Mlp *m, float *x, int64_t ldx);
 KV_HIDDEN int mlp_valid(const QProj *gu, const QW *dn, int H, int I, int act);
 
+/* A decode row's sparse half (dmoe.c; kv_q_moe_row is it in a call of its own): x [H] += the mixture
+ * of its k chosen experts of E, after the post-attention norm (post_w) and the router (wt [H, Ep]);
+ * gu, dn: every expert's fields [E, KVP_N]. moe_row_bytes: the scratch it takes; moe_row_in_region:
+ * every thread of a parallel region calls it with the same buf (shared) and refused (set, and x left
+ * as it was, when a chosen expert does not fit H, I and act: nothing runs once it is set). */
+typedef struct {
+    int H, I, E, Ep, k, norm, act;
+    float eps;
+    const float *post_w, *wt;
+    const int64_t *gu, *dn;
+} MoeRow;
+KV_HIDDEN int moe_row_valid(const MoeRow *m);
+KV_HIDDEN size_t moe_row_bytes(const MoeRow *m);
+KV_HIDDEN void moe_row_in_region(const MoeRow *m, float *x, char *buf, int *refused);
+
 #endif

@@ -19,6 +19,7 @@ that holds them all (``common_format``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -370,59 +371,91 @@ def attn_block(x: torch.Tensor, weights: tuple, heads: tuple[int, int, int], cos
     return True
 
 
+@dataclass(frozen=True)
+class Mixture:
+    """A mixture of experts in place of every layer's MLP, as ``LayerStack`` takes it: ``experts``
+    of ``size`` each, ``top_k`` a row, their weights renormalised when ``norm``; per layer (the
+    router's norm weight [H], its table [H, Ep] (kernels/qmoe.py router_table), every expert's
+    gate_up and down fields [E, KVP_N] (qmoe.py expert_table))."""
+
+    experts: int
+    top_k: int
+    size: int
+    norm: bool
+    layers: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
 class LayerStack:
     """Every layer of a model whose projections are quantized (``proj_parts``), run in one native
     call a forward (kernels/dattn.c kv_q_layers): the steps of ``attn_block`` then ``fused_mlp``
-    layer by layer (so the same bits), without leaving the threads' parallel region or coming back
-    to Python between layers. The weights' addresses sit in one int64 table [L, 74] built once; ``of``
-    gives None when a layer does not fit."""
+    (or, for a mixture of experts, kernels/qmoe.py ``moe_row``'s for a decode row) layer by layer,
+    so the same bits, without leaving the threads' parallel region or coming back to Python between
+    layers. The weights' addresses sit in one int64 table [L, 77] built once; ``of`` gives None when
+    a layer does not fit."""
 
     MAX_GROUPS = 4  # dattn.c's MAXG: layer groups (windows) one call takes
 
     def __init__(self, table: torch.Tensor, keep: list, heads: tuple[int, int, int], hidden: int,
-                 inter: int, act: int) -> None:
+                 inter: int, act: int, mixture: tuple[int, int, int, int] = (0, 0, 0, 0)) -> None:
         self.table, self._keep = table, keep  # keep: the tensors whose addresses the table holds
         self.heads, self.hidden, self.inter, self.act = heads, hidden, inter, act
+        self.mixture = mixture  # (E, Ep, k, norm); E 0: dense MLPs
 
     @classmethod
-    def of(cls, layers: Sequence[tuple], heads: tuple[int, int, int], act: int | None) -> "LayerStack | None":
+    def of(cls, layers: Sequence[tuple], heads: tuple[int, int, int], act: int | None,
+           mixture: Mixture | None = None) -> "LayerStack | None":
         """``layers``: per layer (qkv, qkv bias, q/k norm, o, o bias, post-attention norm, gate_up,
-        gate_up bias, down, down bias, post-feedforward norm, rotary table 0 or 1)."""
+        gate_up bias, down, down bias, post-feedforward norm, rotary table 0 or 1); with a
+        ``mixture``, gate_up, down and their biases are None (its layers take their place)."""
         hq, hkv, d = heads
-        if act is None or not layers:
+        if act is None or not layers or (mixture is not None and len(mixture.layers) != len(layers)):
             return None
         rows, keep = [], []
-        hidden, inter = getattr(layers[0][0], "k", 0), getattr(layers[0][8], "k", 0)
-        for qkv, qkv_b, qk_norm, o, o_b, post_attn, gu, gu_b, dn, dn_b, post_ff, rope in layers:
-            pq, po, pg, pd = (proj_parts(w) for w in (qkv, o, gu, dn))
-            if (not pq or not pg or len(po) != 1 or len(pd) != 1 or qkv.k != hidden or o.out != hidden
-                    or qkv.out != (hq + 2 * hkv) * d or o.k != hq * d or gu.k != hidden or gu.out != 2 * inter
-                    or dn.k != inter or dn.out != hidden or rope not in (0, 1)):
+        hidden = getattr(layers[0][0], "k", 0)
+        inter = mixture.size if mixture is not None else getattr(layers[0][8], "k", 0)
+        for i, (qkv, qkv_b, qk_norm, o, o_b, post_attn, gu, gu_b, dn, dn_b, post_ff, rope) in enumerate(layers):
+            pq, po = proj_parts(qkv), proj_parts(o)
+            if (not pq or len(po) != 1 or qkv.k != hidden or o.out != hidden or qkv.out != (hq + 2 * hkv) * d
+                    or o.k != hq * d or rope not in (0, 1)):
                 return None
             if qk_norm is not None and (qk_norm.dtype != torch.float32 or not qk_norm.is_contiguous()
                                         or qk_norm.numel() != (hq + hkv) * d):
                 return None
             vec = [(qkv_b, qkv.out, "bias"), (o_b, hidden, "bias"), (post_attn, hidden, "norm weight"),
-                   (gu_b, gu.out, "bias"), (dn_b, hidden, "bias"), (post_ff, hidden, "norm weight")]
+                   (post_ff, hidden, "norm weight")]
             addr = [0 if t is None else _vector_ptr(t, n, what) for t, n, what in vec]
-            keep += [t for t in (qkv_b, o_b, post_attn, gu_b, dn_b, post_ff, qk_norm) if t is not None]
-            # dattn.c's KVL_ order: the four projections, then the norms and the rotary table
-            rows.append([*proj_fields(pq, addr[0]), *proj_fields(po, addr[1]), *proj_fields(pg, addr[3]),
-                         *proj_fields(pd, addr[4]), pq[0]._scale_ptr or 0,
-                         0 if qk_norm is None else qk_norm.data_ptr(), addr[2], pg[0]._scale_ptr or 0, addr[5],
-                         rope])
+            keep += [t for t in (qkv_b, o_b, post_attn, post_ff, qk_norm) if t is not None]
+            if mixture is None:
+                mlp, g_mlp, experts = _dense_fields(gu, gu_b, dn, dn_b, hidden, inter, keep), 0, [0, 0, 0]
+                if mlp is None:
+                    return None
+                g_mlp = proj_parts(gu)[0]._scale_ptr or 0
+            else:
+                tables = _mixture_fields(mixture, mixture.layers[i], hidden, keep)
+                if tables is None:
+                    return None
+                mlp, (g_mlp, *experts) = [0] * (2 * len(proj_fields([], 0))), tables
+            # dattn.c's KVL_ order: the four projections, the norms and the rotary table, the mixture's tables
+            rows.append([*proj_fields(pq, addr[0]), *proj_fields(po, addr[1]), *mlp, pq[0]._scale_ptr or 0,
+                         0 if qk_norm is None else qk_norm.data_ptr(), addr[2], g_mlp, addr[3], rope, *experts])
         if not kernels_available():  # asked last: fp32 weights never load the library for it
             return None
-        return cls(torch.tensor(rows, dtype=torch.int64), keep, heads, hidden, inter, act)
+        shape = (0, 0, 0, 0) if mixture is None else (
+            mixture.experts, mixture.layers[0][1].shape[1], mixture.top_k, int(mixture.norm))
+        return cls(torch.tensor(rows, dtype=torch.int64), keep, heads, hidden, inter, act, shape)
 
     def run(self, ctx: object, x: torch.Tensor, ropes: Sequence[tuple[torch.Tensor, torch.Tensor]], eps: float,
             scale: float) -> bool:
         """x [N, H] through every layer in place, over the pages ``ctx`` names for them
         (``ctx.layer_pages()``); ``ropes``: the (cos, sin) tables [N, ...] of rotary table 0 (and
-        1). False when the context has no such pages or the inputs do not fit (nothing done)."""
+        1). False when the context has no such pages or the inputs do not fit (nothing done); a
+        mixture of experts takes one row (a decode step) here: more rows are grouped by expert by
+        the layer-by-layer path."""
+        n = x.shape[0]
+        if self.mixture[0] and n != 1:
+            return False
         pages = getattr(ctx, "layer_pages", None)
         pages = pages() if pages is not None else None
-        n = x.shape[0]
         if (pages is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1
                 or x.shape[1] != self.hidden or len(pages.kvs) != self.table.shape[0]
                 or not 1 <= pages.groups.shape[0] <= self.MAX_GROUPS):
@@ -439,15 +472,42 @@ class LayerStack:
         cos1, sin1 = cs[1] if len(cs) > 1 else (None, None)
         rc = _lib().kv_q_layers(
             n, self.hidden, x.data_ptr(), x.stride(0), self.table.shape[0], self.table.data_ptr(),
-            pages.kvs.data_ptr(), hq, hkv, d, cs[0][0].shape[1], self.inter, self.act, cs[0][0].data_ptr(),
-            cs[0][1].data_ptr(), None if cos1 is None else cos1.data_ptr(), None if sin1 is None else sin1.data_ptr(),
-            eps, scale, pages.groups.shape[0], pages.groups.data_ptr(), pages.batch, pages.row0.data_ptr(),
-            pages.nnew.data_ptr(), torch.get_num_threads())
+            pages.kvs.data_ptr(), hq, hkv, d, cs[0][0].shape[1], self.inter, self.act, *self.mixture,
+            cs[0][0].data_ptr(), cs[0][1].data_ptr(), None if cos1 is None else cos1.data_ptr(),
+            None if sin1 is None else sin1.data_ptr(), eps, scale, pages.groups.shape[0], pages.groups.data_ptr(),
+            pages.batch, pages.row0.data_ptr(), pages.nnew.data_ptr(), torch.get_num_threads())
         if rc == 4 or rc == 2:
             raise MemoryError("the fused layers could not allocate their buffers")
         if rc:
             raise RuntimeError(f"the fused layers kernel refused its inputs ({rc})")
         return True
+
+
+def _dense_fields(gu: object, gu_b: torch.Tensor | None, dn: object, dn_b: torch.Tensor | None, hidden: int,
+                  inter: int, keep: list) -> list[int] | None:
+    """A dense MLP's gate_up and down fields (KVL_GU, KVL_DN), or None when they do not fit."""
+    pg, pd = proj_parts(gu), proj_parts(dn)
+    if (not pg or len(pd) != 1 or gu.k != hidden or gu.out != 2 * inter  # type: ignore[attr-defined]
+            or dn.k != inter or dn.out != hidden):  # type: ignore[attr-defined]
+        return None
+    ab = [0 if t is None else _vector_ptr(t, n, "bias") for t, n in ((gu_b, 2 * inter), (dn_b, hidden))]
+    keep += [t for t in (gu_b, dn_b) if t is not None]
+    return [*proj_fields(pg, ab[0]), *proj_fields(pd, ab[1])]
+
+
+def _mixture_fields(mixture: Mixture, layer: tuple, hidden: int, keep: list) -> list[int] | None:
+    """A mixture layer's router norm, router table and experts' tables (KVL_G_MLP, KVL_ROUTER,
+    KVL_EXPERTS_GU, KVL_EXPERTS_DN), or None when they do not fit."""
+    norm, router, gu, dn = layer
+    fields = len(proj_fields([], 0))
+    if (router.dtype != torch.float32 or not router.is_contiguous() or router.dim() != 2
+            or router.shape[0] != hidden or router.shape[1] % 16 or router.shape[1] < mixture.experts
+            or any(t.dtype != torch.int64 or not t.is_contiguous() or tuple(t.shape) != (mixture.experts, fields)
+                   for t in (gu, dn))
+            or not 1 <= mixture.top_k <= min(32, mixture.experts)):
+        return None
+    keep += [norm, router, gu, dn]
+    return [_vector_ptr(norm, hidden, "norm weight"), router.data_ptr(), gu.data_ptr(), dn.data_ptr()]
 
 
 def _vector_ptr(t: torch.Tensor, n: int, what: str) -> int:

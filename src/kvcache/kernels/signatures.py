@@ -80,7 +80,7 @@ _TABLE = (
     Signature("qgemm", "kv_q_layers", "int", (
         ("N", "int"), ("H", "int"), ("x", "float *"), ("ldx", "int64_t"), ("L", "int"), ("layers", "const int64_t *"),
         ("kvs", "const int64_t *"), ("hq", "int"), ("hkv", "int"), ("D", "int"), ("rot", "int"), ("I", "int"),
-        ("act", "int"), ("cos0", "const float *"), ("sin0", "const float *"), ("cos1", "const float *"),
+        ("act", "int"), ("E", "int"), ("Ep", "int"), ("topk", "int"), ("norm", "int"), ("cos0", "const float *"), ("sin0", "const float *"), ("cos1", "const float *"),
         ("sin1", "const float *"), ("eps", "float"), ("scale", "float"), ("G", "int"),
         ("groups", "const int64_t *"), ("B", "int"), ("row0", "const int64_t *"), ("nnew", "const int64_t *"),
         ("n_threads", "int"))),

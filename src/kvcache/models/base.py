@@ -12,6 +12,7 @@ from torch import nn
 from kvcache.attention.interface import AttentionContext
 from kvcache.models.config import ModelConfig
 from kvcache.kernels.rotary import Rotary
+from kvcache.models.layers import norm_linear
 
 
 class CausalLM(nn.Module):
@@ -25,6 +26,15 @@ class CausalLM(nn.Module):
         logits_rows: torch.Tensor | None = None,  # [R] int64 rows of N to project; None: all
     ) -> torch.Tensor:  # [R or N, vocab] float32
         raise NotImplementedError
+
+    def head(self, x: torch.Tensor, logits_rows: torch.Tensor | None) -> torch.Tensor:
+        """The final norm (``self.norm``) and the output head (``self.lm_head``) over rows
+        ``logits_rows`` of x [N, H] (None: all) -> [R, V]."""
+        if logits_rows is not None:
+            x = x[logits_rows]
+        logits = norm_linear(x, self.lm_head, None, self.config.norm_eps, self.norm)  # [R, k * V / k]
+        vocab = self.config.vocab_size
+        return logits if logits.shape[1] == vocab else logits[:, :vocab].contiguous()
 
     def rotary_for_layer(self, layer: int) -> "Rotary | None":
         """The rotary embedding layer ``layer`` applies to its q and k (None: learned absolute

@@ -18,7 +18,7 @@ from kvcache.kernels.rotary import Rotary
 from kvcache.models.base import CausalLM
 from kvcache.models.config import ModelConfig
 from kvcache.models.layers import (
-    ACT_KERNEL, activation, attention_block, frozen, mlp, norm_linear, pack_bias, packed_rows,
+    ACT_KERNEL, activation, attention_block, frozen, mlp, pack_bias, packed_rows,
     text_model_names,
 )
 from kvcache.models.weights import embedding, projection
@@ -116,11 +116,7 @@ class Gemma3ForCausalLM(CausalLM):
     def head(self, x: torch.Tensor, logits_rows: torch.Tensor | None) -> torch.Tensor:
         """The final norm, the output head and the soft cap over rows ``logits_rows`` of x (None:
         all) -> [R, V]."""
-        if logits_rows is not None:
-            x = x[logits_rows]
-        logits = norm_linear(x, self.lm_head, None, self.config.norm_eps, self.norm)  # [R, k * V / k]
-        if logits.shape[1] != self.config.vocab_size:
-            logits = logits[:, : self.config.vocab_size].contiguous()
+        logits = super().head(x, logits_rows)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

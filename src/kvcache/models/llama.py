@@ -19,7 +19,7 @@ from kvcache.kernels.rotary import Rotary
 from kvcache.models.base import CausalLM
 from kvcache.models.config import ModelConfig
 from kvcache.models.layers import (
-    ACT_KERNEL, activation, attention_block, frozen, mlp, norm_linear, pack_bias, packed_rows,
+    ACT_KERNEL, activation, attention_block, frozen, mlp, pack_bias, packed_rows,
     text_model_names,
 )
 from kvcache.models.weights import embedding, projection
@@ -138,10 +138,3 @@ class LlamaForCausalLM(CausalLM):
             mlp(x, gu_w, gu_b, down_w, down_b, act, self.act_kernel, eps)
         return self.head(x, logits_rows)
 
-    def head(self, x: torch.Tensor, logits_rows: torch.Tensor | None) -> torch.Tensor:
-        """The final norm and the output head over rows ``logits_rows`` of x (None: all) -> [R, V]."""
-        if logits_rows is not None:
-            x = x[logits_rows]
-        logits = norm_linear(x, self.lm_head, None, self.config.norm_eps, self.norm)  # [R, k * V / k]
-        vocab = self.config.vocab_size
-        return logits if logits.shape[1] == vocab else logits[:, :vocab].contiguous()

@@ -8,8 +8,10 @@ Mixtral's checkpoints name the block ``block_sparse_moe`` and its experts' matri
 Attention is built as in models/llama.py: Q/K/V fused into one projection with the input RMSNorm
 folded in, o apart, biases where the checkpoint has them. The feed-forward half (models/moe.py)
 normalizes each row once with the post-attention RMSNorm (in the router's call); the router and the
-chosen experts read that. Every layer runs through ``attention_block`` then ``moe_block``; the fused all-layers call
-(kernels/qweight.py LayerStack) is for dense MLPs and is not used here.
+chosen experts read that. With quantized weights and the native library, a decode step (one row)
+runs every layer in one native call (kernels/qweight.py LayerStack with a Mixture: each layer's
+attention half, then the row's norm, router and experts); otherwise, and for more rows (grouped by
+expert), every layer runs through ``attention_block`` then ``moe_block``: the same bits.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from torch import nn
 
 from kvcache.attention.interface import AttentionContext
 from kvcache.errors import ModelLoadError
+from kvcache.kernels.qmoe import expert_table
+from kvcache.kernels.qweight import LayerStack, Mixture
 from kvcache.kernels.rotary import Rotary
 from kvcache.models.base import CausalLM
 from kvcache.models.config import ModelConfig
 from kvcache.models.layers import (
-    ACT_KERNEL, activation, attention_block, frozen, norm_linear, pack_bias, packed_rows, text_model_names,
+    ACT_KERNEL, activation, attention_block, frozen, pack_bias, packed_rows, text_model_names,
 )
 from kvcache.models.moe import Expert, MoeSpec, Router, expert_parts, moe_block
 from kvcache.models.weights import embedding, projection
@@ -79,6 +83,21 @@ class Qwen3MoeForCausalLM(CausalLM):
         self.embed = None if self.tied else embedding(embed, weights)  # [V, H]
         self.rope = Rotary(int(config.head_dim * config.partial_rotary_factor), config.rope_theta,
                            config.rope_scaling, config.max_position)
+        self.stack = self._stack()
+
+    def _stack(self) -> LayerStack | None:
+        """Every layer in one native call for a decode row, when every projection and expert is
+        quantized and the native router is there; None otherwise."""
+        cfg, spec, tables = self.config, self.spec, []
+        for ly in self.layers:
+            experts = expert_table([(ex.gate_up, ex.down) for ex in ly.experts])
+            if experts is None or ly.router.table is None:
+                return None
+            tables.append((ly.post_norm, ly.router.table, experts[0], experts[1]))
+        mixture = Mixture(spec.num_experts, spec.top_k, spec.expert_size, spec.norm_topk, tables)
+        return LayerStack.of(
+            [(ly.qkv, ly.qkv_b, ly.qk_norm, ly.o, ly.o_b, None, None, None, None, None, None, 0) for ly in self.layers],
+            (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), ACT_KERNEL.get(cfg.hidden_act), mixture)
 
     def rotary_for_layer(self, layer: int) -> Rotary:
         return self.rope
@@ -94,13 +113,12 @@ class Qwen3MoeForCausalLM(CausalLM):
         heads, eps = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), cfg.norm_eps
         x = packed_rows(self.lm_head if self.embed is None else self.embed, input_ids)  # [N, H]
         cos, sin = self.rope.tables(positions)  # [N, 1, R] each
+        if self.stack is not None and self.stack.run(ctx, x, [(cos, sin)], eps, cfg.scale):
+            return self.head(x, logits_rows)
         for i, ly in enumerate(self.layers):
             attention_block(ctx, i, x, (ly.qkv, ly.qkv_b, ly.o, ly.o_b), heads, cos, sin, ly.qk_norm, eps, cfg.scale)
             moe_block(x, ly.router, ly.experts, self.act)
-        if logits_rows is not None:
-            x = x[logits_rows]
-        logits = norm_linear(x, self.lm_head, None, eps, self.norm)  # [R, k * V / k]
-        return logits if logits.shape[1] == cfg.vocab_size else logits[:, : cfg.vocab_size].contiguous()
+        return self.head(x, logits_rows)
 
     def step_weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: a token reads only its top-k experts of each layer."""
