@@ -57,6 +57,7 @@ def test_rows_time_a_prefill_chunk_without_the_decode_peer(tmp_path, capsys, mon
     assert attention.run(args) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["kv"], r["rows"]) for r in rows] == [("int8", 40), ("fp16", 40)]
+    assert rows[1]["bytes_layer"] == 64 * 8 * 64 * 2 * 2  # the context's pages, as a quantized row counts them
     for r in rows:  # 40 rows of 32 query heads (64 channels) over 64 keys and the rows before them
         macs = 40 * 32 * 64 * 2 * (64 + 41 / 2)
         assert r["gflop_s"] == pytest.approx(2 * macs / r["ms_layer"] / 1e6) and r["torch_ms_layer"] is None

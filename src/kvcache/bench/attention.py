@@ -5,9 +5,10 @@ shape (8 KV heads, 4 query heads each, head_dim 64) over C tokens held in each e
 4096, 16384, 32768 tokens; fp16, bf16, int8, int4, int2, and any quantized encoding with
 ``,rotate``), by the native kernel (kernels/qattn.c: codes and 16-bit values read in place) and
 by the torch path it replaces (``--peers torch``, the default: the pages widened to fp32, then
-attention; ``--peers ''`` skips it). Each figure is the best of ``--repeats`` timed calls (after
+attention; ``--peers ''`` skips it). The decode's own token follows the C tokens in every encoding
+(C + 1 keys), as the engine holds it. Each figure is the best of ``--repeats`` timed calls (after
 one untimed), in milliseconds per layer and per token of the model's 16 layers, with the bytes
-the call reads (the encoding's pages at that depth) and the read bandwidth they make, against
+the call reads (the encoding's pages of the C tokens) and the read bandwidth they make, against
 the read bandwidth measured in the same run (kernels/membw.c). Calls go round enough copies of
 the pages (256 MB at least) that none is still in the caches when it is read again. The pages
 hold random codes and scales: the work does not depend on what they say.
@@ -120,7 +121,7 @@ def _half_case(dtype: torch.dtype, ctx: int, q: torch.Tensor) -> tuple[int, obje
 
     from kvcache import kernels
 
-    n = ctx if q.shape[0] == 1 else ctx + q.shape[0]  # a decode's token is the context's last; a prefill's follow it
+    n = ctx + q.shape[0]  # the new tokens (a decode's one, a prefill's rows) follow the context, as after quantized pages
     flats = [torch.randn(2, HKV, n, D).to(dtype) for _ in range(_copies(n * HKV * D * 4))]
     turn = [0]
 
@@ -131,7 +132,8 @@ def _half_case(dtype: torch.dtype, ctx: int, q: torch.Tensor) -> tuple[int, obje
     def native():
         return kernels.half_attend(q, next_flat(), None, 0, n)
 
-    return flats[0].numel() * flats[0].element_size(), native, lambda: _attend(q, next_flat().float())
+    context_bytes = 2 * HKV * ctx * D * flats[0].element_size()  # the context's pages, as the quantized cases count
+    return context_bytes, native, lambda: _attend(q, next_flat().float())
 
 
 def _attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
