@@ -341,13 +341,12 @@ def test_the_native_router_follows_the_routing_rules_and_a_decode_row_is_one_cal
 
 @needs_kernels
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_decode_step_runs_every_layer_in_one_call_with_the_layer_by_layer_bits(folder, case: str) -> None:
-    """With quantized weights a decode row runs every layer (attention half, norm, router and
-    experts) in one native call (kernels/dattn.c kv_q_layers with a mixture); its logits are the
-    bits of the layer-by-layer path (attention_block, then moe_block's kv_q_moe_row) at every step,
-    alone and beside a second sequence (two rows: the layer-by-layer path groups them by expert). A
-    prompt's rows never take the one call; a mixture layer without its router is refused (the
-    kernel's 1, in one line)."""
+def test_a_forward_runs_every_layer_in_one_call_with_the_layer_by_layer_bits(folder, case: str) -> None:
+    """With quantized weights a forward runs every layer (attention half, norm, router and experts)
+    in one native call (kernels/dattn.c kv_q_layers with a mixture: one row as kv_q_moe_row runs it,
+    more grouped by expert); its logits are the bits of the layer-by-layer path (attention_block,
+    then moe_block) for the prompt and at every step, alone and beside a second sequence (two rows a
+    step, grouped); a mixture layer without its router is refused (the kernel's 1, in one line)."""
     from kvcache.kernels.qweight import LayerStack
 
     path, _ = folder(case)
@@ -365,23 +364,26 @@ def test_a_decode_step_runs_every_layer_in_one_call_with_the_layer_by_layer_bits
     LayerStack.run = counted
     try:
         fused = feed(llm, [PROMPT], STEPS)[0]
-        assert taken == [(len(PROMPT), False)] + [(1, True)] * STEPS, taken
+        assert taken == [(len(PROMPT), True)] + [(1, True)] * STEPS, taken
+        fused_pair = feed(llm, [PROMPT, other], STEPS)
+        assert taken[STEPS + 1:] == [(len(PROMPT) + len(other), True)] + [(2, True)] * STEPS, taken
         llm.model.stack = None
         steps = feed(llm, [PROMPT], STEPS)[0]
-        pair = feed(llm, [PROMPT, other], STEPS)[0]
+        pair = feed(llm, [PROMPT, other], STEPS)
     finally:
         LayerStack.run, llm.model.stack = real_run, stack
-    for a, b, c in zip(fused, steps, pair):
-        assert torch.equal(a, b) and torch.equal(a, c)
+    for a, b, c, d in zip(fused, steps, pair[0], fused_pair[0]):
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
+    for a, b in zip(pair[1], fused_pair[1]):
+        assert torch.equal(a, b)
     good = stack.table
     stack.table = good.clone()
     stack.table[-1, -3] = 0  # the last layer's router (KVL_ROUTER)
     runner = llm.runner
     seq = runner.new_sequence()
     try:
-        runner.step([seq], [PROMPT])
         with pytest.raises(RuntimeError, match=r"refused its inputs \(1\)"):
-            runner.step([seq], [[7]])
+            runner.step([seq], [PROMPT])
     finally:
         runner.free(seq)
         stack.table = good

@@ -12,7 +12,7 @@
  * the q|k|v projection, the above, the output projection and the residual (through Gemma 3's
  * post-attention norm when it has one), in one parallel region.
  * kv_q_layers: every layer of a forward (kv_q_attn_block's steps, then kv_q_mlp's, or a mixture of
- * experts' kv_q_moe_row for each row) in one parallel region, the threads never leaving it between
+ * experts' routing and experts as dmoe.c runs them) in one parallel region, the threads never leaving it between
  * layers.
  *
  * Layouts (N rows in all; S = slots in the pool = pages * ps):
@@ -199,11 +199,11 @@ int kv_q_attn_block(int N, int H, float *x, int64_t ldx, const float *g_in, floa
  * [2, hkv, S, D] and group; groups [G, KVG_N] int64: each layer group's slots, page tables,
  * lengths, window and pool shape (the layers of a group share them); cos0/sin0 (and cos1/sin1: a
  * second rotary table, Gemma 3's local layers) [N, rot]. E > 0: each layer's MLP is a mixture of E
- * experts of size I, k a row (norm: their weights renormalised), run row by row as kv_q_moe_row runs
- * one (so the bits of kv_q_moe_rows too): its router [H, Ep] at KVL_ROUTER, every expert's gate_up
+ * experts of size I, k a row (norm: their weights renormalised): one row as kv_q_moe_row runs it,
+ * more grouped by expert as kv_moe_route then kv_q_moe_rows run them (the same bits): its router [H, Ep] at KVL_ROUTER, every expert's gate_up
  * and down fields [E, KVP_N] at KVL_EXPERTS_GU and KVL_EXPERTS_DN, the router's norm weight at
- * KVL_G_MLP; KVL_GU and KVL_DN unused. Returns as kv_q_attn_block (1 also when a row's chosen
- * expert does not fit: the rows before it are done). */
+ * KVL_G_MLP; KVL_GU and KVL_DN unused. Returns as kv_q_attn_block (1 also when a chosen expert
+ * does not fit: the layers before it are done). */
 enum {
     KVL_QKV = 0, /* the fused q|k|v projection */
     KVL_O = KVP_N, /* the output projection (one part) */
@@ -248,7 +248,7 @@ int kv_q_layers(int N, int H, float *x, int64_t ldx, int L, const int64_t *layer
             return 1;
         post |= f[KVL_POST_ATTN] != 0 || f[KVL_POST_FF] != 0;
     }
-    const size_t ab = attn_bytes(N, H, QKV, HD, post), mb = E ? moe_row_bytes(&moe) : mlp_bytes(N, H, I, post);
+    const size_t ab = attn_bytes(N, H, QKV, HD, post), mb = E ? moe_bytes(&moe, N, n_threads) : mlp_bytes(N, H, I, post);
     char *buf = scratch_take(ab > mb ? ab : mb);
     if (!buf) return 4;
     float *qkv;
@@ -284,7 +284,7 @@ int kv_q_layers(int N, int H, float *x, int64_t ldx, int L, const int64_t *layer
                 MoeRow m = moe;
                 m.post_w = P(f[KVL_G_MLP]), m.wt = P(f[KVL_ROUTER]);
                 m.gu = P(f[KVL_EXPERTS_GU]), m.dn = P(f[KVL_EXPERTS_DN]);
-                for (int r = 0; r < N; r++) moe_row_in_region(&m, x + (int64_t)r * ldx, buf, &refused);
+                moe_in_region(&m, N, x, ldx, buf, n_threads, &refused);
                 continue;
             }
             const QProj gu = proj_of(f + KVL_GU, H), dn = proj_of(f + KVL_DN, I);

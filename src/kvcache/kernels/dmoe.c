@@ -126,35 +126,45 @@ static void pick(const Route *r, const float *l, float *ex, float *w, int64_t *e
     }
 }
 
+/* the routing scratch of n_threads threads: each one's logits and exponentials of RR rows */
+static size_t route_bytes(int Ep, int n_threads) {
+    return ((size_t)2 * Ep * sizeof(float) * RR + 64) * (size_t)n_threads + 64;
+}
+
+/* Inside a parallel region: rows 0 .. n - 1 of x normed into h, their chosen experts' weights and
+ * ids into w and e, in tiles of RR rows shared out; buf: route_bytes of this region's threads. */
+static void route_in_region(const Route *r, int n, const float *x, int64_t ldx, float *h, float *w, int64_t *e,
+                            char *buf) {
+    const size_t per = (size_t)2 * r->Ep * sizeof(float);
+    int me = 0;
+#ifdef _OPENMP
+    me = omp_get_thread_num();
+#endif
+    float *mine = (float *)(((uintptr_t)(buf + (per * RR + 64) * (size_t)me) + 63) & ~(uintptr_t)63);
+    const int tiles = (n + RR - 1) / RR, nvec = r->Ep / VL;
+#pragma omp for schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        const int r0 = t * RR, nr = n - r0 < RR ? n - r0 : RR;
+        float *hs[RR], *ls[RR];
+        for (int i = 0; i < nr; i++) {
+            hs[i] = h + (int64_t)(r0 + i) * r->H;
+            ls[i] = mine + (size_t)i * 2 * r->Ep;
+            norm_row(r, x + (int64_t)(r0 + i) * ldx, hs[i]);
+        }
+        logits_rows(r, nr, hs, ls, 0, nvec);
+        for (int i = 0; i < nr; i++)
+            pick(r, ls[i], ls[i] + r->Ep, w + (int64_t)(r0 + i) * r->k, e + (int64_t)(r0 + i) * r->k);
+    }
+}
+
 int kv_moe_route(int n, int H, const float *x, int64_t ldx, const float *post_w, float eps, const float *wt, int E,
                  int Ep, int k, int norm, float *h, float *w, int64_t *e, int n_threads) {
     const Route r = {H, E, Ep, k, norm, post_w, wt, eps};
     if (n < 1 || ldx < H || n_threads < 1 || !route_valid(&r)) return 1;
-    const size_t per = (size_t)2 * Ep * sizeof(float); /* a row's logits and exponentials */
-    char *buf = scratch_take(per * RR * (size_t)n_threads + 64 * (size_t)n_threads + 64);
+    char *buf = scratch_take(route_bytes(Ep, n_threads));
     if (!buf) return 4;
-    const int tiles = (n + RR - 1) / RR, nvec = Ep / VL;
 #pragma omp parallel num_threads(n_threads)
-    {
-        int me = 0;
-#ifdef _OPENMP
-        me = omp_get_thread_num();
-#endif
-        float *mine = (float *)(((uintptr_t)(buf + (per * RR + 64) * (size_t)me) + 63) & ~(uintptr_t)63);
-#pragma omp for schedule(static)
-        for (int t = 0; t < tiles; t++) {
-            const int r0 = t * RR, nr = n - r0 < RR ? n - r0 : RR;
-            float *hs[RR], *ls[RR];
-            for (int i = 0; i < nr; i++) {
-                hs[i] = h + (int64_t)(r0 + i) * H;
-                ls[i] = mine + (size_t)i * 2 * Ep;
-                norm_row(&r, x + (int64_t)(r0 + i) * ldx, hs[i]);
-            }
-            logits_rows(&r, nr, hs, ls, 0, nvec);
-            for (int i = 0; i < nr; i++)
-                pick(&r, ls[i], ls[i] + Ep, w + (int64_t)(r0 + i) * k, e + (int64_t)(r0 + i) * k);
-        }
-    }
+    route_in_region(&r, n, x, ldx, h, w, e, buf);
     return 0;
 }
 
@@ -316,6 +326,107 @@ int kv_q_moe_row(int H, int I, float *x, const float *post_w, float eps, const f
     return refused;
 }
 
+/* The rows of a step grouped by expert (kv_q_moe_rows; kv_q_layers' mixtures of more than one row):
+ * count [E + 1] (expert j's first grouped position count[j]), slot [n k] (grouped position -> slot,
+ * row s / k), acc [n, H] each row's sum so far, and one expert's scratch for up to cmax rows. */
+typedef struct {
+    int n, k, E, H, I, act;
+    const int64_t *gu, *dn;
+    int *count;
+    int32_t *slot;
+    float *acc, *hh, *ys;
+    Scratch a, b;
+} Groups;
+
+/* the grouping's arrays and one expert's scratch for cmax rows */
+static size_t groups_bytes(int n, int k, int E, int H, int I, int cmax) {
+    return ((size_t)E + 1) * sizeof(int) + (size_t)n * k * sizeof(int32_t) + (size_t)n * H * sizeof(float) +
+           scratch_bytes(cmax, H) + scratch_bytes(cmax, I) + (size_t)cmax * (2 * I + H) * sizeof(float) + 8 * 64;
+}
+
+static Groups groups_at(char *buf, int n, int k, int E, int H, int I, int cmax, const int64_t *gu,
+                        const int64_t *dn, int act) {
+    Groups g = {n, k, E, H, I, act, gu, dn, NULL, NULL, NULL, NULL, NULL, {0}, {0}};
+    g.count = (int *)align64(buf);
+    g.slot = (int32_t *)align64((char *)(g.count + E + 1));
+    g.acc = (float *)align64((char *)(g.slot + (size_t)n * k));
+    char *eb = align64((char *)(g.acc + (size_t)n * H));
+    g.a = scratch_at(eb, cmax, H);
+    eb = align64(eb + scratch_bytes(cmax, H));
+    g.b = scratch_at(eb, cmax, I);
+    g.hh = (float *)align64(eb + scratch_bytes(cmax, I));
+    g.ys = (float *)align64((char *)(g.hh + (size_t)cmax * 2 * I)); /* [cmax, H] one expert's outputs */
+    return g;
+}
+
+/* The rows' chosen experts e [n, k] counted and grouped (g->count, g->slot), the experts that some
+ * row chose checked against H, I and act: the most rows an expert has, or -1 for an id outside
+ * 0 .. E - 1, a row's ids not increasing, or an expert that does not fit. at [E]: scratch. */
+static int group_rows(Groups *g, const int64_t *e, int *at) {
+    const int64_t slots = (int64_t)g->n * g->k;
+    int cmax = 0;
+    memset(g->count, 0, sizeof(int) * ((size_t)g->E + 1));
+    for (int64_t s = 0; s < slots; s++) {
+        if (e[s] < 0 || e[s] >= g->E || (s % g->k && e[s] <= e[s - 1])) return -1;
+        g->count[e[s] + 1]++;
+    }
+    for (int j = 0; j < g->E; j++) {
+        if (g->count[j + 1] > cmax) cmax = g->count[j + 1];
+        if (g->count[j + 1]) {
+            const QProj gp = proj_of(g->gu + (int64_t)j * KVP_N, g->H), d = proj_of(g->dn + (int64_t)j * KVP_N, g->I);
+            if (d.n != 1 || !mlp_valid(&gp, &d.p[0], g->H, g->I, g->act)) return -1;
+        }
+        g->count[j + 1] += g->count[j];
+    }
+    memcpy(at, g->count, sizeof(int) * (size_t)g->E);
+    for (int64_t s = 0; s < slots; s++) g->slot[at[e[s]]++] = (int32_t)s; /* grouped by expert, slots in order */
+    return cmax;
+}
+
+/* Inside a parallel region, after group_rows: x [n, H] += each row's mixture (h [n, H] its normed
+ * rows, w [n, k] its weights), every chosen expert once over the rows that chose it, in id order. */
+static void groups_in_region(const Groups *gr, const float *h, const float *w, float *x, int64_t ldx) {
+    const int k = gr->k, H = gr->H, I = gr->I;
+    for (int j = 0; j < gr->E; j++) {
+        const int c = gr->count[j + 1] - gr->count[j], p0 = gr->count[j];
+        if (!c) continue;
+        const QProj g = proj_of(gr->gu + (int64_t)j * KVP_N, H), d = proj_of(gr->dn + (int64_t)j * KVP_N, I);
+        const QW down = d.p[0];
+        const QProj d1 = qproj1(&down);
+        Scratch sa = gr->a, sb = gr->b;
+        sa.need = proj_acts(&g), sb.need = proj_acts(&d1);
+#pragma omp for schedule(static)
+        for (int i = 0; i < c; i++) act_row(&sa, i, H, h + (int64_t)(gr->slot[p0 + i] / k) * H, 0, NULL, -1.f);
+        mm_proj(&g, c, &sa, proj_bias(gr->gu + (int64_t)j * KVP_N), NULL, gr->hh, 2 * I, 0);
+#pragma omp for schedule(static)
+        for (int i = 0; i < c; i++) {
+            glu_row(gr->act, I, gr->hh + (size_t)i * 2 * I);
+            act_row(&sb, i, I, gr->hh, 2 * I, NULL, -1.f);
+        }
+        mm_rows(&down, c, &sb, proj_bias(gr->dn + (int64_t)j * KVP_N), NULL, gr->ys, H, 0);
+#pragma omp for schedule(static)
+        for (int i = 0; i < c; i++) { /* a row chose this expert once: its row of acc is this thread's */
+            const int64_t s = gr->slot[p0 + i];
+            const float wt = w[s], *y = gr->ys + (size_t)i * H;
+            float *o = gr->acc + (size_t)(s / k) * H;
+            if (s % k == 0) {
+                for (int q = 0; q < H; q++) o[q] = y[q] * wt;
+            } else {
+                for (int q = 0; q < H; q++) {
+                    const float t = y[q] * wt;
+                    o[q] = o[q] + t;
+                }
+            }
+        }
+    }
+#pragma omp for schedule(static)
+    for (int r = 0; r < gr->n; r++) {
+        const float *o = gr->acc + (size_t)r * H;
+        float *xr = x + (int64_t)r * ldx;
+        for (int q = 0; q < H; q++) xr[q] = xr[q] + o[q];
+    }
+}
+
 /* kv_q_moe_rows: x [n, H] += the mixture of each row's k experts (e, w [n, k] from kv_moe_route:
  * a row's experts in increasing id order; h [n, H] its normed rows), every chosen expert once over
  * all the rows that chose it (each row's products its own bits, as kv_q_expert's), the experts in id
@@ -326,90 +437,50 @@ int kv_q_moe_row(int H, int I, float *x, const float *post_w, float eps, const f
 int kv_q_moe_rows(int n, int H, int I, float *x, int64_t ldx, const float *h, const float *w, const int64_t *e,
                   int k, int E, const int64_t *gu, const int64_t *dn, int act, int n_threads) {
     if (n < 1 || k < 1 || k > KMAX || E < 1 || ldx < H || n_threads < 1) return 1;
-    const int64_t slots = (int64_t)n * k;
-    int cmax = 0;
-    int *count = calloc((size_t)E + 1, sizeof(int));
-    if (!count) return 4;
-    for (int64_t s = 0; s < slots; s++) {
-        if (e[s] < 0 || e[s] >= E || (s % k && e[s] <= e[s - 1])) {
-            free(count);
-            return 1;
-        }
-        count[e[s] + 1]++;
+    /* counted first in a small allocation of their own, so one expert's scratch is sized to the most rows one has */
+    char *head = malloc(groups_bytes(n, k, E, H, I, 0) + sizeof(int) * (size_t)E);
+    if (!head) return 4;
+    Groups g0 = groups_at(head, n, k, E, H, I, 0, gu, dn, act);
+    const int cmax = group_rows(&g0, e, (int *)(head + groups_bytes(n, k, E, H, I, 0)));
+    char *buf = cmax < 0 ? NULL : scratch_take(groups_bytes(n, k, E, H, I, cmax));
+    if (cmax < 0 || !buf) {
+        free(head);
+        return cmax < 0 ? 1 : 4;
     }
-    for (int j = 0; j < E; j++) {
-        if (count[j + 1] > cmax) cmax = count[j + 1];
-        if (count[j + 1]) {
-            const QProj g = proj_of(gu + (int64_t)j * KVP_N, H), d = proj_of(dn + (int64_t)j * KVP_N, I);
-            if (d.n != 1 || !mlp_valid(&g, &d.p[0], H, I, act)) {
-                free(count);
-                return 1;
-            }
-        }
-        count[j + 1] += count[j]; /* count[j]: expert j's first grouped position */
-    }
-    const size_t grouped = (size_t)slots * sizeof(int32_t) + (size_t)n * H * sizeof(float) + 128,
-                 one = scratch_bytes(cmax, H) + scratch_bytes(cmax, I) + (size_t)cmax * (2 * I + H) * sizeof(float) + 512;
-    char *buf = scratch_take(grouped + one);
-    if (!buf) {
-        free(count);
-        return 4;
-    }
-    int32_t *slot = (int32_t *)align64(buf); /* grouped position -> slot (row s / k) */
-    float *acc = (float *)align64((char *)(slot + slots)); /* [n, H] each row's sum so far */
-    int *at = malloc(sizeof(int) * (size_t)E);
-    if (!at) {
-        free(count);
-        return 4;
-    }
-    memcpy(at, count, sizeof(int) * (size_t)E);
-    for (int64_t s = 0; s < slots; s++) slot[at[e[s]]++] = (int32_t)s; /* grouped by expert, slots in order */
-    free(at);
-    char *eb = align64((char *)(acc + (size_t)n * H));
-    Scratch a = scratch_at(eb, cmax, H), b = scratch_at(align64(eb + scratch_bytes(cmax, H)), cmax, I);
-    float *hh = (float *)align64(eb + scratch_bytes(cmax, H) + 64 + scratch_bytes(cmax, I));
-    float *ys = (float *)align64((char *)(hh + (size_t)cmax * 2 * I)); /* [cmax, H] one expert's outputs */
+    Groups g = groups_at(buf, n, k, E, H, I, cmax, gu, dn, act);
+    memcpy(g.count, g0.count, sizeof(int) * ((size_t)E + 1));
+    memcpy(g.slot, g0.slot, sizeof(int32_t) * (size_t)n * k);
+    free(head);
 #pragma omp parallel num_threads(n_threads)
-    {
-        for (int j = 0; j < E; j++) {
-            const int c = count[j + 1] - count[j], p0 = count[j];
-            if (!c) continue;
-            const QProj g = proj_of(gu + (int64_t)j * KVP_N, H), d = proj_of(dn + (int64_t)j * KVP_N, I);
-            const QW down = d.p[0];
-            const QProj d1 = qproj1(&down);
-            Scratch sa = a, sb = b;
-            sa.need = proj_acts(&g), sb.need = proj_acts(&d1);
-#pragma omp for schedule(static)
-            for (int i = 0; i < c; i++) act_row(&sa, i, H, h + (int64_t)(slot[p0 + i] / k) * H, 0, NULL, -1.f);
-            mm_proj(&g, c, &sa, proj_bias(gu + (int64_t)j * KVP_N), NULL, hh, 2 * I, 0);
-#pragma omp for schedule(static)
-            for (int i = 0; i < c; i++) {
-                glu_row(act, I, hh + (size_t)i * 2 * I);
-                act_row(&sb, i, I, hh, 2 * I, NULL, -1.f);
-            }
-            mm_rows(&down, c, &sb, proj_bias(dn + (int64_t)j * KVP_N), NULL, ys, H, 0);
-#pragma omp for schedule(static)
-            for (int i = 0; i < c; i++) { /* a row chose this expert once: its row of acc is this thread's */
-                const int64_t s = slot[p0 + i];
-                const float wt = w[s], *y = ys + (size_t)i * H;
-                float *o = acc + (size_t)(s / k) * H;
-                if (s % k == 0) {
-                    for (int q = 0; q < H; q++) o[q] = y[q] * wt;
-                } else {
-                    for (int q = 0; q < H; q++) {
-                        const float t = y[q] * wt;
-                        o[q] = o[q] + t;
-                    }
-                }
-            }
-        }
-#pragma omp for schedule(static)
-        for (int r = 0; r < n; r++) {
-            const float *o = acc + (size_t)r * H;
-            float *xr = x + (int64_t)r * ldx;
-            for (int q = 0; q < H; q++) xr[q] = xr[q] + o[q];
-        }
-    }
-    free(count);
+    groups_in_region(&g, h, w, x, ldx);
     return 0;
+}
+
+/* The mixture of n rows inside kv_q_layers' parallel region (qgemm.h): a decode row's own steps
+ * (moe_row_in_region), or for more rows the router's tiles, the grouping (one thread) and every
+ * chosen expert once over its rows (kv_moe_route then kv_q_moe_rows: the same bits). Scratch: the
+ * normed rows h [n, H], the weights w and ids e [n, k], the router's per-thread scratch, group_rows'
+ * at [E], then the groups sized for n rows. */
+KV_HIDDEN size_t moe_bytes(const MoeRow *m, int n, int n_threads) {
+    if (n == 1) return moe_row_bytes(m);
+    return (size_t)n * m->H * sizeof(float) + (size_t)n * m->k * (sizeof(float) + sizeof(int64_t)) +
+           route_bytes(m->Ep, n_threads) + (size_t)m->E * sizeof(int) + groups_bytes(n, m->k, m->E, m->H, m->I, n) +
+           6 * 64;
+}
+
+KV_HIDDEN void moe_in_region(const MoeRow *m, int n, float *x, int64_t ldx, char *buf, int n_threads, int *refused) {
+    if (n == 1) {
+        moe_row_in_region(m, x, buf, refused);
+        return;
+    }
+    const Route r = {m->H, m->E, m->Ep, m->k, m->norm, m->post_w, m->wt, m->eps};
+    float *h = (float *)align64(buf), *w = (float *)align64((char *)(h + (size_t)n * m->H));
+    int64_t *e = (int64_t *)align64((char *)(w + (size_t)n * m->k));
+    char *rb = align64((char *)(e + (size_t)n * m->k));
+    int *at = (int *)align64(rb + route_bytes(m->Ep, n_threads));
+    Groups g = groups_at(align64((char *)(at + m->E)), n, m->k, m->E, m->H, m->I, n, m->gu, m->dn, m->act);
+    route_in_region(&r, n, x, ldx, h, w, e, rb);
+#pragma omp single
+    if (group_rows(&g, e, at) < 0) *refused = 1;
+    if (!*refused) groups_in_region(&g, h, w, x, ldx);
 }

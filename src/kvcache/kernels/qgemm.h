@@ -145,5 +145,12 @@ typedef struct {
 KV_HIDDEN int moe_row_valid(const MoeRow *m);
 KV_HIDDEN size_t moe_row_bytes(const MoeRow *m);
 KV_HIDDEN void moe_row_in_region(const MoeRow *m, float *x, char *buf, int *refused);
+/* n rows of x (ldx apart) += each one's mixture, the same bits as kv_q_moe_row gives each alone: a
+ * single row as moe_row_in_region, more grouped by expert (kv_moe_route's then kv_q_moe_rows'
+ * steps). moe_bytes: the scratch it takes in a region of n_threads threads; moe_in_region: every
+ * thread of that region calls it with the same buf and refused (set, and x left as it was, when a
+ * chosen expert does not fit or an id is out of range). */
+KV_HIDDEN size_t moe_bytes(const MoeRow *m, int n, int n_threads);
+KV_HIDDEN void moe_in_region(const MoeRow *m, int n, float *x, int64_t ldx, char *buf, int n_threads, int *refused);
 
 #endif

@@ -388,7 +388,8 @@ class Mixture:
 class LayerStack:
     """Every layer of a model whose projections are quantized (``proj_parts``), run in one native
     call a forward (kernels/dattn.c kv_q_layers): the steps of ``attn_block`` then ``fused_mlp``
-    (or, for a mixture of experts, kernels/qmoe.py ``moe_row``'s for a decode row) layer by layer,
+    (or, for a mixture of experts, kernels/qmoe.py ``moe_row``'s for one row, ``route`` then
+    ``moe_rows``' for more) layer by layer,
     so the same bits, without leaving the threads' parallel region or coming back to Python between
     layers. The weights' addresses sit in one int64 table [L, 77] built once; ``of`` gives None when
     a layer does not fit."""
@@ -448,12 +449,7 @@ class LayerStack:
             scale: float) -> bool:
         """x [N, H] through every layer in place, over the pages ``ctx`` names for them
         (``ctx.layer_pages()``); ``ropes``: the (cos, sin) tables [N, ...] of rotary table 0 (and
-        1). False when the context has no such pages or the inputs do not fit (nothing done); a
-        mixture of experts takes one row (a decode step) here: more rows are grouped by expert by
-        the layer-by-layer path."""
-        n = x.shape[0]
-        if self.mixture[0] and n != 1:
-            return False
+        1). False when the context has no such pages or the inputs do not fit (nothing done)."""
         pages = getattr(ctx, "layer_pages", None)
         pages = pages() if pages is not None else None
         if (pages is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1
@@ -465,6 +461,7 @@ class LayerStack:
             if (flat.dtype != torch.float32 or not flat.is_contiguous() or flat.dim() != 4 or flat.shape[1] != hkv
                     or flat.shape[3] != d):
                 return False
+        n = x.shape[0]
         cs = [(c.reshape(n, -1), s_.reshape(n, -1)) for c, s_ in ropes]
         if any(not c.is_contiguous() or not s_.is_contiguous() or c.shape != s_.shape or c.shape != cs[0][0].shape
                for c, s_ in cs):

@@ -8,10 +8,10 @@ Mixtral's checkpoints name the block ``block_sparse_moe`` and its experts' matri
 Attention is built as in models/llama.py: Q/K/V fused into one projection with the input RMSNorm
 folded in, o apart, biases where the checkpoint has them. The feed-forward half (models/moe.py)
 normalizes each row once with the post-attention RMSNorm (in the router's call); the router and the
-chosen experts read that. With quantized weights and the native library, a decode step (one row)
+chosen experts read that. With quantized weights, the native library and fp32 pages, a forward
 runs every layer in one native call (kernels/qweight.py LayerStack with a Mixture: each layer's
-attention half, then the row's norm, router and experts); otherwise, and for more rows (grouped by
-expert), every layer runs through ``attention_block`` then ``moe_block``: the same bits.
+attention half, then the rows' norm, router and experts, more than one row grouped by expert);
+otherwise every layer runs through ``attention_block`` then ``moe_block``: the same bits.
 """
 
 from __future__ import annotations
@@ -86,8 +86,8 @@ class Qwen3MoeForCausalLM(CausalLM):
         self.stack = self._stack()
 
     def _stack(self) -> LayerStack | None:
-        """Every layer in one native call for a decode row, when every projection and expert is
-        quantized and the native router is there; None otherwise."""
+        """Every layer in one native call a forward, when every projection and expert is quantized
+        and the native router is there; None otherwise."""
         cfg, spec, tables = self.config, self.spec, []
         for ly in self.layers:
             experts = expert_table([(ex.gate_up, ex.down) for ex in ly.experts])
