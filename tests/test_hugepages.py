@@ -116,7 +116,7 @@ def test_the_weights_file_is_mapped_with_huge_pages_even_after_a_small_page_read
 def test_cpu_kv_pools_ask_for_huge_pages_before_their_first_write(monkeypatch):
     made: list[int] = []
     real = hugepages.anon
-    monkeypatch.setattr(hugepages, "anon", lambda n: made.append(n) or real(n))
+    monkeypatch.setattr(hugepages, "anon", lambda n, huge=True: made.append(n) or real(n, huge))
     pool = PagePool(2, 4, 64, 16, 512, placement=Placement("device", torch.device("cpu")))  # 8 MiB a layer
     assert made and all(n >= 8 << 20 for n in made)  # mappings of their own, advised
     for t in pool.kv:
@@ -128,3 +128,29 @@ def test_cpu_kv_pools_ask_for_huge_pages_before_their_first_write(monkeypatch):
     small = PagePool(2, 4, 64, 16, 8, placement=Placement("device", torch.device("cpu")))  # 128 KiB: left alone,
     assert not made  # a tensor like any other (whether the heap's region carries the flag is the process's business)
     assert not hugepages.advise_wanted(small.kv[0].numel() * 4)
+
+
+def test_a_dynamic_caches_first_pool_is_resident_only_where_written_and_a_grown_one_takes_huge_pages():
+    """A dynamic pool's first size is room to grow into: in 4 KiB pages (no huge pages asked, and
+    refused where THP is ``always``), so a short sequence makes resident only its own pages, where
+    huge pages made every layer's whole pool resident at the first token (each head's run of pages
+    is written at its start). The pool it grows into, and a pool made at its full size, take huge
+    pages as before; the contents survive the growth."""
+    from kvcache.cache.config import CacheConfig
+    from kvcache.cache.paged import PagedKVCache
+    from kvcache.models.config import ModelConfig
+
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=256, intermediate_size=512, num_layers=2,
+                      num_heads=4, num_kv_heads=4, head_dim=64, max_position=8192, norm_eps=1e-6)
+    cache = PagedKVCache(cfg, CacheConfig(page_size=16, initial_tokens=2048))  # 2 x 4 x 2048 x 64 x 4 = 8 MiB a layer
+    pool = cache.pools[0]
+    first = pool.kv[0]
+    assert "hg" not in _vm_flags(first.data_ptr()) and "nh" in _vm_flags(first.data_ptr())
+    before = hugepages.resident_bytes(first.data_ptr(), first.numel() * 4)
+    for layer in pool.kv:  # one token at slot 0 of every head, as a sequence's first page is written
+        layer[:, :, 0, 0] = 1.0
+    written = hugepages.resident_bytes(first.data_ptr(), first.numel() * 4)
+    assert written - before <= 2 * 4 * 16 * 64 * 4 + 16 * 4096, (before, written)  # a few 4 KiB pages, not 8 MiB
+    pool.resize(pool.num_pages * 2)  # the pool a longer context grows into
+    grown = pool.kv[0]
+    assert "hg" in _vm_flags(grown.data_ptr()) and grown[:, :, 0, 0].eq(1.0).all() and not grown[:, :, 1:].any()

@@ -35,6 +35,7 @@ from functools import lru_cache
 HUGE = 2 << 20  # bytes of an x86-64 / arm64 transparent huge page (PMD)
 MIN_BYTES = 4 << 20  # smaller buffers are left alone (two huge pages at least)
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+_MADV_NOHUGEPAGE = getattr(mmap, "MADV_NOHUGEPAGE", 15)
 
 
 @lru_cache(maxsize=1)
@@ -67,17 +68,35 @@ def advise(m: mmap.mmap) -> bool:
     return True
 
 
-def anon(nbytes: int) -> mmap.mmap:
-    """``nbytes`` of zeroed anonymous memory, with huge pages asked for before anything touches it
-    (wrap it with numpy.frombuffer / torch.frombuffer; the buffer lives while a view does)."""
+def anon(nbytes: int, huge: bool = True) -> mmap.mmap:
+    """``nbytes`` of zeroed anonymous memory (wrap it with numpy.frombuffer / torch.frombuffer; the
+    buffer lives while a view does), resident only where it is touched: with huge pages asked for
+    before anything touches it, or with ``huge`` False kept in 4 KiB pages (even where THP is
+    ``always``), for a buffer touched sparsely."""
     m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    advise(m)
+    if huge:
+        advise(m)
+    else:
+        try:
+            m.madvise(_MADV_NOHUGEPAGE)
+        except (OSError, ValueError):
+            pass
     return m
 
 
 def huge_bytes(addr: int, nbytes: int) -> int:
     """Bytes of the mappings that overlap [addr, addr + nbytes) held in huge pages now (file pages
     mapped whole plus anonymous huge pages), from /proc/self/smaps; 0 where it cannot be read."""
+    return _smaps_bytes(addr, nbytes, ("FilePmdMapped:", "AnonHugePages:"))
+
+
+def resident_bytes(addr: int, nbytes: int) -> int:
+    """Bytes of the mappings that overlap [addr, addr + nbytes) resident now (/proc/self/smaps'
+    Rss); 0 where it cannot be read."""
+    return _smaps_bytes(addr, nbytes, ("Rss:",))
+
+
+def _smaps_bytes(addr: int, nbytes: int, fields: tuple[str, ...]) -> int:
     total, inside = 0, False
     try:
         with open("/proc/self/smaps") as f:
@@ -89,7 +108,7 @@ def huge_bytes(addr: int, nbytes: int) -> int:
                         inside = int(lo, 16) < addr + nbytes and int(hi, 16) > addr
                     except ValueError:
                         inside = False
-                elif inside and head in ("FilePmdMapped:", "AnonHugePages:"):
+                elif inside and head in fields:
                     total += int(line.split()[1]) * 1024
     except OSError:
         return 0

@@ -65,15 +65,16 @@ class PagedKVCache:
         self.placement = Placement(config.placement, torch.device(device), config.dir)
         self.where: list[tuple[int, int]] = [(0, 0)] * model.num_layers  # layer -> (group, index)
         self.pools: list[PagePool | QuantPool] = []
+        sparse = config.capacity == "dynamic"  # the first pool is room to grow into: resident where written
         for g in self.groups:
             for j, layer in enumerate(g.layers):
                 self.where[layer] = (g.index, j)
             n, hkv, d = len(g.layers), model.num_kv_heads, model.head_dim
             if config.quantized:
                 pool: PagePool | QuantPool = QuantPool(n, hkv, d, ps, pages, config.bits, config.group_size,
-                                                       self.placement, rotate=config.rotate)
+                                                       self.placement, rotate=config.rotate, sparse_start=sparse)
             else:
-                pool = PagePool(n, hkv, d, ps, pages, _DTYPES[config.encoding], self.placement)
+                pool = PagePool(n, hkv, d, ps, pages, _DTYPES[config.encoding], self.placement, sparse_start=sparse)
             self.pools.append(pool)
         self.pages = PageManager(self, pages)  # the only owner of the pools' pages
         if config.capacity == "dynamic" and config.budget is not None:

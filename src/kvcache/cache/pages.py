@@ -137,7 +137,7 @@ class PageManager:
     def fit(self, pages: int) -> None:
         """Cut every (still empty) pool to ``pages`` pages: a dynamic pool's first size under a budget."""
         for pool, alloc in zip(self.cache.pools, self._allocs):
-            pool.resize(pages)
+            pool.resize(pages, sparse=True)  # still the room to grow into (PagePool's sparse_start)
             alloc.truncate(pages)
 
     def shrink(self, floor: int) -> None:

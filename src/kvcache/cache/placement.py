@@ -87,18 +87,22 @@ class Placement:
         except OSError as e:
             raise KVCacheError(f"disk placement: cannot write to {path}: {e.strerror or e}") from None
 
-    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, sparse: bool = False) -> torch.Tensor:
         """A zero-filled tensor where this placement keeps pages. Never an inference tensor, even
         when a pool grows inside a forward (``torch.inference_mode``): pages are also written
-        outside one (restored from a prefix tier, loaded from a saved session)."""
+        outside one (restored from a prefix tier, loaded from a saved session). ``sparse``: most of
+        it may stay unwritten (a dynamic pool's first size): in memory, it is kept in 4 KiB pages,
+        resident only where written; otherwise a CPU pool takes huge pages, which a decode streams
+        faster, and which make a whole pool resident as soon as each head's run of pages is
+        written at its start."""
         with torch.inference_mode(False):
-            return self._zeros(shape, dtype)
+            return self._zeros(shape, dtype, sparse)
 
-    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype, sparse: bool) -> torch.Tensor:
         if self.kind == "device":
             n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             if self.compute.type == "cpu" and hugepages.advise_wanted(n):  # decode streams the pages
-                return torch.frombuffer(hugepages.anon(n), dtype=dtype).view(shape)
+                return torch.frombuffer(hugepages.anon(n, huge=not sparse), dtype=dtype).view(shape)
             return torch.zeros(shape, dtype=dtype, device=self.compute)
         if self.kind == "host":
             pin = self.compute.type == "cuda"

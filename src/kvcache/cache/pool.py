@@ -24,7 +24,10 @@ class PagePool:
         num_pages: int,
         dtype: torch.dtype = torch.float32,
         placement: Placement | None = None,
+        sparse_start: bool = False,
     ) -> None:
+        """``sparse_start``: the first size is a dynamic pool's room to grow into, mostly unwritten
+        (Placement.zeros' ``sparse``); the sizes it grows to are not."""
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -34,14 +37,15 @@ class PagePool:
         self.num_pages = 0
         self.kv: list[torch.Tensor] = []  # per layer [2, Hkv, P, page_size, D]
         self.flat: list[torch.Tensor] = []  # the same storage as [2, Hkv, P * page_size, D]
-        self.resize(num_pages)
+        self.resize(num_pages, sparse=sparse_start)
 
-    def resize(self, num_pages: int) -> None:
-        """Grow or shrink to ``num_pages`` pages, keeping the contents of the pages that stay."""
+    def resize(self, num_pages: int, sparse: bool = False) -> None:
+        """Grow or shrink to ``num_pages`` pages, keeping the contents of the pages that stay
+        (``sparse``: see Placement.zeros)."""
         old = min(self.num_pages, num_pages)
         shape = (2, self.num_kv_heads, num_pages, self.page_size, self.head_dim)
         for i in range(self.num_layers):
-            new = self.placement.zeros(shape, self.dtype)
+            new = self.placement.zeros(shape, self.dtype, sparse)
             if old:
                 new[:, :, :old] = self.kv[i][:, :, :old]
             flat = new.view(2, self.num_kv_heads, num_pages * self.page_size, self.head_dim)

@@ -40,7 +40,9 @@ class QuantPool:
         group: int,
         placement: Placement | None = None,
         rotate: bool = False,
+        sparse_start: bool = False,
     ) -> None:
+        """``sparse_start``: the first size is mostly unwritten room to grow into (PagePool's)."""
         if head_dim % group or page_size % group:
             raise InvalidParams(
                 f"group_size={group} must divide the head dimension ({head_dim}) and the page size "
@@ -54,7 +56,7 @@ class QuantPool:
         self.placement = placement or Placement("device", torch.device("cpu"))
         self.num_pages = 0
         self.parts: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
-        self.resize(num_pages)
+        self.resize(num_pages, sparse=sparse_start)
 
     def _shapes(self, pages: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         h, ps, d, g = self.num_kv_heads, self.page_size, self.head_dim, self.group
@@ -64,12 +66,13 @@ class QuantPool:
                 "km": ((h, pages, ps // g, d), f16), "vc": ((h, pages, ps, packed), u8),
                 "vs": ((h, pages, ps, d // g), f16), "vm": ((h, pages, ps, d // g), f16)}
 
-    def resize(self, num_pages: int) -> None:
-        """Grow or shrink to ``num_pages`` pages, keeping the contents of the pages that stay."""
+    def resize(self, num_pages: int, sparse: bool = False) -> None:
+        """Grow or shrink to ``num_pages`` pages, keeping the contents of the pages that stay
+        (``sparse``: see Placement.zeros)."""
         old = min(self.num_pages, num_pages)
         for layer in self.parts:
             for name, (shape, dtype) in self._shapes(num_pages).items():
-                new = self.placement.zeros(shape, dtype)
+                new = self.placement.zeros(shape, dtype, sparse)
                 if old:
                     new[:, :old] = layer[name][:, :old]
                 layer[name] = new
