@@ -77,6 +77,9 @@ def hf_config(row: str, vocab: int) -> Any:
     if row == "mixtral":  # 8 experts of intermediate_size, 2 a token; the converter writes it as llama
         return tf.MixtralConfig(**c, num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6,
                                 sliding_window=None, tie_word_embeddings=False)
+    if row == "smollm3":  # RoPE left out of every fourth layer (layer 3 of 4 here), as in SmolLM3-3B
+        return tf.SmolLM3Config(**{**c, "num_hidden_layers": 4}, rope_parameters=_rope("default", 2e6),
+                                tie_word_embeddings=True)
     if row == "gpt2":
         return tf.GPT2Config(vocab_size=vocab, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=2048, n_ctx=2048,
                              n_inner=4 * HIDDEN, initializer_range=0.15, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -84,7 +87,7 @@ def hf_config(row: str, vocab: int) -> Any:
 
 
 ROWS = ["llama", "llama3", "llama_yarn", "llama_linear", "llama_gqa8", "mistral", "qwen2", "qwen3", "phi3",
-        "phi3_longrope", "gemma3", "qwen3moe", "mixtral", "gpt2"]
+        "phi3_longrope", "gemma3", "qwen3moe", "mixtral", "smollm3", "gpt2"]
 # rows whose tokenizer is byte-level BPE (the bundled SmolLM2's): the converter needs a known one
 BPE_ROWS = {"gpt2", "qwen3moe", "mixtral"}  # qwen3moe: the converter reads only a BPE tokenizer for it
 

@@ -75,6 +75,30 @@ def test_window_and_sinks_match_reference(window, sinks, encoding, chunks):
     assert cache.pages.used(0) == 0
 
 
+class NoRope:
+    """A NoPE layer's (SmolLM3's every fourth) rotation: none; its keys carry no position."""
+
+    def tables(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ones(len(pos), 1, 8), torch.zeros(len(pos), 1, 8)
+
+
+@pytest.mark.parametrize("window,sinks", [(12, 3), (9, 4)])
+def test_sinks_leave_a_nope_layers_keys_as_they_are(window, sinks):
+    """A layer without RoPE (its rotary None, as models.llama gives SmolLM3's NoPE layers): sinks keep
+    their keys and the window's as computed, and attend to them like the reference with no rotation."""
+    torch.manual_seed(1)
+    n = 40
+    q_raw, k_raw, v = torch.randn(n, 4, 8), torch.randn(n, 2, 8), torch.randn(n, 2, 8)
+    cache = PagedKVCache(ONE, CacheConfig(page_size=4, initial_tokens=8, window=window, sinks=sinks))
+    seq = cache.new_sequence()
+    for t in range(n):
+        pos = torch.tensor([t])
+        out = PagedContext(cache, [seq], [1], pos, [None]).attend(0, q_raw[pos], k_raw[pos], v[pos], 1 / math.sqrt(8))
+        torch.testing.assert_close(out[0], reference(q_raw, k_raw, v, t, window, sinks, NoRope()), atol=2e-5, rtol=2e-5)
+    cache.free(seq)
+    cache.check_integrity()
+
+
 def test_hybrid_model_windows_get_their_own_groups():
     cfg = ModelConfig(model_type="gemma3", vocab_size=8, hidden_size=16, intermediate_size=16, num_layers=6,
                       num_heads=2, num_kv_heads=1, head_dim=8, max_position=256,

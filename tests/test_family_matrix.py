@@ -135,14 +135,18 @@ def test_q8_gguf_with_its_int8_kernels_tracks_transformers_on_the_same_weights(m
     errs = sorted((got - ref).abs().max(-1).values.tolist())
     beyond = 1 if row in ("qwen3moe", "mixtral") else 0
     assert errs[-1 - beyond] < 0.08 * scale, f"{row}: {errs[-1 - beyond]:.3g}"
-    assert (got - ref).abs().mean() < 0.04 * ref.abs().mean()
+    # the smollm3 row has twice the others' two layers (its NoPE layer is the fourth), so its
+    # activations are rounded twice as often: 3.0-4.4% of the mean logit over three seeds
+    mean_bound = 0.05 if row == "smollm3" else 0.04
+    assert (got - ref).abs().mean() < mean_bound * ref.abs().mean()
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
 
 
 def test_the_matrix_covers_each_feature(matrix):
     """The rows carry what they are meant to: the converter wrote llama3 scaling as rope_freqs,
-    longrope as factor tensors, yarn and linear as keys, Qwen2's biases, Gemma 3's window."""
-    from kvcache.models.gguf_convert import check_file
+    longrope as factor tensors, yarn and linear as keys, Qwen2's biases, Gemma 3's window; a smollm3
+    file's every fourth layer is a NoPE one (llama.cpp's rule: no key says so)."""
+    from kvcache.models.gguf_convert import check_file, read_gguf
 
     def has(row: str, what: str) -> bool:
         rep = check_file(matrix[row][2])
@@ -155,6 +159,7 @@ def test_the_matrix_covers_each_feature(matrix):
     assert has("gemma3", "sliding_window") and has("qwen3", "attn_q_norm") and has("llama_gqa8", "attn_q.bias")
     assert has("qwen3moe", "ffn_gate_exps") and has("qwen3moe", "expert_used_count")
     assert has("mixtral", "ffn_gate_exps") and has("mixtral", "llama.expert_count") and not has("mixtral", "q_norm")
+    assert has("smollm3", "smollm3.rope.freq_base") and read_gguf(matrix["smollm3"][2])[2]["no_rope_layers"] == [1, 1, 1, 0]
     assert BPE_ROWS <= set(ROWS)
 
 
@@ -331,3 +336,44 @@ def test_a_mixture_missing_its_qk_norm_is_refused_and_mixtral_needs_none(matrix)
                 build_model(config, sd, "fp32")
         else:
             assert all(ly.qk_norm is None for ly in build_model(config, sd, "fp32").layers)
+
+
+def _steps(llm, prompt: list[int], steps: int) -> list[torch.Tensor]:
+    """The logits after ``prompt`` and after each of ``steps`` greedy tokens, through the engine."""
+    r = llm.runner
+    seq = r.new_sequence()
+    got = [r.step([seq], [prompt])[0]]
+    for _ in range(steps):
+        got.append(r.step([seq], [[int(got[-1].argmax())]])[0])
+    r.free(seq)
+    return got
+
+
+def test_nope_layers_run_through_the_engine_as_transformers_runs_them(matrix):
+    """SmolLM3's NoPE layer (the fourth of four): through the paged cache the F32 file gives
+    transformers' logits for a 1,100-token prompt and each greedy step after it; the Q8_0 file's
+    one native call a forward (the NoPE layer on the identity rotary table) gives the bits of the
+    layer-by-layer path."""
+    from kvcache import LLM
+    from kvcache.kernels.qweight import LayerStack
+
+    hf, _, f32, q8 = matrix["smollm3"]
+    llm = LLM(str(f32), weights="fp32", prefix=False)
+    assert [llm.model.rotary_for_layer(i) is None for i in range(4)] == [False, False, False, True]
+    prompt = torch.randint(3, 300, (1100,), generator=torch.Generator().manual_seed(3)).tolist()
+    got = _steps(llm, prompt, 4)
+    ids = prompt + [int(g.argmax()) for g in got[:-1]]
+    with torch.inference_mode():
+        ref = hf(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
+    for i, g in enumerate(got):
+        assert gap(g, ref[len(prompt) - 1 + i]) < ATOL, i
+    quant = LLM(str(q8), prefix=False)
+    stack = quant.model.stack
+    assert isinstance(stack, LayerStack) and stack.table[:, -4].tolist() == [0, 0, 0, 1]  # KVL_ROPE
+    fused = _steps(quant, prompt[:200], 4)
+    quant.model.stack = None
+    try:
+        plain = _steps(quant, prompt[:200], 4)
+    finally:
+        quant.model.stack = stack
+    assert all(torch.equal(a, b) for a, b in zip(fused, plain))

@@ -235,3 +235,16 @@ def test_bench_rows(tiny_dir):
     got = {(r.system, r.cache): r.summary() for r in rows}
     assert all(r["tok_s"] for r in got.values()), got
     assert got[("kvcache.hf", "dynamic")]["kv_bytes"] == got[("transformers", "DynamicCache")]["kv_bytes"] == 26 * 768
+
+
+def test_sinks_leave_smollm3s_nope_layers_unturned():
+    """SmolLM3 in transformers: the bridge re-positions sink keys with the model's RoPE on the layers
+    that use it, and not on its NoPE layers (every fourth), whose keys carry no position."""
+    from transformers import SmolLM3Config
+
+    from kvcache.hf.layout import layout_of
+
+    rots = layout_of(SmolLM3Config(num_hidden_layers=8, hidden_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=96)).rotaries()
+    assert [r is None for r in rots] == [False, False, False, True] * 2
+    assert rots[0].rot_dim == 16

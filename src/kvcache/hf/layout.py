@@ -49,13 +49,13 @@ class Layout:
         except KVCacheError:
             raise InvalidParams(f"attention sinks re-position keys with the model's RoPE, which kvcache does not "
                                 f"know for {self.model_type!r} (it does for Llama, Mistral, Qwen2/3, Phi-3, "
-                                "Gemma 3); use window=N without sinks") from None
+                                "Gemma 3, SmolLM3); use window=N without sinks") from None
         if mc.family == "gemma3":
             glob = Rotary(mc.head_dim, mc.rope_theta, mc.rope_scaling, mc.max_position)
             local = Rotary(mc.head_dim, mc.rope_local_theta or mc.rope_theta)
             return [local if t == _SLIDING else glob for t in self.layer_types]
         rot = Rotary(int(mc.head_dim * mc.partial_rotary_factor), mc.rope_theta, mc.rope_scaling, mc.max_position)
-        return [rot] * self.num_layers
+        return [rot if mc.has_rope(i) else None for i in range(self.num_layers)]  # SmolLM3's NoPE layers: None
 
 
 def layout_of(config: Any) -> Layout:

@@ -20,6 +20,7 @@ FAMILIES: dict[str, str] = {
     "qwen3_moe": "qwen3moe",
     "mixtral": "qwen3moe",  # Mixtral: Mistral's attention (no q/k norm) with the same sparse MLP
     "phi3": "llama",
+    "smollm3": "llama",  # SmolLM3: Llama with RoPE left out of every fourth layer (rope_layers)
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
     "gpt2": "gpt2",
@@ -56,6 +57,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # share of head_dim that RoPE rotates (Phi-3/Phi-4-mini style partial rotary), 1.0 = all of it
     partial_rotary_factor: float = 1.0
+    # per layer: whether RoPE turns its q and k (False: a NoPE layer, SmolLM3's every fourth);
+    # empty: every layer
+    rope_layers: tuple[bool, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -130,13 +134,36 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             partial_rotary_factor=_partial_rotary(cfg),
+            rope_layers=_rope_layers(cfg, n_layers),
             raw=dict(cfg),
         )
+
+    def has_rope(self, layer: int) -> bool:
+        """Whether RoPE turns layer ``layer``'s queries and keys."""
+        return not self.rope_layers or self.rope_layers[layer]
+
+
+def _rope_layers(cfg: dict[str, Any], n_layers: int) -> tuple[bool, ...]:
+    """SmolLM3's NoPE layers: ``no_rope_layers`` (1 where RoPE is used), or one NoPE layer every
+    ``no_rope_layer_interval`` (4) layers as transformers fills it in; () for other families."""
+    if cfg.get("model_type") != "smollm3":
+        return ()
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        every = int(cfg.get("no_rope_layer_interval") or 4)
+        if every < 1:
+            raise ModelLoadError(f"config.json has no_rope_layer_interval {every}; it must be at least 1")
+        return tuple((i + 1) % every != 0 for i in range(n_layers))
+    if not isinstance(flags, list) or len(flags) != n_layers or any(f not in (0, 1) for f in flags):
+        raise ModelLoadError(f"config.json's no_rope_layers must be {n_layers} values of 0 or 1, one a layer")
+    return tuple(bool(f) for f in flags)
 
 
 def _layer_windows(cfg: dict[str, Any], n_layers: int) -> tuple[int | None, ...]:
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types")
+    if cfg.get("model_type") == "smollm3" and not cfg.get("use_sliding_window"):
+        return (None,) * n_layers  # its layer_types name windows that only use_sliding_window turns on
     if types:
         return tuple(window if t == "sliding_attention" else None for t in types)
     mt = cfg.get("model_type")

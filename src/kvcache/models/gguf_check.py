@@ -66,6 +66,7 @@ MODEL_KEYS: dict[str, set[str]] = {
     "qwen3": _COMMON,
     "qwen3moe": _COMMON | {"expert_count", "expert_used_count", "expert_feed_forward_length"},
     "phi3": _COMMON | {"attention.sliding_window", "rope.scaling.attn_factor"},
+    "smollm3": _COMMON,
     "gemma3": _COMMON | {"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa",
                          "final_logit_softcapping", "attn_logit_softcapping"},
     "gpt2": {"context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",

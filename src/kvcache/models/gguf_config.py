@@ -12,6 +12,7 @@ from typing import Any
 from kvcache.models.gguf_names import has_experts
 
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+               "smollm3": "smollm3",
                "gemma3": "gemma3_text", "phi3": "phi3"}
 
 
@@ -66,6 +67,8 @@ def hf_config_from_meta(arch: str, meta: dict[str, Any], n_vocab: int | None, te
         cfg["rope_scaling"] = scaling
     if arch == "qwen2":
         cfg["attention_bias"] = True
+    if arch == "smollm3":  # llama.cpp's rule (no key says it): every fourth layer without RoPE
+        cfg["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(layers)]
     if arch in ("mistral", "phi3") and get("attention.sliding_window"):
         cfg["sliding_window"] = int(get("attention.sliding_window"))
     if arch == "qwen3moe":

@@ -98,8 +98,9 @@ def _fixed(t, arch: str, name: str, n_head: int | None, n_kv: int | None) -> np.
 
 
 def _permuted_heads(arch: str, name: str, n_head: int | None, n_kv: int | None) -> int | None:
-    """Heads of a llama Q or K weight or bias whose rows llama.cpp's converter permuted, else None."""
-    if arch != "llama":
+    """Heads of a llama (or smollm3, which its converter writes as a llama) Q or K weight or bias
+    whose rows llama.cpp's converter permuted, else None."""
+    if arch not in ("llama", "smollm3"):
         return None
     if name.endswith(("attn_q.weight", "attn_q.bias")):
         return n_head

@@ -33,7 +33,7 @@ _GPT2_BLOCK = {
     "ffn_up": "mlp.c_fc",
     "ffn_down": "mlp.c_proj",
 }
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt2")  # GGUF architectures
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "smollm3", "gpt2")  # GGUF architectures
 _MOE = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
         "ffn_up_exps": "mlp.experts.{e}.up_proj", "ffn_down_exps": "mlp.experts.{e}.down_proj"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -76,7 +76,7 @@ def expected_tensors(arch: str, meta: dict[str, Any]) -> tuple[dict[str, bool], 
     layer.update({f"{p}.weight": True for p in ("ffn_gate", "ffn_up", "ffn_down")})
     if arch != "gemma3":
         layer.update({f"{p}.bias": False for p in ("ffn_gate", "ffn_up", "ffn_down")})
-    if arch == "llama":
+    if arch in ("llama", "smollm3"):
         top["rope_freqs.weight"] = False
     return top, layer
 

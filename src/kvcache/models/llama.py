@@ -111,13 +111,15 @@ class LlamaForCausalLM(CausalLM):
             for ly in self.layers
         ]
         # quantized weights: every layer in one native call a forward when the context allows it
+        # NoPE layers (SmolLM3) take rotary table 1, the identity (cos 1, sin 0: q and k as they are)
         self.stack = LayerStack.of(
-            [(qkv, qkv_b, qkn, o, o_b, None, gu, gu_b, dn, dn_b, None, 0)
-             for qkv, qkv_b, qkn, o, o_b, gu, gu_b, dn, dn_b in self.plan],
+            [(qkv, qkv_b, qkn, o, o_b, None, gu, gu_b, dn, dn_b, None, int(not config.has_rope(i)))
+             for i, (qkv, qkv_b, qkn, o, o_b, gu, gu_b, dn, dn_b) in enumerate(self.plan)],
             (config.num_heads, config.num_kv_heads, config.head_dim), self.act_kernel)
+        self.nope = bool(config.rope_layers) and not all(config.rope_layers)
 
-    def rotary_for_layer(self, layer: int) -> Rotary:
-        return self.rope
+    def rotary_for_layer(self, layer: int) -> Rotary | None:
+        return self.rope if self.config.has_rope(layer) else None
 
     def forward(  # type: ignore[override]
         self,
@@ -131,10 +133,12 @@ class LlamaForCausalLM(CausalLM):
         scale, act, heads = cfg.scale, self.act, (hq, hkv, d)
         x = packed_rows(self.lm_head if self.embed is None else self.embed, input_ids)  # [N, H]
         cos, sin = self.rope.tables(positions)  # [N, 1, R] each
-        if self.stack is not None and self.stack.run(ctx, x, [(cos, sin)], eps, scale):
+        tables = [(cos, sin), (torch.ones_like(cos), torch.zeros_like(sin))] if self.nope else [(cos, sin)]
+        if self.stack is not None and self.stack.run(ctx, x, tables, eps, scale):
             return self.head(x, logits_rows)
         for i, (qkv_w, qkv_b, qk_norm, o_w, o_b, gu_w, gu_b, down_w, down_b) in enumerate(self.plan):
-            attention_block(ctx, i, x, (qkv_w, qkv_b, o_w, o_b), heads, cos, sin, qk_norm, eps, scale)
+            c, s = tables[int(not cfg.has_rope(i))]
+            attention_block(ctx, i, x, (qkv_w, qkv_b, o_w, o_b), heads, c, s, qk_norm, eps, scale)
             mlp(x, gu_w, gu_b, down_w, down_b, act, self.act_kernel, eps)
         return self.head(x, logits_rows)
 
