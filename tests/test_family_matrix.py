@@ -160,6 +160,7 @@ def test_the_matrix_covers_each_feature(matrix):
     assert has("qwen3moe", "ffn_gate_exps") and has("qwen3moe", "expert_used_count")
     assert has("mixtral", "ffn_gate_exps") and has("mixtral", "llama.expert_count") and not has("mixtral", "q_norm")
     assert has("smollm3", "smollm3.rope.freq_base") and read_gguf(matrix["smollm3"][2])[2]["no_rope_layers"] == [1, 1, 1, 0]
+    assert "every fourth layer without RoPE" in check_file(matrix["smollm3"][2]).lines("f")[0]
     assert BPE_ROWS <= set(ROWS)
 
 

@@ -84,6 +84,8 @@ _MEANS = {
 _ZERO_IS_NONE = {"expert_count", "expert_used_count"}
 _DESCRIPTIVE = {"tensor_data_layout"}
 SCALINGS = {"none": None, "linear": "linear", "yarn": "yarn", "longrope": "longrope"}
+# what an architecture's name alone decides, as llama.cpp's loader reads it (no key says it)
+ARCH_RULES = {"smollm3": "every fourth layer without RoPE (layers 4, 8, ...)"}
 
 
 @dataclass
@@ -103,7 +105,8 @@ class Report:
         """The report as `kvcache models --check` prints it."""
         keys = [h for h in self.honoured if not h.startswith("tensor ")]
         tensors = [h[len("tensor "):] for h in self.honoured if h.startswith("tensor ")]
-        out = [f"{name}: architecture {self.arch or '(none)'}",
+        rule = f" ({ARCH_RULES[self.arch]})" if self.arch in ARCH_RULES else ""
+        out = [f"{name}: architecture {self.arch or '(none)'}{rule}",
                f"honoured keys ({len(keys)}): {', '.join(keys) or '-'}",
                f"honoured tensors ({len(tensors)} kinds): {', '.join(tensors) or '-'}",
                f"keys with no effect on the outputs ({len(self.no_effect)}): {', '.join(self.no_effect) or '-'}"]
