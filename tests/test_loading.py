@@ -171,6 +171,24 @@ def test_config_missing_a_value(tmp_path):
         ModelConfig.from_hf({"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2})
 
 
+def test_smollm3s_nope_layers_are_read_or_refused_in_one_line():
+    """SmolLM3's layers without RoPE: its no_rope_layers (1 where RoPE is used), else one every
+    no_rope_layer_interval layers, as transformers fills it in; a list that does not fit is refused."""
+    from kvcache.models.config import ModelConfig
+
+    base = {"model_type": "smollm3", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 8,
+            "vocab_size": 32, "intermediate_size": 96}
+    assert ModelConfig.from_hf(base).rope_layers == (True, True, True, False) * 2
+    assert ModelConfig.from_hf({**base, "no_rope_layer_interval": 2}).rope_layers == (True, False) * 4
+    given = ModelConfig.from_hf({**base, "no_rope_layers": [0, 1, 1, 1, 1, 1, 1, 1]})
+    assert [given.has_rope(i) for i in range(8)] == [False] + [True] * 7
+    assert ModelConfig.from_hf({**base, "model_type": "llama"}).rope_layers == ()  # every layer
+    for bad in ({"no_rope_layers": [1, 0]}, {"no_rope_layers": [2] * 8}, {"no_rope_layer_interval": 0}):
+        with pytest.raises(ModelLoadError, match="no_rope_layer") as e:
+            ModelConfig.from_hf({**base, **bad})
+        assert "\n" not in str(e.value)
+
+
 def test_converted_tokenizer_loads_in_transformers_as_ours():
     """transformers' AutoTokenizer reads the converted folder (what kvpress's KVzip loads) and
     encodes as kvcache's own tokenizer does; the architecture's class would want an <unk>."""

@@ -150,7 +150,8 @@ def _rope_layers(cfg: dict[str, Any], n_layers: int) -> tuple[bool, ...]:
         return ()
     flags = cfg.get("no_rope_layers")
     if flags is None:
-        every = int(cfg.get("no_rope_layer_interval") or 4)
+        every = cfg.get("no_rope_layer_interval")
+        every = 4 if every is None else int(every)
         if every < 1:
             raise ModelLoadError(f"config.json has no_rope_layer_interval {every}; it must be at least 1")
         return tuple((i + 1) % every != 0 for i in range(n_layers))
