@@ -71,6 +71,10 @@ def hf_config(row: str, vocab: int) -> Any:
                                    query_pre_attn_scalar=16, rope_parameters={
                                        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    if row == "gemma2":  # soft-capped attention logits and final logits, a window on every other layer
+        return tf.Gemma2Config(**{**c, "num_hidden_layers": 4}, head_dim=16, sliding_window=32,
+                               query_pre_attn_scalar=16, attn_logit_softcapping=5.0, final_logit_softcapping=8.0,
+                               rope_parameters=_rope("default"))
     if row == "qwen3moe":  # 8 experts, 2 a token, renormalised (llama.cpp's qwen3moe always renormalises)
         return tf.Qwen3MoeConfig(**c, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                                  norm_topk_prob=True, tie_word_embeddings=False)
@@ -87,7 +91,7 @@ def hf_config(row: str, vocab: int) -> Any:
 
 
 ROWS = ["llama", "llama3", "llama_yarn", "llama_linear", "llama_gqa8", "mistral", "qwen2", "qwen3", "phi3",
-        "phi3_longrope", "gemma3", "qwen3moe", "mixtral", "smollm3", "gpt2"]
+        "phi3_longrope", "gemma2", "gemma3", "qwen3moe", "mixtral", "smollm3", "gpt2"]
 # rows whose tokenizer is byte-level BPE (the bundled SmolLM2's): the converter needs a known one
 BPE_ROWS = {"gpt2", "qwen3moe", "mixtral"}  # qwen3moe: the converter reads only a BPE tokenizer for it
 

@@ -24,7 +24,8 @@ def rope(rot: Rotary, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return apply_rotary(x, cos, sin)
 
 
-def reference(q_raw, k_raw, v, t: int, window: int | None, sinks: int, rot: Rotary) -> torch.Tensor:
+def reference(q_raw, k_raw, v, t: int, window: int | None, sinks: int, rot: Rotary,
+              softcap: float | None = None) -> torch.Tensor:
     """Output [Hq, D] of the query at position t: keys kept by the policy, at cache positions."""
     if window is None:
         kept = list(range(t + 1))
@@ -41,6 +42,8 @@ def reference(q_raw, k_raw, v, t: int, window: int | None, sinks: int, rot: Rota
     k = k.repeat_interleave(g, 1)
     vv = v[kept].repeat_interleave(g, 1)
     scores = torch.einsum("hd,lhd->hl", q, k) / math.sqrt(q.shape[-1])
+    if softcap is not None:  # Gemma 2's soft cap on the logits
+        scores = softcap * torch.tanh(scores / softcap)
     return torch.einsum("hl,lhd->hd", scores.softmax(-1), vv)
 
 
@@ -95,6 +98,35 @@ def test_sinks_leave_a_nope_layers_keys_as_they_are(window, sinks):
         pos = torch.tensor([t])
         out = PagedContext(cache, [seq], [1], pos, [None]).attend(0, q_raw[pos], k_raw[pos], v[pos], 1 / math.sqrt(8))
         torch.testing.assert_close(out[0], reference(q_raw, k_raw, v, t, window, sinks, NoRope()), atol=2e-5, rtol=2e-5)
+    cache.free(seq)
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("window,sinks,encoding", [(12, 3, "fp32"), (None, 0, "fp32"), (12, 0, "fp16")])
+def test_soft_capped_logits_through_windows_and_sinks_match_reference(window, sinks, encoding):
+    """A model whose attention logits are soft-capped (Gemma 2): every read goes to dense attention,
+    the sinks' scores capped too, one token at a time and in chunks."""
+    import dataclasses
+
+    torch.manual_seed(2)
+    n, cap = 40, 1.5
+    rot = Rotary(8, 10000.0)
+    q_raw, k_raw, v = torch.randn(n, 4, 8) * 2, torch.randn(n, 2, 8) * 2, torch.randn(n, 2, 8)
+    cache = PagedKVCache(dataclasses.replace(ONE, attn_softcap=cap),
+                         CacheConfig(page_size=4, initial_tokens=8, window=window, sinks=sinks, encoding=encoding))
+    seq = cache.new_sequence()
+    start = 0
+    for c in [1] * 10 + [7, 1, 22]:
+        pos = torch.arange(start, start + c)
+        ctx = PagedContext(cache, [seq], [c], pos, [rot])
+        assert ctx.layer_pages() is None  # no fused path takes the cap
+        out = ctx.attend(0, rope(rot, q_raw[pos], pos), rope(rot, k_raw[pos], pos), v[pos], 1 / math.sqrt(8))
+        for i, t in enumerate(range(start, start + c)):
+            ref = reference(q_raw, k_raw, v, t, window, sinks, rot, cap)
+            tol = 2e-3 if encoding == "fp16" else 2e-5
+            torch.testing.assert_close(out[i], ref, atol=tol, rtol=tol)
+            assert (out[i] - reference(q_raw, k_raw, v, t, window, sinks, rot)).abs().max() > 10 * tol or t == 0
+        start += c
     cache.free(seq)
     cache.check_integrity()
 

@@ -74,7 +74,7 @@ def ours(spec: Path, weights: str, ids: torch.Tensor) -> torch.Tensor:  # [N, V]
     sd = model_weights(resolved, weights) if resolved.gguf is not None else load_weights(resolved.path)[1]
     model = build_model(config, sd, weights)
     pos = torch.arange(START, START + N)
-    return model(ids, pos, RecomputeContext([N], pos, config.layer_windows))
+    return model(ids, pos, RecomputeContext([N], pos, config.layer_windows, config.attn_softcap))
 
 
 def fused_experts(sd: dict) -> dict:
@@ -378,3 +378,32 @@ def test_nope_layers_run_through_the_engine_as_transformers_runs_them(matrix):
     finally:
         quant.model.stack = stack
     assert all(torch.equal(a, b) for a, b in zip(fused, plain))
+
+
+@pytest.mark.parametrize("kv", ["dynamic", "static,max_tokens=512", "fp16", "int8,residual=0,group_size=16"])
+def test_soft_capped_attention_runs_through_the_engine_as_transformers_runs_it(matrix, kv):
+    """Gemma 2's soft-capped attention logits (no native kernel takes them: every read goes to dense
+    attention, capped): through the paged cache, past the sliding layers' 32-token window, the F32
+    file gives transformers' logits for the prompt and each greedy step (fp16 and int8 pages: within
+    their rounding); a second run over the cached prefix gives the same; a press, which scores attention
+    without the cap, is refused in one line."""
+    from kvcache import LLM
+    from kvcache.errors import InvalidParams
+
+    hf, _, f32, _ = matrix["gemma2"]
+    assert hf.config.attn_logit_softcapping and hf.config.final_logit_softcapping
+    llm = LLM(str(f32), weights="fp32", kv=kv)
+    assert llm.model.stack is None and llm.config.attn_softcap == hf.config.attn_logit_softcapping
+    prompt = torch.randint(3, 300, (100,), generator=torch.Generator().manual_seed(5)).tolist()
+    got = _steps(llm, prompt, 4)
+    ids = prompt + [int(g.argmax()) for g in got[:-1]]
+    with torch.inference_mode():
+        ref = hf(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
+    tol = {"fp16": 2e-3, "int8,residual=0,group_size=16": 0.02 * ref.abs().max().item()}.get(kv, ATOL)
+    for i, g in enumerate(got):
+        assert gap(g, ref[len(prompt) - 1 + i]) < tol, (kv, i)
+    again = _steps(llm, prompt, 4)  # the prompt's pages from the prefix cache
+    assert all(gap(a, b) < tol for a, b in zip(again, got))
+    with pytest.raises(InvalidParams, match="press=snapkv scores attention without the soft cap") as e:
+        LLM(str(f32), weights="fp32", kv="press=snapkv,ratio=0.5")
+    assert "\n" not in str(e.value)

@@ -70,12 +70,16 @@ class PagedContext:
         # batch, the chunk, a prefix hit or a recompute.
         self.rows: list[tuple[torch.Tensor, ...] | None] = [None] * len(cache.groups)
         self.windows = [g.window or 0 for g in cache.groups]
+        # the model's attention logit soft cap (Gemma 2): no native kernel takes it, so every read
+        # goes to dense attention (attention/dense.py), capped
+        self.softcap: float | None = cache.model.attn_softcap
         # a press reading a prompt records its queries, which the fused path never exposes
         self.observing = [i for i, seq in enumerate(plan.seqs) if seq.press is not None and seq.press.observing]
         self._plains: dict[tuple[int, int], bool] = {}  # (sequence, group) -> _plain's answer, one per forward
         # KVzip's replay scores from every slot's keys: the dense path, where they are at hand
         replaying = any(seq.press is not None and seq.press.replay is not None for seq in plan.seqs)
-        if cache.config.encoding == "fp32" and not replaying and not cache.placement.offloaded:
+        if (cache.config.encoding == "fp32" and not replaying and not cache.placement.offloaded
+                and self.softcap is None):
             new = torch.tensor(list(new_tokens), dtype=torch.long)
             row0 = torch.cumsum(new, 0) - new
             pressed = any(seq.press is not None for seq in plan.seqs)  # else no read is a press's (plan.py)
@@ -162,7 +166,7 @@ class PagedContext:
             read = reads[gi]
             qq = q if single else q[rows]
             if isinstance(pool, PagePool) and not offloaded:
-                if pool.dtype != torch.float32 and self._plain(gi, i):  # fp16/bf16 read in place
+                if pool.dtype != torch.float32 and self.softcap is None and self._plain(gi, i):  # fp16/bf16 in place
                     o = kernels.half_attend((qq * scale).contiguous(), pool.flat[j], read.slots, read.first_slot or 0,
                                             read.positions.shape[0])
                     if o is not None:
@@ -221,9 +225,9 @@ class PagedContext:
             if rot is not None:
                 q_sink = rot.rotate(q, -read.delta)  # [T, Hq, D]
                 o = attend_with_sinks(q.transpose(0, 1), q_sink.transpose(0, 1), kv[0], kv[1], read.mask,
-                                      read.n_sink, scale)
+                                      read.n_sink, scale, softcap=self.softcap)
                 return o.transpose(0, 1)
-        return attend(q.transpose(0, 1), kv[0], kv[1], read.mask, scale).transpose(0, 1)
+        return attend(q.transpose(0, 1), kv[0], kv[1], read.mask, scale, self.softcap).transpose(0, 1)
 
     def _replay_scores(self, layer: int, q: torch.Tensor, kv: torch.Tensor, scale: float, i: int) -> None:
         """KVzip: the largest attention the replayed tokens q [T, Hq, D] give each slot of kv
@@ -302,7 +306,8 @@ class PagedContext:
         n_q = read.n_pages * pool.page_size
         rest = torch.cat((tail, kv_new), 2)  # [2, Hkv, t + n, D]
         out = None
-        if buf is None and self._plain(gi, i) and n_q + rest.shape[2] == read.positions.shape[0]:
+        if (buf is None and self.softcap is None and self._plain(gi, i)
+                and n_q + rest.shape[2] == read.positions.shape[0]):
             pages = read.pages if read.pages is not None else torch.arange(read.page_run or 0,
                                                                             (read.page_run or 0) + read.n_pages)
             out = kernels.quant_attend((q * scale).contiguous(), pages, pool.parts[j], pool.page_size, pool.group,

@@ -12,12 +12,23 @@ import torch.nn.functional as F
 
 from kvcache.cache.visibility import Mask, build_mask
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float) -> torch.Tensor:
-    """q: [Hq, T, D]; k, v: [Hkv, L, D] (Hq a multiple of Hkv); mask from build_mask.
-    Returns [Hq, T, D]."""
+def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Attention logit soft-capping (Gemma 2): cap * tanh(scores / cap), in place, in the order
+    transformers computes it; ``cap`` None leaves the scores as they are."""
+    if cap is None:
+        return scores
+    return scores.div_(cap).tanh_().mul_(cap)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float,
+           softcap: float | None = None) -> torch.Tensor:
+    """q: [Hq, T, D]; k, v: [Hkv, L, D] (Hq a multiple of Hkv); mask from build_mask; ``softcap``:
+    the scores soft-capped before the mask (soft_cap). Returns [Hq, T, D]."""
     hq, t, d = q.shape
     hkv = k.shape[0]
     g = hq // hkv
+    if softcap is not None:
+        return _capped(q, k, v, mask, scale, softcap)
     if mask is None and t == 1:
         # Decode: fold the query heads of one KV head into the query axis (no K/V repeat); three
         # plain ops are cheaper than SDPA's dispatch for one query row on a CPU.
@@ -36,6 +47,27 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale:
     return out[0]
 
 
+def _capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float, cap: float,
+            rows_per_block: int = 256) -> torch.Tensor:
+    """``attend`` with soft-capped scores (no fused kernel takes them): the scores of a block of
+    query rows at a time, so a long prefill never holds a [Hq, T, L] tensor."""
+    hq, t, d = q.shape
+    hkv, n = k.shape[0], k.shape[1]
+    g = hq // hkv
+    if isinstance(mask, str):  # the plain causal mask of a prefill: the last t keys are the queries'
+        mask = torch.ones(t, n, dtype=torch.bool).tril(n - t)
+    outs = []
+    for a in range(0, t, rows_per_block):
+        b = min(t, a + rows_per_block)
+        scores = torch.matmul(q[:, a:b].reshape(hkv, g * (b - a), d), k.transpose(1, 2)).mul_(scale)
+        scores = soft_cap(scores, cap).view(hkv, g, b - a, n)
+        if mask is not None:
+            scores.masked_fill_(~mask[a:b], float("-inf"))
+        p = torch.softmax(scores, -1).view(hkv, g * (b - a), n)
+        outs.append(torch.matmul(p, v).view(hq, b - a, d))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+
+
 def attend_dense(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -44,15 +76,16 @@ def attend_dense(
     k_pos: torch.Tensor,
     window: int | None,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of T queries over L keys of one sequence: q [Hq, T, D], k/v [Hkv, L, D],
     q_pos [T], k_pos [L] -> [Hq, T, D]."""
-    return attend(q, k, v, build_mask(q_pos, k_pos, window), scale)
+    return attend(q, k, v, build_mask(q_pos, k_pos, window), scale, softcap)
 
 
 def attend_with_sinks(
     q: torch.Tensor, q_sink: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, n_sink: int,
-    scale: float, rows_per_block: int = 256,
+    scale: float, rows_per_block: int = 256, softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention where the first ``n_sink`` keys are scored against ``q_sink`` (the queries turned
     back to the sinks' cache positions) and the rest against ``q``.
@@ -72,7 +105,7 @@ def attend_with_sinks(
         qs = q_sink[:, a:b].reshape(hkv, g * (b - a), d)
         scores = torch.matmul(qq, k.transpose(1, 2))  # [Hkv, g*T', L]
         scores[:, :, :n_sink] = torch.matmul(qs, k[:, :n_sink].transpose(1, 2))
-        scores = scores.view(hkv, g, b - a, -1).mul_(scale)
+        scores = soft_cap(scores.view(hkv, g, b - a, -1).mul_(scale), softcap)
         if mask is not None:
             scores.masked_fill_(~mask[a:b], float("-inf"))
         p = torch.softmax(scores, -1).view(hkv, g * (b - a), -1)

@@ -31,8 +31,10 @@ class RecomputeContext:
         seq_lens: Sequence[int],
         positions: torch.Tensor,  # [N] int64
         layer_windows: Sequence[int | None],
+        softcap: float | None = None,  # the model's attention logit soft cap (Gemma 2)
     ) -> None:
         self.seq_lens = list(seq_lens)
+        self.softcap = softcap
         self.positions = positions
         self.layer_windows = list(layer_windows)
         n = torch.tensor(self.seq_lens, dtype=torch.long)  # [B]
@@ -53,7 +55,10 @@ class RecomputeContext:
 
     def attend_packed(self, layer: int, qkv: torch.Tensor, heads: tuple[int, int, int], cos: torch.Tensor,
                       sin: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, scale: float) -> torch.Tensor | None:
-        """qkv [N, (Hq + 2 Hkv) D] -> [N, Hq D] through the fused kernel; None: use ``attend``."""
+        """qkv [N, (Hq + 2 Hkv) D] -> [N, Hq D] through the fused kernel; None: use ``attend`` (also
+        for soft-capped scores, which the kernels do not take)."""
+        if self.softcap is not None:
+            return None
         _, hkv, d = heads
         return kernels.decode_attend(qkv, heads, cos, sin, qk_norm, eps, self._scratch(hkv, d), PAGE, self.slots,
                                      self.rows, scale, self.layer_windows[layer] or 0)
@@ -62,7 +67,7 @@ class RecomputeContext:
                      cos: torch.Tensor, sin: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, scale: float,
                      post_norm: torch.Tensor | None) -> bool:
         """The attention half of a layer with quantized weights in one native call; False otherwise."""
-        if kernels.dattn() is None:
+        if kernels.dattn() is None or self.softcap is not None:
             return False
         _, hkv, d = heads
         return attn_block(x, weights, heads, cos, sin, qk_norm, eps, scale, post_norm, self._scratch(hkv, d), PAGE,
@@ -82,7 +87,8 @@ class RecomputeContext:
             sl = slice(start, start + n)
             pos = self.positions[sl]
             o = attend_dense(
-                q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1), pos, pos, window, scale
+                q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1), pos, pos, window, scale,
+                self.softcap,
             )  # [Hq, n, D]
             outs.append(o.transpose(0, 1))
             start += n

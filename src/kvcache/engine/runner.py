@@ -59,6 +59,10 @@ class ModelRunner:
         self.config = model.config
         self.draft: ModelRunner | None = None  # a draft model's runner, for speculative decoding (LLM(draft_model=))
         self.cache_config = cache_config.with_capacity(model.config.max_position)
+        if cache_config.press is not None and model.config.attn_softcap is not None:
+            raise InvalidParams(f"press={cache_config.press} scores attention without the soft cap this model puts on "
+                                f"its attention logits ({model.config.attn_softcap:g}); use a window, sinks or a "
+                                "quantized encoding to save memory with it")
         self.cache = PagedKVCache(model.config, self.cache_config) if cache_config.uses_cache else None
         self.rotaries = [model.rotary_for_layer(i) for i in range(model.config.num_layers)]
         self.capacity = self._capacity()  # fixed for the runner's life; checked every step
@@ -293,7 +297,7 @@ class ModelRunner:
         ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long)  # [N]
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])  # [N]
         if self.cache is None:
-            ctx = RecomputeContext(lens, positions, self.config.layer_windows)
+            ctx = RecomputeContext(lens, positions, self.config.layer_windows, self.config.attn_softcap)
         else:
             ctx = PagedContext(self.cache, [s.kv for s in seqs], lens, positions, self.rotaries)  # type: ignore[misc]
         wanted = len(lens) if want is None else sum(want)  # logits rows: each sequence's last want[i] tokens

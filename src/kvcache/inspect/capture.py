@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcache.attention import AttentionContext, RecomputeContext
+from kvcache.attention.dense import soft_cap
 from kvcache.cache.visibility import visibility_mask
 from kvcache.errors import InvalidParams
 from kvcache.models.base import CausalLM
@@ -32,6 +33,10 @@ class CaptureContext:
     inner: AttentionContext
     layers: set[int] | None = None  # None: every layer
     seen: dict[int, Captured] = field(default_factory=dict)
+
+    @property
+    def softcap(self) -> float | None:
+        return getattr(self.inner, "softcap", None)
 
     def attend_packed(self, *args: object) -> None:
         return None  # no fused path: q, k and v must pass through attend to be recorded
@@ -63,7 +68,8 @@ def check_indices(model: CausalLM, layers: Sequence[int], heads: Sequence[int]) 
 def capture(model: CausalLM, ids: list[int], layers: Sequence[int]) -> dict[int, Captured]:
     """One recompute forward over ``ids``, recording the chosen layers."""
     pos = torch.arange(len(ids))
-    ctx = CaptureContext(RecomputeContext([len(ids)], pos, model.config.layer_windows), set(layers))
+    ctx = CaptureContext(RecomputeContext([len(ids)], pos, model.config.layer_windows, model.config.attn_softcap),
+                         set(layers))
     model(torch.tensor(ids), pos, ctx, logits_rows=torch.tensor([len(ids) - 1]))
     return ctx.seen
 
@@ -72,7 +78,7 @@ def attention_weights(model: CausalLM, c: Captured, layer: int, head: int) -> to
     """Softmax weights [N, N] of one query head over the keys it may see (GQA: its KV head)."""
     group = model.config.num_heads // model.config.num_kv_heads
     pos = torch.arange(c.q.shape[0])
-    scores = (c.q[:, head] @ c.k[:, head // group].T) * c.scale  # [N, N]
+    scores = soft_cap((c.q[:, head] @ c.k[:, head // group].T) * c.scale, model.config.attn_softcap)  # [N, N]
     mask = visibility_mask(pos, pos, model.config.layer_windows[layer])
     return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
 

@@ -23,6 +23,7 @@ FAMILIES: dict[str, str] = {
     "smollm3": "llama",  # SmolLM3: Llama with RoPE left out of every fourth layer (rope_layers)
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
+    "gemma2": "gemma3",  # Gemma 2: Gemma 3's layers without the q/k norm, attention logits soft-capped
     "gpt2": "gpt2",
 }
 
@@ -60,6 +61,9 @@ class ModelConfig:
     # per layer: whether RoPE turns its q and k (False: a NoPE layer, SmolLM3's every fourth);
     # empty: every layer
     rope_layers: tuple[bool, ...] = ()
+    # attention logit soft cap (Gemma 2's attn_logit_softcapping): scores -> cap * tanh(scores / cap)
+    # before the mask; None: none
+    attn_softcap: float | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -109,8 +113,11 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
         scale = None
-        if mt.startswith("gemma3"):
+        if mt.startswith("gemma"):
             scale = float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5
+        cap = cfg.get("attn_logit_softcapping")
+        if cap is not None and float(cap) <= 0:
+            raise ModelLoadError(f"config.json has attn_logit_softcapping {cap}; a soft cap must be positive")
         return cls(
             model_type=mt,
             vocab_size=int(cfg["vocab_size"]),
@@ -126,7 +133,7 @@ class ModelConfig:
             rope_local_theta=local_theta,
             rope_scaling=scaling,
             layer_windows=windows,
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", mt.startswith("gemma3"))),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", mt.startswith("gemma"))),
             attention_bias=bool(cfg.get("attention_bias", mt == "qwen2")),
             qk_norm=mt in ("qwen3", "gemma3_text"),
             hidden_act=act,
@@ -135,6 +142,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             partial_rotary_factor=_partial_rotary(cfg),
             rope_layers=_rope_layers(cfg, n_layers),
+            attn_softcap=float(cap) if cap is not None else None,
             raw=dict(cfg),
         )
 

@@ -1,4 +1,6 @@
-"""Gemma 3 (text): scaled embeddings, four norms per layer, QK norm, hybrid sliding/full layers.
+"""Gemma 3 (text) and Gemma 2: scaled embeddings, four norms per layer, hybrid sliding/full layers;
+Gemma 3's QK norm, Gemma 2's soft-capped attention logits (attention/dense.py soft_cap: no native
+kernel takes them, so a Gemma 2 forward goes layer by layer, its attention dense).
 
 Gemma's RMSNorm multiplies by (1 + w); the +1 is folded into the stored weights at load time, and
 the two norms that feed a projection (input, pre-feedforward) are folded into its matrix.
@@ -12,7 +14,7 @@ import torch
 from torch import nn
 
 from kvcache.attention.interface import AttentionContext
-from kvcache.errors import ModelLoadError, UnsupportedArchitecture
+from kvcache.errors import ModelLoadError
 from kvcache.kernels.qweight import LayerStack
 from kvcache.kernels.rotary import Rotary
 from kvcache.models.base import CausalLM
@@ -44,17 +46,17 @@ class Gemma3Layer(nn.Module):
         self.down = projection([sd[f"{m}.down_proj.weight"]], None, weights)  # [k, I, H / k]
         self.ln_post_attn = frozen(_w(sd, f"{p}.post_attention_layernorm.weight"))  # [H]
         self.ln_post_ff = frozen(_w(sd, f"{p}.post_feedforward_layernorm.weight"))  # [H]
-        # per-head norms of q and k as one weight [Hq + Hkv, D]: one norm call for both
-        q_w, k_w = _w(sd, f"{a}.q_norm.weight"), _w(sd, f"{a}.k_norm.weight")  # [D] each
-        self.qk_norm = frozen(torch.cat((q_w.expand(hq, d), k_w.expand(hkv, d))))
+        # per-head norms of q and k as one weight [Hq + Hkv, D]: one norm call for both (Gemma 3)
+        self.qk_norm = None
+        if cfg.qk_norm:
+            q_w, k_w = _w(sd, f"{a}.q_norm.weight"), _w(sd, f"{a}.k_norm.weight")  # [D] each
+            self.qk_norm = frozen(torch.cat((q_w.expand(hq, d), k_w.expand(hkv, d))))
 
 
 class Gemma3ForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig, sd: dict, weights: str = "fp32") -> None:
         super().__init__()
         self.config = config
-        if config.raw.get("attn_logit_softcapping"):
-            raise UnsupportedArchitecture("gemma3 with attn_logit_softcapping is not supported")
         sd = text_model_names(sd)
         try:
             embed = sd["model.embed_tokens.weight"]  # [V, H]
@@ -63,7 +65,7 @@ class Gemma3ForCausalLM(CausalLM):
             )
             self.norm = frozen(_w(sd, "model.norm.weight"))  # [H]
         except KeyError as e:
-            raise ModelLoadError(f"weights are missing tensor {e.args[0]!r} for a gemma3 model") from None
+            raise ModelLoadError(f"weights are missing tensor {e.args[0]!r} for a {config.model_type} model") from None
         head = sd.get("lm_head.weight")
         tied = config.tie_embeddings or head is None
         self.lm_head = projection([embed if tied else head], None, weights)  # [k, H, V / k] (padded)
@@ -83,7 +85,7 @@ class Gemma3ForCausalLM(CausalLM):
         ]
         # quantized weights: every layer in one native call a forward when the context allows it
         # (rotary table 0 the global one, 1 the local one of the sliding layers)
-        self.stack = LayerStack.of(
+        self.stack = None if config.attn_softcap is not None else LayerStack.of(
             [(qkv, qkv_b, qkn, o, None, post_attn, gu, None, dn, None, post_ff, int(window is not None))
              for (qkv, qkv_b, qkn, o, post_attn, gu, dn, post_ff), window in zip(self.plan, config.layer_windows)],
             (config.num_heads, config.num_kv_heads, config.head_dim), self.act_kernel)
@@ -99,6 +101,9 @@ class Gemma3ForCausalLM(CausalLM):
         logits_rows: torch.Tensor | None = None,  # [R] int64
     ) -> torch.Tensor:  # [R or N, V] float32
         cfg = self.config
+        if getattr(ctx, "softcap", None) != cfg.attn_softcap:  # every context made for this model carries it
+            raise ValueError(f"this attention context caps attention logits at {getattr(ctx, 'softcap', None)}, "
+                             f"the model at {cfg.attn_softcap}")
         hq, hkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps
         scale, act, heads = cfg.scale, self.act, (hq, hkv, d)
         x = packed_rows(self.lm_head if self.embed is None else self.embed, input_ids)  # [N, H]

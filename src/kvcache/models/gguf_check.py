@@ -67,6 +67,8 @@ MODEL_KEYS: dict[str, set[str]] = {
     "qwen3moe": _COMMON | {"expert_count", "expert_used_count", "expert_feed_forward_length"},
     "phi3": _COMMON | {"attention.sliding_window", "rope.scaling.attn_factor"},
     "smollm3": _COMMON,
+    "gemma2": _COMMON | {"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa",
+                         "final_logit_softcapping", "attn_logit_softcapping"},
     "gemma3": _COMMON | {"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa",
                          "final_logit_softcapping", "attn_logit_softcapping"},
     "gpt2": {"context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
@@ -197,8 +199,8 @@ def _check_values(arch: str, meta: dict[str, Any], n_vocab: int | None) -> list[
         out.append(f"key {arch}.rope.scaling.type is {scaling!r}; kvcache honours {', '.join(SCALINGS)}")
     elif scaling == "longrope" and arch != "phi3":
         out.append(f"key {arch}.rope.scaling.type 'longrope' is honoured for phi3 files only")
-    if float(get("attn_logit_softcapping", 0.0) or 0.0) != 0.0:
-        out.append(f"key {arch}.attn_logit_softcapping is set: kvcache's attention has no logit soft cap")
+    if float(get("attn_logit_softcapping", 0.0) or 0.0) < 0.0:
+        out.append(f"key {arch}.attn_logit_softcapping is {get('attn_logit_softcapping')}: a soft cap must be positive")
     if float(get("rope.scaling.yarn_ext_factor", 1.0)) != 1.0 and scaling == "yarn":
         out.append(f"key {arch}.rope.scaling.yarn_ext_factor {get('rope.scaling.yarn_ext_factor')} "
                    "is not honoured (only 1.0, what transformers computes)")

@@ -13,7 +13,7 @@ from kvcache.models.gguf_names import has_experts
 
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
                "smollm3": "smollm3",
-               "gemma3": "gemma3_text", "phi3": "phi3"}
+               "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3"}
 
 
 def _one(value: Any) -> Any:
@@ -80,8 +80,8 @@ def hf_config_from_meta(arch: str, meta: dict[str, Any], n_vocab: int | None, te
         cfg.update({"model_type": "mixtral", "num_local_experts": int(get("expert_count")),
                     "num_experts_per_tok": int(get("expert_used_count")),
                     "moe_intermediate_size": int(get("feed_forward_length"))})
-    if arch == "gemma3":
-        cfg.update(_gemma3(meta, get, layers, hidden, heads, head_dim))
+    if arch in ("gemma2", "gemma3"):
+        cfg.update(_gemma(arch, meta, get, layers, hidden, heads, head_dim))
     return cfg
 
 
@@ -108,12 +108,17 @@ def _rope_scaling(get: Any, max_pos: int, tensors: set[str]) -> dict[str, Any] |
     return None
 
 
-def _gemma3(meta: dict[str, Any], get: Any, layers: int, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
-    """Gemma 3's sliding layers (llama.cpp's rule: a window only when the file gives one; every
-    sixth layer global unless sliding_window_pattern says otherwise), local RoPE base, query
-    scale (the 27B model's is hidden / heads) and final soft cap."""
-    window = int(get("attention.sliding_window", 0) or 0)
-    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+def _gemma(arch: str, meta: dict[str, Any], get: Any, layers: int, hidden: int, heads: int,
+           head_dim: int) -> dict[str, Any]:
+    """Gemma 2's and 3's sliding layers, local RoPE base, query scale and soft caps, as llama.cpp's
+    loader reads them. Gemma 3: a window only when the file gives one, every sixth layer global
+    unless ``sliding_window_pattern`` says otherwise, the local base 10000 unless given, the 62-layer
+    27B model's query scale hidden / heads. Gemma 2: a window of 4096 unless given on every other
+    layer from the first (pattern 2), one RoPE base unless ``rope.freq_base_swa`` differs, the
+    46-layer 27B model's scale hidden / heads, the head tied to the embeddings."""
+    two = arch == "gemma2"
+    window = int(get("attention.sliding_window", 4096 if two else 0) or (4096 if two else 0))
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 2 if two else 6)
     if window <= 0:
         sliding = [False] * layers
     elif isinstance(pattern, list):
@@ -121,12 +126,17 @@ def _gemma3(meta: dict[str, Any], get: Any, layers: int, hidden: int, heads: int
     else:
         n = int(pattern)
         sliding = [n == 0 or (i % n) < n - 1 for i in range(layers)]
+    base = float(get("rope.freq_base", 10000.0))
     out: dict[str, Any] = {
         "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
-        "sliding_window": window or None, "rope_local_base_freq": float(get("rope.freq_base_swa", 10000.0)),
+        "query_pre_attn_scalar": hidden // heads if layers == (46 if two else 62) else head_dim,
+        "sliding_window": window or None,
+        "rope_local_base_freq": float(get("rope.freq_base_swa", base if two else 10000.0)),
         "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
     }
-    if get("final_logit_softcapping"):
-        out["final_logit_softcapping"] = float(get("final_logit_softcapping"))
+    if two:
+        out["tie_word_embeddings"] = True
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if get(key):
+            out[key] = float(get(key))
     return out

@@ -90,7 +90,7 @@ def _fixed(t, arch: str, name: str, n_head: int | None, n_kv: int | None) -> np.
     heads = _permuted_heads(arch, t.name, n_head, n_kv)
     if heads is not None:
         w = _unpermute(w, heads)
-    if arch == "gemma3" and t.name.endswith("norm.weight"):
+    if arch in ("gemma2", "gemma3") and t.name.endswith("norm.weight"):
         w = w - 1.0
     if arch == "gpt2" and w.ndim == 2 and ".h." in name and not name.endswith("wte.weight"):
         w = w.T  # HF GPT-2 uses Conv1D: [in, out]

@@ -43,7 +43,7 @@ def write_tokenizer(gguf_path: Path, meta: dict[str, Any], out_dir: Path) -> Non
         raise ModelLoadError(f"{gguf_path.name}: cannot read its tokenizer ({type(e).__name__}: {e})") from None
     tok.backend_tokenizer.save(str(out_dir / "tokenizer.json"))
     arch = meta.get("general.architecture")
-    template = meta.get("tokenizer.chat_template") or (GEMMA_TEMPLATE if arch == "gemma3" else None)
+    template = meta.get("tokenizer.chat_template") or (GEMMA_TEMPLATE if arch in ("gemma2", "gemma3") else None)
     bos_id, eos_id = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
     config = {
         # the generic fast tokenizer: transformers' AutoTokenizer would otherwise pick the
