@@ -78,6 +78,10 @@ def hf_config(row: str, vocab: int) -> Any:
     if row == "qwen3moe":  # 8 experts, 2 a token, renormalised (llama.cpp's qwen3moe always renormalises)
         return tf.Qwen3MoeConfig(**c, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                                  norm_topk_prob=True, tie_word_embeddings=False)
+    if row == "olmoe":  # 8 experts of intermediate_size, 2 a token, not renormalised; q and k each normed whole
+        # (as many KV heads as query heads, as OLMoE-1B-7B: llama.cpp's olmoe takes no other k norm)
+        return tf.OlmoeConfig(**{**c, "num_key_value_heads": 4}, num_experts=8, num_experts_per_tok=2,
+                              norm_topk_prob=False, tie_word_embeddings=False)
     if row == "mixtral":  # 8 experts of intermediate_size, 2 a token; the converter writes it as llama
         return tf.MixtralConfig(**c, num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6,
                                 sliding_window=None, tie_word_embeddings=False)
@@ -91,9 +95,9 @@ def hf_config(row: str, vocab: int) -> Any:
 
 
 ROWS = ["llama", "llama3", "llama_yarn", "llama_linear", "llama_gqa8", "mistral", "qwen2", "qwen3", "phi3",
-        "phi3_longrope", "gemma2", "gemma3", "qwen3moe", "mixtral", "smollm3", "gpt2"]
+        "phi3_longrope", "gemma2", "gemma3", "qwen3moe", "mixtral", "olmoe", "smollm3", "gpt2"]
 # rows whose tokenizer is byte-level BPE (the bundled SmolLM2's): the converter needs a known one
-BPE_ROWS = {"gpt2", "qwen3moe", "mixtral"}  # qwen3moe: the converter reads only a BPE tokenizer for it
+BPE_ROWS = {"gpt2", "qwen3moe", "mixtral", "olmoe"}  # qwen3moe: the converter reads only a BPE tokenizer for it
 
 
 def spm_tokenizer(folder: Path, vocab: int) -> None:

@@ -19,6 +19,7 @@ FAMILIES: dict[str, str] = {
     "qwen3": "llama",
     "qwen3_moe": "qwen3moe",
     "mixtral": "qwen3moe",  # Mixtral: Mistral's attention (no q/k norm) with the same sparse MLP
+    "olmoe": "qwen3moe",  # OLMoE: one RMSNorm over all of q and one over all of k, the same sparse MLP
     "phi3": "llama",
     "smollm3": "llama",  # SmolLM3: Llama with RoPE left out of every fourth layer (rope_layers)
     "gemma3_text": "gemma3",

@@ -65,6 +65,7 @@ MODEL_KEYS: dict[str, set[str]] = {
     "qwen2": _COMMON,
     "qwen3": _COMMON,
     "qwen3moe": _COMMON | {"expert_count", "expert_used_count", "expert_feed_forward_length"},
+    "olmoe": _COMMON | {"expert_count", "expert_used_count"},
     "phi3": _COMMON | {"attention.sliding_window", "rope.scaling.attn_factor"},
     "smollm3": _COMMON,
     "gemma2": _COMMON | {"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa",
@@ -76,7 +77,7 @@ MODEL_KEYS: dict[str, set[str]] = {
 }
 # keys that mean a different model altogether, with the reason a reader understands
 _MEANS = {
-    "expert_count": "a mixture of experts, which kvcache runs for qwen3moe and llama (Mixtral)",
+    "expert_count": "a mixture of experts, which kvcache runs for qwen3moe, olmoe and llama (Mixtral)",
     "expert_shared_count": "shared experts", "expert_shared_feed_forward_length": "shared experts",
     "attention.scale": "a custom attention scale", "logit_scale": "scaled logits",
     "embedding_scale": "scaled embeddings", "residual_scale": "scaled residuals",
@@ -134,7 +135,7 @@ def check(meta: dict[str, Any], tensors: list[tuple[str, tuple[int, ...]]], n_vo
             rep.honoured.append(key)
         elif key.startswith(f"{arch}."):
             sub = key[len(arch) + 1:]
-            if sub in _ZERO_IS_NONE and not meta[key] and arch != "qwen3moe" or sub in _DESCRIPTIVE:
+            if sub in _ZERO_IS_NONE and not meta[key] and arch not in ("qwen3moe", "olmoe") or sub in _DESCRIPTIVE:
                 rep.no_effect.append(key)
             elif sub in own:
                 rep.honoured.append(key)

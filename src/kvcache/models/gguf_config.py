@@ -12,7 +12,7 @@ from typing import Any
 from kvcache.models.gguf_names import has_experts
 
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-               "smollm3": "smollm3",
+               "smollm3": "smollm3", "olmoe": "olmoe",
                "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3"}
 
 
@@ -76,6 +76,9 @@ def hf_config_from_meta(arch: str, meta: dict[str, Any], n_vocab: int | None, te
                     "moe_intermediate_size": int(get("expert_feed_forward_length", 0)),
                     # llama.cpp's qwen3moe always renormalises the chosen experts' weights
                     "norm_topk_prob": True, "mlp_only_layers": [], "decoder_sparse_step": 1})
+    if arch == "olmoe":  # each expert feed_forward_length wide; llama.cpp never renormalises its top-k weights
+        cfg.update({"num_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
+                    "norm_topk_prob": False})
     if has_experts(arch, meta):  # Mixtral, as llama.cpp's converter writes it
         cfg.update({"model_type": "mixtral", "num_local_experts": int(get("expert_count")),
                     "num_experts_per_tok": int(get("expert_used_count")),

@@ -33,7 +33,8 @@ _GPT2_BLOCK = {
     "ffn_up": "mlp.c_fc",
     "ffn_down": "mlp.c_proj",
 }
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "smollm3", "gpt2")  # GGUF architectures
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "olmoe", "gemma2", "gemma3", "phi3", "smollm3",
+             "gpt2")  # GGUF architectures
 _MOE = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
         "ffn_up_exps": "mlp.experts.{e}.up_proj", "ffn_down_exps": "mlp.experts.{e}.down_proj"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -64,13 +65,13 @@ def expected_tensors(arch: str, meta: dict[str, Any]) -> tuple[dict[str, bool], 
         top.update({"rope_factors_long.weight": False, "rope_factors_short.weight": False})
         return top, layer
     layer.update({"attn_output.bias": False})
-    if arch in ("qwen3", "qwen3moe", "gemma3"):
+    if arch in ("qwen3", "qwen3moe", "olmoe", "gemma3"):
         layer.update({"attn_q_norm.weight": True, "attn_k_norm.weight": True})
     if arch in ("gemma2", "gemma3"):
         layer.update({"post_attention_norm.weight": True, "post_ffw_norm.weight": True})
     if arch == "gemma2":
         del top["output.weight"]  # llama.cpp's gemma2 always reads its head from token_embd
-    if arch == "qwen3moe" or has_experts(arch, meta):
+    if arch in ("qwen3moe", "olmoe") or has_experts(arch, meta):
         layer.update({f"{p}.weight": True for p in _MOE})
         if arch == "llama":
             top["rope_freqs.weight"] = False
@@ -112,7 +113,7 @@ def hf_tensor_name(arch: str, name: str) -> str | None:
     m = _BLOCK.match(name)
     if not m:
         return None
-    table = _GEMMA_BLOCK if arch in ("gemma2", "gemma3") else {**_LLAMA_BLOCK, **_MOE} if arch in ("qwen3moe", "llama") else _LLAMA_BLOCK
+    table = _GEMMA_BLOCK if arch in ("gemma2", "gemma3") else {**_LLAMA_BLOCK, **_MOE} if arch in ("qwen3moe", "olmoe", "llama") else _LLAMA_BLOCK
     part = m.group(2)
     if arch == "phi3" and part == "ffn_up":
         return f"model.layers.{m.group(1)}.mlp.gate_up_proj.{m.group(3)}"

@@ -1,5 +1,8 @@
 """Qwen3-MoE (transformers' Qwen3MoeForCausalLM): Qwen3's attention (per-head RMSNorm of q and k,
-grouped-query heads) with a sparse mixture of experts in place of every layer's MLP; and Mixtral
+grouped-query heads) with a sparse mixture of experts in place of every layer's MLP; OLMoE
+(OlmoeForCausalLM), the same block with q and k each RMS-normalized over all of its heads (the
+attention halves then layer by layer: the one-call stack norms per head) and experts as wide as
+intermediate_size, their weights not renormalised unless the config says so; and Mixtral
 (MixtralForCausalLM), the same block with Mistral's attention (no q/k norm, a sliding window where
 the config has one) and the chosen experts' weights always renormalised (models/moe.py MoeSpec).
 Mixtral's checkpoints name the block ``block_sparse_moe`` and its experts' matrices w1 (gate), w3
@@ -20,14 +23,15 @@ import torch
 from torch import nn
 
 from kvcache.attention.interface import AttentionContext
-from kvcache.errors import ModelLoadError
+from kvcache.errors import ModelLoadError, UnsupportedArchitecture
 from kvcache.kernels.qmoe import expert_table
 from kvcache.kernels.qweight import LayerStack, Mixture
 from kvcache.kernels.rotary import Rotary
 from kvcache.models.base import CausalLM
 from kvcache.models.config import ModelConfig
 from kvcache.models.layers import (
-    ACT_KERNEL, activation, attention_block, frozen, pack_bias, packed_rows, text_model_names,
+    ACT_KERNEL, activation, add_linear, attention_block, frozen, norm_linear, pack_bias, packed_rows, rms_norm,
+    self_attention, text_model_names,
 )
 from kvcache.models.moe import Expert, MoeSpec, Router, expert_parts, moe_block
 from kvcache.models.weights import embedding, projection
@@ -52,7 +56,16 @@ class Qwen3MoeLayer(nn.Module):
         self.o = projection([sd[f"{a}.o_proj.weight"]], None, weights)  # [k, Hq D, H / k]
         self.o_b = pack_bias(sd.get(f"{a}.o_proj.bias"), self.o)
         self.qk_norm = None  # Mixtral's attention has none; Qwen3-MoE's requires it (KeyError names it)
-        if cfg.model_type != "mixtral":
+        self.full_qk: tuple[torch.Tensor, torch.Tensor] | None = None  # OLMoE's norms over all of q, all of k
+        if cfg.model_type == "olmoe":
+            if cfg.raw.get("clip_qkv") is not None:
+                raise UnsupportedArchitecture(f"olmoe: clip_qkv={cfg.raw['clip_qkv']} (q, k and v clamped) is not supported")
+            q_w, k_w = sd[f"{a}.q_norm.weight"].float(), sd[f"{a}.k_norm.weight"].float()  # [Hq D], [Hkv D]
+            if q_w.shape != (hq * d,) or k_w.shape != (hkv * d,):
+                raise ModelLoadError(f"{a}.q_norm/k_norm are {tuple(q_w.shape)} and {tuple(k_w.shape)}; olmoe's "
+                                     f"norms span all of q ({hq * d}) and all of k ({hkv * d})")
+            self.full_qk = (frozen(q_w), frozen(k_w))
+        elif cfg.model_type != "mixtral":
             q_w, k_w = sd[f"{a}.q_norm.weight"].float(), sd[f"{a}.k_norm.weight"].float()  # [D] each
             self.qk_norm = frozen(torch.cat((q_w.expand(hq, d), k_w.expand(hkv, d))))  # [Hq + Hkv, D]
         self.post_norm = frozen(sd[f"{p}.post_attention_layernorm.weight"])  # [H]
@@ -87,8 +100,11 @@ class Qwen3MoeForCausalLM(CausalLM):
 
     def _stack(self) -> LayerStack | None:
         """Every layer in one native call a forward, when every projection and expert is quantized
-        and the native router is there; None otherwise."""
+        and the native router is there; None otherwise (and for OLMoE, whose q/k norms span all
+        the heads: the native attention halves norm per head)."""
         cfg, spec, tables = self.config, self.spec, []
+        if any(ly.full_qk is not None for ly in self.layers):
+            return None
         for ly in self.layers:
             experts = expert_table([(ex.gate_up, ex.down) for ex in ly.experts])
             if experts is None or ly.router.table is None:
@@ -116,7 +132,11 @@ class Qwen3MoeForCausalLM(CausalLM):
         if self.stack is not None and self.stack.run(ctx, x, [(cos, sin)], eps, cfg.scale):
             return self.head(x, logits_rows)
         for i, ly in enumerate(self.layers):
-            attention_block(ctx, i, x, (ly.qkv, ly.qkv_b, ly.o, ly.o_b), heads, cos, sin, ly.qk_norm, eps, cfg.scale)
+            if ly.full_qk is not None:
+                _full_norm_attention(ctx, i, x, ly, heads, cos, sin, eps, cfg.scale)
+            else:
+                attention_block(ctx, i, x, (ly.qkv, ly.qkv_b, ly.o, ly.o_b), heads, cos, sin, ly.qk_norm, eps,
+                                cfg.scale)
             moe_block(x, ly.router, ly.experts, self.act)
         return self.head(x, logits_rows)
 
@@ -128,6 +148,20 @@ class Qwen3MoeForCausalLM(CausalLM):
             held = sum(_nbytes(w) for ex in ly.experts for w in (ex.gate_up, ex.down))
             total -= held * (n - k) // n
         return total
+
+
+def _full_norm_attention(ctx: AttentionContext, layer: int, x: torch.Tensor, ly: Qwen3MoeLayer,
+                         heads: tuple[int, int, int], cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                         scale: float) -> None:
+    """OLMoE's attention half, x [N, H] += o(attention(...)): the fused projection, q and k each
+    RMS-normalized over all of its heads (transformers' OlmoeAttention), then RoPE and attention
+    as every family's (self_attention, with no per-head norm)."""
+    hq, hkv, d = heads
+    qkv = norm_linear(x, ly.qkv, ly.qkv_b, eps)  # [N, (Hq + 2 Hkv) D]
+    q_w, k_w = ly.full_qk  # type: ignore[misc]
+    qkv[:, : hq * d] = rms_norm(qkv[:, : hq * d], q_w, eps)
+    qkv[:, hq * d : (hq + hkv) * d] = rms_norm(qkv[:, hq * d : (hq + hkv) * d], k_w, eps)
+    add_linear(x, self_attention(ctx, layer, qkv, heads, cos, sin, None, eps, scale), ly.o, ly.o_b)
 
 
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}

@@ -26,7 +26,8 @@ def _rules(c: ModelConfig) -> list[tuple[re.Pattern, tuple[int, ...]]]:
         (r"\.self_attn\.q_proj\.weight", (q, h)), (r"\.self_attn\.k_proj\.weight", (k, h)),
         (r"\.self_attn\.v_proj\.weight", (k, h)), (r"\.self_attn\.o_proj\.weight", (h, q)),
         (r"\.self_attn\.q_proj\.bias", (q,)), (r"\.self_attn\.k_proj\.bias", (k,)), (r"\.self_attn\.v_proj\.bias", (k,)),
-        (r"\.self_attn\.(q|k)_norm\.weight", (d,)),
+        *([(r"\.self_attn\.q_norm\.weight", (q,)), (r"\.self_attn\.k_norm\.weight", (k,))]  # OLMoE: all of q, of k
+          if c.model_type == "olmoe" else [(r"\.self_attn\.(q|k)_norm\.weight", (d,))]),
         (r"\.self_attn\.qkv_proj\.weight", (q + 2 * k, h)),
     ]
     if c.family != "qwen3moe":  # its layers' MLPs are experts of their own size
