@@ -189,6 +189,20 @@ def test_smollm3s_nope_layers_are_read_or_refused_in_one_line():
         assert "\n" not in str(e.value)
 
 
+def test_an_attention_soft_cap_is_honoured_for_gemma_and_refused_elsewhere():
+    from kvcache.errors import UnsupportedArchitecture
+    from kvcache.models.config import ModelConfig
+
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 32,
+            "intermediate_size": 96, "attn_logit_softcapping": 50.0}
+    assert ModelConfig.from_hf({**base, "model_type": "gemma2"}).attn_softcap == 50.0
+    assert ModelConfig.from_hf({**base, "model_type": "gemma3_text", "attn_logit_softcapping": None}).attn_softcap is None
+    with pytest.raises(UnsupportedArchitecture, match="llama with attn_logit_softcapping is not supported"):
+        ModelConfig.from_hf({**base, "model_type": "llama"})
+    with pytest.raises(ModelLoadError, match="a soft cap must be positive"):
+        ModelConfig.from_hf({**base, "model_type": "gemma2", "attn_logit_softcapping": -1.0})
+
+
 def test_converted_tokenizer_loads_in_transformers_as_ours():
     """transformers' AutoTokenizer reads the converted folder (what kvpress's KVzip loads) and
     encodes as kvcache's own tokenizer does; the architecture's class would want an <unk>."""

@@ -117,6 +117,8 @@ class ModelConfig:
         if mt.startswith("gemma"):
             scale = float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5
         cap = cfg.get("attn_logit_softcapping")
+        if cap is not None and not mt.startswith("gemma"):  # only Gemma's model code checks its contexts carry it
+            raise UnsupportedArchitecture(f"{mt} with attn_logit_softcapping is not supported")
         if cap is not None and float(cap) <= 0:
             raise ModelLoadError(f"config.json has attn_logit_softcapping {cap}; a soft cap must be positive")
         return cls(
