@@ -179,6 +179,10 @@ REFUSALS = [
      "key tokenizer.ggml.eos_token_id is 99999, not a token id"),
     ("llama3", dict(drop=("llama.block_count",), add={"llama.block_count": (4_000_000_000, GGUFValueType.UINT32)}),
      "key llama.block_count is 4000000000 but the file has tensors for 2 layers"),
+    ("gemma2", dict(drop=("gemma2.attn_logit_softcapping",), add={"gemma2.attn_logit_softcapping": 0.0}),
+     "key gemma2.attn_logit_softcapping is 0.0: a gemma2 soft cap must be positive"),
+    ("gemma3", dict(add={"gemma3.attn_logit_softcapping": 50.0}),
+     "key gemma3.attn_logit_softcapping is set: llama.cpp's gemma3 never caps attention logits"),
 ]
 
 
@@ -288,6 +292,21 @@ def test_older_converters_keys_are_honoured_or_known_to_change_nothing(matrix, t
     assert rep.ok, rep.refused
     assert {"llama.expert_count", "llama.tensor_data_layout"} <= set(rep.no_effect)
     assert read_gguf(old)[2]["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+
+
+def test_a_gemma2_file_without_its_soft_caps_reads_llama_cpps_defaults(matrix, tmp_path):
+    """llama.cpp's gemma2 caps attention at 50 and the output at 30 where the file names no cap;
+    a gemma3 file's final cap is only the one it gives."""
+    from convert_matrix import rewrite_gguf
+    from kvcache.models.gguf_convert import read_gguf
+
+    bare = rewrite_gguf(matrix["gemma2"][2], tmp_path / "bare.gguf",
+                        drop=("gemma2.attn_logit_softcapping", "gemma2.final_logit_softcapping"))
+    config = read_gguf(bare)[2]
+    assert (config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (50.0, 30.0)
+    assert (read_gguf(matrix["gemma2"][2])[2]["attn_logit_softcapping"], ModelConfig.from_hf(
+        read_gguf(matrix["gemma2"][2])[2]).attn_softcap) == (5.0, 5.0)
+    assert "attn_logit_softcapping" not in read_gguf(matrix["gemma3"][2])[2]
 
 
 @pytest.mark.parametrize("row", ["llama", "phi3", "gemma3", "gpt2"])  # each builder once

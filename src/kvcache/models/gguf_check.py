@@ -59,6 +59,8 @@ _COMMON = {
     "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor", "rope.scaling.yarn_beta_fast",
     "rope.scaling.yarn_beta_slow", "rope.scale_linear",
 }
+_GEMMA = _COMMON | {"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa",
+                    "final_logit_softcapping", "attn_logit_softcapping"}
 MODEL_KEYS: dict[str, set[str]] = {
     "llama": _COMMON | {"expert_count", "expert_used_count"},  # Mixtral: llama with experts
     "mistral": _COMMON | {"attention.sliding_window"},
@@ -68,10 +70,8 @@ MODEL_KEYS: dict[str, set[str]] = {
     "olmoe": _COMMON | {"expert_count", "expert_used_count"},
     "phi3": _COMMON | {"attention.sliding_window", "rope.scaling.attn_factor"},
     "smollm3": _COMMON,
-    "gemma2": _COMMON | {"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa",
-                         "final_logit_softcapping", "attn_logit_softcapping"},
-    "gemma3": _COMMON | {"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa",
-                         "final_logit_softcapping", "attn_logit_softcapping"},
+    "gemma2": _GEMMA,
+    "gemma3": _GEMMA,
     "gpt2": {"context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
              "attention.head_count", "attention.head_count_kv", "attention.layer_norm_epsilon", "attention.causal"},
 }
@@ -200,8 +200,13 @@ def _check_values(arch: str, meta: dict[str, Any], n_vocab: int | None) -> list[
         out.append(f"key {arch}.rope.scaling.type is {scaling!r}; kvcache honours {', '.join(SCALINGS)}")
     elif scaling == "longrope" and arch != "phi3":
         out.append(f"key {arch}.rope.scaling.type 'longrope' is honoured for phi3 files only")
-    if float(get("attn_logit_softcapping", 0.0) or 0.0) < 0.0:
-        out.append(f"key {arch}.attn_logit_softcapping is {get('attn_logit_softcapping')}: a soft cap must be positive")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        cap = get(key)
+        if arch == "gemma2" and cap is not None and float(cap) <= 0.0:  # llama.cpp divides by both
+            out.append(f"key {arch}.{key} is {cap}: a gemma2 soft cap must be positive")
+    if arch == "gemma3" and float(get("attn_logit_softcapping", 0.0) or 0.0) != 0.0:
+        out.append(f"key {arch}.attn_logit_softcapping is set: llama.cpp's gemma3 never caps attention logits, "
+                   "so the file cannot say which model it is")
     if float(get("rope.scaling.yarn_ext_factor", 1.0)) != 1.0 and scaling == "yarn":
         out.append(f"key {arch}.rope.scaling.yarn_ext_factor {get('rope.scaling.yarn_ext_factor')} "
                    "is not honoured (only 1.0, what transformers computes)")

@@ -118,9 +118,11 @@ def _gemma(arch: str, meta: dict[str, Any], get: Any, layers: int, hidden: int, 
     unless ``sliding_window_pattern`` says otherwise, the local base 10000 unless given, the 62-layer
     27B model's query scale hidden / heads. Gemma 2: a window of 4096 unless given on every other
     layer from the first (pattern 2), one RoPE base unless ``rope.freq_base_swa`` differs, the
-    46-layer 27B model's scale hidden / heads, the head tied to the embeddings."""
+    46-layer 27B model's scale hidden / heads, the head tied to the embeddings, both soft caps
+    (50 and 30 unless given). llama.cpp never caps a gemma3 file's attention: gguf_check refuses
+    a gemma3 file that asks for it."""
     two = arch == "gemma2"
-    window = int(get("attention.sliding_window", 4096 if two else 0) or (4096 if two else 0))
+    window = int(get("attention.sliding_window") or (4096 if two else 0))
     pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 2 if two else 6)
     if window <= 0:
         sliding = [False] * layers
@@ -137,9 +139,9 @@ def _gemma(arch: str, meta: dict[str, Any], get: Any, layers: int, hidden: int, 
         "rope_local_base_freq": float(get("rope.freq_base_swa", base if two else 10000.0)),
         "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
     }
-    if two:
-        out["tie_word_embeddings"] = True
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if get(key):
-            out[key] = float(get(key))
+    if two:  # llama.cpp's gemma2 caps both, at 50 and 30 where the file says nothing
+        out.update({"tie_word_embeddings": True, "attn_logit_softcapping": float(get("attn_logit_softcapping", 50.0)),
+                    "final_logit_softcapping": float(get("final_logit_softcapping", 30.0))})
+    elif get("final_logit_softcapping"):  # gemma3: a final cap only where the file gives one (0: none)
+        out["final_logit_softcapping"] = float(get("final_logit_softcapping"))
     return out
