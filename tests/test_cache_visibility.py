@@ -25,7 +25,7 @@ def rope(rot: Rotary, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 
 
 def reference(q_raw, k_raw, v, t: int, window: int | None, sinks: int, rot: Rotary,
-              softcap: float | None = None) -> torch.Tensor:
+              softcap: float | None = None, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """Output [Hq, D] of the query at position t: keys kept by the policy, at cache positions."""
     if window is None:
         kept = list(range(t + 1))
@@ -44,6 +44,8 @@ def reference(q_raw, k_raw, v, t: int, window: int | None, sinks: int, rot: Rota
     scores = torch.einsum("hd,lhd->hl", q, k) / math.sqrt(q.shape[-1])
     if softcap is not None:  # Gemma 2's soft cap on the logits
         scores = softcap * torch.tanh(scores / softcap)
+    if sink_logits is not None:  # gpt-oss: one more logit a head, with no value, as transformers appends it
+        return torch.einsum("hl,lhd->hd", torch.cat((scores, sink_logits[:, None]), 1).softmax(-1)[:, :-1], vv)
     return torch.einsum("hl,lhd->hd", scores.softmax(-1), vv)
 
 
@@ -127,6 +129,38 @@ def test_soft_capped_logits_through_windows_and_sinks_match_reference(window, si
             torch.testing.assert_close(out[i], ref, atol=tol, rtol=tol)
             assert (out[i] - reference(q_raw, k_raw, v, t, window, sinks, rot)).abs().max() > 10 * tol or t == 0
         start += c
+    cache.free(seq)
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("window,sinks,encoding", [(12, 3, "fp32"), (None, 0, "fp32"), (12, 0, "fp16"),
+                                                   (12, 3, "int8")])
+def test_learned_sink_logits_through_windows_and_sinks_match_reference(window, sinks, encoding):
+    """gpt-oss's learned sink logits, one a query head: every read goes to dense attention with them
+    (past a window, beside the kept sink tokens re-rotated), one token at a time and in chunks, on
+    fp32, fp16 and int8 pages; without them the outputs differ."""
+    torch.manual_seed(3)
+    n = 40
+    rot = Rotary(8, 10000.0)
+    q_raw, k_raw, v = torch.randn(n, 4, 8) * 2, torch.randn(n, 2, 8) * 2, torch.randn(n, 2, 8)
+    sink_logits = torch.tensor([2.5, -1.0, 0.5, 4.0])
+    quant = dict(residual=0, group_size=8) if encoding == "int8" else dict(page_size=4)
+    cache = PagedKVCache(ONE, CacheConfig(initial_tokens=8, window=window, sinks=sinks,
+                                          encoding=encoding, **quant))
+    seq = cache.new_sequence()
+    start, moved = 0, 0.0
+    tol = {"fp32": 2e-5, "fp16": 5e-3}.get(encoding, 0.05)
+    for c in [1] * 10 + [7, 1, 22]:
+        pos = torch.arange(start, start + c)
+        ctx = PagedContext(cache, [seq], [c], pos, [rot])
+        out = ctx.attend(0, rope(rot, q_raw[pos], pos), rope(rot, k_raw[pos], pos), v[pos], 1 / math.sqrt(8),
+                         sink_logits)
+        for i, t in enumerate(range(start, start + c)):
+            ref = reference(q_raw, k_raw, v, t, window, sinks, rot, sink_logits=sink_logits)
+            torch.testing.assert_close(out[i], ref, atol=tol, rtol=tol)
+            moved = max(moved, (ref - reference(q_raw, k_raw, v, t, window, sinks, rot)).abs().max().item())
+        start += c
+    assert moved > 0.1  # the sinks take a real share of the weights
     cache.free(seq)
     cache.check_integrity()
 

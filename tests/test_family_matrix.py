@@ -77,23 +77,37 @@ def ours(spec: Path, weights: str, ids: torch.Tensor) -> torch.Tensor:  # [N, V]
     return model(ids, pos, RecomputeContext([N], pos, config.layer_windows, config.attn_softcap))
 
 
-def fused_experts(sd: dict) -> dict:
+def fused_experts(sd: dict, gpt_oss: bool = False) -> dict:
     """Per-expert weights (as files and kvcache name them) as transformers holds them in memory:
-    experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I]; RoPE factor tensors left out."""
+    experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I]; RoPE factor tensors left out.
+    gpt-oss: gate_up_proj [E, H, 2I] with gate and up interleaved, down_proj [E, I, H], their biases
+    beside them, the sinks under transformers' name."""
     out, experts = {}, {}
     for k, v in sd.items():
         if ".mlp.experts." in k:
             layer, rest = k.split(".mlp.experts.")
-            e, proj = rest.split(".")[:2]
-            experts.setdefault(layer, {}).setdefault(proj, {})[int(e)] = v
+            e, proj, kind = rest.split(".")[:3]
+            experts.setdefault(layer, {}).setdefault(proj + ("_bias" if kind == "bias" else ""), {})[int(e)] = v
+        elif k.endswith(".sinks.weight"):
+            out[k[: -len(".weight")]] = v
         elif not k.startswith("model.rope_"):
             out[k] = v
     for layer, p in experts.items():
         n = len(p["gate_proj"])
+        if gpt_oss:
+            gu = torch.stack([torch.stack((p["gate_proj"][e].t(), p["up_proj"][e].t()), -1).flatten(1) for e in range(n)])
+            gub = torch.stack([torch.stack((p["gate_proj_bias"][e], p["up_proj_bias"][e]), -1).flatten() for e in range(n)])
+            out[f"{layer}.mlp.experts.gate_up_proj"], out[f"{layer}.mlp.experts.gate_up_proj_bias"] = gu, gub
+            out[f"{layer}.mlp.experts.down_proj"] = torch.stack([p["down_proj"][e].t() for e in range(n)])
+            out[f"{layer}.mlp.experts.down_proj_bias"] = torch.stack([p["down_proj_bias"][e] for e in range(n)])
+            continue
         out[f"{layer}.mlp.experts.gate_up_proj"] = torch.stack(
             [torch.cat((p["gate_proj"][e], p["up_proj"][e])) for e in range(n)])
         out[f"{layer}.mlp.experts.down_proj"] = torch.stack([p["down_proj"][e] for e in range(n)])
     return out
+
+
+MOE_ROWS = ("qwen3moe", "mixtral", "olmoe", "gpt_oss")
 
 
 def gap(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -119,7 +133,7 @@ def test_q8_gguf_with_its_int8_kernels_tracks_transformers_on_the_same_weights(m
     ids = ids_for(hf)
     sd = model_weights(resolve_model(q8), "fp32")  # the Q8_0 file's weights, dequantized, HF names
     hf_q8 = type(hf)(hf.config).float().eval()
-    missing, _ = hf_q8.load_state_dict(fused_experts(sd), strict=False)
+    missing, _ = hf_q8.load_state_dict(fused_experts(sd, row == "gpt_oss"), strict=False)
     assert not [m for m in missing if "rotary" not in m and m != "lm_head.weight"], missing
     if "lm_head.weight" in missing:
         hf_q8.tie_weights()
@@ -133,7 +147,7 @@ def test_q8_gguf_with_its_int8_kernels_tracks_transformers_on_the_same_weights(m
     # the activations' rounding (as in llama.cpp, whose activations are rounded too): one such row
     # of the 24 is allowed past the bound
     errs = sorted((got - ref).abs().max(-1).values.tolist())
-    beyond = 1 if row in ("qwen3moe", "mixtral", "olmoe") else 0
+    beyond = 1 if row in MOE_ROWS else 0
     assert errs[-1 - beyond] < 0.08 * scale, f"{row}: {errs[-1 - beyond]:.3g}"
     # the smollm3 row has twice the others' two layers (its NoPE layer is the fourth), so its
     # activations are rounded twice as often: 3.0-4.4% of the mean logit over three seeds
@@ -162,6 +176,9 @@ def test_the_matrix_covers_each_feature(matrix):
     assert has("smollm3", "smollm3.rope.freq_base") and read_gguf(matrix["smollm3"][2])[2]["no_rope_layers"] == [1, 1, 1, 0]
     assert "every fourth layer without RoPE" in check_file(matrix["smollm3"][2]).lines("f")[0]
     assert has("olmoe", "ffn_gate_exps") and has("olmoe", "attn_q_norm") and has("gemma2", "attn_logit_softcapping")
+    assert has("gpt_oss", "attn_sinks") and has("gpt_oss", "ffn_gate_exps.bias") and has("gpt_oss", "sliding_window")
+    assert read_gguf(matrix["gpt_oss"][2])[2]["layer_types"] == ["sliding_attention", "full_attention"]
+    assert "learned sink logit" in check_file(matrix["gpt_oss"][2]).lines("f")[0]
     assert BPE_ROWS <= set(ROWS)
 
 
@@ -275,7 +292,8 @@ def test_q8_perplexity_beside_llama_cpp_on_the_same_file(matrix, row):
     # a tiny random router sits near ties often, and each side's activation rounding routes a few
     # tokens elsewhere: on the mixtral row the exact computation (fp32 weights) is itself 1.8% from
     # llama.cpp, kvcache's int8 path 0.5%; the mixtures get 1%, the dense rows 0.5%
-    bound = 0.01 if row in ("qwen3moe", "mixtral", "olmoe") else 0.005
+    bound = 0.01 if row in MOE_ROWS else 0.005
+    print(f"{row}: kvcache {ours_ppl:.4f}, llama.cpp {peer:.4f}")
     assert abs(ours_ppl / peer - 1) < bound, f"{row}: kvcache {ours_ppl:.4f}, llama.cpp {peer:.4f}"
 
 
@@ -454,3 +472,167 @@ def test_olmoes_whole_width_qk_norms_run_through_the_engine_as_transformers_runs
         recomputed = quant.model(torch.tensor(prompt), torch.arange(64),
                                  RecomputeContext([64], torch.arange(64), config.layer_windows), torch.tensor([63]))[0]
     assert torch.equal(cached, recomputed)
+
+
+@pytest.mark.parametrize("kv", ["dynamic", "static,max_tokens=512", "fp16", "int8,residual=0,group_size=16"])
+def test_learned_sinks_run_through_the_engine_as_transformers_runs_them(matrix, kv):
+    """gpt-oss's learned sink logits (no native kernel takes them: every read goes to dense
+    attention with them): through the paged cache, past the first layer's 32-token window, the F32
+    file gives transformers' logits for the prompt and each greedy step (fp16 and int8 pages: within
+    their rounding), and again over the cached prefix; a press, which scores attention without the
+    sinks, is refused in one line."""
+    from kvcache import LLM
+    from kvcache.errors import InvalidParams
+
+    hf, _, f32, _ = matrix["gpt_oss"]
+    llm = LLM(str(f32), weights="fp32", kv=kv)
+    assert llm.config.attn_sink_logits and llm.config.layer_windows == (32, None)
+    assert all(ly.sinks.abs().max() > 0.05 for ly in llm.model.layers)  # sinks far from zero: they matter
+    # fp16 pages: K and V rounded to 11 bits, up to 0.1% of the largest logit here (bf16's 8 bits: 0.6%)
+    tol = {"fp16": lambda ref: 2e-3 * ref.abs().max().item(),
+           "int8,residual=0,group_size=16": lambda ref: 0.02 * ref.abs().max().item()}
+    got = _beside_transformers(llm, hf, 100, 6, tol.get(kv))
+    prompt = torch.randint(3, 300, (100,), generator=torch.Generator().manual_seed(6)).tolist()
+    again = _steps(llm, prompt, 4)  # the same prompt, its pages from the prefix cache
+    assert all(gap(a, b) < (2e-3 if kv in tol else ATOL) for a, b in zip(again, got))
+    with pytest.raises(InvalidParams, match="press=snapkv scores attention without the learned sink logits") as e:
+        LLM(str(f32), weights="fp32", kv="press=snapkv,ratio=0.5")
+    assert "\n" not in str(e.value)
+
+
+def test_gpt_oss_folder_and_quantized_file_beside_their_oracles(matrix, tmp_path):
+    """The released gpt-oss configs turn RoPE by yarn without truncating its correction range: a
+    folder saying so gives transformers' logits (the GGUF cannot say it, and llama.cpp truncates).
+    Without the sinks the logits move: they are really applied. The Q8_0 file's experts, in the
+    file's type, give through the cache the bits of a recompute (windows with kept sink tokens:
+    test_cache_visibility)."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from kvcache import LLM
+
+    hf, folder, _, q8 = matrix["gpt_oss"]
+    plain = tmp_path / "untruncated"
+    shutil.copytree(folder, plain)
+    cfg = json.loads((plain / "config.json").read_text())
+    cfg["rope_parameters"]["truncate"] = False
+    (plain / "config.json").write_text(json.dumps(cfg))
+    hf2 = AutoModelForCausalLM.from_pretrained(plain, attn_implementation="eager").float().eval()
+    ids = ids_for(hf2)
+    ref = hf_logits(hf2, ids)
+    assert gap(ref, hf_logits(hf, ids)) > 1e-3  # the truncation matters at these positions
+    assert gap(ours(plain, "fp32", ids), ref) < ATOL
+    config = ModelConfig.from_hf(read_config(plain))
+    model = build_model(config, load_weights(plain)[1], "fp32")
+    for ly in model.layers:
+        ly.sinks.data.fill_(-1e4)  # a sink no row weighs: plain softmax
+    pos = torch.arange(START, START + N)
+    with torch.inference_mode():
+        unsunk = model(ids, pos, RecomputeContext([N], pos, config.layer_windows))
+    assert gap(unsunk, ref) > 1e-2
+    prompt = torch.randint(3, 300, (80,), generator=torch.Generator().manual_seed(8)).tolist()
+    quant = LLM(str(q8), prefix=False)
+    cached = _steps(quant, prompt, 0)[0]
+    with torch.inference_mode():
+        recomputed = quant.model(torch.tensor(prompt), torch.arange(80),
+                                 RecomputeContext([80], torch.arange(80), quant.config.layer_windows),
+                                 torch.tensor([79]))[0]
+    assert torch.equal(cached, recomputed)
+
+
+def mxfp4_file(src: Path, dst: Path) -> Path:
+    """A copy of the F32 gpt-oss file whose expert matrices are MXFP4, as llama.cpp's converter
+    writes the released gpt-oss checkpoints (gguf-py's own MXFP4 quantizer)."""
+    import gguf
+    import numpy as np
+    from gguf.quants import quantize
+
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), "gpt-oss")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = field.types[0]
+        writer.add_key_value(key, field.contents(), vtype,
+                             field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        data = np.array(t.data)
+        if t.name.endswith("_exps.weight"):
+            writer.add_tensor(t.name, quantize(data, gguf.GGMLQuantizationType.MXFP4),
+                              raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+        else:
+            writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def mxfp4(matrix, tmp_path_factory) -> Path:
+    return mxfp4_file(matrix["gpt_oss"][2], tmp_path_factory.mktemp("mxfp4") / "gpt-oss-mxfp4.gguf")
+
+
+def test_mxfp4_experts_are_held_exactly_in_five_bits(matrix, mxfp4):
+    """MXFP4 (the released gpt-oss files' expert type: 4-bit codes of 0..6 on a power-of-two scale
+    per 32) is read as Q5_0 holding the same weights bit for bit (every MXFP4 weight is an integer of
+    -12..12 times 2^(e-128)); the file's experts stay quantized and run through the int8 products,
+    within their rounding of the same weights dequantized by gguf-py."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from kvcache.kernels.qweight import QWeight
+
+    reader = gguf.GGUFReader(str(mxfp4))
+    exps = [t for t in reader.tensors if t.name.endswith("_exps.weight")]
+    assert exps and all(t.tensor_type == gguf.GGMLQuantizationType.MXFP4 for t in exps)
+    sd = model_weights(resolve_model(mxfp4), "file")
+    for t in exps:
+        ref = dequantize(t.data, t.tensor_type)  # [E, rows, K]
+        layer, kind = t.name.split(".")[1], t.name.split(".")[2].split("_")[1]
+        for e in range(ref.shape[0]):
+            got = sd[f"model.layers.{layer}.mlp.experts.{e}.{kind}_proj.weight"].dequantize().numpy()
+            assert np.array_equal(got, ref[e]), (t.name, e)
+    hf = matrix["gpt_oss"][0]
+    ids = ids_for(hf)
+    exact = ours(mxfp4, "fp32", ids)  # the file's weights dequantized, in fp32
+    config = ModelConfig.from_hf(read_config(resolve_model(mxfp4).path))
+    model = build_model(config, sd, "file")
+    assert all(isinstance(ex.gate_up, QWeight) and ex.gate_up.format_name.startswith("q5")
+               for ly in model.layers for ex in ly.experts)
+    pos = torch.arange(START, START + N)
+    with torch.inference_mode():
+        got = model(ids, pos, RecomputeContext([N], pos, config.layer_windows))
+    assert gap(exact, hf_logits(hf, ids)) > 0.05  # MXFP4 really moved the weights
+    errs = sorted((got - exact).abs().max(-1).values.tolist())
+    assert errs[-2] < 0.08 * exact.abs().max().item()
+    assert (got.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(llama_cpp_bin() is None, reason="llama-perplexity is not built (make llamacpp, then "
+                    "cmake --build .venv/llama.cpp/build --target llama-perplexity)")
+def test_mxfp4_perplexity_beside_llama_cpp_on_the_same_file(mxfp4):
+    """The MXFP4 gpt-oss file through kvcache (experts as Q5_0, the int8 products) against
+    llama-perplexity, which multiplies MXFP4 blocks itself, on the same file and text."""
+    import inspect
+    import textwrap
+
+    from kvcache import LLM
+    from kvcache.eval.weights import chunks, perplexity
+    from kvcache.peers.llama_cpp import llama_perplexity
+
+    text = inspect.getsource(textwrap)
+    llm = LLM(str(mxfp4), prefix=False)
+    probe = llm.tokenizer.encode("a")
+    bos = llm.tokenizer.bos_token_id if probe and probe[0] == llm.tokenizer.bos_token_id else None
+    parts = chunks(llm.encode(text), 128, 4, bos)
+    ours_ppl = perplexity(llm, parts)
+    peer, note = llama_perplexity(str(llama_cpp_bin()), str(mxfp4), text, 128, len(parts), 2)
+    assert peer is not None, note
+    print(f"gpt-oss MXFP4: kvcache {ours_ppl:.4f}, llama.cpp {peer:.4f}")
+    assert abs(ours_ppl / peer - 1) < 0.01, f"kvcache {ours_ppl:.4f}, llama.cpp {peer:.4f}"

@@ -134,8 +134,10 @@ class PagedContext:
         return LayerPages(flats, kvs, torch.tensor(groups, dtype=torch.long), len(plan.seqs), row0, new)
 
     # -- the general call -------------------------------------------------------------------------
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """q: [N, Hq, D]; k, v: [N, Hkv, D] -> [N, Hq, D]."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [N, Hq, D]; k, v: [N, Hkv, D] -> [N, Hq, D]. ``sink_logits`` [Hq] (gpt-oss's learned
+        sinks): no native kernel takes them, so every read goes to dense attention."""
         cache, plan = self.cache, self.plan
         gi, j = cache.where[layer]
         pool = cache.pools[gi]
@@ -157,7 +159,7 @@ class PagedContext:
         if isinstance(pool, PagePool):
             pool.write(j, plan.write_slots[gi], k, v)  # type: ignore[arg-type]
             rows = self.rows[gi]
-            if rows is not None:  # cattn.c, in place through the page tables
+            if rows is not None and sink_logits is None:  # cattn.c, in place through the page tables
                 o = kernels.paged_extend((q * scale).contiguous(), pool.flat[j], *rows, pool.page_size,
                                          self.windows[gi])
                 if o is not None:
@@ -166,23 +168,24 @@ class PagedContext:
             read = reads[gi]
             qq = q if single else q[rows]
             if isinstance(pool, PagePool) and not offloaded:
-                if pool.dtype != torch.float32 and self.softcap is None and self._plain(gi, i):  # fp16/bf16 in place
+                if (pool.dtype != torch.float32 and self.softcap is None and sink_logits is None
+                        and self._plain(gi, i)):  # fp16/bf16 in place
                     o = kernels.half_attend((qq * scale).contiguous(), pool.flat[j], read.slots, read.first_slot or 0,
                                             read.positions.shape[0])
                     if o is not None:
                         outs.append(o)
                         continue
                 kv = pool.read(j, read.first_slot, read.slots, read.positions.shape[0])  # [2, Hkv, L, D]
-                outs.append(self._dense(layer, qq, kv, read, scale, i))
+                outs.append(self._dense(layer, qq, kv, read, scale, i, sink_logits))
                 continue
             kv_new = torch.stack((k[rows], v[rows])).transpose(1, 2)  # [2, Hkv, n, D]
             if isinstance(pool, QuantPool):
-                outs.append(self._quant(layer, gi, j, i, pool, qq, olds[i], kv_new, read, seq, scale))
+                outs.append(self._quant(layer, gi, j, i, pool, qq, olds[i], kv_new, read, seq, scale, sink_logits))
                 continue
             kv = olds[i]  # [2, Hkv, L, D], the part stored before this forward filled in
             assert kv is not None
             kv[:, :, kv.shape[2] - kv_new.shape[2] :] = kv_new
-            outs.append(self._dense(layer, qq, kv, read, scale, i))
+            outs.append(self._dense(layer, qq, kv, read, scale, i, sink_logits))
         return outs[0] if single else torch.cat(outs, 0)
 
     def load_old(self, layer: int) -> list[torch.Tensor]:
@@ -213,7 +216,7 @@ class PagedContext:
         return buf
 
     def _dense(self, layer: int, q: torch.Tensor, kv: torch.Tensor, read: ReadPlan, scale: float,
-               i: int = 0) -> torch.Tensor:
+               i: int = 0, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, Hq, D]; kv: [2, Hkv, L, D] -> [T, Hq, D]. ``i``: the sequence's index in the batch."""
         st = self.plan.seqs[i].press
         if st is not None and st.replay is not None:
@@ -225,9 +228,9 @@ class PagedContext:
             if rot is not None:
                 q_sink = rot.rotate(q, -read.delta)  # [T, Hq, D]
                 o = attend_with_sinks(q.transpose(0, 1), q_sink.transpose(0, 1), kv[0], kv[1], read.mask,
-                                      read.n_sink, scale, softcap=self.softcap)
+                                      read.n_sink, scale, softcap=self.softcap, sink_logits=sink_logits)
                 return o.transpose(0, 1)
-        return attend(q.transpose(0, 1), kv[0], kv[1], read.mask, scale, self.softcap).transpose(0, 1)
+        return attend(q.transpose(0, 1), kv[0], kv[1], read.mask, scale, self.softcap, sink_logits).transpose(0, 1)
 
     def _replay_scores(self, layer: int, q: torch.Tensor, kv: torch.Tensor, scale: float, i: int) -> None:
         """KVzip: the largest attention the replayed tokens q [T, Hq, D] give each slot of kv
@@ -294,7 +297,7 @@ class PagedContext:
 
     def _quant(self, layer: int, gi: int, j: int, i: int, pool: QuantPool, q: torch.Tensor,
                buf: torch.Tensor | None, kv_new: torch.Tensor, read: ReadPlan, seq: SeqKV,
-               scale: float) -> torch.Tensor:
+               scale: float, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
         """Attend over the sealed pages, the fp32 tail and the new tokens, then seal the pages
         that left the residual window. Plain causal reads (no window, sinks or press) go to qattn,
         which reads the codes in place, in one order for every row however many come at once;
@@ -306,7 +309,7 @@ class PagedContext:
         n_q = read.n_pages * pool.page_size
         rest = torch.cat((tail, kv_new), 2)  # [2, Hkv, t + n, D]
         out = None
-        if (buf is None and self.softcap is None and self._plain(gi, i)
+        if (buf is None and self.softcap is None and sink_logits is None and self._plain(gi, i)
                 and n_q + rest.shape[2] == read.positions.shape[0]):
             pages = read.pages if read.pages is not None else torch.arange(read.page_run or 0,
                                                                             (read.page_run or 0) + read.n_pages)
@@ -316,6 +319,6 @@ class PagedContext:
             if buf is None:
                 buf = self._load_old_one(layer, i)
             buf[:, :, n_q:] = rest
-            out = self._dense(layer, q, buf, read, scale, i)
+            out = self._dense(layer, q, buf, read, scale, i, sink_logits)
         tails[j] = pool.seal(j, read.new_pages, rest)
         return out

@@ -21,14 +21,15 @@ def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float,
-           softcap: float | None = None) -> torch.Tensor:
+           softcap: float | None = None, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """q: [Hq, T, D]; k, v: [Hkv, L, D] (Hq a multiple of Hkv); mask from build_mask; ``softcap``:
-    the scores soft-capped before the mask (soft_cap). Returns [Hq, T, D]."""
+    the scores soft-capped before the mask (soft_cap); ``sink_logits`` [Hq]: a learned logit per query
+    head that joins every row's softmax with no value (gpt-oss). Returns [Hq, T, D]."""
     hq, t, d = q.shape
     hkv = k.shape[0]
     g = hq // hkv
-    if softcap is not None:
-        return _capped(q, k, v, mask, scale, softcap)
+    if softcap is not None or sink_logits is not None:
+        return _explicit(q, k, v, mask, scale, softcap, sink_logits)
     if mask is None and t == 1:
         # Decode: fold the query heads of one KV head into the query axis (no K/V repeat); three
         # plain ops are cheaper than SDPA's dispatch for one query row on a CPU.
@@ -47,10 +48,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale:
     return out[0]
 
 
-def _capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float, cap: float,
-            rows_per_block: int = 256) -> torch.Tensor:
-    """``attend`` with soft-capped scores (no fused kernel takes them): the scores of a block of
-    query rows at a time, so a long prefill never holds a [Hq, T, L] tensor."""
+def _explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float, cap: float | None,
+              sink_logits: torch.Tensor | None, rows_per_block: int = 256) -> torch.Tensor:
+    """``attend`` with soft-capped scores or learned sink logits (no fused kernel takes them): the
+    scores of a block of query rows at a time, so a long prefill never holds a [Hq, T, L] tensor."""
     hq, t, d = q.shape
     hkv, n = k.shape[0], k.shape[1]
     g = hq // hkv
@@ -63,9 +64,22 @@ def _capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale
         scores = soft_cap(scores, cap).view(hkv, g, b - a, n)
         if mask is not None:
             scores.masked_fill_(~mask[a:b], float("-inf"))
-        p = torch.softmax(scores, -1).view(hkv, g * (b - a), n)
+        p = sink_softmax(scores, sink_logits).view(hkv, g * (b - a), n)
         outs.append(torch.matmul(p, v).view(hq, b - a, d))
     return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+
+
+def sink_softmax(scores: torch.Tensor, sink_logits: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last axis of scores [Hkv, g, T, L] (masked keys at -inf); with ``sink_logits``
+    [Hkv g] one more logit per query head joins each row's sum and is dropped (transformers'
+    GptOssAttention: the row's weights then sum to less than one)."""
+    if sink_logits is None:
+        return torch.softmax(scores, -1)
+    hkv, g = scores.shape[:2]
+    s = sink_logits.view(hkv, g, 1, 1).to(scores.dtype)
+    top = torch.maximum(scores.amax(-1, keepdim=True), s)  # [Hkv, g, T, 1]
+    p = (scores - top).exp_()
+    return p.div_(p.sum(-1, keepdim=True).add_((s - top).exp_()))
 
 
 def attend_dense(
@@ -77,15 +91,16 @@ def attend_dense(
     window: int | None,
     scale: float,
     softcap: float | None = None,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of T queries over L keys of one sequence: q [Hq, T, D], k/v [Hkv, L, D],
     q_pos [T], k_pos [L] -> [Hq, T, D]."""
-    return attend(q, k, v, build_mask(q_pos, k_pos, window), scale, softcap)
+    return attend(q, k, v, build_mask(q_pos, k_pos, window), scale, softcap, sink_logits)
 
 
 def attend_with_sinks(
     q: torch.Tensor, q_sink: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, n_sink: int,
-    scale: float, rows_per_block: int = 256, softcap: float | None = None,
+    scale: float, rows_per_block: int = 256, softcap: float | None = None, sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention where the first ``n_sink`` keys are scored against ``q_sink`` (the queries turned
     back to the sinks' cache positions) and the rest against ``q``.
@@ -108,6 +123,6 @@ def attend_with_sinks(
         scores = soft_cap(scores.view(hkv, g, b - a, -1).mul_(scale), softcap)
         if mask is not None:
             scores.masked_fill_(~mask[a:b], float("-inf"))
-        p = torch.softmax(scores, -1).view(hkv, g * (b - a), -1)
+        p = sink_softmax(scores, sink_logits).view(hkv, g * (b - a), -1)
         outs.append(torch.matmul(p, v).view(hq, b - a, d))
     return outs[0] if len(outs) == 1 else torch.cat(outs, 1)

@@ -33,9 +33,12 @@ class LayerPages(NamedTuple):
 
 class AttentionContext(Protocol):
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+        sink_logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q: [N, Hq, D]; k, v: [N, Hkv, D] (RoPE already applied) -> [N, Hq, D]."""
+        """q: [N, Hq, D]; k, v: [N, Hkv, D] (RoPE already applied) -> [N, Hq, D]. ``sink_logits``
+        [Hq]: the layer's learned logit per query head that joins every softmax with no value
+        (gpt-oss; attention/dense.py sink_softmax); it takes the dense path."""
         ...
 
     def attend_packed(

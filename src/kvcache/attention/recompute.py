@@ -78,7 +78,8 @@ class RecomputeContext:
         pages."""
         return None
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               sink_logits: torch.Tensor | None = None) -> torch.Tensor:
         """q: [N, Hq, D]; k, v: [N, Hkv, D] -> [N, Hq, D], dense, per sequence."""
         outs = []
         start = 0
@@ -88,7 +89,7 @@ class RecomputeContext:
             pos = self.positions[sl]
             o = attend_dense(
                 q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1), pos, pos, window, scale,
-                self.softcap,
+                self.softcap, sink_logits,
             )  # [Hq, n, D]
             outs.append(o.transpose(0, 1))
             start += n

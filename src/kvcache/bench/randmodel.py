@@ -39,7 +39,7 @@ def make(shape_text: str, ftypes: list[str], seed: int = 0, llama_bin: Path | No
 
     from kvcache.models.random_moe import moe_shape, write_f16 as write_moe_f16
 
-    moe = moe_shape(shape_text)  # a qwen3moe shape (models/random_moe.py), or None
+    moe = moe_shape(shape_text)  # a qwen3moe or gpt-oss shape (models/random_moe.py), or None
     name, shape = (shape_text.strip().lower(), moe) if moe is not None else parse_shape(shape_text)
     wanted = [f.strip().upper() for f in ftypes if f.strip()]
     for f in wanted:
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="1b", help=f"{', '.join(SHAPES)}, or e.g. "
                    "'hidden=2048,layers=16,heads=32,kv_heads=8,ffn=8192' (also head_dim, rope_theta, context, "
                    "eps, tied), or a named shape with overrides: '1b,layers=4'; mixture-of-experts "
-                   "(qwen3moe) shapes: " + ", ".join(_moe_names()))
+                   "(qwen3moe, gpt-oss) shapes: " + ", ".join(_moe_names()))
     p.add_argument("--ftype", default="Q4_0", help="comma-separated llama-quantize ftypes (F16: no quantizing)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--llama-cpp-bin", default=None, metavar="DIR")

@@ -63,6 +63,10 @@ class ModelRunner:
             raise InvalidParams(f"press={cache_config.press} scores attention without the soft cap this model puts on "
                                 f"its attention logits ({model.config.attn_softcap:g}); use a window, sinks or a "
                                 "quantized encoding to save memory with it")
+        if cache_config.press is not None and model.config.attn_sink_logits:
+            raise InvalidParams(f"press={cache_config.press} scores attention without the learned sink logits this "
+                                "model adds to every softmax; use a window, sinks or a quantized encoding to save "
+                                "memory with it")
         self.cache = PagedKVCache(model.config, self.cache_config) if cache_config.uses_cache else None
         self.rotaries = [model.rotary_for_layer(i) for i in range(model.config.num_layers)]
         self.capacity = self._capacity()  # fixed for the runner's life; checked every step

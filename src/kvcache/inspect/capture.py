@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcache.attention import AttentionContext, RecomputeContext
-from kvcache.attention.dense import soft_cap
+from kvcache.attention.dense import sink_softmax, soft_cap
 from kvcache.cache.visibility import visibility_mask
 from kvcache.errors import InvalidParams
 from kvcache.models.base import CausalLM
@@ -26,6 +26,7 @@ class Captured:
     v: torch.Tensor  # [N, Hkv, D]
     out: torch.Tensor  # [N, Hq, D]
     scale: float
+    sink_logits: torch.Tensor | None = None  # [Hq]: the layer's learned sinks (gpt-oss), or None
 
 
 @dataclass
@@ -47,10 +48,11 @@ class CaptureContext:
     def layer_pages(self) -> None:
         return None  # layer by layer, through attend
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        out = self.inner.attend(layer, q, k, v, scale)
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.inner.attend(layer, q, k, v, scale, sink_logits)
         if self.layers is None or layer in self.layers:
-            self.seen[layer] = Captured(q.clone(), k.clone(), v.clone(), out.clone(), scale)
+            self.seen[layer] = Captured(q.clone(), k.clone(), v.clone(), out.clone(), scale, sink_logits)
         return out
 
 
@@ -75,12 +77,14 @@ def capture(model: CausalLM, ids: list[int], layers: Sequence[int]) -> dict[int,
 
 
 def attention_weights(model: CausalLM, c: Captured, layer: int, head: int) -> torch.Tensor:
-    """Softmax weights [N, N] of one query head over the keys it may see (GQA: its KV head)."""
+    """Softmax weights [N, N] of one query head over the keys it may see (GQA: its KV head); with
+    learned sinks a row's weights sum to less than one (the sink's share is held by no key)."""
     group = model.config.num_heads // model.config.num_kv_heads
     pos = torch.arange(c.q.shape[0])
     scores = soft_cap((c.q[:, head] @ c.k[:, head // group].T) * c.scale, model.config.attn_softcap)  # [N, N]
     mask = visibility_mask(pos, pos, model.config.layer_windows[layer])
-    return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
+    sink = None if c.sink_logits is None else c.sink_logits[head : head + 1]
+    return sink_softmax(scores.masked_fill(~mask, float("-inf"))[None, None], sink)[0, 0]
 
 
 def gqa_groups(model: CausalLM) -> list[list[int]]:

@@ -25,6 +25,7 @@ FAMILIES: dict[str, str] = {
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
     "gemma2": "gemma3",  # Gemma 2: Gemma 3's layers without the q/k norm, attention logits soft-capped
+    "gpt_oss": "gptoss",  # gpt-oss: a mixture with learned attention sinks, biased experts, clamped SwiGLU
     "gpt2": "gpt2",
 }
 
@@ -65,6 +66,9 @@ class ModelConfig:
     # attention logit soft cap (Gemma 2's attn_logit_softcapping): scores -> cap * tanh(scores / cap)
     # before the mask; None: none
     attn_softcap: float | None = None
+    # a learned logit per layer and query head joins every attention softmax with no value (gpt-oss's
+    # sinks, held by the model's weights); no native attention kernel takes them
+    attn_sink_logits: bool = False
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -137,7 +141,7 @@ class ModelConfig:
             rope_scaling=scaling,
             layer_windows=windows,
             tie_embeddings=bool(cfg.get("tie_word_embeddings", mt.startswith("gemma"))),
-            attention_bias=bool(cfg.get("attention_bias", mt == "qwen2")),
+            attention_bias=bool(cfg.get("attention_bias", mt in ("qwen2", "gpt_oss"))),
             qk_norm=mt in ("qwen3", "gemma3_text"),
             hidden_act=act,
             attn_scale=scale,
@@ -146,6 +150,7 @@ class ModelConfig:
             partial_rotary_factor=_partial_rotary(cfg),
             rope_layers=_rope_layers(cfg, n_layers),
             attn_softcap=float(cap) if cap is not None else None,
+            attn_sink_logits=mt == "gpt_oss",
             raw=dict(cfg),
         )
 

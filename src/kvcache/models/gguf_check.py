@@ -68,6 +68,8 @@ MODEL_KEYS: dict[str, set[str]] = {
     "qwen3": _COMMON,
     "qwen3moe": _COMMON | {"expert_count", "expert_used_count", "expert_feed_forward_length"},
     "olmoe": _COMMON | {"expert_count", "expert_used_count"},
+    "gpt-oss": _COMMON | {"expert_count", "expert_used_count", "expert_feed_forward_length",
+                          "attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa"},
     "phi3": _COMMON | {"attention.sliding_window", "rope.scaling.attn_factor"},
     "smollm3": _COMMON,
     "gemma2": _GEMMA,
@@ -77,7 +79,7 @@ MODEL_KEYS: dict[str, set[str]] = {
 }
 # keys that mean a different model altogether, with the reason a reader understands
 _MEANS = {
-    "expert_count": "a mixture of experts, which kvcache runs for qwen3moe, olmoe and llama (Mixtral)",
+    "expert_count": "a mixture of experts, which kvcache runs for qwen3moe, olmoe, gpt-oss and llama (Mixtral)",
     "expert_shared_count": "shared experts", "expert_shared_feed_forward_length": "shared experts",
     "attention.scale": "a custom attention scale", "logit_scale": "scaled logits",
     "embedding_scale": "scaled embeddings", "residual_scale": "scaled residuals",
@@ -88,7 +90,10 @@ _ZERO_IS_NONE = {"expert_count", "expert_used_count"}
 _DESCRIPTIVE = {"tensor_data_layout"}
 SCALINGS = {"none": None, "linear": "linear", "yarn": "yarn", "longrope": "longrope"}
 # what an architecture's name alone decides, as llama.cpp's loader reads it (no key says it)
-ARCH_RULES = {"smollm3": "every fourth layer without RoPE (layers 4, 8, ...)"}
+ARCH_RULES = {"smollm3": "every fourth layer without RoPE (layers 4, 8, ...)",
+              "gpt-oss": "a learned sink logit per head in every softmax; the experts' SwiGLU clamped at 7 with "
+                         "alpha 1.702; the router's softmax over its top k; a window on every other layer from the "
+                         "first unless the file's pattern says otherwise"}
 
 
 @dataclass
@@ -135,7 +140,7 @@ def check(meta: dict[str, Any], tensors: list[tuple[str, tuple[int, ...]]], n_vo
             rep.honoured.append(key)
         elif key.startswith(f"{arch}."):
             sub = key[len(arch) + 1:]
-            if sub in _ZERO_IS_NONE and not meta[key] and arch not in ("qwen3moe", "olmoe") or sub in _DESCRIPTIVE:
+            if sub in _ZERO_IS_NONE and not meta[key] and arch not in ("qwen3moe", "olmoe", "gpt-oss") or sub in _DESCRIPTIVE:
                 rep.no_effect.append(key)
             elif sub in own:
                 rep.honoured.append(key)
@@ -207,6 +212,18 @@ def _check_values(arch: str, meta: dict[str, Any], n_vocab: int | None) -> list[
     if arch == "gemma3" and float(get("attn_logit_softcapping", 0.0) or 0.0) != 0.0:
         out.append(f"key {arch}.attn_logit_softcapping is set: llama.cpp's gemma3 never caps attention logits, "
                    "so the file cannot say which model it is")
+    if arch == "gpt-oss":
+        window = get("attention.sliding_window")
+        if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+            out.append(f"key {arch}.attention.sliding_window is {window!r}; llama.cpp's gpt-oss needs a window "
+                       "of at least one token")
+        base, swa = get("rope.freq_base"), get("rope.freq_base_swa")
+        if swa is not None and base is not None and float(swa) != float(base):
+            out.append(f"key {arch}.rope.freq_base_swa ({swa}) differs from rope.freq_base ({base}); kvcache's "
+                       "gpt-oss turns every layer by one base")
+        for sub in ("expert_count", "expert_used_count", "expert_feed_forward_length"):
+            if not get(sub):
+                out.append(f"key {arch}.{sub} is {get(sub)!r}; a gpt-oss model needs it")
     if float(get("rope.scaling.yarn_ext_factor", 1.0)) != 1.0 and scaling == "yarn":
         out.append(f"key {arch}.rope.scaling.yarn_ext_factor {get('rope.scaling.yarn_ext_factor')} "
                    "is not honoured (only 1.0, what transformers computes)")

@@ -12,7 +12,7 @@ from typing import Any
 from kvcache.models.gguf_names import has_experts
 
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-               "smollm3": "smollm3", "olmoe": "olmoe",
+               "smollm3": "smollm3", "olmoe": "olmoe", "gpt-oss": "gpt_oss",
                "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3"}
 
 
@@ -85,7 +85,27 @@ def hf_config_from_meta(arch: str, meta: dict[str, Any], n_vocab: int | None, te
                     "moe_intermediate_size": int(get("feed_forward_length"))})
     if arch in ("gemma2", "gemma3"):
         cfg.update(_gemma(arch, meta, get, layers, hidden, heads, head_dim))
+    if arch == "gpt-oss":  # llama.cpp's openai-moe: a window on every other layer from the first unless the
+        # file's pattern says otherwise, the experts' clamped SwiGLU at its fixed alpha and limit
+        window = int(get("attention.sliding_window"))
+        cfg.update({"num_local_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
+                    "intermediate_size": int(get("expert_feed_forward_length")), "attention_bias": True,
+                    "sliding_window": window, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+                    "layer_types": _layer_types(meta, arch, layers, 2)})
     return cfg
+
+
+def _layer_types(meta: dict[str, Any], arch: str, layers: int, pattern: int) -> list[str]:
+    """Each layer's ``sliding_attention`` or ``full_attention`` as llama.cpp's loader reads them: the
+    file's ``attention.sliding_window_pattern`` (one flag a layer, or n: every n-th layer full, the
+    others sliding; 0: all sliding), else ``pattern``."""
+    given = meta.get(f"{arch}.attention.sliding_window_pattern", pattern)
+    if isinstance(given, list):
+        sliding = [bool(b) for b in given][:layers]
+    else:
+        n = int(given)
+        sliding = [n == 0 or (i % n) < n - 1 for i in range(layers)]
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
 def _rope_scaling(get: Any, max_pos: int, tensors: set[str]) -> dict[str, Any] | None:
@@ -123,21 +143,14 @@ def _gemma(arch: str, meta: dict[str, Any], get: Any, layers: int, hidden: int, 
     a gemma3 file that asks for it."""
     two = arch == "gemma2"
     window = int(get("attention.sliding_window") or (4096 if two else 0))
-    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 2 if two else 6)
-    if window <= 0:
-        sliding = [False] * layers
-    elif isinstance(pattern, list):
-        sliding = [bool(b) for b in pattern][:layers]
-    else:
-        n = int(pattern)
-        sliding = [n == 0 or (i % n) < n - 1 for i in range(layers)]
+    types = _layer_types(meta, arch, layers, 2 if two else 6) if window > 0 else ["full_attention"] * layers
     base = float(get("rope.freq_base", 10000.0))
     out: dict[str, Any] = {
         "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": hidden // heads if layers == (46 if two else 62) else head_dim,
         "sliding_window": window or None,
         "rope_local_base_freq": float(get("rope.freq_base_swa", base if two else 10000.0)),
-        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "layer_types": types,
     }
     if two:  # llama.cpp's gemma2 caps both, at 50 and 30 where the file says nothing
         out.update({"tie_word_embeddings": True, "attn_logit_softcapping": float(get("attn_logit_softcapping", 50.0)),

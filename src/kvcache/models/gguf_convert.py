@@ -21,7 +21,7 @@ import torch
 from kvcache.errors import ModelLoadError, UnsupportedArchitecture
 from kvcache.models.gguf_config import hf_config_from_meta
 from kvcache.models.gguf_names import SUPPORTED, hf_tensor_name
-from kvcache.models.gguf_tensor import GGUFTensor
+from kvcache.models.gguf_tensor import MXFP4, Q5_0, GGUFTensor
 from kvcache.kernels.qweight import FORMAT_OF
 
 
@@ -111,12 +111,17 @@ def _permuted_heads(arch: str, name: str, n_head: int | None, n_kv: int | None) 
 
 def _experts(t, name: str, keep_quantized: str | None) -> dict[str, Any]:
     """A MoE layer's 3-D expert tensor [E, rows, K] as one HF-named 2-D weight per expert: slices
-    of the file (GGUFTensor) when quantized and kept, else fp32."""
+    of the file (GGUFTensor) when quantized and kept, else fp32; a 2-D one [E, rows] (gpt-oss's
+    expert biases) as one vector per expert."""
+    if len(t.shape) == 2:
+        b = dequantize(t)  # [E, rows]
+        return {name.format(e=e): torch.from_numpy(np.array(b[e], dtype=np.float32, order="C")) for e in range(len(b))}
     n_exp, rows, k = (int(s) for s in reversed(t.shape))
-    if keep_quantized and int(t.tensor_type) in FORMAT_OF:
-        step = GGUFTensor(keep_quantized, int(t.tensor_type), rows, k, 0).row_bytes * rows
-        return {name.format(e=e): GGUFTensor(keep_quantized, int(t.tensor_type), rows, k, int(t.data_offset) + e * step)
-                for e in range(n_exp)}
+    if keep_quantized and (int(t.tensor_type) in FORMAT_OF or int(t.tensor_type) == MXFP4):
+        kind, source = (Q5_0, MXFP4) if int(t.tensor_type) == MXFP4 else (int(t.tensor_type), None)
+        step = GGUFTensor(keep_quantized, kind, rows, k, 0, source=source).file_row_bytes * rows
+        return {name.format(e=e): GGUFTensor(keep_quantized, kind, rows, k, int(t.data_offset) + e * step,
+                                             source=source) for e in range(n_exp)}
     w = dequantize(t)  # [E, rows, K]
     return {name.format(e=e): torch.from_numpy(np.array(w[e], dtype=np.float32, order="C")) for e in range(n_exp)}
 
@@ -133,10 +138,11 @@ def convert_weights(reader, arch: str, config: dict[str, Any],
             raise ModelLoadError(f"tensor {t.name} has no place in a {arch} model")
         if "{e}" in name:
             out.update(_experts(t, name, keep_quantized))
-        elif keep_quantized and int(t.tensor_type) in FORMAT_OF and len(t.shape) == 2:
+        elif keep_quantized and (int(t.tensor_type) in FORMAT_OF or int(t.tensor_type) == MXFP4) and len(t.shape) == 2:
             k, rows = int(t.shape[0]), int(t.shape[1])
             heads = _permuted_heads(arch, t.name, n_head, n_kv)
-            out[name] = GGUFTensor(keep_quantized, int(t.tensor_type), rows, k, int(t.data_offset), heads)
+            kind, source = (Q5_0, MXFP4) if int(t.tensor_type) == MXFP4 else (int(t.tensor_type), None)
+            out[name] = GGUFTensor(keep_quantized, kind, rows, k, int(t.data_offset), heads, source)
         else:
             out[name] = torch.from_numpy(_fixed(t, arch, name, n_head, n_kv))
         if progress:
@@ -203,8 +209,8 @@ def gguf_weights(path: Path, cache_dir: Path | None = None) -> dict[str, Any]:
 def _write_table(folder: Path, weights: dict[str, Any]) -> None:
     from safetensors.torch import save_file
 
-    table = {name: {"type": w.ggml_type, "out": w.out, "k": w.k, "offset": w.offset, "permute_heads": w.permute_heads}
-             for name, w in weights.items() if isinstance(w, GGUFTensor)}
+    table = {name: {"type": w.ggml_type, "out": w.out, "k": w.k, "offset": w.offset, "permute_heads": w.permute_heads,
+                    "source": w.source} for name, w in weights.items() if isinstance(w, GGUFTensor)}
     small = {k: v.contiguous() for k, v in weights.items() if not isinstance(v, GGUFTensor)}
     tmp = folder / f".{TABLE}.tmp"
     save_file(small, str(tmp.with_suffix(".safetensors")))
@@ -225,7 +231,7 @@ def _read_table(folder: Path, path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None  # unreadable: parse the file again
     for name, e in table.items():
-        out[name] = GGUFTensor(str(path), e["type"], e["out"], e["k"], e["offset"], e["permute_heads"])
+        out[name] = GGUFTensor(str(path), e["type"], e["out"], e["k"], e["offset"], e["permute_heads"], e.get("source"))
     return out
 
 

@@ -33,10 +33,14 @@ _GPT2_BLOCK = {
     "ffn_up": "mlp.c_fc",
     "ffn_down": "mlp.c_proj",
 }
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "olmoe", "gemma2", "gemma3", "phi3", "smollm3",
-             "gpt2")  # GGUF architectures
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "olmoe", "gpt-oss", "gemma2", "gemma3", "phi3",
+             "smollm3", "gpt2")  # GGUF architectures
 _MOE = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
         "ffn_up_exps": "mlp.experts.{e}.up_proj", "ffn_down_exps": "mlp.experts.{e}.down_proj"}
+# gpt-oss: the router under transformers' name, the norm before the experts as llama.cpp names it,
+# the learned sink logits
+_GPT_OSS_BLOCK = {**_LLAMA_BLOCK, **_MOE, "ffn_gate_inp": "mlp.router", "post_attention_norm": "post_attention_layernorm",
+                  "attn_sinks": "self_attn.sinks"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # tensors outside the layers that are not HF weights: RoPE frequency factors (llama3's scaling, Phi-3's
 # longrope), kept under these names for the model to read
@@ -63,6 +67,11 @@ def expected_tensors(arch: str, meta: dict[str, Any]) -> tuple[dict[str, bool], 
         layer.update({"attn_qkv.weight": "attn_q.weight", "attn_qkv.bias": False, "ffn_up.weight": True,
                       "ffn_down.weight": True})
         top.update({"rope_factors_long.weight": False, "rope_factors_short.weight": False})
+        return top, layer
+    if arch == "gpt-oss":  # llama.cpp's openai-moe loader requires every one of these
+        layer = {f"{p}.weight": True for p in ("attn_norm", "post_attention_norm", "attn_output", "attn_sinks", *_MOE)}
+        layer.update({f"{p}.bias": True for p in ("attn_q", "attn_k", "attn_v", "attn_output", *_MOE)})
+        layer.update({f"attn_{p}.weight": True for p in "qkv"})
         return top, layer
     layer.update({"attn_output.bias": False})
     if arch in ("qwen3", "qwen3moe", "olmoe", "gemma3"):
@@ -113,7 +122,8 @@ def hf_tensor_name(arch: str, name: str) -> str | None:
     m = _BLOCK.match(name)
     if not m:
         return None
-    table = _GEMMA_BLOCK if arch in ("gemma2", "gemma3") else {**_LLAMA_BLOCK, **_MOE} if arch in ("qwen3moe", "olmoe", "llama") else _LLAMA_BLOCK
+    table = (_GEMMA_BLOCK if arch in ("gemma2", "gemma3") else _GPT_OSS_BLOCK if arch == "gpt-oss"
+             else {**_LLAMA_BLOCK, **_MOE} if arch in ("qwen3moe", "olmoe", "llama") else _LLAMA_BLOCK)
     part = m.group(2)
     if arch == "phi3" and part == "ffn_up":
         return f"model.layers.{m.group(1)}.mlp.gate_up_proj.{m.group(3)}"

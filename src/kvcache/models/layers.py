@@ -106,20 +106,24 @@ def add_linear(x: torch.Tensor, h: torch.Tensor, w: Any, b: torch.Tensor | None 
 
 
 def self_attention(ctx: Any, layer: int, qkv: torch.Tensor, heads: tuple[int, int, int], cos: torch.Tensor,
-                   sin: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, scale: float) -> torch.Tensor:
+                   sin: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, scale: float,
+                   sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """Attention from the fused projection's rows qkv [N, (Hq + 2 Hkv) D]: the per-head norm of
     q and k (when the model has one), RoPE (cos, signed sin: [N, 1, R]), then ``ctx.attend`` ->
     [N, Hq D]. A context with a fused kernel for this step (decodes over fp32 pages) does all of it
-    in one call."""
+    in one call, unless the layer has learned sink logits [Hq] (no kernel takes them)."""
     n = qkv.shape[0]
     hq, hkv, d = heads
-    o = ctx.attend_packed(layer, qkv, heads, cos.view(n, -1), sin.view(n, -1), qk_norm, eps, scale)
-    if o is not None:
-        return o
+    if sink_logits is None:
+        o = ctx.attend_packed(layer, qkv, heads, cos.view(n, -1), sin.view(n, -1), qk_norm, eps, scale)
+        if o is not None:
+            return o
     qk, v = qkv.view(n, hq + 2 * hkv, d).split((hq + hkv, hkv), 1)  # [N, Hq + Hkv, D]: norm and RoPE together
     if qk_norm is not None:
         qk = rms_norm(qk, qk_norm, eps)
     q, k = apply_rotary(qk, cos, sin).split((hq, hkv), 1)
+    if sink_logits is not None:
+        return ctx.attend(layer, q, k, v, scale, sink_logits).reshape(n, hq * d)
     return ctx.attend(layer, q, k, v, scale).reshape(n, hq * d)  # [N, Hq D]
 
 

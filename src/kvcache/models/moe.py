@@ -61,11 +61,11 @@ class MoeSpec:
             raise refuse("a shared expert")
         if raw.get("use_sliding_window"):
             raise refuse("sliding-window attention (use_sliding_window)")
-        mixtral = mt == "mixtral"  # the chosen weights renormalised
+        mixtral = mt in ("mixtral", "gpt_oss")  # the chosen weights renormalised (gpt-oss: a softmax over the k)
         try:  # transformers 5 writes num_experts as num_local_experts
             n = int(raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"])
             k = int(raw["num_experts_per_tok"])
-            if mt in ("mixtral", "olmoe"):  # each expert as wide as intermediate_size
+            if mt in ("mixtral", "olmoe", "gpt_oss"):  # each expert as wide as intermediate_size
                 size = int(raw.get("moe_intermediate_size") or raw["intermediate_size"])
             else:
                 size = int(raw["moe_intermediate_size"])

@@ -22,6 +22,8 @@ def build_model(config: ModelConfig, state_dict: dict, weights: str = "fp32") ->
         from kvcache.models.llama import LlamaForCausalLM as cls
     elif family == "qwen3moe":
         from kvcache.models.qwen3moe import Qwen3MoeForCausalLM as cls  # type: ignore[assignment]
+    elif family == "gptoss":
+        from kvcache.models.gptoss import GptOssForCausalLM as cls  # type: ignore[assignment]
     elif family == "gemma3":
         from kvcache.models.gemma3 import Gemma3ForCausalLM as cls  # type: ignore[assignment]
     else:

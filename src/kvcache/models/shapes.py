@@ -30,7 +30,9 @@ def _rules(c: ModelConfig) -> list[tuple[re.Pattern, tuple[int, ...]]]:
           if c.model_type == "olmoe" else [(r"\.self_attn\.(q|k)_norm\.weight", (d,))]),
         (r"\.self_attn\.qkv_proj\.weight", (q + 2 * k, h)),
     ]
-    if c.family != "qwen3moe":  # its layers' MLPs are experts of their own size
+    if c.attn_sink_logits:  # gpt-oss: a learned logit per query head
+        rules += [(r"\.self_attn\.sinks(\.weight)?", (c.num_heads,)), (r"\.self_attn\.o_proj\.bias", (h,))]
+    if c.family not in ("qwen3moe", "gptoss"):  # their layers' MLPs are experts of their own size
         rules += [(r"\.mlp\.(gate|up)_proj\.weight", (f, h)), (r"\.mlp\.down_proj\.weight", (h, f)),
                   (r"\.mlp\.gate_up_proj\.weight", (2 * f, h))]
     return [(re.compile(p + "$"), shape) for p, shape in rules]
