@@ -475,15 +475,24 @@ def test_olmoes_whole_width_qk_norms_run_through_the_engine_as_transformers_runs
 
 
 @pytest.mark.parametrize("kv", ["dynamic", "static,max_tokens=512", "fp16", "int8,residual=0,group_size=16"])
-def test_learned_sinks_run_through_the_engine_as_transformers_runs_them(matrix, kv):
-    """gpt-oss's learned sink logits (no native kernel takes them: every read goes to dense
-    attention with them): through the paged cache, past the first layer's 32-token window, the F32
-    file gives transformers' logits for the prompt and each greedy step (fp16 and int8 pages: within
-    their rounding), and again over the cached prefix; a press, which scores attention without the
-    sinks, is refused in one line."""
-    from kvcache import LLM
+def test_learned_sinks_run_through_the_engine_as_transformers_runs_them(matrix, kv, monkeypatch):
+    """gpt-oss's learned sink logits (over fp32 pages the fused native attention takes them; fp16
+    and int8 pages go to dense attention with them): through the paged cache, past the first
+    layer's 32-token window, the F32 file gives transformers' logits for the prompt and each greedy
+    step (fp16 and int8 pages: within their rounding), and again over the cached prefix; a press,
+    which scores attention without the sinks, is refused in one line."""
+    from kvcache import LLM, kernels
     from kvcache.errors import InvalidParams
 
+    fused = []
+    native = kernels.decode_attend
+
+    def counted(*args, **kwargs):
+        out = native(*args, **kwargs)
+        fused.append(out is not None and (len(args) > 12 and args[12] is not None))
+        return out
+
+    monkeypatch.setattr(kernels, "decode_attend", counted)
     hf, _, f32, _ = matrix["gpt_oss"]
     llm = LLM(str(f32), weights="fp32", kv=kv)
     assert llm.config.attn_sink_logits and llm.config.layer_windows == (32, None)
@@ -495,6 +504,8 @@ def test_learned_sinks_run_through_the_engine_as_transformers_runs_them(matrix, 
     prompt = torch.randint(3, 300, (100,), generator=torch.Generator().manual_seed(6)).tolist()
     again = _steps(llm, prompt, 4)  # the same prompt, its pages from the prefix cache
     assert all(gap(a, b) < (2e-3 if kv in tol else ATOL) for a, b in zip(again, got))
+    # fp32 pages: every layer of every step through the fused kernel with the sinks; others: none
+    assert (len(fused) >= 2 * 5 * 2 and all(fused)) if kv in ("dynamic", "static,max_tokens=512") else not fused
     with pytest.raises(InvalidParams, match="press=snapkv scores attention without the learned sink logits") as e:
         LLM(str(f32), weights="fp32", kv="press=snapkv,ratio=0.5")
     assert "\n" not in str(e.value)
@@ -512,6 +523,8 @@ def test_gpt_oss_folder_and_quantized_file_beside_their_oracles(matrix, tmp_path
     from transformers import AutoModelForCausalLM
 
     from kvcache import LLM
+    from kvcache.kernels.qweight import ACT_SWIGLU_OAI, expert_mlp
+    from kvcache.models.layers import linear
 
     hf, folder, _, q8 = matrix["gpt_oss"]
     plain = tmp_path / "untruncated"
@@ -534,12 +547,26 @@ def test_gpt_oss_folder_and_quantized_file_beside_their_oracles(matrix, tmp_path
     assert gap(unsunk, ref) > 1e-2
     prompt = torch.randint(3, 300, (80,), generator=torch.Generator().manual_seed(8)).tolist()
     quant = LLM(str(q8), prefix=False)
+    expert = quant.model.layers[0].experts[3]  # the native clamped SwiGLU against torch's, on the same products
+    for scale in (3.0, 40.0):  # gates and ups inside the clamp, and far past it
+        h = torch.randn(5, 64, generator=torch.Generator().manual_seed(9)) * scale
+        native, plain = expert(h), expert.torch_forward(h)
+        assert torch.equal(native, expert_mlp(h, expert.gate_up, expert.down, ACT_SWIGLU_OAI, expert.gate_up_b,
+                                              expert.down_b))  # the native call, not torch's fallback
+        assert gap(native, plain) < 1e-3 * plain.abs().max()
+        assert torch.equal(expert(h[2:3]), native[2:3])  # a row's bits alone or among others
+    gu = linear(h, expert.gate_up, expert.gate_up_b)
+    assert gu[:, :96].max() > 7 and gu[:, 96:].min() < -7  # the clamps were reached
     cached = _steps(quant, prompt, 0)[0]
     with torch.inference_mode():
         recomputed = quant.model(torch.tensor(prompt), torch.arange(80),
                                  RecomputeContext([80], torch.arange(80), quant.config.layer_windows),
                                  torch.tensor([79]))[0]
     assert torch.equal(cached, recomputed)
+    assert all(ly.table is not None for ly in quant.model.layers)  # the layers' experts in one native call
+    seq = quant.runner.new_sequence()  # the last token decoded after the others: its prefill row's bits
+    quant.runner.step([seq], [prompt[:-1]])
+    assert torch.equal(quant.runner.step([seq], [prompt[-1:]])[0], cached)
 
 
 def mxfp4_file(src: Path, dst: Path) -> Path:
@@ -636,3 +663,4 @@ def test_mxfp4_perplexity_beside_llama_cpp_on_the_same_file(mxfp4):
     assert peer is not None, note
     print(f"gpt-oss MXFP4: kvcache {ours_ppl:.4f}, llama.cpp {peer:.4f}")
     assert abs(ours_ppl / peer - 1) < 0.01, f"kvcache {ours_ppl:.4f}, llama.cpp {peer:.4f}"
+

@@ -91,24 +91,29 @@ def test_quantized_products_give_the_same_bits_on_every_variant(t, fmt):
 
 @pytest.mark.parametrize("t", [T.Q8_0, T.Q4_K], ids=lambda t: t.name)
 def test_mixture_experts_give_the_same_bits_on_every_variant(t):
-    """kv_q_expert (an expert over 1, 3 and 17 rows) and kv_q_experts_row (a row's three experts
-    weighted and summed) on every variant."""
-    from kvcache.kernels.qweight import proj_fields
+    """kv_q_expert (an expert over 1, 3 and 17 rows; SiLU, and gpt-oss's clamped SwiGLU with its
+    biases) and kv_q_experts_row (a row's three experts weighted and summed) on every variant."""
+    from kvcache.kernels.qweight import ACT_SWIGLU_OAI, proj_fields
 
     lib = libs("qgemm")
     H, I = 256, 256
     experts = [(repacked(t, 2 * I, H, seed=20 + e)[0], repacked(t, H, I, seed=30 + e)[0]) for e in range(3)]
     fields = [(torch.tensor(proj_fields([g], 0)), torch.tensor(proj_fields([d], 0))) for g, d in experts]
+    gen = torch.Generator().manual_seed(14)
+    gu_b, dn_b = torch.randn(2 * I, generator=gen) * 4, torch.randn(H, generator=gen)  # gates past the clamp too
+    biased = (torch.tensor(proj_fields([experts[1][0]], gu_b.data_ptr())),
+              torch.tensor(proj_fields([experts[1][1]], dn_b.data_ptr())))
     rng = np.random.default_rng(13)
     for n in (1, 3, 17):
         x = rng.standard_normal((n, H)).astype(np.float32)
-        ys = {}
-        for name, lib_ in lib.items():
-            y = np.empty((n, H), np.float32)
-            assert lib_.kv_q_expert(n, H, I, x.ctypes.data, H, fields[1][0].data_ptr(), fields[1][1].data_ptr(), 0,
-                                    y.ctypes.data, 2) == 0
-            ys[name] = y
-        same(ys, f"{t.name} expert, {n} rows")
+        for act, (gu_f, dn_f) in ((0, fields[1]), (ACT_SWIGLU_OAI, biased)):
+            ys = {}
+            for name, lib_ in lib.items():
+                y = np.empty((n, H), np.float32)
+                assert lib_.kv_q_expert(n, H, I, x.ctypes.data, H, gu_f.data_ptr(), dn_f.data_ptr(), act,
+                                        y.ctypes.data, 2) == 0
+                ys[name] = y
+            same(ys, f"{t.name} expert, activation {act}, {n} rows")
     x = rng.standard_normal(H).astype(np.float32)
     w = np.array([0.5, 0.3, 0.2], np.float32)
     gu, dn = torch.cat([f[0] for f in fields]), torch.cat([f[1] for f in fields])
@@ -223,17 +228,21 @@ def test_float_attention_gives_the_same_bits_on_every_variant(window):
     norm = rng.uniform(0.5, 1.5, (hq + hkv, d)).astype(np.float32)
     slots = np.concatenate([[table[599 // ps] * ps + 599 % ps],
                             [tables[1][j // ps] * ps + j % ps for j in range(255, 300)]]).astype(np.int64)
-    outs, pools = {}, {}
-    for name, lib_ in lib.items():
-        qkv, pool = qkv0.copy(), kv.copy()
-        out = np.empty((n, hq * d), np.float32)
-        assert lib_.kv_decode_attend(n, hq, hkv, d, rot, qkv.ctypes.data, qkv.shape[1], cos.ctypes.data,
-                                     sin.ctypes.data, norm.ctypes.data, 1e-6, pool.ctypes.data, ps, pages * ps,
-                                     slots.ctypes.data, tables.ctypes.data, pages, 2, row0.ctypes.data,
-                                     nnew.ctypes.data, lens.ctypes.data, window, 0.125, out.ctypes.data, 2) == 0
-        outs[name], pools[name] = out, pool
-    same(outs, f"fused decode attention, window {window}")
-    same(pools, f"the K/V the fused decode attention wrote, window {window}")
+    sinks = np.array([-3.0, 0.5, 2.0, 9.0, -40.0, 1.0], np.float32)  # gpt-oss's: below and above the scores
+    for with_sinks in (False, True):
+        outs, pools = {}, {}
+        for name, lib_ in lib.items():
+            qkv, pool = qkv0.copy(), kv.copy()
+            out = np.empty((n, hq * d), np.float32)
+            assert lib_.kv_decode_attend(n, hq, hkv, d, rot, qkv.ctypes.data, qkv.shape[1], cos.ctypes.data,
+                                         sin.ctypes.data, norm.ctypes.data, 1e-6, pool.ctypes.data, ps, pages * ps,
+                                         slots.ctypes.data, tables.ctypes.data, pages, 2, row0.ctypes.data,
+                                         nnew.ctypes.data, lens.ctypes.data, window, 0.125,
+                                         sinks.ctypes.data if with_sinks else None, out.ctypes.data, 2) == 0
+            outs[name], pools[name] = out, pool
+        what = f"window {window}{', learned sinks' if with_sinks else ''}"
+        same(outs, f"fused decode attention, {what}")
+        same(pools, f"the K/V the fused decode attention wrote, {what}")
 
 
 PROMPTS = ["Water boils at", "def fibonacci(n):", "Photosynthesis converts light into", "The three laws of motion are",

@@ -89,17 +89,20 @@ class PagedContext:
 
     # -- fused paths -----------------------------------------------------------------------------
     def attend_packed(self, layer: int, qkv: torch.Tensor, heads: tuple[int, int, int], cos: torch.Tensor,
-                      sin: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, scale: float) -> torch.Tensor | None:
+                      sin: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, scale: float,
+                      sink_logits: torch.Tensor | None = None) -> torch.Tensor | None:
         """Every new token over fp32 pages (full visibility or a window without sinks): norm, RoPE,
         the cache write and attention in one native call (kernels/dattn.c) from the projection's
-        rows qkv [N, (Hq + 2 Hkv) D] -> [N, Hq D]; None otherwise."""
+        rows qkv [N, (Hq + 2 Hkv) D] -> [N, Hq D] (gpt-oss's learned sink logits [Hq] in the
+        softmax); None otherwise."""
         gi, j = self.cache.where[layer]
         rows = self.rows[gi]
         if rows is None or self.observing:
             return None
         pool = self.cache.pools[gi]
         return kernels.decode_attend(qkv, heads, cos, sin, qk_norm, eps, pool.flat[j], pool.page_size,  # type: ignore[union-attr]
-                                     self.plan.write_slots[gi], rows, scale, self.windows[gi])  # type: ignore[arg-type]
+                                     self.plan.write_slots[gi], rows, scale, self.windows[gi],  # type: ignore[arg-type]
+                                     sink_logits)
 
     def attend_block(self, layer: int, x: torch.Tensor, weights: tuple, heads: tuple[int, int, int],
                      cos: torch.Tensor, sin: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, scale: float,

@@ -43,7 +43,7 @@ class AttentionContext(Protocol):
 
     def attend_packed(
         self, layer: int, qkv: torch.Tensor, heads: tuple[int, int, int], cos: torch.Tensor, sin: torch.Tensor,
-        qk_norm: torch.Tensor | None, eps: float, scale: float,
+        qk_norm: torch.Tensor | None, eps: float, scale: float, sink_logits: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """The same from the fused projection's rows qkv [N, (Hq + 2 Hkv) D], before the per-head
         norm and RoPE (cos, sin: [N, R]) -> [N, Hq D]; None when this context has no faster way

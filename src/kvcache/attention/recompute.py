@@ -54,14 +54,15 @@ class RecomputeContext:
         return self._pool
 
     def attend_packed(self, layer: int, qkv: torch.Tensor, heads: tuple[int, int, int], cos: torch.Tensor,
-                      sin: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, scale: float) -> torch.Tensor | None:
-        """qkv [N, (Hq + 2 Hkv) D] -> [N, Hq D] through the fused kernel; None: use ``attend`` (also
-        for soft-capped scores, which the kernels do not take)."""
+                      sin: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, scale: float,
+                      sink_logits: torch.Tensor | None = None) -> torch.Tensor | None:
+        """qkv [N, (Hq + 2 Hkv) D] -> [N, Hq D] through the fused kernel (learned sink logits
+        [Hq] too); None: use ``attend`` (also for soft-capped scores, which the kernels do not take)."""
         if self.softcap is not None:
             return None
         _, hkv, d = heads
         return kernels.decode_attend(qkv, heads, cos, sin, qk_norm, eps, self._scratch(hkv, d), PAGE, self.slots,
-                                     self.rows, scale, self.layer_windows[layer] or 0)
+                                     self.rows, scale, self.layer_windows[layer] or 0, sink_logits)
 
     def attend_block(self, layer: int, x: torch.Tensor, weights: tuple, heads: tuple[int, int, int],
                      cos: torch.Tensor, sin: torch.Tensor, qk_norm: torch.Tensor | None, eps: float, scale: float,

@@ -39,7 +39,7 @@ class CaptureContext:
     def softcap(self) -> float | None:
         return getattr(self.inner, "softcap", None)
 
-    def attend_packed(self, *args: object) -> None:
+    def attend_packed(self, *args: object, **kwargs: object) -> None:
         return None  # no fused path: q, k and v must pass through attend to be recorded
 
     def attend_block(self, *args: object) -> bool:

@@ -341,15 +341,17 @@ def decode_attend(
     rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],  # tables [B, P], row0, nnew, lens [B]
     scale: float,
     window: int = 0,  # a sliding window: a row at position p sees keys p - window + 1 .. p; 0: all
+    sink_logits: torch.Tensor | None = None,  # [hq] fp32 contiguous: gpt-oss's learned sinks
 ) -> torch.Tensor | None:  # [N, hq * D], or None when the kernel cannot take these inputs
     """Every new token of every sequence in one call: norm, RoPE, the cache write and attention."""
     lib = dattn()
     hq, hkv, d = heads
     tables, row0, nnew, lens = rows
     if (lib is None or qkv.dtype != torch.float32 or qkv.device.type != "cpu" or qkv.dim() != 2
-            or qkv.stride(1) != 1 or not _cpu_f32(cos, sin, qk_norm, flat) or not _i64(slots, *rows)
+            or qkv.stride(1) != 1 or not _cpu_f32(cos, sin, qk_norm, flat, sink_logits) or not _i64(slots, *rows)
             or flat.dim() != 4 or flat.shape[1] != hkv or flat.shape[3] != d or cos.shape != sin.shape
-            or cos.shape[0] != qkv.shape[0] or slots.shape[0] != qkv.shape[0]):
+            or cos.shape[0] != qkv.shape[0] or slots.shape[0] != qkv.shape[0]
+            or (sink_logits is not None and sink_logits.shape != (hq,))):
         return None
     n = qkv.shape[0]
     out = torch.empty(n, hq * d)
@@ -357,5 +359,6 @@ def decode_attend(
                               sin.data_ptr(), None if qk_norm is None else qk_norm.data_ptr(), float(eps),
                               flat.data_ptr(), page_size, flat.shape[2], slots.data_ptr(), tables.data_ptr(),
                               tables.shape[1], tables.shape[0], row0.data_ptr(), nnew.data_ptr(), lens.data_ptr(),
-                              window, float(scale), out.data_ptr(), torch.get_num_threads())
+                              window, float(scale), None if sink_logits is None else sink_logits.data_ptr(),
+                              out.data_ptr(), torch.get_num_threads())
     return out if rc == 0 else None

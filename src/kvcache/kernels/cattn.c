@@ -205,13 +205,27 @@ static NOINLINE void merge_into(int G, int D, float *M, float *L, float *O, cons
     }
 }
 
-/* Row r of the state (head i = r / nt of KV head h, new token t = r % nt) divided by its sum, into out. */
-static NOINLINE void finish(int G, int D, int nt, int g, int h, const float *L, const float *O, float *out,
-                            int64_t ldo) {
+/* Row r of the state (head i = r / nt of KV head h, new token t = r % nt) divided by its sum, into out.
+ * With sinks (gpt-oss: a logit per query head, already on the scaled scores' scale) the sum takes
+ * exp(sink - M) too and no value: O / (L + exp(sink - M)), or, where the sink is above the row's
+ * maximum, (O w) / (L w + 1) with w = exp(M - sink), so every exp is of a non-positive number. */
+static NOINLINE void finish(int G, int D, int nt, int g, int h, const float *M, const float *L, const float *O,
+                            const float *sinks, float *out, int64_t ldo) {
     for (int r = 0; r < G; r++) {
-        const float inv = L[r] > 0.f ? 1.f / L[r] : 0.f; /* nothing visible: zeros */
+        float inv = L[r] > 0.f ? 1.f / L[r] : 0.f; /* nothing visible: zeros */
         float *o = out + (int64_t)(r % nt) * ldo + ((int64_t)h * g + r / nt) * D;
         const float *s = O + (int64_t)r * D;
+        if (sinks && L[r] > 0.f) {
+            const float z = sinks[(int64_t)h * g + r / nt];
+            if (z <= M[r]) {
+                inv = 1.f / (L[r] + kv_exp1(z - M[r]));
+            } else {
+                const float w = kv_exp1(M[r] - z);
+                inv = 1.f / (L[r] * w + 1.f);
+                for (int d = 0; d < D; d++) o[d] = (s[d] * w) * inv;
+                continue;
+            }
+        }
         for (int d = 0; d < D; d++) o[d] = s[d] * inv;
     }
 }
@@ -227,6 +241,7 @@ struct CAttn {
     const float *q, *kv;
     const int64_t *tables, *row0, *nnew, *lens;
     float *out;
+    const float *sinks; /* [hkv * g] a logit per query head that joins each softmax, or NULL */
     int64_t items, scratch_gp;
     item_t *its;
     int64_t *off; /* split items: where each one's partial (m, l [Gp], acc [Gp, D]) lies in part */
@@ -260,7 +275,7 @@ CAttn *cattn_plan(int B, int hkv, int g, int D, int ps, int64_t S, const float *
                   const int64_t *lens, int64_t W, float *out) {
     CAttn *a = calloc(1, sizeof(CAttn));
     if (!a) return NULL;
-    *a = (CAttn){B, hkv, g, D, ps, max_pages, S, ldq, W, q, NULL, tables, row0, nnew, lens, out, 0, VL,
+    *a = (CAttn){B, hkv, g, D, ps, max_pages, S, ldq, W, q, NULL, tables, row0, nnew, lens, out, NULL, 0, VL,
                  NULL, NULL, NULL, NULL};
     int64_t items = 0, parts = 0;
     for (int b = 0; b < B; b++) {
@@ -352,7 +367,7 @@ static void run_item(const CAttn *a, int64_t i, float *qt, float *st, float *st8
         chunk_partial(K, V, table, a->ps, D, j0, j1, qt, Gp, G, nt, first, a->W, st, m, l, acc);
         merge_into(G, D, M, Ls, O, m, l, acc);
     }
-    finish(G, D, nt, g, (int)h, Ls, O, a->out + (a->row0[b] + it->t0) * (int64_t)a->hkv * g * D,
+    finish(G, D, nt, g, (int)h, M, Ls, O, a->sinks, a->out + (a->row0[b] + it->t0) * (int64_t)a->hkv * g * D,
            (int64_t)a->hkv * g * D);
 }
 
@@ -370,8 +385,11 @@ static void merge_split(const CAttn *a, int b, int h, float *st8) {
         const float *m = a->part + a->off[first + c];
         merge_into(G, D, M, Ls, O, m, m + Gp, m + 2 * Gp);
     }
-    finish(G, D, nt, g, h, Ls, O, a->out + a->row0[b] * (int64_t)a->hkv * g * D, (int64_t)a->hkv * g * D);
+    finish(G, D, nt, g, h, M, Ls, O, a->sinks, a->out + a->row0[b] * (int64_t)a->hkv * g * D,
+           (int64_t)a->hkv * g * D);
 }
+
+void cattn_set_sinks(CAttn *a, const float *sinks) { a->sinks = sinks; }
 
 void cattn_in_region(const CAttn *plan, const float *kv, int *bad) {
     CAttn c = *plan; /* this call's pool layer; the rest is the plan's */

@@ -22,6 +22,9 @@ KV_HIDDEN int cattn_check(int B, int hkv, int g, int D, int ps, int64_t S, const
 KV_HIDDEN CAttn *cattn_plan(int B, int hkv, int g, int D, int ps, int64_t S, const float *q, int64_t ldq,
                             const int64_t *tables, int max_pages, const int64_t *row0,
                             const int64_t *nnew, const int64_t *lens, int64_t W, float *out);
+/* gpt-oss's learned sinks: sinks [hkv * g], one logit a query head that joins each row's softmax
+ * with no value (NULL: none, the default). */
+KV_HIDDEN void cattn_set_sinks(CAttn *a, const float *sinks);
 /* Attention over the pool layer kv [2, hkv, S, D] as planned; every thread of a parallel region calls
  * it; *bad = 1 when a thread's scratch cannot be had. */
 KV_HIDDEN void cattn_in_region(const CAttn *a, const float *kv, int *bad);

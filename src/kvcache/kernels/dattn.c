@@ -23,6 +23,7 @@
  *          lens [B] int64: sequence b's rows are row0[b] .. row0[b] + nnew[b] - 1 and it holds
  *          lens[b] tokens, the new ones included
  *   window 0, or W: a row at position p sees keys p - W + 1 .. p only
+ *   sinks  [hq] float or NULL: gpt-oss's learned logit per query head in every softmax (kv_decode_attend)
  *   out    [N, hq * D] float
  * Returns 0, 1 for bad sizes, 2 (or 4) when memory runs out, 3 for a slot or page outside the pool.
  */
@@ -96,8 +97,8 @@ static void attend_in_region(const Prep *p, const CAttn *c, int *bad) {
 int kv_decode_attend(int N, int hq, int hkv, int D, int rot, float *qkv, int64_t ldq, const float *cos,
                      const float *sin, const float *qk_norm, float eps, float *kv, int ps, int64_t S,
                      const int64_t *slots, const int64_t *tables, int max_pages, int B, const int64_t *row0,
-                     const int64_t *nnew, const int64_t *lens, int64_t window, float scale, float *out,
-                     int n_threads) {
+                     const int64_t *nnew, const int64_t *lens, int64_t window, float scale, const float *sinks,
+                     float *out, int n_threads) {
     Prep p = {N, hq, hkv, D, rot, S, ldq, qkv, kv, scale, eps, cos, sin, qk_norm, slots};
     if (n_threads < 1 || B < 1) return 1;
     int rc = check_rows(&p, B, ps, max_pages, tables, row0, nnew, lens, window);
@@ -105,6 +106,7 @@ int kv_decode_attend(int N, int hq, int hkv, int D, int rot, float *qkv, int64_t
     CAttn *c = cattn_plan(B, hkv, hq / hkv, D, ps, S, qkv, ldq, tables, max_pages, row0, nnew, lens, window,
                           out);
     if (!c) return 2;
+    cattn_set_sinks(c, sinks);
     int bad = 0;
 #pragma omp parallel num_threads(n_threads)
     attend_in_region(&p, c, &bad);

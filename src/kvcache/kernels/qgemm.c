@@ -660,15 +660,23 @@ KV_HIDDEN void mm_residual(const QW *wt, int n, const Scratch *s, const float *b
     for (int r = 0; r < n; r++) add_normed(H, y + (size_t)r * H, post_w, post_eps, x + (int64_t)r * ldx);
 }
 
-/* act(gate) * up for one row of [gate | up] (I each, a multiple of VL): silu (act 0) or the tanh
- * GELU (1), both from exp of non-positive numbers (vmath.h), written over the gate half. */
+/* act(gate) * up for one row of [gate | up] (I each, a multiple of VL): silu (act 0), the tanh
+ * GELU (1), or gpt-oss's clamped SwiGLU (2: g = min(gate, 7), u = up clamped to +/- 7, then
+ * g * sigmoid(1.702 g) * (u + 1), the constants llama.cpp's gpt-oss takes), each from exp of
+ * non-positive numbers (vmath.h), written over the gate half. */
 KV_HIDDEN void glu_row(int act, int I, float *h) {
+    const vec lim = (vec){0} + 7.f;
     for (int i = 0; i < I; i += VL) {
         const vec x = *(const vec *)(h + i), up = *(const vec *)(h + I + i);
         vec a;
         if (act == 0) {
             const vec e = vexp(-vabs(x)), s = 1.f / (1.f + e);
             a = x * vsel(x >= 0.f, s, e * s);
+        } else if (act == 2) {
+            const vec g = vsel(x < lim, x, lim), u0 = vsel(up < lim, up, lim), u = vsel(u0 > -lim, u0, -lim);
+            const vec z = 1.702f * g, e = vexp(-vabs(z)), s = 1.f / (1.f + e);
+            *(vec *)(h + i) = (g * vsel(z >= 0.f, s, e * s)) * (u + 1.f);
+            continue;
         } else {
             const vec z = 0.7978845608f * (x + 0.044715f * x * x * x);
             const vec e = vexp(-2.f * vabs(z)), t = (1.f - e) / (1.f + e);
@@ -712,7 +720,7 @@ KV_HIDDEN void mlp_in_region(const Mlp *m, float *x, int64_t ldx) {
 
 KV_HIDDEN int mlp_valid(const QProj *gu, const QW *dn, int H, int I, int act) {
     return qproj_valid(gu) && qw_valid(dn) && gu->K == H && gu->out == 2 * I && dn->K == I && dn->out == H &&
-           (act == 0 || act == 1) && I % VL == 0;
+           act >= 0 && act <= 2 && I % VL == 0;
 }
 
 /* One expert of a mixture in one call: y = down(act(gate) * up), [gate | up] = the gate_up projection

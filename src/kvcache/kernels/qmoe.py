@@ -57,13 +57,17 @@ def route(x: torch.Tensor, post_norm: torch.Tensor, eps: float, table: torch.Ten
     return h, w, e
 
 
-def expert_table(experts: Sequence[tuple[object, object]]) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+def expert_table(experts: Sequence[tuple[object, object]],
+                 biases: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
     """Every expert's (gate_up, down) fields as the native calls take them, made once for a layer:
     ([E, KVP_N] int64 gate_up fields, [E, KVP_N] down fields, the hidden size, the expert size), or
-    None when some expert is not quantized in a form the native calls take."""
+    None when some expert is not quantized in a form the native calls take. ``biases``: each
+    expert's (gate_up bias, down bias) (gpt-oss's), held by the caller as long as the table."""
     gus, dns = [], []
-    for gate_up, down in experts:
-        (pg, gu), (pd, dn) = _projection(gate_up, None), _projection(down, None)
+    for i, (gate_up, down) in enumerate(experts):
+        gb, db = biases[i] if biases is not None else (None, None)
+        (pg, gu), (pd, dn) = _projection(gate_up, gb), _projection(down, db)
         if (gu is None or dn is None or len(pd) != 1 or down.out != gate_up.k  # type: ignore[attr-defined]
                 or 2 * down.k != gate_up.out):  # type: ignore[attr-defined]
             return None

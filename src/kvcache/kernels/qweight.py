@@ -317,11 +317,16 @@ def fused_mlp(x: torch.Tensor, gate_up: object, down: object, act: int | None, e
     return True
 
 
-def expert_mlp(h: torch.Tensor, gate_up: object, down: object, act: int | None) -> torch.Tensor | None:
-    """down(act(gate) * up) of [gate | up] = gate_up(h), h [n, H] taken as it is (no norm) -> [n, H], in
-    one native call (kernels/qgemm.c kv_q_expert) when both weights are quantized and the activation
-    has a kernel; None: not done here. A row's result does not depend on the other rows."""
-    fit = _mlp_weights(h, gate_up, down, act, None, None)
+ACT_SWIGLU_OAI = 2  # gpt-oss's clamped SwiGLU in kernels/qgemm.c glu_row (limit 7, alpha 1.702)
+
+
+def expert_mlp(h: torch.Tensor, gate_up: object, down: object, act: int | None,
+               gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """down(act(gate) * up) (+ the biases) of [gate | up] = gate_up(h), h [n, H] taken as it is (no
+    norm) -> [n, H], in one native call (kernels/qgemm.c kv_q_expert) when both weights are quantized
+    and the activation has a kernel (0 silu, 1 tanh GELU, ACT_SWIGLU_OAI); None: not done here. A
+    row's result does not depend on the other rows."""
+    fit = _mlp_weights(h, gate_up, down, act, gate_up_bias, down_bias)
     if fit is None:
         return None
     pg, gu, pd, dn = fit

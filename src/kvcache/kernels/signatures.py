@@ -68,7 +68,7 @@ _TABLE = (
         ("eps", "float"), ("kv", "float *"), ("ps", "int"), ("S", "int64_t"), ("slots", "const int64_t *"),
         ("tables", "const int64_t *"), ("max_pages", "int"), ("B", "int"), ("row0", "const int64_t *"),
         ("nnew", "const int64_t *"), ("lens", "const int64_t *"), ("window", "int64_t"), ("scale", "float"),
-        ("out", "float *"), ("n_threads", "int"))),
+        ("sinks", "const float *"), ("out", "float *"), ("n_threads", "int"))),
     Signature("qgemm", "kv_q_attn_block", "int", (
         ("N", "int"), ("H", "int"), ("x", "float *"), ("ldx", "int64_t"), ("g_in", "const float *"),
         ("eps", "float"), ("qkv_w", "const int64_t *"), ("hq", "int"), ("hkv", "int"), ("D", "int"),

@@ -27,6 +27,8 @@ from torch import nn
 
 from kvcache.attention.interface import AttentionContext
 from kvcache.errors import ModelLoadError, UnsupportedArchitecture
+from kvcache.kernels.qmoe import expert_table, experts_row, moe_rows
+from kvcache.kernels.qweight import ACT_SWIGLU_OAI, expert_mlp
 from kvcache.kernels.rotary import Rotary
 from kvcache.models.config import ModelConfig
 from kvcache.models.layers import (
@@ -76,7 +78,16 @@ class ClampedExpert(Expert):
 
     def forward(self, h: torch.Tensor,  # type: ignore[override]
                 act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        """h [n, H] -> [n, H] (``act`` unused: the gate is the architecture's own)."""
+        """h [n, H] -> [n, H] (``act`` unused: the gate is the architecture's own). Quantized weights
+        at the released models' alpha and limit: one native call (kv_q_expert with its biases)."""
+        if (self.alpha, self.limit) == (1.702, 7.0):
+            y = expert_mlp(h, self.gate_up, self.down, ACT_SWIGLU_OAI, self.gate_up_b, self.down_b)
+            if y is not None:
+                return y
+        return self.torch_forward(h)
+
+    def torch_forward(self, h: torch.Tensor) -> torch.Tensor:
+        """The same through torch's element-wise steps between the two projections."""
         i, lim = self.size, self.limit
         gu = linear(h, self.gate_up, self.gate_up_b)  # [n, 2I (padded)]
         gate = gu[:, :i].clamp(max=lim)
@@ -138,6 +149,25 @@ class GptOssLayer(nn.Module):
         self.experts = nn.ModuleList(
             ClampedExpert(gu, gub, dn, dnb, weights, spec.expert_size, alpha, limit)
             for gu, gub, dn, dnb in expert_weights(sd, m, spec))
+        # every expert's native fields with its biases (None: some expert is not quantized, or the gate is
+        # not the one the native activation computes): a step's experts in one native call
+        self.table = None if (alpha, limit) != (1.702, 7.0) else expert_table(
+            [(ex.gate_up, ex.down) for ex in self.experts], [(ex.gate_up_b, ex.down_b) for ex in self.experts])
+
+    def mixture(self, x: torch.Tensor) -> None:
+        """x [N, H] += the weighted sum of each row's top-k experts of the post-attention norm's rows:
+        with quantized experts one native call (a decode row's experts, or a step's rows grouped by
+        expert: the same bits a row), else moe_block's experts one by one."""
+        if self.table is not None:
+            h, weights, chosen = self.router(x)
+            if x.shape[0] == 1:
+                y = experts_row(h, self.table, chosen[0], weights[0], ACT_SWIGLU_OAI)
+                if y is not None:
+                    x += y
+                    return
+            elif moe_rows(x, h, weights, chosen, self.table, ACT_SWIGLU_OAI):
+                return
+        moe_block(x, self.router, self.experts, None)  # type: ignore[arg-type]
 
 
 class GptOssForCausalLM(Qwen3MoeForCausalLM):
@@ -181,5 +211,5 @@ class GptOssForCausalLM(Qwen3MoeForCausalLM):
             qkv = norm_linear(x, ly.qkv, ly.qkv_b, eps)  # [N, (Hq + 2 Hkv) D]
             o = self_attention(ctx, i, qkv, heads, cos, sin, None, eps, cfg.scale, ly.sinks)
             add_linear(x, o, ly.o, ly.o_b)
-            moe_block(x, ly.router, ly.experts, None)  # type: ignore[arg-type]
+            ly.mixture(x)
         return self.head(x, logits_rows)

@@ -111,13 +111,15 @@ def self_attention(ctx: Any, layer: int, qkv: torch.Tensor, heads: tuple[int, in
     """Attention from the fused projection's rows qkv [N, (Hq + 2 Hkv) D]: the per-head norm of
     q and k (when the model has one), RoPE (cos, signed sin: [N, 1, R]), then ``ctx.attend`` ->
     [N, Hq D]. A context with a fused kernel for this step (decodes over fp32 pages) does all of it
-    in one call, unless the layer has learned sink logits [Hq] (no kernel takes them)."""
+    in one call (gpt-oss's learned sink logits [Hq] too)."""
     n = qkv.shape[0]
     hq, hkv, d = heads
     if sink_logits is None:
         o = ctx.attend_packed(layer, qkv, heads, cos.view(n, -1), sin.view(n, -1), qk_norm, eps, scale)
-        if o is not None:
-            return o
+    else:
+        o = ctx.attend_packed(layer, qkv, heads, cos.view(n, -1), sin.view(n, -1), qk_norm, eps, scale, sink_logits)
+    if o is not None:
+        return o
     qk, v = qkv.view(n, hq + 2 * hkv, d).split((hq + hkv, hkv), 1)  # [N, Hq + Hkv, D]: norm and RoPE together
     if qk_norm is not None:
         qk = rms_norm(qk, qk_norm, eps)
