@@ -169,10 +169,12 @@ def convert_all(jobs: list[tuple[Path, str, Path]]) -> None:
 
 
 def rewrite_gguf(src: Path, dst: Path, *, arch: str | None = None, drop: tuple[str, ...] = (),
-                 add: dict[str, Any] | None = None, add_tensors: dict[str, Any] | None = None) -> Path:
+                 add: dict[str, Any] | None = None, add_tensors: dict[str, Any] | None = None,
+                 retype: tuple[str, Any] | None = None) -> Path:
     """A copy of the F32/F16 GGUF ``src`` as a hostile or damaged file might be: keys renamed to
     another architecture (``arch``), tensors or keys named in ``drop`` left out, keys ``add``ed
-    (name -> value or (value, GGUFValueType)), tensors ``add_tensors``ed (name -> numpy array)."""
+    (name -> value or (value, GGUFValueType)), tensors ``add_tensors``ed (name -> numpy array);
+    ``retype`` (name suffix, GGMLQuantizationType): those tensors quantized by gguf-py to that type."""
     import gguf
     import numpy as np
 
@@ -192,7 +194,13 @@ def rewrite_gguf(src: Path, dst: Path, *, arch: str | None = None, drop: tuple[s
         sub = gguf.GGUFValueType.get_type(value[0]) if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, value, vtype, sub)
     for t in reader.tensors:
-        if t.name not in drop:
+        if t.name in drop:
+            continue
+        if retype is not None and t.name.endswith(retype[0]):
+            from gguf.quants import quantize
+
+            writer.add_tensor(t.name, quantize(np.array(t.data), retype[1]), raw_dtype=retype[1])
+        else:
             writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
     for name, arr in (add_tensors or {}).items():
         writer.add_tensor(name, arr)

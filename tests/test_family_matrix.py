@@ -504,6 +504,12 @@ def test_learned_sinks_run_through_the_engine_as_transformers_runs_them(matrix, 
     prompt = torch.randint(3, 300, (100,), generator=torch.Generator().manual_seed(6)).tolist()
     again = _steps(llm, prompt, 4)  # the same prompt, its pages from the prefix cache
     assert all(gap(a, b) < (2e-3 if kv in tol else ATOL) for a, b in zip(again, got))
+    if kv == "dynamic":  # over fp32 pages the cache gives a recompute's bits, the sinks' included
+        with torch.inference_mode():
+            recomputed = llm.model(torch.tensor(prompt), torch.arange(100),
+                                   RecomputeContext([100], torch.arange(100), llm.config.layer_windows),
+                                   torch.tensor([99]))[0]
+        assert torch.equal(got[0], recomputed)
     # fp32 pages: every layer of every step through the fused kernel with the sinks; others: none
     assert (len(fused) >= 2 * 5 * 2 and all(fused)) if kv in ("dynamic", "static,max_tokens=512") else not fused
     with pytest.raises(InvalidParams, match="press=snapkv scores attention without the learned sink logits") as e:
@@ -569,38 +575,16 @@ def test_gpt_oss_folder_and_quantized_file_beside_their_oracles(matrix, tmp_path
     assert torch.equal(quant.runner.step([seq], [prompt[-1:]])[0], cached)
 
 
-def mxfp4_file(src: Path, dst: Path) -> Path:
-    """A copy of the F32 gpt-oss file whose expert matrices are MXFP4, as llama.cpp's converter
-    writes the released gpt-oss checkpoints (gguf-py's own MXFP4 quantizer)."""
-    import gguf
-    import numpy as np
-    from gguf.quants import quantize
-
-    reader = gguf.GGUFReader(str(src))
-    writer = gguf.GGUFWriter(str(dst), "gpt-oss")
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        vtype = field.types[0]
-        writer.add_key_value(key, field.contents(), vtype,
-                             field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
-    for t in reader.tensors:
-        data = np.array(t.data)
-        if t.name.endswith("_exps.weight"):
-            writer.add_tensor(t.name, quantize(data, gguf.GGMLQuantizationType.MXFP4),
-                              raw_dtype=gguf.GGMLQuantizationType.MXFP4)
-        else:
-            writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
-
-
 @pytest.fixture(scope="module")
 def mxfp4(matrix, tmp_path_factory) -> Path:
-    return mxfp4_file(matrix["gpt_oss"][2], tmp_path_factory.mktemp("mxfp4") / "gpt-oss-mxfp4.gguf")
+    """A copy of the F32 gpt-oss file whose expert matrices are MXFP4, as llama.cpp's converter writes
+    the released gpt-oss checkpoints (gguf-py's own MXFP4 quantizer)."""
+    import gguf
+
+    from convert_matrix import rewrite_gguf
+
+    return rewrite_gguf(matrix["gpt_oss"][2], tmp_path_factory.mktemp("mxfp4") / "gpt-oss-mxfp4.gguf",
+                        retype=("_exps.weight", gguf.GGMLQuantizationType.MXFP4))
 
 
 def test_mxfp4_experts_are_held_exactly_in_five_bits(matrix, mxfp4):

@@ -109,6 +109,13 @@ def _permuted_heads(arch: str, name: str, n_head: int | None, n_kv: int | None) 
     return None
 
 
+def _kept_type(t) -> tuple[int, int | None] | None:
+    """(the type a quantized tensor is read as, its file's type where that differs) when the file
+    mode keeps it quantized; None: it is read as fp32. MXFP4 is read as Q5_0 (gguf_tensor.py)."""
+    ggml = int(t.tensor_type)
+    return (Q5_0, MXFP4) if ggml == MXFP4 else (ggml, None) if ggml in FORMAT_OF else None
+
+
 def _experts(t, name: str, keep_quantized: str | None) -> dict[str, Any]:
     """A MoE layer's 3-D expert tensor [E, rows, K] as one HF-named 2-D weight per expert: slices
     of the file (GGUFTensor) when quantized and kept, else fp32; a 2-D one [E, rows] (gpt-oss's
@@ -117,8 +124,9 @@ def _experts(t, name: str, keep_quantized: str | None) -> dict[str, Any]:
         b = dequantize(t)  # [E, rows]
         return {name.format(e=e): torch.from_numpy(np.array(b[e], dtype=np.float32, order="C")) for e in range(len(b))}
     n_exp, rows, k = (int(s) for s in reversed(t.shape))
-    if keep_quantized and (int(t.tensor_type) in FORMAT_OF or int(t.tensor_type) == MXFP4):
-        kind, source = (Q5_0, MXFP4) if int(t.tensor_type) == MXFP4 else (int(t.tensor_type), None)
+    kept = _kept_type(t)
+    if keep_quantized and kept is not None:
+        kind, source = kept
         step = GGUFTensor(keep_quantized, kind, rows, k, 0, source=source).file_row_bytes * rows
         return {name.format(e=e): GGUFTensor(keep_quantized, kind, rows, k, int(t.data_offset) + e * step,
                                              source=source) for e in range(n_exp)}
@@ -138,10 +146,10 @@ def convert_weights(reader, arch: str, config: dict[str, Any],
             raise ModelLoadError(f"tensor {t.name} has no place in a {arch} model")
         if "{e}" in name:
             out.update(_experts(t, name, keep_quantized))
-        elif keep_quantized and (int(t.tensor_type) in FORMAT_OF or int(t.tensor_type) == MXFP4) and len(t.shape) == 2:
+        elif keep_quantized and _kept_type(t) is not None and len(t.shape) == 2:
             k, rows = int(t.shape[0]), int(t.shape[1])
             heads = _permuted_heads(arch, t.name, n_head, n_kv)
-            kind, source = (Q5_0, MXFP4) if int(t.tensor_type) == MXFP4 else (int(t.tensor_type), None)
+            kind, source = _kept_type(t)  # type: ignore[misc]
             out[name] = GGUFTensor(keep_quantized, kind, rows, k, int(t.data_offset), heads, source)
         else:
             out[name] = torch.from_numpy(_fixed(t, arch, name, n_head, n_kv))

@@ -29,14 +29,13 @@ from kvcache.attention.interface import AttentionContext
 from kvcache.errors import ModelLoadError, UnsupportedArchitecture
 from kvcache.kernels.qmoe import expert_table, experts_row, moe_rows
 from kvcache.kernels.qweight import ACT_SWIGLU_OAI, expert_mlp
-from kvcache.kernels.rotary import Rotary
 from kvcache.models.config import ModelConfig
 from kvcache.models.layers import (
-    add_linear, frozen, linear, norm_linear, pack, pack_bias, packed_rows, rms_norm, self_attention, text_model_names,
+    add_linear, frozen, linear, norm_linear, pack, pack_bias, packed_rows, rms_norm, self_attention,
 )
 from kvcache.models.moe import Expert, MoeSpec, moe_block
 from kvcache.models.qwen3moe import Qwen3MoeForCausalLM, _cat_bias
-from kvcache.models.weights import Part, as_fp32, embedding, projection
+from kvcache.models.weights import Part, as_fp32, projection
 
 
 class SinkRouter(nn.Module):
@@ -75,12 +74,13 @@ class ClampedExpert(Expert):
         self.gate_up_b = pack_bias(gate_up_bias, self.gate_up)
         self.down_b = pack_bias(down_bias, self.down)
         self.alpha, self.limit = alpha, limit
+        self.native = (alpha, limit) == (1.702, 7.0)  # the gate kernels/qgemm.c computes (ACT_SWIGLU_OAI)
 
     def forward(self, h: torch.Tensor,  # type: ignore[override]
                 act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """h [n, H] -> [n, H] (``act`` unused: the gate is the architecture's own). Quantized weights
         at the released models' alpha and limit: one native call (kv_q_expert with its biases)."""
-        if (self.alpha, self.limit) == (1.702, 7.0):
+        if self.native:
             y = expert_mlp(h, self.gate_up, self.down, ACT_SWIGLU_OAI, self.gate_up_b, self.down_b)
             if y is not None:
                 return y
@@ -151,7 +151,7 @@ class GptOssLayer(nn.Module):
             for gu, gub, dn, dnb in expert_weights(sd, m, spec))
         # every expert's native fields with its biases (None: some expert is not quantized, or the gate is
         # not the one the native activation computes): a step's experts in one native call
-        self.table = None if (alpha, limit) != (1.702, 7.0) else expert_table(
+        self.table = None if not self.experts[0].native else expert_table(
             [(ex.gate_up, ex.down) for ex in self.experts], [(ex.gate_up_b, ex.down_b) for ex in self.experts])
 
     def mixture(self, x: torch.Tensor) -> None:
@@ -171,30 +171,20 @@ class GptOssLayer(nn.Module):
 
 
 class GptOssForCausalLM(Qwen3MoeForCausalLM):
-    """Qwen3-MoE's model with gpt-oss's layers (its decode-step accounting and rotary are shared)."""
+    """Qwen3-MoE's model with gpt-oss's layers (its loading, decode-step accounting and rotary are
+    shared)."""
 
     def __init__(self, config: ModelConfig, sd: dict, weights: str = "fp32") -> None:  # noqa: D107
-        nn.Module.__init__(self)
-        self.config = config
-        self.spec = MoeSpec.of(config)
         if config.hidden_act not in ("silu", "swish"):
             raise UnsupportedArchitecture(f"gpt_oss with hidden_act {config.hidden_act!r}: its experts' gate is the "
                                           "clamped SwiGLU")
-        sd = text_model_names(sd)
-        try:
-            embed = sd["model.embed_tokens.weight"]  # [V, H]
-            self.layers = nn.ModuleList(
-                GptOssLayer(sd, f"model.layers.{i}", config, self.spec, weights) for i in range(config.num_layers))
-            self.norm = frozen(sd["model.norm.weight"])
-        except KeyError as e:
-            raise ModelLoadError(f"weights are missing tensor {e.args[0]!r} for a gpt_oss model") from None
-        head = sd.get("lm_head.weight")
-        self.tied = config.tie_embeddings or head is None
-        self.lm_head = projection([embed if self.tied else head], None, weights)
-        self.embed = None if self.tied else embedding(embed, weights)
-        self.rope = Rotary(int(config.head_dim * config.partial_rotary_factor), config.rope_theta,
-                           config.rope_scaling, config.max_position)
-        self.stack = None  # no native layer takes the sink logits
+        super().__init__(config, sd, weights)
+
+    def _layer(self, sd: dict, p: str, weights: str) -> nn.Module:
+        return GptOssLayer(sd, p, self.config, self.spec, weights)
+
+    def _stack(self) -> None:
+        return None  # no native layer stack takes the sink logits
 
     def forward(  # type: ignore[override]
         self,

@@ -114,10 +114,7 @@ def self_attention(ctx: Any, layer: int, qkv: torch.Tensor, heads: tuple[int, in
     in one call (gpt-oss's learned sink logits [Hq] too)."""
     n = qkv.shape[0]
     hq, hkv, d = heads
-    if sink_logits is None:
-        o = ctx.attend_packed(layer, qkv, heads, cos.view(n, -1), sin.view(n, -1), qk_norm, eps, scale)
-    else:
-        o = ctx.attend_packed(layer, qkv, heads, cos.view(n, -1), sin.view(n, -1), qk_norm, eps, scale, sink_logits)
+    o = ctx.attend_packed(layer, qkv, heads, cos.view(n, -1), sin.view(n, -1), qk_norm, eps, scale, sink_logits)
     if o is not None:
         return o
     qk, v = qkv.view(n, hq + 2 * hkv, d).split((hq + hkv, hkv), 1)  # [N, Hq + Hkv, D]: norm and RoPE together

@@ -84,9 +84,7 @@ class Qwen3MoeForCausalLM(CausalLM):
         sd = _mixtral_names(text_model_names(sd))
         try:
             embed = sd["model.embed_tokens.weight"]  # [V, H]
-            self.layers = nn.ModuleList(
-                Qwen3MoeLayer(sd, f"model.layers.{i}", config, self.spec, weights) for i in range(config.num_layers)
-            )
+            self.layers = nn.ModuleList(self._layer(sd, f"model.layers.{i}", weights) for i in range(config.num_layers))
             self.norm = frozen(sd["model.norm.weight"])  # [H]
         except KeyError as e:
             raise ModelLoadError(f"weights are missing tensor {e.args[0]!r} for a {config.model_type} model") from None
@@ -97,6 +95,10 @@ class Qwen3MoeForCausalLM(CausalLM):
         self.rope = Rotary(int(config.head_dim * config.partial_rotary_factor), config.rope_theta,
                            config.rope_scaling, config.max_position)
         self.stack = self._stack()
+
+    def _layer(self, sd: dict, p: str, weights: str) -> nn.Module:
+        """Layer ``p`` (``model.layers.{i}``) of this family."""
+        return Qwen3MoeLayer(sd, p, self.config, self.spec, weights)
 
     def _stack(self) -> LayerStack | None:
         """Every layer in one native call a forward, when every projection and expert is quantized
