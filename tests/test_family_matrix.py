@@ -243,6 +243,7 @@ def test_models_check_reports_what_is_honoured_and_why_a_file_is_refused(matrix,
     good = run_kvcache("models", "--check", str(matrix["llama3"][2]))
     assert good.returncode == 0, good.stderr
     assert "rope_freqs.weight" in good.stdout and "kvcache runs this file" in good.stdout
+    assert "tensor types (1), as the default weights mode holds them: F32 x" in good.stdout
     bad = rewrite_gguf(matrix["qwen2"][2], tmp_path / "bad.gguf", drop=("blk.1.attn_v.bias",),
                        add={"qwen2.embedding_scale": 3.0})
     out = run_kvcache("models", "--check", str(bad))
@@ -598,9 +599,13 @@ def test_mxfp4_experts_are_held_exactly_in_five_bits(matrix, mxfp4):
 
     from kvcache.kernels.qweight import QWeight
 
+    from kvcache.models.gguf_convert import check_file
+
     reader = gguf.GGUFReader(str(mxfp4))
     exps = [t for t in reader.tensors if t.name.endswith("_exps.weight")]
     assert exps and all(t.tensor_type == gguf.GGMLQuantizationType.MXFP4 for t in exps)
+    held = check_file(mxfp4).types  # `kvcache models --check` says how the file's MXFP4 is held
+    assert f"MXFP4 x{len(exps)} (read as Q5_0: the same weights bit for bit" in "; ".join(held), held
     sd = model_weights(resolve_model(mxfp4), "file")
     for t in exps:
         ref = dequantize(t.data, t.tensor_type)  # [E, rows, K]

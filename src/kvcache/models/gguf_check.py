@@ -104,6 +104,7 @@ class Report:
     honoured: list[str] = field(default_factory=list)  # keys and tensor kinds used
     no_effect: list[str] = field(default_factory=list)  # keys on the no-effect list
     refused: list[str] = field(default_factory=list)  # one reason each, naming the key or tensor
+    types: list[str] = field(default_factory=list)  # each tensor type of the file, its count and how it is held
 
     @property
     def ok(self) -> bool:
@@ -118,6 +119,8 @@ class Report:
                f"honoured keys ({len(keys)}): {', '.join(keys) or '-'}",
                f"honoured tensors ({len(tensors)} kinds): {', '.join(tensors) or '-'}",
                f"keys with no effect on the outputs ({len(self.no_effect)}): {', '.join(self.no_effect) or '-'}"]
+        if self.types:
+            out.append(f"tensor types ({len(self.types)}), as the default weights mode holds them: {'; '.join(self.types)}")
         if self.ok:
             out.append("verdict: every key and tensor is honoured or has no effect; kvcache runs this file")
         else:

@@ -21,7 +21,7 @@ import torch
 from kvcache.errors import ModelLoadError, UnsupportedArchitecture
 from kvcache.models.gguf_config import hf_config_from_meta
 from kvcache.models.gguf_names import SUPPORTED, hf_tensor_name
-from kvcache.models.gguf_tensor import MXFP4, Q5_0, GGUFTensor
+from kvcache.models.gguf_tensor import MXFP4, Q5_0, GGUFTensor, qtype
 from kvcache.kernels.qweight import FORMAT_OF
 
 
@@ -109,10 +109,9 @@ def _permuted_heads(arch: str, name: str, n_head: int | None, n_kv: int | None) 
     return None
 
 
-def _kept_type(t) -> tuple[int, int | None] | None:
-    """(the type a quantized tensor is read as, its file's type where that differs) when the file
-    mode keeps it quantized; None: it is read as fp32. MXFP4 is read as Q5_0 (gguf_tensor.py)."""
-    ggml = int(t.tensor_type)
+def _kept_type(ggml: int) -> tuple[int, int | None] | None:
+    """(the type a tensor of GGUF type ``ggml`` is read as, the file's type where that differs) when
+    the file mode keeps it quantized; None: it is read as fp32. MXFP4 is read as Q5_0 (gguf_tensor.py)."""
     return (Q5_0, MXFP4) if ggml == MXFP4 else (ggml, None) if ggml in FORMAT_OF else None
 
 
@@ -124,7 +123,7 @@ def _experts(t, name: str, keep_quantized: str | None) -> dict[str, Any]:
         b = dequantize(t)  # [E, rows]
         return {name.format(e=e): torch.from_numpy(np.array(b[e], dtype=np.float32, order="C")) for e in range(len(b))}
     n_exp, rows, k = (int(s) for s in reversed(t.shape))
-    kept = _kept_type(t)
+    kept = _kept_type(int(t.tensor_type))
     if keep_quantized and kept is not None:
         kind, source = kept
         step = GGUFTensor(keep_quantized, kind, rows, k, 0, source=source).file_row_bytes * rows
@@ -146,10 +145,10 @@ def convert_weights(reader, arch: str, config: dict[str, Any],
             raise ModelLoadError(f"tensor {t.name} has no place in a {arch} model")
         if "{e}" in name:
             out.update(_experts(t, name, keep_quantized))
-        elif keep_quantized and _kept_type(t) is not None and len(t.shape) == 2:
+        elif keep_quantized and (kept := _kept_type(int(t.tensor_type))) is not None and len(t.shape) == 2:
             k, rows = int(t.shape[0]), int(t.shape[1])
             heads = _permuted_heads(arch, t.name, n_head, n_kv)
-            kind, source = _kept_type(t)  # type: ignore[misc]
+            kind, source = kept
             out[name] = GGUFTensor(keep_quantized, kind, rows, k, int(t.data_offset), heads, source)
         else:
             out[name] = torch.from_numpy(_fixed(t, arch, name, n_head, n_kv))
@@ -164,7 +163,27 @@ def _report(reader, meta: dict[str, Any]):  # -> (gguf_check.Report, vocabulary 
     from kvcache.models.gguf_check import check
 
     n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else None
-    return check(meta, [(t.name, tuple(int(s) for s in reversed(t.shape))) for t in reader.tensors], n_vocab), n_vocab
+    report = check(meta, [(t.name, tuple(int(s) for s in reversed(t.shape))) for t in reader.tensors], n_vocab)
+    report.types = _held_types(reader)
+    return report, n_vocab
+
+
+def _held_types(reader) -> list[str]:
+    """Each tensor type of the file with its count and what the file weights mode makes of it."""
+    from collections import Counter
+
+    counts = Counter(int(t.tensor_type) for t in reader.tensors)
+    out = []
+    for ggml, n in sorted(counts.items()):
+        kept = _kept_type(ggml)
+        if kept is None:
+            how = "fp32" if ggml == 0 else "read as fp32"
+        elif kept[1] == MXFP4:
+            how = "read as Q5_0: the same weights bit for bit, 5.5 bits a weight in memory against the file's 4.25"
+        else:
+            how = "kept in the file's type"
+        out.append(f"{qtype(ggml).name} x{n} ({how})")
+    return out
 
 
 def read_gguf(path: Path) -> tuple[Any, str, dict[str, Any]]:
