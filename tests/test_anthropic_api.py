@@ -122,8 +122,11 @@ def test_count_tokens_bodies_take_no_sampling_fields():
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0.type: 'image'"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "messages.0.content.0.type"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": [
-        {"type": "thinking", "thinking": "hm", "signature": "s"}]}, {"role": "user", "content": "b"}]},
-     "messages.1.content.0.type: 'thinking'"),
+        {"type": "redacted_thinking", "data": "x"}]}, {"role": "user", "content": "b"}]},
+     "messages.1.content.0.type: 'redacted_thinking'"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": 3, "signature": "s"}]}, {"role": "user", "content": "b"}]},
+     "messages.1.content.0.thinking: must be a string"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "The answer is"}]},
      "messages.1: a final assistant turn"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9"}]}]},

@@ -125,9 +125,9 @@ FORMATS = {  # what kvcache reads from the templates people run most (server/too
     "meta-llama-Llama-3.1-8B-Instruct": "llama3", "meta-llama-Llama-3.2-3B-Instruct": "llama3",
     "meta-llama-Llama-3.3-70B-Instruct": "llama3", "mistralai-Mistral-Nemo-Instruct-2407": "mistral",
     "Mistral-Small-3.2-24B-Instruct-2506": "mistral-args", "unsloth-mistral-Devstral-Small-2507": "mistral-args",
-    "ibm-granite-granite-3.3-2B-Instruct": "granite",
+    "ibm-granite-granite-3.3-2B-Instruct": "granite", "openai-gpt-oss-120b": "harmony",
     # formats kvcache does not read: the tools go in a system turn in the default format
-    "Qwen3-Coder": "default", "openai-gpt-oss-120b": "default", "moonshotai-Kimi-K2": "default",
+    "Qwen3-Coder": "default", "moonshotai-Kimi-K2": "default",
     "microsoft-Phi-3.5-mini-instruct": "default", "google-gemma-2-2b-it": "default",
 }
 
@@ -170,7 +170,7 @@ def test_the_parser_reads_the_calls_each_template_writes(templates):
     assert not wrong, "\n".join(wrong)
     assert {"Qwen-Qwen2.5-7B-Instruct", "Qwen-Qwen3-0.6B", "meta-llama-Llama-3.1-8B-Instruct",
             "mistralai-Mistral-Nemo-Instruct-2407", "unsloth-mistral-Devstral-Small-2507",
-            "Mistral-Small-3.2-24B-Instruct-2506", "unsloth-Apriel-1.5"} <= set(checked)
+            "Mistral-Small-3.2-24B-Instruct-2506", "unsloth-Apriel-1.5", "openai-gpt-oss-120b"} <= set(checked)
 
 
 def test_mistral_templates_get_call_ids_of_nine_characters(templates):

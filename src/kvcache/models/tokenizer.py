@@ -27,7 +27,8 @@ class Tokenizer:
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         ids = list(config.get("eos_token_ids") or [])
-        for name in filter(None, [self.eos_token, "<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>"]):
+        for name in filter(None, [self.eos_token, "<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>",
+                                  "<|return|>", "<|call|>"]):
             tid = backend.token_to_id(name)
             if tid is not None and tid not in ids and (name == self.eos_token or self._in_template(name)):
                 ids.append(tid)
@@ -35,6 +36,11 @@ class Tokenizer:
         for tid in eos if isinstance(eos, list) else [eos]:
             if isinstance(tid, int) and tid not in ids:
                 ids.append(tid)
+        if self._in_template("<|return|>") and self._in_template("<|call|>"):
+            # gpt-oss's harmony format: a reply ends at <|return|> or <|call|>, while <|end|> only ends
+            # one of its messages (its analysis before the final answer), as llama.cpp reads it
+            end = backend.token_to_id("<|end|>")
+            ids = [t for t in ids if t != end]
         self.eos_token_ids: tuple[int, ...] = tuple(ids)
         self.bos_token_id = backend.token_to_id(self.bos_token) if self.bos_token else None
         self._template = None

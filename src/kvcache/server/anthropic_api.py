@@ -131,12 +131,14 @@ def stop_reason(finish: str | None, stop_sequence: str | None) -> str:
 
 
 def message_reply(reply: dict[str, Any], mid: str, stop_sequence: str | None) -> dict[str, Any]:
-    """An OpenAI chat completion as Anthropic's message: the text first (always, when no tool was
-    called), then one ``tool_use`` block per call."""
+    """An OpenAI chat completion as Anthropic's message: a thinking block where the model reasoned,
+    the text (always, when no tool was called), then one ``tool_use`` block per call."""
     choice = reply["choices"][0]
     msg, u = choice["message"], reply["usage"]
     text, calls = msg.get("content") or "", msg.get("tool_calls") or []
     content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text or not calls else []
+    if msg.get("reasoning_content"):  # a reasoning model's thinking first, as Anthropic's models give it
+        content.insert(0, {"type": "thinking", "thinking": msg["reasoning_content"], "signature": ""})
     content += [{"type": "tool_use", "id": tool_use_id(c["id"]), "name": c["function"]["name"],
                  "input": tool_input(c["function"]["arguments"])} for c in calls]
     reason = stop_reason(choice["finish_reason"], stop_sequence)
@@ -164,6 +166,7 @@ class EventStream:
         self.mid, self.model, self.req = mid, model, req
         self.started = False
         self.blocks = 0  # content blocks opened so far
+        self.texts = 0  # of them, text and tool_use blocks (not thinking)
         self.open: str | None = None  # the kind of the block open now
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
@@ -176,6 +179,10 @@ class EventStream:
             self.usage = chunk["usage"]
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                if self.open != "thinking":
+                    out += self._open({"type": "thinking", "thinking": "", "signature": ""})
+                out.append(self._delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]}))
             if delta.get("content"):
                 if self.open != "text":
                     out += self._open({"type": "text", "text": ""})
@@ -194,7 +201,7 @@ class EventStream:
         if not self.started:  # the client left before anything came
             return []
         out = self._close()
-        if not self.blocks:  # as the plain reply: a text block, empty if need be
+        if not self.texts:  # as the plain reply: a text block, empty if need be
             out += self._open({"type": "text", "text": ""}) + self._close()
         reason = stop_reason(self.finish, stop_sequence)
         u = self.usage or {}
@@ -215,6 +222,7 @@ class EventStream:
         out = self._close()
         self.open = block["type"]
         self.blocks += 1
+        self.texts += block["type"] != "thinking"
         return out + [("content_block_start", {"type": "content_block_start", "index": self.blocks - 1,
                                                "content_block": block})]
 

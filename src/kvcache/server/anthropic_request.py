@@ -28,16 +28,18 @@ from kvcache.server.tools import NAME_RE
 
 HONOURED = frozenset({"model", "messages", "system", "tools", "tool_choice", "output_config"})
 CREATE_ONLY = frozenset({"max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream"})
+# kvcache's (vLLM's and llama.cpp's) chat fields, passed on as they are: the template's variables
+PASSED = frozenset({"chat_template_kwargs"})
 IGNORED = frozenset({"metadata", "cache_control", "inference_geo", "diagnostics", "user_profile_id", "workspace_id"})
 OFF: dict[str, tuple[Any, ...]] = {
     "thinking": (None, {"type": "disabled"}), "service_tier": ("auto", "standard_only"), "speed": (None, "standard"),
     "container": (None,), "mcp_servers": (None, []), "context_management": (None,),
 }
-WHY_OFF = {"thinking": "kvcache's models do not think aloud", "container": "kvcache runs no code execution container",
+WHY_OFF = {"thinking": "kvcache sets no thinking budget (a model that thinks in its template returns thinking blocks)", "container": "kvcache runs no code execution container",
            "mcp_servers": "kvcache connects to no MCP server", "service_tier": "there is one tier",
            "speed": "there is one speed", "context_management": "kvcache edits no context"}
-CREATE_FIELDS = HONOURED | CREATE_ONLY | IGNORED | frozenset(OFF)
-COUNT_FIELDS = HONOURED | frozenset({"cache_control", "user_profile_id", "workspace_id", "thinking", "speed",
+CREATE_FIELDS = HONOURED | CREATE_ONLY | IGNORED | PASSED | frozenset(OFF)
+COUNT_FIELDS = HONOURED | PASSED | frozenset({"cache_control", "user_profile_id", "workspace_id", "thinking", "speed",
                                      "mcp_servers", "context_management"})
 TEXT_KEYS = frozenset({"type", "text", "cache_control", "citations"})
 EFFORTS = (None, "low", "medium", "high", "xhigh", "max")
@@ -70,6 +72,7 @@ def chat_body(body: Any, count: bool = False) -> dict[str, Any]:
         out.update(_sampling(body))
     out.update(tool_fields(body.get("tools"), body.get("tool_choice")))
     out.update(_output_config(body.get("output_config")))
+    out.update({k: body[k] for k in PASSED if k in body})
     return out
 
 
@@ -138,8 +141,9 @@ def _block_type(block: Any, where: str) -> str:
     kind = block["type"]
     if kind in NOT_TEXT:
         raise refuse(f"{where}.type", f"{kind!r} blocks are not supported: kvcache serves text models; send text")
-    if kind in ("thinking", "redacted_thinking"):
-        raise refuse(f"{where}.type", f"{kind!r} blocks are not supported: kvcache's models do not think aloud")
+    if kind == "redacted_thinking":
+        raise refuse(f"{where}.type", "'redacted_thinking' blocks are not supported: kvcache cannot read encrypted "
+                                      "reasoning; send the thinking block's text")
     return kind
 
 
@@ -232,6 +236,7 @@ def _assistant(content: Any, where: str, called: set[str]) -> dict:
         raise refuse(f"{where}.content", f"must be a string or a list of content blocks, got {type(content).__name__}")
     texts: list[dict] = []
     calls: list[dict] = []
+    thoughts: list[str] = []
     for j, block in enumerate(content):
         at = f"{where}.content.{j}"
         kind = _block_type(block, at)
@@ -239,11 +244,18 @@ def _assistant(content: Any, where: str, called: set[str]) -> dict:
             texts.append(_text_block(block, at))
         elif kind == "tool_use":
             calls.append(_tool_use(block, at, called))
+        elif kind == "thinking":  # a reasoning model's earlier reasoning, given back to its template
+            _keys(block, {"type", "thinking", "signature"}, at)
+            if not isinstance(block.get("thinking"), str):
+                raise refuse(f"{at}.thinking", "must be a string")
+            thoughts.append(block["thinking"])
         else:
-            raise refuse(f"{at}.type", f"an assistant turn holds text and tool_use blocks, not {kind!r}")
+            raise refuse(f"{at}.type", f"an assistant turn holds text, thinking and tool_use blocks, not {kind!r}")
     msg: dict[str, Any] = {"role": "assistant", "content": texts or ("" if not calls else None)}
     if calls:
         msg["tool_calls"] = calls
+    if thoughts:
+        msg["reasoning_content"] = "\n".join(thoughts)
     return msg
 
 

@@ -22,6 +22,7 @@ from kvcache.errors import KVCacheError
 from kvcache.server.auth import Caller
 from kvcache.server.intake import check_limits, check_unsupported, ignored_header, unknown_fields
 from kvcache.server.protocol import ApiError, ChatRequest, new_id
+from kvcache.server.reasoning import Thinking
 from kvcache.server.responses import chat_response
 from kvcache.server.streams import collect, stream_chat
 from kvcache.server.submit import check_model, check_params, new_request, prediction
@@ -42,6 +43,8 @@ class Chat:
     req: Request
     spec: ToolSpec | None  # the tools the model may call (None: none)
     ignored: dict[str, str]  # the header naming body fields kvcache does not read (empty when none)
+    thinking: Thinking | None = None  # how the reply's reasoning is told from its answer (None: it is not)
+    harmony: bool = False  # gpt-oss's channels: analysis as reasoning, final as the answer, calls to functions
 
 
 async def start_chat(state: "ServerState", raw: Any, caller: Caller) -> Chat:
@@ -68,11 +71,25 @@ async def start_chat(state: "ServerState", raw: Any, caller: Caller) -> Chat:
     body.max_tokens = body.max_completion_tokens or body.max_tokens
     params = body.sampling(min(1024, room), Constraint("lark", forced) if forced is not None else None,
                            await prediction(state, body))
-    if spec is not None:  # the call markers reach the parser even where the tokenizer counts them special
-        params = replace(params, keep_special=fmt.keep_ids())
+    harmony = fmt.name == "harmony" and body.reasoning_format != "none"  # gpt-oss: channels, always read
+    thinking = None if harmony else reply_thinking(state, body, ids, params.constraint is not None)
+    keep = (fmt.keep_ids() if spec is not None or fmt.name == "harmony" else ()) + (thinking.fmt.ids if thinking else ())
+    if keep:  # the call, channel and think markers reach the parsers even where the tokenizer counts them special
+        params = replace(params, keep_special=tuple(dict.fromkeys(keep)))
     await check_params(state, params, "tool_choice" if spec is not None and spec.forced else source)
     req = new_request(state, ids, body, params, caller, None, "messages")
-    return Chat(body, req, spec, ignored)
+    return Chat(body, req, spec, ignored, thinking, harmony)
+
+
+def reply_thinking(state: "ServerState", body: ChatRequest, ids: list[int], constrained: bool) -> Thinking | None:
+    """How a chat's reply is split into reasoning and answer: None where the model does not think in
+    a block, the request asks for the raw text (reasoning_format "none"), or a grammar shapes the
+    whole reply (a forced call, a JSON answer: there is no room for a think block)."""
+    fmt = state.think_format
+    if fmt is None or body.reasoning_format == "none" or constrained:
+        return None
+    tail = state.llm.tokenizer.decode(ids[-8:], keep=frozenset(fmt.ids))  # the marker, even in pieces
+    return Thinking(fmt, fmt.started(tail))
 
 
 async def chat_prompt(state: "ServerState", body: ChatRequest,
@@ -87,6 +104,8 @@ async def chat_prompt(state: "ServerState", body: ChatRequest,
     messages = [m.as_dict() for m in body.messages]
     check_messages(messages)
     messages, extra = render(messages, spec, llm.tokenizer.chat_template, fmt)
+    if body.chat_template_kwargs:
+        extra = {**body.chat_template_kwargs, **extra}
     if not add_generation_prompt:
         extra = {**extra, "add_generation_prompt": False}
     try:
@@ -104,10 +123,12 @@ def model_tool_format(state: "ServerState") -> ToolFormat:
 async def chat_reply(state: "ServerState", http: HttpRequest, chat: Chat) -> dict[str, Any]:
     """Run a chat to the end: OpenAI's chat completion body (a failure raises its ``ApiError``)."""
     (done,) = await collect(state, http, [chat.req], "messages")
-    return chat_response(new_id("chatcmpl"), state.model_name, done, state.text_of, chat.spec)
+    return chat_response(new_id("chatcmpl"), state.model_name, done, state.text_of, chat.spec, chat.thinking,
+                         chat.harmony)
 
 
 def chat_chunks(state: "ServerState", http: HttpRequest, chat: Chat, rid: str | None = None) -> AsyncIterator[dict]:
     """Run a chat, streamed: OpenAI's ``chat.completion.chunk`` bodies (a failure after the first
     chunk is one error body in the stream)."""
-    return stream_chat(state, http, rid or new_id("chatcmpl"), chat.body, chat.req, chat.spec)
+    return stream_chat(state, http, rid or new_id("chatcmpl"), chat.body, chat.req, chat.spec, chat.thinking,
+                       chat.harmony)

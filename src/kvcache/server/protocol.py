@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 from kvcache.engine.grammar import Constraint
 from kvcache.engine.params import MAX_LOGPROBS, SamplingParams
@@ -190,6 +190,7 @@ class Message(BaseModel):
     tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's calls (checked in server/tools.py)
     tool_call_id: Optional[StrictStr] = None  # a tool message: the call it answers
     name: Optional[StrictStr] = None
+    reasoning_content: Optional[StrictStr] = None  # an assistant's reasoning, given back (server/reasoning.py)
 
     @model_validator(mode="before")
     @classmethod
@@ -219,7 +220,14 @@ class Message(BaseModel):
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             out["name"] = self.name
+        if self.reasoning_content is not None and self.role == "assistant":
+            out["reasoning_content"] = self.reasoning_content
         return out
+
+
+# template variables kvcache sets itself, which chat_template_kwargs may not override
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                     "pad_token", "unk_token", "raise_exception", "strftime_now"})
 
 
 class ChatRequest(_Common):
@@ -230,12 +238,31 @@ class ChatRequest(_Common):
     tools: Optional[list[Any]] = None  # checked in server/tools.py
     tool_choice: Optional[Union[StrictStr, dict[str, Any]]] = None
     parallel_tool_calls: Optional[StrictBool] = None
+    # vLLM's and llama.cpp's: more variables for the chat template ({"enable_thinking": false} for Qwen3)
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    # llama.cpp's: "none" leaves a reasoning model's thinking in content; "auto" (or "deepseek") splits it off
+    reasoning_format: Optional[Literal["none", "auto", "deepseek"]] = None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> "ChatRequest":
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Plain values under names the template does not take from kvcache itself."""
+        if v is None:
+            return v
+        for key, value in v.items():
+            if key in RESERVED_TEMPLATE_NAMES:
+                raise ValueError(f"chat_template_kwargs: {key!r} is set by kvcache itself (use the request's own fields)")
+            if not key.isidentifier():
+                raise ValueError(f"chat_template_kwargs: {key!r} is not a template variable name")
+            if not isinstance(value, (str, int, float, bool, type(None))):
+                raise ValueError(f"chat_template_kwargs: {key!r} must be a string, number, boolean or null")
+        return v
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -7,7 +7,8 @@ from typing import Any
 from kvcache.engine.request import Request
 from kvcache.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from kvcache.server.protocol import now, usage
-from kvcache.server.tools import ToolSpec, parse_output
+from kvcache.server.reasoning import Thinking, parse_reply
+from kvcache.server.tools import ToolSpec
 
 
 def _usage(reqs: list[Request]) -> dict[str, Any]:
@@ -39,21 +40,23 @@ def completion_response(rid: str, model: str, reqs: list[Request], echoes: list[
             "usage": _usage(reqs)}
 
 
-def chat_response(rid: str, model: str, r: Request, text_of: TokenText,
-                  tools: ToolSpec | None = None) -> dict[str, Any]:
-    """With ``tools``, calls in a choice's text become its ``message.tool_calls`` (finish_reason
-    "tool_calls"); the rest of the text stays its content."""
+def chat_response(rid: str, model: str, r: Request, text_of: TokenText, tools: ToolSpec | None = None,
+                  thinking: Thinking | None = None, harmony: bool = False) -> dict[str, Any]:
+    """With ``thinking`` (or gpt-oss's ``harmony`` channels), a choice's reasoning becomes its
+    ``message.reasoning_content`` and the answer its content; with ``tools``, calls in the answer
+    become its ``message.tool_calls`` (finish_reason "tool_calls"); the rest of the text stays its
+    content."""
     want = r.params.logprobs is not None
     choices = []
     for s in r.samples:
-        message: dict[str, Any] = {"role": "assistant", "content": s.text.text}
+        reasoning, content, calls = parse_reply(s.text.text, thinking, tools, harmony)
+        message: dict[str, Any] = {"role": "assistant", "content": content if content is not None else ""}
         reason = s.reason or "length"
-        if tools is not None:
-            content, calls = parse_output(s.text.text, tools)
-            if calls:
-                message = {"role": "assistant", "content": content,
-                           "tool_calls": [c.as_openai() for c in calls]}
-                reason = "tool_calls" if reason == "stop" else reason
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}
+            reason = "tool_calls" if reason == "stop" else reason
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         choices.append({"index": s.index, "message": message,
                         "logprobs": chat_logprobs(text_of, s.logprobs) if want else None, "finish_reason": reason})
     return {"id": rid, "object": "chat.completion", "created": now(), "model": model, "choices": choices,
@@ -67,8 +70,13 @@ def completion_chunk(rid: str, model: str, index: int, text: str, finish: str | 
 
 
 def chat_chunk(rid: str, model: str, index: int, text: str | None, finish: str | None, first: bool,
-               logprobs: dict | None = None, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    delta: dict[str, Any] = {"content": text} if text is not None or tool_calls is None else {}
+               logprobs: dict | None = None, tool_calls: list[dict[str, Any]] | None = None,
+               reasoning: str | None = None) -> dict[str, Any]:
+    """``reasoning``: a piece of the reply's reasoning (``delta.reasoning_content``) instead of content."""
+    if reasoning is not None:
+        delta: dict[str, Any] = {"reasoning_content": reasoning}
+    else:
+        delta = {"content": text} if text is not None or tool_calls is None else {}
     if tool_calls is not None:
         delta["tool_calls"] = tool_calls
     if first:

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from kvcache.server.protocol import ApiError
-from kvcache.server.responses_request import ResponsesBody, Turn, call_item, message_item, new_id
+from kvcache.server.responses_request import ResponsesBody, Turn, call_item, message_item, new_id, reasoning_item
 
 
 def echo(body: ResponsesBody) -> dict[str, Any]:
@@ -49,11 +49,14 @@ def usage_of(chat_usage: dict | None) -> dict | None:
 
 
 def output_of(message: dict, finish: str) -> list[dict]:
-    """A chat reply's message as output items: its text (when it has any, or no calls), then its calls."""
+    """A chat reply's message as output items: its reasoning (where it has any), its text (when it has
+    any, or no calls), then its calls."""
     status = "incomplete" if finish == "length" else "completed"
     calls = message.get("tool_calls") or []
+    thought = message.get("reasoning_content")
     items = [message_item("assistant", message.get("content") or "", status=status)]
     items = items if message.get("content") or not calls else []
+    items = ([reasoning_item(thought, status=status)] if thought else []) + items
     return items + [call_item(new_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"], status)
                     for c in calls]
 
@@ -61,11 +64,15 @@ def output_of(message: dict, finish: str) -> list[dict]:
 def assistant_message(output: list[dict]) -> dict:
     """The chat message that output items stand for (what the next turn's prompt renders)."""
     text = "".join(p["text"] for it in output if it["type"] == "message" for p in it["content"])
+    thought = "".join(p["text"] for it in output if it["type"] == "reasoning" for p in it["content"])
     calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
              for it in output if it["type"] == "function_call"]
-    if not calls:
-        return {"role": "assistant", "content": text}
-    return {"role": "assistant", "content": text or None, "tool_calls": calls}
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message = {"role": "assistant", "content": text or None, "tool_calls": calls}
+    if thought:
+        message["reasoning_content"] = thought
+    return message
 
 
 class Events:
@@ -104,6 +111,8 @@ class Events:
         out: list[dict] = []
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                out += self._thought(delta["reasoning_content"])
             if delta.get("content"):
                 out += self._text(delta["content"])
             for call in delta.get("tool_calls") or []:
@@ -123,15 +132,30 @@ class Events:
         if self.failed:
             return []
         status = "incomplete" if self.finish == "length" else "completed"
-        out = [] if self.output or self.open else self._text("")
+        answered = self.open is not None and self.open["type"] != "reasoning" or any(
+            it["type"] != "reasoning" for it in self.output)
+        out = [] if answered else self._text("")
         out += self._close(status)
         return out + [self._ev(f"response.{status}", response=self._response(status))]
 
     def _added(self) -> dict:
         item = dict(self.open or {})
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             item["content"] = []
         return self._ev("response.output_item.added", output_index=len(self.output), item=item)
+
+    def _thought(self, text: str) -> list[dict]:
+        """A piece of reasoning: into the open reasoning item, or one opened for it."""
+        out: list[dict] = []
+        if self.open is not None and self.open["type"] != "reasoning":
+            out += self._close("completed")
+        if self.open is None:
+            self.open = reasoning_item("", status="in_progress")
+            out.append(self._added())
+        self.open["content"][0]["text"] += text
+        out.append(self._ev("response.reasoning_text.delta", item_id=self.open["id"], output_index=len(self.output),
+                            content_index=0, delta=text))
+        return out
 
     def _text(self, text: str) -> list[dict]:
         out: list[dict] = []
@@ -159,6 +183,9 @@ class Events:
                              text=part["text"], logprobs=[]),
                     self._ev("response.content_part.done", item_id=item["id"], output_index=at, content_index=0,
                              part=part)]
+        elif item["type"] == "reasoning":
+            out.append(self._ev("response.reasoning_text.done", item_id=item["id"], output_index=at, content_index=0,
+                                text=item["content"][0]["text"]))
         else:
             out.append(self._ev("response.function_call_arguments.done", item_id=item["id"], output_index=at,
                                 name=item["name"], arguments=item["arguments"]))

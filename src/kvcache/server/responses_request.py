@@ -27,7 +27,8 @@ from kvcache.server.protocol import ApiError
 
 # kvcache's own chat fields, passed on as they are (their errors name them alike)
 EXTRAS = ("seed", "top_k", "min_p", "stop", "ignore_eos", "repetition_penalty", "presence_penalty",
-          "frequency_penalty", "min_tokens", "stop_token_ids", "logit_bias", "priority", "prompt_lookup")
+          "frequency_penalty", "min_tokens", "stop_token_ids", "logit_bias", "priority", "prompt_lookup",
+          "chat_template_kwargs", "reasoning_format")
 # fields of what kvcache does not do -> the values that mean "not used"
 OFF: dict[str, tuple[Any, ...]] = {
     "background": (None, False), "include": (None, []), "truncation": (None, "disabled"), "conversation": (None,),
@@ -128,11 +129,12 @@ def check_body(raw: dict) -> ResponsesBody:
                       "unsupported_parameter")
     reasoning = body.reasoning or {}
     if reasoning.get("effort") not in (None, "none"):
-        raise bad("reasoning.effort", "reasoning.effort: kvcache's models do not reason; send 'none' or leave it "
-                                      "out", "unsupported_parameter")
+        raise bad("reasoning.effort", "reasoning.effort: kvcache does not set how long a model reasons; send "
+                                      "'none' or leave it out", "unsupported_parameter")
     for key in ("summary", "generate_summary"):
         if reasoning.get(key) is not None:
-            raise bad(f"reasoning.{key}", f"reasoning.{key}: there is no reasoning to summarize",
+            raise bad(f"reasoning.{key}", f"reasoning.{key}: kvcache does not summarize reasoning (a reasoning "
+                                          "item holds the model's whole text)",
                       "unsupported_parameter")
     for k, v in (body.metadata or {}).items():
         if len(k) > 64 or len(v) > 512:
@@ -185,8 +187,16 @@ def _input(turn: Turn, value: Any) -> None:
             if role not in ROLES:
                 raise bad(f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}")
             text = _text(item.get("content"), f"{where}.content")
-            turn.add({"role": role, "content": text}, where)
+            last = turn.new[-1] if turn.new else None
+            if role == "assistant" and _thought_only(last, turn):  # the answer after its reasoning item
+                last["content"] = text  # type: ignore[index]
+            else:
+                turn.add({"role": role, "content": text}, where)
             turn.items.append(message_item(role, text, item.get("id")))
+        elif kind == "reasoning":
+            text = "".join(p.get("text", "") for p in item.get("content") or [] if isinstance(p, dict))
+            turn.add({"role": "assistant", "content": None, "reasoning_content": text}, where)
+            turn.items.append(reasoning_item(text, item.get("id")))
         elif kind == "function_call":
             fn = {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where, "")}
             call = {"id": _string(item, "call_id", where), "type": "function", "function": fn}
@@ -210,8 +220,14 @@ def _input(turn: Turn, value: Any) -> None:
             turn.items.append({"id": item.get("id") or new_id("fco"), "type": "function_call_output",
                                "call_id": call_id, "output": text, "status": "completed"})
         else:
-            raise bad(f"{where}.type", f"{where}.type {kind!r} is not read: kvcache takes message, function_call "
-                                       "and function_call_output items")
+            raise bad(f"{where}.type", f"{where}.type {kind!r} is not read: kvcache takes message, reasoning, "
+                                       "function_call and function_call_output items")
+
+
+def _thought_only(message: dict | None, turn: Turn) -> bool:
+    """Whether ``message`` is the turn's last message and an assistant's reasoning with nothing after it yet."""
+    return (message is not None and message is turn.messages[-1] and message["role"] == "assistant"
+            and message.get("content") is None and not message.get("tool_calls") and "reasoning_content" in message)
 
 
 def _string(item: dict, key: str, where: str, empty: str | None = None) -> str:
@@ -287,6 +303,12 @@ def message_item(role: str, text: str, item_id: str | None = None, status: str =
     part = ({"type": "output_text", "text": text, "annotations": []} if role == "assistant"
             else {"type": "input_text", "text": text})
     return {"id": item_id or new_id("msg"), "type": "message", "role": role, "status": status, "content": [part]}
+
+
+def reasoning_item(text: str, item_id: str | None = None, status: str = "completed") -> dict:
+    """A reply's reasoning as the Responses API's reasoning item (its text whole; no summary)."""
+    return {"id": item_id or new_id("rs"), "type": "reasoning", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": status}
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:

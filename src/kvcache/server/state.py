@@ -16,6 +16,7 @@ from kvcache.server.intake import Limits
 from kvcache.server.logprobs import TokenText
 from kvcache.server.metrics import Metrics
 from kvcache.server.protocol import ApiError
+from kvcache.server.reasoning import think_format
 from kvcache.server.tool_formats import tool_format
 
 
@@ -27,6 +28,7 @@ class ServerState:
         self.metrics = Metrics()
         self.text_of = TokenText(llm.tokenizer)
         self.tool_format = tool_format(llm.tokenizer.chat_template, llm.tokenizer)  # how the model writes calls
+        self.think_format = think_format(llm.tokenizer.chat_template, llm.tokenizer)  # its think block, if any
 
     def caller(self, http: HttpRequest) -> Caller:
         """Who sent the request (its tenant salt and whether it is an admin); 401 without a valid key."""

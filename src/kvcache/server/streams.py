@@ -18,8 +18,9 @@ from fastapi.responses import StreamingResponse
 from kvcache.engine.request import Request, error_kind
 from kvcache.server.logprobs import chat_logprobs, completion_logprobs
 from kvcache.server.protocol import ApiError, ChatRequest, CompletionRequest
+from kvcache.server.reasoning import ReplyStream, Thinking
 from kvcache.server.responses import chat_chunk, completion_chunk, usage_chunk
-from kvcache.server.tools import ToolStream, ToolSpec
+from kvcache.server.tools import ToolSpec
 
 if TYPE_CHECKING:
     from kvcache.server.state import ServerState
@@ -111,11 +112,13 @@ async def collect(state: "ServerState", http: HttpRequest, reqs: list[Request], 
 
 def _tool_chunks(rid: str, model: str, index: int, events: list[tuple], first: bool,
                  lps: dict | None) -> list[dict[str, Any]]:
-    """One chunk per ToolStream event: content text, a call's header, or a piece of its arguments."""
+    """One chunk per event: content text, reasoning text, a call's header, or a piece of its arguments."""
     out = []
     for ev in events:
         if ev[0] == "content":
             out.append(chat_chunk(rid, model, index, ev[1], None, first, lps))
+        elif ev[0] == "reasoning":
+            out.append(chat_chunk(rid, model, index, None, None, first, lps, reasoning=ev[1]))
         elif ev[0] == "call":
             call = {"index": ev[1], "id": ev[2], "type": "function", "function": {"name": ev[3], "arguments": ""}}
             out.append(chat_chunk(rid, model, index, None, None, first, lps, [call]))
@@ -158,14 +161,18 @@ async def stream_completion(state: "ServerState", http: HttpRequest, rid: str, b
 
 
 async def stream_chat(state: "ServerState", http: HttpRequest, rid: str, body: ChatRequest, req: Request,
-                      tools: ToolSpec | None = None) -> AsyncIterator[dict[str, Any]]:
-    """With ``tools``, each choice's text goes through a ToolStream: content as it comes, calls as
-    OpenAI streams them (``delta.tool_calls``: index, id and name first, then argument pieces)."""
+                      tools: ToolSpec | None = None, thinking: Thinking | None = None,
+                      harmony: bool = False) -> AsyncIterator[dict[str, Any]]:
+    """Each choice's text goes through a ReplyStream where the reply has parts to tell apart
+    (``thinking``, ``tools``, gpt-oss's ``harmony`` channels): reasoning as
+    ``delta.reasoning_content``, content as it comes, calls as OpenAI streams them
+    (``delta.tool_calls``: index, id and name first, then argument pieces)."""
     started: set[int] = set()
     ended: list[Request] = []
-    parsers: dict[int, ToolStream] = {}
+    parsers: dict[int, ReplyStream] = {}
     called: set[int] = set()
     model = state.model_name
+    plain = tools is None and thinking is None and not harmony
     async for _, item in run(state, http, [req]):
         if isinstance(item, Request):
             if item.error:
@@ -175,10 +182,10 @@ async def stream_chat(state: "ServerState", http: HttpRequest, rid: str, body: C
         first = item.index not in started
         started.add(item.index)
         lps = chat_logprobs(state.text_of, item.logprobs) if item.logprobs is not None else None
-        if tools is None:
+        if plain:
             yield chat_chunk(rid, model, item.index, item.text, item.finish_reason, first, lps)
             continue
-        parser = parsers.setdefault(item.index, ToolStream(tools))
+        parser = parsers.setdefault(item.index, ReplyStream(thinking, tools, harmony))
         events = parser.feed(item.text) + (parser.finish() if item.finish_reason is not None else [])
         for chunk in _tool_chunks(rid, model, item.index, events, first, lps):
             yield chunk

@@ -25,8 +25,8 @@ from kvcache.server.submit import check_model
 if TYPE_CHECKING:
     from kvcache.server.state import ServerState
 
-TOKENIZE_KEYS = {"model", "prompt", "messages", "tools", "tool_choice", "add_special_tokens", "add_generation_prompt",
-                 "return_token_strs"}
+TOKENIZE_KEYS = {"model", "prompt", "messages", "tools", "tool_choice", "chat_template_kwargs", "add_special_tokens",
+                 "add_generation_prompt", "return_token_strs"}
 
 
 def add_token_routes(app: FastAPI, state: "ServerState") -> None:
@@ -56,7 +56,8 @@ def add_token_routes(app: FastAPI, state: "ServerState") -> None:
             ids = await asyncio.to_thread(tok.encode, raw["prompt"], flags["add_special_tokens"])
         else:
             body = ChatRequest.model_validate({"model": state.model_name, "messages": raw["messages"],
-                                               **{k: raw[k] for k in ("tools", "tool_choice") if k in raw}})
+                                               **{k: raw[k] for k in ("tools", "tool_choice", "chat_template_kwargs")
+                                                  if k in raw}})
             ids, _ = await chat_prompt(state, body, flags["add_generation_prompt"])
         strs = [state.llm.tokenizer.decode([t], skip_special_tokens=False) for t in ids] \
             if flags["return_token_strs"] else None

@@ -19,13 +19,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import secrets
 from dataclasses import dataclass, replace
 from typing import Any
 
 from kvcache.engine.schema import closed_schema
 from kvcache.server.protocol import ApiError
-from kvcache.server.tool_formats import CALL_ID, DEFAULT, PYTHON_TAG, ToolFormat, tool_format
+from kvcache.server.harmony import HarmonyStream
+from kvcache.server.tool_formats import CALL_ID, DEFAULT, PYTHON_TAG, TextStream, ToolFormat, new_call_id, tool_format
 
 MAX_TOOLS = 128
 MAX_SCHEMA_BYTES = 64 << 10  # a function's parameters schema, as JSON
@@ -268,8 +268,15 @@ def _hf_messages(messages: list[dict], ids: Any = None) -> list[dict]:
             msg["tool_call_id"] = ids(m["tool_call_id"])
             if m["tool_call_id"] in names:
                 msg["name"] = names[m["tool_call_id"]]
-        out.append(msg)
+        out.append(_with_reasoning(msg, m))
     return out
+
+
+def _with_reasoning(msg: dict, m: dict) -> dict:
+    """``msg`` with the reasoning of the assistant message ``m`` that it renders (where it has any)."""
+    if m["role"] == "assistant" and m.get("reasoning_content") is not None:
+        msg["reasoning_content"] = m["reasoning_content"]
+    return msg
 
 
 def _default_messages(messages: list[dict]) -> list[dict]:
@@ -288,7 +295,7 @@ def _default_messages(messages: list[dict]) -> list[dict]:
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls = calls_text([(c["function"]["name"], _call_args(c)) for c in m["tool_calls"]])
             content = f"{content}\n{calls}" if content else calls
-        out.append({"role": m["role"], "content": content})
+        out.append(_with_reasoning({"role": m["role"], "content": content}, m))
         last_was_tool = False
     return out
 
@@ -367,8 +374,9 @@ def tool_grammar(spec: ToolSpec) -> str | None:
     hermes and default formats the output is one ``<tool_call>`` block (one or more, a newline apart,
     when calls may be parallel); in the list formats one list of calls after the opening marker; in
     Mistral's ``[ARGS]`` format the marker, the name, ``[ARGS]`` and the arguments, once or (parallel)
-    again and again; in Llama 3's the call object alone (one call a turn). None for "auto" without a
-    JSON answer.
+    again and again; in gpt-oss's harmony format the commentary channel addressed to the function and
+    the arguments (one call a turn: ``<|call|>`` ends it); in Llama 3's the call object alone (one
+    call a turn). None for "auto" without a JSON answer.
 
     With parallel blocks, the turn may end after every complete block, and another one comes only when
     the model opens it: after ``</tool_call>`` the grammar admits the end, ``\n<tool_call>``, or ``tail``
@@ -392,7 +400,7 @@ def tool_grammar(spec: ToolSpec) -> str | None:
             names.append(f"fn{i}")
         rules.append("fcall: " + " | ".join(names))
         opened = f"{fmt.lark(fmt.open)} fcall"
-        calls = [f"({opened})+" if spec.parallel else opened]
+        calls = [f"({opened})+" if spec.parallel and fmt.name != "harmony" else opened]  # harmony: a call ends the turn
     else:
         if len(allowed) == 1:
             schema = _call_schema(allowed[0], "#/properties/" + fmt.args_key, fmt.args_key)
@@ -483,10 +491,6 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def new_call_id() -> str:
-    return "call_" + secrets.token_hex(12)
-
-
 def read_call(value: Any, names: frozenset[str]) -> tuple[str, str] | None:
     """(name, compact JSON arguments) of a call object naming a known function; None when it is not one.
 
@@ -556,7 +560,7 @@ def _partial_tag(text: str, tag: str) -> int:
     return 0
 
 
-class ToolStream:
+class ToolStream(TextStream):
     """Incremental parser of model output text into events, for streaming.
 
     Events: ``("content", text)``, then for each call ``("call", index, id, name)`` followed by one or more
@@ -576,34 +580,21 @@ class ToolStream:
     """
 
     def __init__(self, spec: ToolSpec) -> None:
+        super().__init__()
         self.names = spec.names()
         self.fmt = spec.fmt
         self._forced = spec.shaped
         self._bare = not spec.json_text  # whether an output opening with { or [ may be bare calls
-        self._buf = ""
         self._mode = "start"  # "start" | "bare" | "text" | "block"
         self._scan = 0  # in a block, where the search for its closing tag resumes
         self._ws = ""  # whitespace held at the start of the current stretch of content
         self._has_text = False  # the current stretch of content holds more than whitespace
         self._after_call = False  # the current stretch began right after a call
         self._count = 0
-        self._finished = False
 
-    def feed(self, text: str) -> list[Event]:
-        if self._finished:
-            raise RuntimeError("ToolStream.feed after finish")
-        self._buf += text
-        return self._drain(final=False)
-
-    def finish(self) -> list[Event]:
-        """Flush at the end of the output."""
-        if self._finished:
-            return []
-        events = self._drain(final=True)
-        if self._ws and not self._has_text and not self._after_call:
-            events.append(("content", self._ws))
-        self._finished = True
-        return events
+    def _flush(self) -> list[Event]:
+        """Whitespace held at the end of the output, where it is all the stretch holds."""
+        return [("content", self._ws)] if self._ws and not self._has_text and not self._after_call else []
 
     def _drain(self, final: bool) -> list[Event]:
         events: list[Event] = []
@@ -708,7 +699,14 @@ def assemble(events: list[Event]) -> tuple[str | None, list[ToolCall]]:
     return (None if not text and calls else text), calls
 
 
+def call_stream(spec: ToolSpec) -> "ToolStream | HarmonyStream":
+    """The incremental parser of the calls in a reply, in ``spec``'s format: gpt-oss's channels
+    (HarmonyStream, which also gives its analysis as ``reasoning`` events) or ToolStream."""
+    return HarmonyStream(spec.names()) if spec.fmt.name == "harmony" else ToolStream(spec)
+
+
 def parse_output(text: str, spec: ToolSpec) -> tuple[str | None, list[ToolCall]]:
-    """Content and calls of a whole model output: what ToolStream's events for it add up to."""
-    stream = ToolStream(spec)
-    return assemble(stream.feed(text) + stream.finish())
+    """Content and calls of a whole model output: what its call stream's events add up to (reasoning
+    left out)."""
+    stream = call_stream(spec)
+    return assemble([e for e in stream.feed(text) + stream.finish() if e[0] != "reasoning"])
