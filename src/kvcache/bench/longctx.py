@@ -464,7 +464,9 @@ def headline(d: dict) -> list[Headline]:
         peer_kv = _LLAMA_KV.get(k["kv"])
         p = next((x for x in results if x["system"] != "kvcache" and x["kv"] == peer_kv
                   and x["test"] == k["test"] and x["context"] == k["context"]), None)
-        if p is None or (k["test"] == "prefill" and k["context"] == meta.get("reference_prompt")):
+        if p is None or not (p.get("tok_s") and k.get("tok_s")):  # a skipped row (its reason) has no figure
+            continue
+        if k["test"] == "prefill" and k["context"] == meta.get("reference_prompt"):
             continue
         what = (f"{model}: decode tok/s after {k['context']} tokens, {k['kv']} KV (peer {peer_kv})"
                 if k["test"] == "decode" else f"{model}: prefill {k['context']} tokens, {k['kv']} KV, tok/s")
