@@ -217,6 +217,13 @@ SLOW = {
     # a whole `kvcache generate` on a file refused at load (a fresh KVCACHE_HOME: no cached conversion)
     "test_load_hygiene.py::test_a_tensor_that_disagrees_with_the_hyper_parameters_refuses_the_file",
     "test_load_hygiene.py::test_shapes_are_checked_before_any_tensor_is_read",
+    # real servers on tiny Qwen GGUFs rewritten with thinking and harmony templates (a conversion each; the splits stay quick)
+    "test_reasoning.py::test_a_reply_started_inside_the_block_is_reasoning_whole_and_streams_the_same",
+    "test_reasoning.py::test_the_responses_and_messages_apis_give_the_reasoning_as_their_own_items",
+    "test_reasoning.py::test_enable_thinking_false_reaches_the_template_and_the_reply_is_all_answer",
+    "test_reasoning.py::test_template_kwargs_that_would_override_or_are_not_plain_are_refused",
+    "test_reasoning.py::test_harmony_replies_end_at_return_or_call_and_not_at_end",
+    "test_reasoning.py::test_served_harmony_channels_and_forced_calls",
     # the Responses API on a real server (its translation and store units stay quick)
     "test_responses_api.py::TestServer", "test_responses_api.py::TestRestart",
     "test_responses_api.py::TestTemplate",
