@@ -588,11 +588,12 @@ def mxfp4(matrix, tmp_path_factory) -> Path:
                         retype=("_exps.weight", gguf.GGMLQuantizationType.MXFP4))
 
 
-def test_mxfp4_experts_are_held_exactly_in_five_bits(matrix, mxfp4):
+def test_mxfp4_experts_are_held_in_their_own_codes(matrix, mxfp4):
     """MXFP4 (the released gpt-oss files' expert type: 4-bit codes of 0..6 on a power-of-two scale
-    per 32) is read as Q5_0 holding the same weights bit for bit (every MXFP4 weight is an integer of
-    -12..12 times 2^(e-128)); the file's experts stay quantized and run through the int8 products,
-    within their rounding of the same weights dequantized by gguf-py."""
+    per 32) is held as its codes with an fp16 scale (2^(e-128): each code stands for an integer of
+    -12..12), the same weights bit for bit in 4.5 bits a weight; the file's experts stay quantized
+    and run through the int8 products, within their rounding of the same weights dequantized by
+    gguf-py."""
     import gguf
     import numpy as np
     from gguf.quants import dequantize
@@ -605,7 +606,7 @@ def test_mxfp4_experts_are_held_exactly_in_five_bits(matrix, mxfp4):
     exps = [t for t in reader.tensors if t.name.endswith("_exps.weight")]
     assert exps and all(t.tensor_type == gguf.GGMLQuantizationType.MXFP4 for t in exps)
     held = check_file(mxfp4).types  # `kvcache models --check` says how the file's MXFP4 is held
-    assert f"MXFP4 x{len(exps)} (read as Q5_0: the same weights bit for bit" in "; ".join(held), held
+    assert f"MXFP4 x{len(exps)} (kept in the file's type: its codes" in "; ".join(held), held
     sd = model_weights(resolve_model(mxfp4), "file")
     for t in exps:
         ref = dequantize(t.data, t.tensor_type)  # [E, rows, K]
@@ -618,7 +619,8 @@ def test_mxfp4_experts_are_held_exactly_in_five_bits(matrix, mxfp4):
     exact = ours(mxfp4, "fp32", ids)  # the file's weights dequantized, in fp32
     config = ModelConfig.from_hf(read_config(resolve_model(mxfp4).path))
     model = build_model(config, sd, "file")
-    assert all(isinstance(ex.gate_up, QWeight) and ex.gate_up.format_name.startswith("q5")
+    assert all(isinstance(ex.gate_up, QWeight) and ex.gate_up.format_name == "mx4_f16"
+               and ex.gate_up.nbytes == 0.5625 * ex.gate_up.out * ex.gate_up.k  # rows a multiple of 16 here
                for ly in model.layers for ex in ly.experts)
     pos = torch.arange(START, START + N)
     with torch.inference_mode():
@@ -633,7 +635,7 @@ def test_mxfp4_experts_are_held_exactly_in_five_bits(matrix, mxfp4):
 @pytest.mark.skipif(llama_cpp_bin() is None, reason="llama-perplexity is not built (make llamacpp, then "
                     "cmake --build .venv/llama.cpp/build --target llama-perplexity)")
 def test_mxfp4_perplexity_beside_llama_cpp_on_the_same_file(mxfp4):
-    """The MXFP4 gpt-oss file through kvcache (experts as Q5_0, the int8 products) against
+    """The MXFP4 gpt-oss file through kvcache (experts in their codes, the int8 products) against
     llama-perplexity, which multiplies MXFP4 blocks itself, on the same file and text."""
     import inspect
     import textwrap

@@ -30,7 +30,7 @@ def gguf_rows(t: T, out: int, k: int, seed: int = 0) -> np.ndarray:
     """[out, bytes per row] blocks of type t: legacy types quantize Gaussian weights with gguf's own
     rule; K-quants are random blocks with sane fp16 scales (gguf-py cannot quantize them)."""
     rng = np.random.default_rng(seed)
-    if t in LEGACY:
+    if t in LEGACY or t == T.MXFP4:
         return quantize(rng.standard_normal((out, k)).astype(np.float32), t)
     size, d_at, dmin_at = KQUANTS[t]
     raw = rng.integers(0, 256, size=(out, k // 256, size), dtype=np.uint8)
@@ -48,12 +48,13 @@ def repacked(t: T, out: int, k: int, fmt: int | None = None, seed: int = 0) -> t
     return w.seal(), dequantize(raw, t).reshape(out, k)
 
 
-ALL = [*LEGACY, *KQUANTS]
+ALL = [*LEGACY, T.MXFP4, *KQUANTS]
 # memory per weight in its repacked format: values (nibbles or bytes) plus scales (and minimums)
 # (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K at the file's own density: the K-quants keep the
-# file's integer scales in as many bytes; Q3_K as Q6_K; Q2_K its values as nibbles: 0.64 where the file takes 0.33)
+# file's integer scales in as many bytes; Q3_K as Q6_K; Q2_K its values as nibbles: 0.64 where the file takes 0.33;
+# MXFP4 its codes with an fp16 scale per 32 where the file has a byte: 0.5625 against 0.53125)
 BYTES_PER_WEIGHT = {T.Q4_0: 0.5625, T.Q4_1: 0.625, T.Q5_0: 0.6875, T.Q5_1: 0.75, T.Q8_0: 1.0625, T.Q2_K: 0.640625,
-                    T.Q3_K: 0.8203125, T.Q4_K: 0.5625, T.Q5_K: 0.6875, T.Q6_K: 0.8203125}
+                    T.Q3_K: 0.8203125, T.Q4_K: 0.5625, T.Q5_K: 0.6875, T.Q6_K: 0.8203125, T.MXFP4: 0.5625}
 
 
 @pytest.mark.parametrize("t", ALL, ids=lambda t: t.name)
@@ -66,6 +67,28 @@ def test_repacked_weights_hold_exactly_the_files_values(t):
     for bad in ([0, 37], [-1], [5, 1 << 40]):  # the native lookup refuses every id past the rows it holds
         with pytest.raises(IndexError, match="out of range for a weight of 37 rows"):
             w.rows(torch.tensor(bad))
+
+
+def test_mxfp4_scales_outside_fp16_are_refused_unless_the_block_is_zeros():
+    """An MXFP4 block's scale is held as the fp16 2^(e - 128): a block whose e has no such fp16 is
+    refused (the file check's one line, and the repacker's own code 3), unless all its codes are
+    zeros (+0 and -0), whose weights any scale gives."""
+    from kvcache.errors import ModelLoadError
+    from kvcache.models.gguf_tensor import check_mxfp4
+
+    raw = gguf_rows(T.MXFP4, 16, 64, seed=3).reshape(16, 2, 17).copy()
+    raw[4, 1, 0] = 200  # 2^73
+    with pytest.raises(ModelLoadError, match=r"MXFP4 block's scale 2\^73 is outside"):
+        check_mxfp4(raw.reshape(16, -1), "probe")
+    w = QWeight(FORMAT_OF[int(T.MXFP4)], 16, 64)
+    with pytest.raises(ModelLoadError, match="a value outside the type's range"):
+        w.put_gguf(int(T.MXFP4), raw.reshape(16, -1), np.arange(16))
+    raw[4, 1, 1:] = np.array([0x88, 0x08, 0x80, 0x00] * 4, np.uint8)  # +0 and -0 only
+    check_mxfp4(raw.reshape(16, -1), "probe")
+    w = QWeight(FORMAT_OF[int(T.MXFP4)], 16, 64)
+    w.put_gguf(int(T.MXFP4), raw.reshape(16, -1), np.arange(16))
+    ref = dequantize(raw.reshape(16, -1), T.MXFP4).reshape(16, 64)
+    assert np.array_equal(w.seal().dequantize().numpy(), ref)
 
 
 @pytest.mark.parametrize("types", [(T.Q4_0, T.Q4_K), (T.Q4_1, T.Q5_0), (T.Q4_K, T.Q5_K), (T.Q5_1, T.Q2_K),
@@ -460,3 +483,11 @@ def test_kernel_scratch_is_kept_between_calls_and_given_back():
     assert again < 16  # the second call reuses it
     assert released > 40  # release_scratch gives it back
     assert after_thread < 16  # the thread's own scratch went with the thread
+
+
+def test_mxfp4_shares_no_format_with_another_type():
+    """MXFP4's codes are held only in its own format: beside any other type the parts stay apart
+    (a QStack), where a shared nibble format with minimums could not hold them."""
+    assert common_format([int(T.MXFP4), int(T.MXFP4)]) == FORMAT_OF[int(T.MXFP4)]
+    for other in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K):
+        assert common_format([int(T.MXFP4), int(other)]) is None, other.name

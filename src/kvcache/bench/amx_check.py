@@ -3,7 +3,7 @@
     python -m kvcache.bench.amx_check [--rows 512] [--repeats 5] [--threads N]
 
 Prints the host line and this process's AMX status (``kernels.amx_status()``), then for GGUF Q4_0,
-Q8_0, Q4_K and Q6_K weights at a 1B model's shapes (K 2048 into 2048 and into 8192 outputs, K 8192
+Q8_0, Q4_K, Q6_K and MXFP4 weights at a 1B model's shapes (K 2048 into 2048 and into 8192 outputs, K 8192
 into 2048) times ``kv_q_linear`` over ``--rows`` rows with the kernels' own choice and with
 KVCACHE_AMX=0, each side in a process of its own (whether AMX is used is settled once per process),
 the best of ``--repeats`` calls on every CPU thread, and compares the outputs' bytes (a SHA-256 of
@@ -23,9 +23,10 @@ import subprocess
 import sys
 import time
 
-# GGUF type ids and block layouts: (inputs a block, bytes a block, byte offsets of fp16 d and dmin)
+# GGUF type ids and block layouts: (inputs a block, bytes a block, byte offsets of fp16 d and dmin;
+# MXFP4's scale is its first byte, an exponent)
 TYPES = {"Q4_0": (2, 32, 18, 0, None), "Q8_0": (8, 32, 34, 0, None), "Q4_K": (12, 256, 144, 0, 2),
-         "Q6_K": (14, 256, 210, 208, None)}
+         "Q6_K": (14, 256, 210, 208, None), "MXFP4": (39, 32, 17, None, None)}
 SHAPES = ((2048, 2048), (2048, 8192), (8192, 2048))  # (K inputs, out outputs): a 1B model's projections
 
 
@@ -36,6 +37,9 @@ def gguf_blocks(name: str, out: int, k: int, seed: int):
     _, per, size, d_at, dmin_at = TYPES[name]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(out, k // per, size), dtype=np.uint8)
+    if d_at is None:  # MXFP4: scales 2^(e - 127) of 2^-9 .. 2^-3
+        raw[:, :, 0] = rng.integers(118, 125, size=(out, k // per), dtype=np.uint8)
+        return raw.reshape(out, -1)
     d = rng.uniform(0.001, 0.01, size=(out, k // per)).astype(np.float16)
     raw[:, :, d_at:d_at + 2] = d.view(np.uint8).reshape(out, k // per, 2)
     if dmin_at is not None:

@@ -286,13 +286,16 @@ static ALWAYS __m512i amx_row(const int HI, const uint8_t *wb, const uint64_t *h
     return v;
 }
 
-/* One block (HI 0 or 1) as amx_row's eight rows at out, less OFS (then signed). */
-static ALWAYS void amx_unpack(const int HI, const int OFS, const uint8_t *wb, uint8_t *out) {
+/* One block (HI 0 or 1) as amx_row's eight rows at out, less OFS (then signed); NIB 2: the nibbles
+ * are MXFP4's codes, read through KVQ_MX4_U first. */
+static ALWAYS void amx_unpack(const int NIB, const int HI, const int OFS, const uint8_t *wb, uint8_t *out) {
     uint64_t hm[8];
     if (HI == 1) memcpy(hm, wb + 256, 64);
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)KVQ_MX4_U));
 #pragma GCC unroll 8
     for (int s = 0; s < 8; s++) {
         __m512i v = amx_row(HI, wb, hm, s);
+        if (NIB == 2) v = _mm512_shuffle_epi8(lut, v);
         if (OFS) v = _mm512_sub_epi8(v, _mm512_set1_epi8((char)OFS)); /* q - OFFSET as signed bytes */
         _mm512_storeu_si512(out + 64 * s, v);
     }
@@ -347,7 +350,7 @@ static ALWAYS void amx_weights(const int NIB, const int HI, const int OFS, const
     for (int g = 0; g < NG; g++) {
         const uint8_t *wb = w + g * gq + (int64_t)b * qb;
         for (int l = 0; l < qb; l += 64) _mm_prefetch((const char *)(wb + AMX_PF + l), _MM_HINT_T0);
-        if (NIB) amx_unpack(HI, OFS, wb, buf[g]);
+        if (NIB) amx_unpack(NIB, HI, OFS, wb, buf[g]);
         *(g ? b1 : b0) = NIB ? buf[g] : wb;
     }
     if (NG == 1) *b1 = *b0;
@@ -644,12 +647,14 @@ PASS_FN(p_q5_f16, 1, 1, 0, 1, 1, 0)
 PASS_FN(p_q5_f32, 1, 1, 0, 0, 1, 0)
 PASS_FN(p_q4o_f16, 1, 0, 0, 1, 1, 8)
 PASS_FN(p_q5o_f16, 1, 1, 0, 1, 1, 16)
+PASS_FN(p_mx4_f16, 2, 0, 0, 1, 1, KVQ_MX4_OFS)
 /* NULL: the K-quants' products go by amx_ksf_run */
 static const PassFn PASSES[KVQ_NFMT] = {p_q4_f16, p_q4_f32, p_s8_f16, p_s8_f32_16, p_u8_f16, p_u8_f32, p_u8_f32_16,
-                                        p_q5_f16, p_q5_f32, p_q4o_f16, p_q5o_f16, NULL, NULL, NULL, NULL};
+                                        p_q5_f16, p_q5_f32, p_q4o_f16, p_q5o_f16, NULL, NULL, NULL, NULL,
+                                        p_mx4_f16};
 static const char *const FMT_NAMES[KVQ_NFMT] = {"q4_f16", "q4_f32", "s8_f16", "s8_f32_16", "u8_f16",
                                                 "u8_f32", "u8_f32_16", "q5_f16", "q5_f32", "q4o_f16",
-                                                "q5o_f16", "q4_ks", "q5_ks", "q6_ks", "q2_ks"};
+                                                "q5o_f16", "q4_ks", "q5_ks", "q6_ks", "q2_ks", "mx4_f16"};
 
 /* Rows r0 .. r0 + n - 1 (n a multiple of 16) of tile column t: y (+)= products * rscale + bias. */
 static __attribute__((noinline)) AMX_TARGET void amx_run(const QW *wt, int t, int r0, int n, const Scratch *s,

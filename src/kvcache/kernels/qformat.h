@@ -31,6 +31,11 @@
  * the four-bit scale (bytes 32 j + 16 h + c) and minimum (bytes 256 + 32 j + 16 h + c) as bytes, then
  * 16 fp16 d (bytes 512 ..) and 16 fp16 dmin (bytes 544 ..): d * sc * q - dmin * mn.
  * m is absent.
+ * MX4_F16 (GGUF's MXFP4) holds each weight's four-bit code as the nibble formats hold values, and an
+ * fp16 d per 32 inputs, the block's scale 2^(e - 128) (exact for the exponents kvcache takes): a
+ * code stands for the integer KVQ_MX4_U[code] - 12 (-12 .. 12: twice FP4 E2M1's value), which every
+ * kernel reads through that table after the nibble (one byte shuffle a register), so the
+ * weight is d * (KVQ_MX4_U[code] - 12): an offset format whose values come through the table.
  * so that weight (c, k) = d * q + m (unsigned), d * q (signed) or d * (q - OFFSET) (offset formats:
  * GGUF's Q4_0 and Q5_0, whose minimum is -8 d or -16 d, kept without storing it), with the scale
  * of k's sub-block.
@@ -64,20 +69,28 @@ enum {
     KVQ_Q5_KS = 12,  /* nibbles + fifth bits, the same scales (Q5_K, or Q4_K beside it) */
     KVQ_Q6_KS = 13,  /* nibbles + bits 4 and 5 offset by 32, the file's eight-bit scales per 16, fp16 d (Q6_K, Q3_K) */
     KVQ_Q2_KS = 14,  /* nibbles 0..3, the file's four-bit scales and minimums per 16, fp16 d, dmin (Q2_K) */
-    KVQ_NFMT = 15
+    KVQ_MX4_F16 = 15, /* MXFP4's nibble codes through KVQ_MX4_U, offset by 12, fp16 d per 32 (MXFP4) */
+    KVQ_NFMT = 16
 };
 
-static const int KVQ_NIBBLES[KVQ_NFMT] = {1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
+static const int KVQ_NIBBLES[KVQ_NFMT] = {1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1};
 /* bits above the nibble: 1 (a fifth bit) or 2 (bits 4 and 5) */
-static const int KVQ_HIGH[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1, 0, 1, 2, 0};
-static const int KVQ_SIGNED[KVQ_NFMT] = {0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
-static const int KVQ_F16[KVQ_NFMT] = {1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 1, 0, 0, 0, 0};
-static const int KVQ_NS[KVQ_NFMT] = {1, 1, 1, 2, 1, 1, 2, 1, 1, 1, 1, 1, 1, 2, 2};
+static const int KVQ_HIGH[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1, 0, 1, 2, 0, 0};
+static const int KVQ_SIGNED[KVQ_NFMT] = {0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+static const int KVQ_F16[KVQ_NFMT] = {1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 1, 0, 0, 0, 0, 1};
+static const int KVQ_NS[KVQ_NFMT] = {1, 1, 1, 2, 1, 1, 2, 1, 1, 1, 1, 1, 1, 2, 2, 1};
 /* offset formats store no minimums: weight = d * (q - OFFSET), that is m = -OFFSET * d */
-static const int KVQ_OFFSET[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 16, 0, 0, 32, 0};
+static const int KVQ_OFFSET[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 16, 0, 0, 32, 0, 12};
+/* formats whose nibbles are codes read through KVQ_MX4_U (the kernels' NIB parameter 2) */
+static const int KVQ_LUT[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+/* MXFP4's sixteen codes as the unsigned bytes the kernels take: twice the E2M1 value, plus 12
+ * (codes 8 .. 15 are the negatives of 0 .. 7; 8 is -0) */
+static const uint8_t KVQ_MX4_U[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+#define KVQ_MX4_OFS 12
+
 /* K-quant formats: the file's integer scales (see above): 1 with minimums per 32 (Q4_K, Q5_K), 2 signed
  * per 16 (Q6_K), 3 with minimums per 16 (Q2_K) */
-static const int KVQ_KS[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 2, 3};
+static const int KVQ_KS[KVQ_NFMT] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 2, 3, 0};
 
 /* Kind 4 is no format of its own: kind 1's scales widened for a product's rows (qgemm.c's mm_group
  * makes it when several row tiles take the same columns): per super-block 320 bytes, block j's

@@ -243,6 +243,7 @@ static inline __attribute__((always_inline)) void group(const int NIB, const int
                 int high, pos = kvq_pos(NIB, c, k, &high);
                 const uint8_t byte = w[(int64_t)b * qb + pos];
                 wq[k] = NIB ? (high ? byte >> 4 : byte & 15) : SGN ? (int8_t)byte : byte;
+                if (NIB == 2) wq[k] = KVQ_MX4_U[wq[k]]; /* MXFP4's codes through the table */
                 if (HI == 2) {
                     int sh, hp = kvq_six_pos(c, k, &sh);
                     wq[k] |= ((w[(int64_t)b * qb + hp] >> sh) & 3) << 4;
@@ -377,6 +378,7 @@ GROUP_FN(g_q5_f16, 1, 1, 0, 1, 1, 0)
 GROUP_FN(g_q5_f32, 1, 1, 0, 0, 1, 0)
 GROUP_FN(g_q4o_f16, 1, 0, 0, 1, 1, 8)
 GROUP_FN(g_q5o_f16, 1, 1, 0, 1, 1, 16)
+GROUP_FN(g_mx4_f16, 2, 0, 0, 1, 1, KVQ_MX4_OFS) /* NIB 2: the nibbles are codes (KVQ_MX4_U) */
 /* The K-quant formats: their own order (above). */
 #if ISA == 3
 #define KS_FN(name, HI, KS) \
@@ -419,7 +421,7 @@ typedef void (*GroupFn)(int, int, const Acts *, int, const uint8_t *, int64_t, c
                         float[RT][NGMAX * KVQ_NC]);
 static const GroupFn GROUPS[KVQ_NFMT] = {g_q4_f16, g_q4_f32, g_s8_f16, g_s8_f32_16, g_u8_f16, g_u8_f32, g_u8_f32_16,
                                          g_q5_f16, g_q5_f32, g_q4o_f16, g_q5o_f16, g_q4_ks, g_q5_ks,
-                                         g_q6_ks, g_q2_ks};
+                                         g_q6_ks, g_q2_ks, g_mx4_f16};
 
 /* nr rows of cols products (res, rows ldr apart) into y: y (+)= res * rscale + bias, each element's
  * steps in this order (every product kernel ends here, so they round alike). */

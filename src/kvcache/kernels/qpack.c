@@ -8,7 +8,8 @@
  * the rows they need; the tests use it as the reference).
  *
  * GGUF types (ggml ids): Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q2_K 10, Q3_K 11, Q4_K 12,
- * Q5_K 13, Q6_K 14. Not hot: plain C, one variant for every CPU.
+ * Q5_K 13, Q6_K 14, MXFP4 39 (into MX4_F16 only: its codes kept, its scale byte e as the fp16
+ * 2^(e - 128)). Not hot: plain C, one variant for every CPU.
  */
 #include "qformat.h"
 
@@ -50,6 +51,7 @@ static int geometry(int gtype, int *bytes) {
     case 12: *bytes = 144; return 256;
     case 13: *bytes = 176; return 256;
     case 14: *bytes = 210; return 256;
+    case 39: *bytes = 17; return 32;
     default: *bytes = 0; return 0;
     }
 }
@@ -64,9 +66,26 @@ static void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     }
 }
 
-/* One block of a GGUF row -> q[bs] (signed values as int), per sub-block d and m (sub = 32 or 16). */
+/* The exponents e of an MXFP4 scale byte whose 2^(e - 128) an fp16 holds exactly (subnormals
+ * included); a block of another e is taken only when all its codes are zeros. */
+#define MX4_EMIN 104
+#define MX4_EMAX 143
+
+/* One block of a GGUF row -> q[bs] (signed values as int; MXFP4: its codes), per sub-block d and m
+ * (sub = 32 or 16). */
 static void decode_block(int gtype, const uint8_t *b, int *q, float *d, float *m, int *sub) {
     switch (gtype) {
+    case 39: { /* MXFP4: e, qs[16] (element j the low nibble of byte j, j + 16 its high one) */
+        const int e = b[0] < MX4_EMIN ? MX4_EMIN : b[0] > MX4_EMAX ? MX4_EMAX : b[0];
+        d[0] = ldexpf(1.f, e - 128);
+        m[0] = 0.f;
+        for (int j = 0; j < 16; j++) {
+            q[j] = b[1 + j] & 15;
+            q[j + 16] = b[1 + j] >> 4;
+        }
+        *sub = 32;
+        return;
+    }
     case 2: case 3: { /* Q4_0: d, qs[16]; Q4_1: d, m, qs[16] */
         const uint8_t *qs = b + (gtype == 2 ? 2 : 4);
         d[0] = h2f(b);
@@ -160,6 +179,7 @@ static void decode_block(int gtype, const uint8_t *b, int *q, float *d, float *m
 }
 
 static int holds(int gtype, int fmt) {
+    if (KVQ_LUT[fmt] || gtype == 39) return KVQ_LUT[fmt] && gtype == 39; /* MXFP4's codes: its own format */
     if (KVQ_KS[fmt] == 3) return gtype == 10;
     if (KVQ_KS[fmt] == 2) return gtype == 14 || gtype == 11; /* the file's own scales (Q3_K's as Q6_K's) */
     if (KVQ_KS[fmt]) return gtype == 12 || (KVQ_HIGH[fmt] && gtype == 13);
@@ -200,7 +220,11 @@ int kv_q_repack(int gtype, int fmt, int rows, int K, const uint8_t *src, int64_t
         const int c = (int)(row % KVQ_NC);
         for (int blk = 0; blk < K / bs; blk++) {
             int sub = 32;
-            decode_block(gtype, src + r * src_stride + (int64_t)blk * bbytes, q, dd, mm, &sub);
+            const uint8_t *gb = src + r * src_stride + (int64_t)blk * bbytes;
+            decode_block(gtype, gb, q, dd, mm, &sub);
+            if (gtype == 39 && (gb[0] < MX4_EMIN || gb[0] > MX4_EMAX))
+                for (int e = 0; e < 32; e++)
+                    if (q[e] & 7) return 3; /* a scale no fp16 holds, on weights that are not zeros */
             for (int e = 0; e < bs; e++) {
                 const int k = blk * bs + e, b = k >> 5, kk = k & 31;
                 int v = q[e] + (KVQ_KS[fmt] == 2 ? KVQ_OFFSET[fmt] : 0); /* Q6_K decodes to q - 32, Q3_K to -4 .. 3 */
@@ -285,6 +309,7 @@ int kv_q_dequant(int fmt, int K, int out, const uint8_t *qs, const void *d, cons
             int high, pos = kvq_pos(nib, c, kk, &high);
             const uint8_t byte = blk_q[pos];
             int qv = nib ? (high ? byte >> 4 : byte & 15) : KVQ_SIGNED[fmt] ? (int8_t)byte : byte;
+            if (KVQ_LUT[fmt]) qv = KVQ_MX4_U[qv];
             if (KVQ_HIGH[fmt] == 2) {
                 int sh, hp = kvq_six_pos(c, kk, &sh);
                 qv |= ((blk_q[hp] >> sh) & 3) << 4;

@@ -75,6 +75,10 @@ static inline __attribute__((always_inline)) void half_block(const int NIB, cons
     __m256i W[8];
     if (NIB) {
         nibble_half(HI, wb, hf, W);
+        if (NIB == 2) { /* MXFP4's codes as the bytes they stand for (KVQ_MX4_U), a shuffle each */
+            const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVQ_MX4_U));
+            for (int s = 0; s < 8; s++) W[s] = _mm256_shuffle_epi8(lut, W[s]);
+        }
     } else {
         for (int s = 0; s < 8; s++) {
             W[s] = _mm256_loadu_si256((const __m256i *)(wb + 64 * s + 32 * hf));

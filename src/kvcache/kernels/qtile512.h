@@ -9,7 +9,13 @@ static inline __attribute__((always_inline)) __m512i six_bits(const uint8_t *wb,
     return _mm512_and_si512(t, _mm512_set1_epi8(0x30));
 }
 
-/* The weights of step s (inputs 4 s .. 4 s + 3 of every column) of group-block wb as u8 lanes. */
+/* MXFP4's codes (bytes 0 .. 15) as the bytes they stand for (qformat.h's KVQ_MX4_U), a shuffle. */
+static inline __attribute__((always_inline)) __m512i mx4_bytes(__m512i codes) {
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)KVQ_MX4_U)), codes);
+}
+
+/* The weights of step s (inputs 4 s .. 4 s + 3 of every column) of group-block wb as u8 lanes;
+ * NIB 2: nibble codes through KVQ_MX4_U. */
 static inline __attribute__((always_inline)) __m512i step_w(const int NIB, const int HI, const int SGN,
                                                             const uint8_t *wb, int s) {
     __m512i v;
@@ -17,6 +23,7 @@ static inline __attribute__((always_inline)) __m512i step_w(const int NIB, const
         v = _mm512_loadu_si512(wb + 64 * (s & 3));
         if (s >= 4) v = _mm512_srli_epi16(v, 4);
         v = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+        if (NIB == 2) v = mx4_bytes(v);
         if (HI == 2) v = _mm512_or_si512(v, six_bits(wb, s));
         else if (HI) { /* the fifth bits: one mask bit per byte lane, 0x10 where set */
             uint64_t hm;
@@ -60,6 +67,8 @@ static inline __attribute__((always_inline)) void block_w(const int NIB, const i
             W[h] = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
             W[h + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
         }
+        if (NIB == 2)
+            for (int s = 0; s < 8; s++) W[s] = mx4_bytes(W[s]);
         if (HI == 2) {
             for (int s = 0; s < 8; s++) W[s] = _mm512_or_si512(W[s], six_bits(wb, s));
         } else if (HI) {

@@ -29,36 +29,40 @@ from kvcache.errors import ModelLoadError
 
 # kernels/qformat.h
 (Q4_F16, Q4_F32, S8_F16, S8_F32_16, U8_F16, U8_F32, U8_F32_16, Q5_F16, Q5_F32, Q4O_F16, Q5O_F16, Q4_KS,
- Q5_KS, Q6_KS, Q2_KS) = range(15)
+ Q5_KS, Q6_KS, Q2_KS, MX4_F16) = range(16)
 FORMAT_NAMES = ("q4_f16", "q4_f32", "s8_f16", "s8_f32_16", "u8_f16", "u8_f32", "u8_f32_16", "q5_f16", "q5_f32",
-                "q4o_f16", "q5o_f16", "q4_ks", "q5_ks", "q6_ks", "q2_ks")
-_NIBBLES = (1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
-_HIGH = (0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1, 0, 1, 2, 0)  # bits beside the nibbles: a fifth, or bits 4 and 5
-_SIGNED = (0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-_F16 = (1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 1, 0, 0, 0, 0)
-_NS = (1, 1, 1, 2, 1, 1, 2, 1, 1, 1, 1, 1, 1, 2, 2)
-# no stored minimum: it is -offset * d (Q4_0, Q5_0; Q6_K's values are offset by 32)
-_OFFSET = (0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 16, 0, 0, 32, 0)
+                "q4o_f16", "q5o_f16", "q4_ks", "q5_ks", "q6_ks", "q2_ks", "mx4_f16")
+_NIBBLES = (1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1)
+_HIGH = (0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1, 0, 1, 2, 0, 0)  # bits beside the nibbles: a fifth, or bits 4 and 5
+_SIGNED = (0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+_F16 = (1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 1, 0, 0, 0, 0, 1)
+_NS = (1, 1, 1, 2, 1, 1, 2, 1, 1, 1, 1, 1, 1, 2, 2, 1)
+# no stored minimum: it is -offset * d (Q4_0, Q5_0; Q6_K's values are offset by 32; MXFP4's codes
+# stand for bytes 0 .. 24 offset by 12)
+_OFFSET = (0, 0, 0, 0, 0, 0, 0, 0, 0, 8, 16, 0, 0, 32, 0, 12)
 # the file's K-quant scales as integers: d is [G, nb / 8, _KS_BYTES] bytes per super-block (qformat.h), no m
-_KS = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 2, 3)
+_KS = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 2, 3, 0)
 _KS_BYTES = {1: 256, 2: 288, 3: 576}
 GROUP = 16  # output rows interleaved together (KVQ_NC)
 
 # GGUF (ggml) type ids -> the format that holds them most compactly
 GGML = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
-        "Q6_K": 14}
+        "Q6_K": 14, "MXFP4": 39}
 FORMAT_OF = {2: Q4O_F16, 3: Q4_F16, 6: Q5O_F16, 7: Q5_F16, 8: S8_F16, 10: Q2_KS, 11: Q6_KS, 12: Q4_KS,
-             13: Q5_KS, 14: Q6_KS}
+             13: Q5_KS, 14: Q6_KS, 39: MX4_F16}
 # the same values with fp32 scales, beside other types
 _KS_FALLBACK = {Q4_KS: Q4_F32, Q5_KS: Q5_F32, Q6_KS: S8_F32_16, Q2_KS: U8_F32_16}
 
 
 def common_format(types: Sequence[int]) -> int | None:
     """The narrowest format holding every GGUF type in ``types``; None when signed and unsigned
-    types mix, or K-quants of different kinds (they go to separate parts of a QStack)."""
+    types mix, K-quants of different kinds, or MXFP4 beside another type (its codes are held only
+    in its own format): they go to separate parts of a QStack."""
     fmts = {FORMAT_OF[t] for t in types}
     if len(fmts) == 1:
         return fmts.pop()
+    if MX4_F16 in fmts:
+        return None
     if fmts <= {Q4_KS, Q5_KS}:  # Q4_K beside Q5_K: the 5-bit K-quant format holds both
         return Q5_KS
     if all(_KS[f] for f in fmts):  # other K-quants side by side: each part keeps its own compact format

@@ -21,7 +21,7 @@ import torch
 from kvcache.errors import ModelLoadError, UnsupportedArchitecture
 from kvcache.models.gguf_config import hf_config_from_meta
 from kvcache.models.gguf_names import SUPPORTED, hf_tensor_name
-from kvcache.models.gguf_tensor import MXFP4, Q5_0, GGUFTensor, qtype
+from kvcache.models.gguf_tensor import MXFP4, GGUFTensor, qtype
 from kvcache.kernels.qweight import FORMAT_OF
 
 
@@ -109,10 +109,9 @@ def _permuted_heads(arch: str, name: str, n_head: int | None, n_kv: int | None) 
     return None
 
 
-def _kept_type(ggml: int) -> tuple[int, int | None] | None:
-    """(the type a tensor of GGUF type ``ggml`` is read as, the file's type where that differs) when
-    the file mode keeps it quantized; None: it is read as fp32. MXFP4 is read as Q5_0 (gguf_tensor.py)."""
-    return (Q5_0, MXFP4) if ggml == MXFP4 else (ggml, None) if ggml in FORMAT_OF else None
+def _kept(ggml: int) -> bool:
+    """Whether the file mode keeps a tensor of GGUF type ``ggml`` in its type (else it is read as fp32)."""
+    return ggml in FORMAT_OF
 
 
 def _experts(t, name: str, keep_quantized: str | None) -> dict[str, Any]:
@@ -123,12 +122,11 @@ def _experts(t, name: str, keep_quantized: str | None) -> dict[str, Any]:
         b = dequantize(t)  # [E, rows]
         return {name.format(e=e): torch.from_numpy(np.array(b[e], dtype=np.float32, order="C")) for e in range(len(b))}
     n_exp, rows, k = (int(s) for s in reversed(t.shape))
-    kept = _kept_type(int(t.tensor_type))
-    if keep_quantized and kept is not None:
-        kind, source = kept
-        step = GGUFTensor(keep_quantized, kind, rows, k, 0, source=source).file_row_bytes * rows
-        return {name.format(e=e): GGUFTensor(keep_quantized, kind, rows, k, int(t.data_offset) + e * step,
-                                             source=source) for e in range(n_exp)}
+    kind = int(t.tensor_type)
+    if keep_quantized and _kept(kind):
+        step = GGUFTensor(keep_quantized, kind, rows, k, 0).row_bytes * rows
+        return {name.format(e=e): GGUFTensor(keep_quantized, kind, rows, k, int(t.data_offset) + e * step)
+                for e in range(n_exp)}
     w = dequantize(t)  # [E, rows, K]
     return {name.format(e=e): torch.from_numpy(np.array(w[e], dtype=np.float32, order="C")) for e in range(n_exp)}
 
@@ -145,11 +143,10 @@ def convert_weights(reader, arch: str, config: dict[str, Any],
             raise ModelLoadError(f"tensor {t.name} has no place in a {arch} model")
         if "{e}" in name:
             out.update(_experts(t, name, keep_quantized))
-        elif keep_quantized and (kept := _kept_type(int(t.tensor_type))) is not None and len(t.shape) == 2:
+        elif keep_quantized and _kept(int(t.tensor_type)) and len(t.shape) == 2:
             k, rows = int(t.shape[0]), int(t.shape[1])
             heads = _permuted_heads(arch, t.name, n_head, n_kv)
-            kind, source = kept
-            out[name] = GGUFTensor(keep_quantized, kind, rows, k, int(t.data_offset), heads, source)
+            out[name] = GGUFTensor(keep_quantized, int(t.tensor_type), rows, k, int(t.data_offset), heads)
         else:
             out[name] = torch.from_numpy(_fixed(t, arch, name, n_head, n_kv))
         if progress:
@@ -175,11 +172,10 @@ def _held_types(reader) -> list[str]:
     counts = Counter(int(t.tensor_type) for t in reader.tensors)
     out = []
     for ggml, n in sorted(counts.items()):
-        kept = _kept_type(ggml)
-        if kept is None:
+        if not _kept(ggml):
             how = "fp32" if ggml == 0 else "read as fp32"
-        elif kept[1] == MXFP4:
-            how = "read as Q5_0: the same weights bit for bit, 5.5 bits a weight in memory against the file's 4.25"
+        elif ggml == MXFP4:
+            how = "kept in the file's type: its codes, 4.5 bits a weight in memory with fp16 block scales"
         else:
             how = "kept in the file's type"
         out.append(f"{qtype(ggml).name} x{n} ({how})")
@@ -236,8 +232,8 @@ def gguf_weights(path: Path, cache_dir: Path | None = None) -> dict[str, Any]:
 def _write_table(folder: Path, weights: dict[str, Any]) -> None:
     from safetensors.torch import save_file
 
-    table = {name: {"type": w.ggml_type, "out": w.out, "k": w.k, "offset": w.offset, "permute_heads": w.permute_heads,
-                    "source": w.source} for name, w in weights.items() if isinstance(w, GGUFTensor)}
+    table = {name: {"type": w.ggml_type, "out": w.out, "k": w.k, "offset": w.offset, "permute_heads": w.permute_heads}
+             for name, w in weights.items() if isinstance(w, GGUFTensor)}
     small = {k: v.contiguous() for k, v in weights.items() if not isinstance(v, GGUFTensor)}
     tmp = folder / f".{TABLE}.tmp"
     save_file(small, str(tmp.with_suffix(".safetensors")))
@@ -258,7 +254,10 @@ def _read_table(folder: Path, path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None  # unreadable: parse the file again
     for name, e in table.items():
-        out[name] = GGUFTensor(str(path), e["type"], e["out"], e["k"], e["offset"], e["permute_heads"], e.get("source"))
+        # tables written before MXFP4 was held in its own type name it as the type it was read as
+        # ("type" Q5_0) beside the file's ("source")
+        kind = e.get("source") or e["type"]
+        out[name] = GGUFTensor(str(path), kind, e["out"], e["k"], e["offset"], e["permute_heads"])
     return out
 
 

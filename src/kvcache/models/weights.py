@@ -92,8 +92,7 @@ def _from_file(parts: list[GGUFTensor], scale: torch.Tensor | None) -> QWeight |
         return QStack([_from_file(run, scale) for run in runs])  # type: ignore[misc]
     out, k = sum(p.out for p in parts), parts[0].k
     store = repacked.current()
-    key = "|".join(f"{p.offset}:{p.ggml_type}:{p.out}:{p.k}:{p.permute_heads}" + (f":{p.source}" if p.source else "")
-                   for p in parts)
+    key = "|".join(f"{p.offset}:{p.ggml_type}:{p.out}:{p.k}:{p.permute_heads}" for p in parts)
     found = store.get(key, fmt, out, k) if store is not None else None
     if found is not None:
         return QWeight(fmt, out, k, scale, arrays=tuple(found)).seal()  # type: ignore[arg-type]
@@ -105,7 +104,7 @@ def _from_file(parts: list[GGUFTensor], scale: torch.Tensor | None) -> QWeight |
             r1 = min(p.out, r0 + step)
             qw.put_gguf(p.ggml_type, p.read(r0, r1), p.rows_to(r0, r1, base))
             if store is not None:
-                store.repacked((r1 - r0) * p.file_row_bytes)
+                store.repacked((r1 - r0) * p.row_bytes)
         base += p.out
     if store is not None:
         store.put(key, fmt, out, k, list(qw.parts()))
