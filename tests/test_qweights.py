@@ -69,22 +69,27 @@ def test_repacked_weights_hold_exactly_the_files_values(t):
             w.rows(torch.tensor(bad))
 
 
-def test_mxfp4_scales_outside_fp16_are_refused_unless_the_block_is_zeros():
+def test_mxfp4_scales_outside_fp16_are_refused_unless_the_block_is_zeros(tmp_path):
     """An MXFP4 block's scale is held as the fp16 2^(e - 128): a block whose e has no such fp16 is
-    refused (the file check's one line, and the repacker's own code 3), unless all its codes are
-    zeros (+0 and -0), whose weights any scale gives."""
+    refused by the repacker in one line naming the scale (and the tensor, on a model's load), unless
+    all its codes are zeros (+0 and -0), whose weights any scale gives. fp32 holds every scale: the
+    same rows read as fp32 are gguf-py's."""
     from kvcache.errors import ModelLoadError
-    from kvcache.models.gguf_tensor import check_mxfp4
+    from kvcache.models.gguf_tensor import GGUFTensor
+    from kvcache.models.weights import projection
 
     raw = gguf_rows(T.MXFP4, 16, 64, seed=3).reshape(16, 2, 17).copy()
     raw[4, 1, 0] = 200  # 2^73
-    with pytest.raises(ModelLoadError, match=r"MXFP4 block's scale 2\^73 is outside"):
-        check_mxfp4(raw.reshape(16, -1), "probe")
     w = QWeight(FORMAT_OF[int(T.MXFP4)], 16, 64)
-    with pytest.raises(ModelLoadError, match="a value outside the type's range"):
+    with pytest.raises(ModelLoadError, match=r"MXFP4 block's scale 2\^73 is outside"):
         w.put_gguf(int(T.MXFP4), raw.reshape(16, -1), np.arange(16))
+    (tmp_path / "t.bin").write_bytes(raw.tobytes())
+    t = GGUFTensor(str(tmp_path / "t.bin"), int(T.MXFP4), 16, 64, 0)
+    with pytest.raises(ModelLoadError, match=r"t\.bin: the tensor at byte 0: an MXFP4 block's scale 2\^73"):
+        projection([t], None, "file")
+    ref = dequantize(raw.reshape(16, -1), T.MXFP4).reshape(16, 64)
+    assert np.array_equal(t.dequantize().numpy(), ref)  # fp32 takes the scale the repacker refuses
     raw[4, 1, 1:] = np.array([0x88, 0x08, 0x80, 0x00] * 4, np.uint8)  # +0 and -0 only
-    check_mxfp4(raw.reshape(16, -1), "probe")
     w = QWeight(FORMAT_OF[int(T.MXFP4)], 16, 64)
     w.put_gguf(int(T.MXFP4), raw.reshape(16, -1), np.arange(16))
     ref = dequantize(raw.reshape(16, -1), T.MXFP4).reshape(16, 64)

@@ -54,6 +54,18 @@ FORMAT_OF = {2: Q4O_F16, 3: Q4_F16, 6: Q5O_F16, 7: Q5_F16, 8: S8_F16, 10: Q2_KS,
 _KS_FALLBACK = {Q4_KS: Q4_F32, Q5_KS: Q5_F32, Q6_KS: S8_F32_16, Q2_KS: U8_F32_16}
 
 
+_MX4_E = (104, 143)  # qpack.c's MX4_EMIN, MX4_EMAX: the exponents whose 2^(e - 128) an fp16 holds
+
+
+def _mxfp4_scale_outside(raw: np.ndarray) -> int | None:
+    """The exponent byte of the first MXFP4 block of ``raw`` [rows, n * 17] that the repacker refuses
+    (a scale no fp16 holds, on codes that are not all +0 and -0), for its error; None if none is."""
+    blk = raw.reshape(raw.shape[0], -1, 17)
+    e, codes = blk[:, :, 0], blk[:, :, 1:]
+    bad = ((e < _MX4_E[0]) | (e > _MX4_E[1])) & ((codes & 0x77) != 0).any(axis=2)
+    return int(e[bad][0]) if bad.any() else None
+
+
 def common_format(types: Sequence[int]) -> int | None:
     """The narrowest format holding every GGUF type in ``types``; None when signed and unsigned
     types mix, K-quants of different kinds, or MXFP4 beside another type (its codes are held only
@@ -144,6 +156,9 @@ class QWeight:
         rc = lib.kv_q_repack(ggml_type, self.fmt, raw.shape[0], self.k, raw.ctypes.data, raw.shape[1],
                              dst.ctypes.data, self.out, self.qs.data_ptr(), self.d.data_ptr(),
                              None if self.m is None else self.m.data_ptr())
+        if rc == 3 and ggml_type == GGML["MXFP4"] and (e := _mxfp4_scale_outside(raw)) is not None:
+            raise ModelLoadError(f"an MXFP4 block's scale 2^{e - 127} is outside what kvcache holds exactly "
+                                 "(2^-23 .. 2^16)")
         if rc:
             why = {1: "bad sizes", 2: "the format cannot hold this type", 3: "a value outside the type's range"}
             raise ModelLoadError(f"cannot repack GGUF type {ggml_type} into {self.format_name}: {why.get(rc, rc)}")

@@ -13,22 +13,6 @@ from kvcache.errors import ModelLoadError
 BLOCK = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 10: (256, 84), 11: (256, 110),
          12: (256, 144), 13: (256, 176), 14: (256, 210), 39: (32, 17)}
 MXFP4 = 39
-_FP16_EXP = (104, 143)  # MXFP4's block scale 2^(e - 128) as an fp16 (subnormals included) for e in this range
-
-
-def check_mxfp4(raw: np.ndarray, what: str) -> None:
-    """MXFP4 blocks [rows, n * 17] (a scale byte e, then 16 bytes of codes) whose scale an fp16
-    holds exactly (kernels/qformat.h's MX4_F16), or ModelLoadError naming ``what`` for the first
-    block whose does not and whose weights are not all zeros (codes 0 and 8 are +0 and -0)."""
-    blk = raw.reshape(raw.shape[0], -1, 17)
-    e = blk[:, :, 0]
-    out = (e < _FP16_EXP[0]) | (e > _FP16_EXP[1])
-    if out.any():
-        nonzero = (((blk[:, :, 1:] & 0x07) != 0) | ((blk[:, :, 1:] & 0x70) != 0)).any(axis=2)
-        bad = out & nonzero
-        if bad.any():
-            raise ModelLoadError(f"{what}: an MXFP4 block's scale 2^{int(e[bad][0]) - 127} is outside what kvcache "
-                                 "holds exactly (2^-23 .. 2^16)")
 
 
 def qtype(ggml_id: int):  # -> gguf.GGMLQuantizationType
@@ -71,7 +55,7 @@ class GGUFTensor:
 
     def read(self, r0: int, r1: int) -> np.ndarray:
         """Raw rows r0..r1-1 [rows, row_bytes] uint8 of ``ggml_type`` (read, not mapped: nothing
-        stays resident; MXFP4's block scales checked)."""
+        stays resident)."""
         step = self.row_bytes
         n = (r1 - r0) * step
         buf = np.empty(n, dtype=np.uint8)
@@ -80,8 +64,6 @@ class GGUFTensor:
             got = f.readinto(memoryview(buf))
         if got != n:
             raise ModelLoadError(f"{self.path} is truncated: a tensor's rows end past the file")
-        if self.ggml_type == MXFP4:
-            check_mxfp4(buf.reshape(r1 - r0, step), f"{self.path} at byte {self.offset}")
         return buf.reshape(r1 - r0, step)
 
     def rows_to(self, r0: int, r1: int, base: int) -> np.ndarray:

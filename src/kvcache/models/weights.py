@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvcache.errors import InvalidParams
+from kvcache.errors import InvalidParams, ModelLoadError
 from kvcache.models import repacked
 from kvcache.models.gguf_tensor import GGUFTensor, qtype
 from kvcache.kernels.qweight import GGML, Q4_F16, S8_F16, QStack, QWeight, common_format, kernels_available
@@ -102,7 +102,10 @@ def _from_file(parts: list[GGUFTensor], scale: torch.Tensor | None) -> QWeight |
         step = max(8, CHUNK_BYTES // max(1, p.row_bytes))
         for r0 in range(0, p.out, step):
             r1 = min(p.out, r0 + step)
-            qw.put_gguf(p.ggml_type, p.read(r0, r1), p.rows_to(r0, r1, base))
+            try:
+                qw.put_gguf(p.ggml_type, p.read(r0, r1), p.rows_to(r0, r1, base))
+            except ModelLoadError as e:  # which tensor, in the file's words
+                raise ModelLoadError(f"{p.path}: the tensor at byte {p.offset}: {e}") from None
             if store is not None:
                 store.repacked((r1 - r0) * p.row_bytes)
         base += p.out
