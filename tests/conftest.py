@@ -151,7 +151,8 @@ def gguf_parsed_fast():
     (models/gguf_reader.py), which parses a vocabulary's values over a plain array view instead of
     numpy.memmap slices: the same fields and tensors (test_gguf_reader.py), so the same weights
     (transformers' Gemma 3 270M load: 31 s -> 12 s on the host it was measured on); and with gguf's
-    tensor name map made once per (arch, layers), 19.3 s -> 14-16 s on a Zen5 host."""
+    tensor name map made once per (arch, layers), 19.3 s -> 14-16 s on a Zen5 host. transformers
+    reads the file twice (its config, then its tensors): inside the block a path is parsed once."""
     import functools
 
     import gguf
@@ -159,7 +160,8 @@ def gguf_parsed_fast():
     from kvcache.models.gguf_reader import _reader_class
 
     plain, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    gguf.GGUFReader = _reader_class()
+    parse = functools.cache(_reader_class())
+    gguf.GGUFReader = lambda path, mode="r": parse(str(path), mode)
     # transformers asks for the (arch, layers) name map once per module of the model (313 times for
     # Gemma 3 270M), each built anew; the map is only read, so one per (arch, layers) serves them all
     gguf.get_tensor_name_map = functools.cache(name_map)

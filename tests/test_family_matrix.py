@@ -337,12 +337,14 @@ def test_a_converted_tokenizer_is_the_one_autotokenizer_makes_of_the_file(matrix
 
     from transformers import AutoTokenizer
 
+    from conftest import gguf_parsed_fast
     from kvcache.models.gguf_convert import metadata, open_gguf
     from kvcache.models.gguf_tokenizer import write_tokenizer
 
     gguf = matrix[row][2]
     write_tokenizer(gguf, metadata(open_gguf(gguf)), tmp_path)
-    theirs = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).backend_tokenizer.to_str()
+    with gguf_parsed_fast():
+        theirs = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).backend_tokenizer.to_str()
     assert json.loads((tmp_path / "tokenizer.json").read_text()) == json.loads(theirs)
 
 
@@ -602,7 +604,9 @@ def test_mxfp4_experts_are_held_in_their_own_codes(matrix, mxfp4):
 
     from kvcache.models.gguf_convert import check_file
 
-    reader = gguf.GGUFReader(str(mxfp4))
+    from kvcache.models.gguf_reader import gguf_reader
+
+    reader = gguf_reader(mxfp4)
     exps = [t for t in reader.tensors if t.name.endswith("_exps.weight")]
     assert exps and all(t.tensor_type == gguf.GGMLQuantizationType.MXFP4 for t in exps)
     held = check_file(mxfp4).types  # `kvcache models --check` says how the file's MXFP4 is held

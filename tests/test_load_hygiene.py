@@ -21,9 +21,10 @@ def _copy_with(src: Path, out: Path, change) -> Path:
     """``src`` rewritten with ``change(name, array)`` applied to each tensor."""
     import gguf
 
+    from kvcache.models.gguf_reader import gguf_reader
     from kvcache.models.random_weights import copy_fields
 
-    r = gguf.GGUFReader(str(src))
+    r = gguf_reader(src)
     w = gguf.GGUFWriter(str(out), str(r.fields["general.architecture"].contents()))
     copy_fields(w, {k: f for k, f in r.fields.items() if not k.startswith("GGUF.") and k != "general.architecture"})
     for t in r.tensors:

@@ -130,8 +130,11 @@ def qwen():
 def hf_tok():
     from transformers import AutoTokenizer
 
+    from conftest import gguf_parsed_fast
+
     path = fetch_qwen.qwen_path()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with gguf_parsed_fast():
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def _ids(rendered) -> list[int]:
@@ -139,9 +142,9 @@ def _ids(rendered) -> list[int]:
 
 
 def _gguf_meta(path: Path) -> tuple[dict, set[str]]:
-    from gguf import GGUFReader
+    from kvcache.models.gguf_reader import gguf_reader
 
-    reader = GGUFReader(str(path))
+    reader = gguf_reader(path)
     meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("qwen2.")}
     return meta, {t.name for t in reader.tensors}
 

@@ -251,11 +251,11 @@ def _harmony_model(tmp: Path) -> Path:
     harmony's markers, gpt-oss's template (llama.cpp's copy)."""
     import gguf
 
-    from convert_matrix import rewrite_gguf
+    from convert_matrix import read_gguf, rewrite_gguf
     from qwen_tiny import tiny_qwen
     from kvcache.server.tool_formats import HARMONY_MARKERS
 
-    reader = gguf.GGUFReader(str(tiny_qwen()))
+    reader = read_gguf(tiny_qwen())
     tokens = [str(t) for t in reader.fields["tokenizer.ggml.tokens"].contents()]
     for i, marker in enumerate(HARMONY_MARKERS):  # <|object_ref_start|> .. <|vision_start|>: control tokens
         tokens[151646 + i] = marker
