@@ -105,6 +105,26 @@ def test_warpers_are_transformers_warpers(kw):
     assert (got > 0).sum() < V
 
 
+@pytest.mark.parametrize("spread, top_p", [(8.0, 0.9), (3.0, 0.95), (0.3, 0.99), (0.01, 0.5)])
+def test_the_nucleus_is_the_whole_sorts_on_peaked_and_flat_rows(spread, top_p):
+    """top-p ranks only its leading tokens (64, then four times as many while their mass is short):
+    the tokens it keeps are those a sort of the whole 49,152-token row keeps (drop a token when the
+    tokens ranked above it reach top_p), from a peaked row (a few tokens) to a nearly flat one
+    (most of the vocabulary, so the ranking grows to the whole row)."""
+    scores = torch.randn(3, 49_152, generator=torch.Generator().manual_seed(int(spread * 100))) * spread
+    got = warp(scores, [SamplingParams(temperature=1.0, top_p=top_p)] * 3)
+    probs = torch.softmax(scores, -1)
+    ranked, order = torch.sort(probs, dim=-1, descending=True)
+    drop = torch.zeros_like(probs, dtype=torch.bool).scatter(1, order, (torch.cumsum(ranked, -1) - ranked) >= top_p)
+    assert torch.equal(got > 0, ~drop)
+    kept = (~drop).sum(-1)
+    assert bool((kept >= 1).all())
+    if spread >= 8:
+        assert int(kept.max()) < 64  # within the first ranking
+    elif spread < 0.5:
+        assert int(kept.max()) > 4 * 4 * 64  # the ranking grew three times
+
+
 def test_a_batch_of_mixed_settings_gives_each_row_its_own_result():
     """Rows with different processors and warpers in one choice: each row bitwise what it gets alone."""
     settings = [SamplingParams(), SamplingParams(temperature=0.8, top_k=5, seed=1),
