@@ -189,8 +189,9 @@ def warp(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     topk = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
     if topk:  # keep the scores of at least the k-th largest (ties with it kept)
         ks = torch.tensor([params[i].top_k for i in topk])[:, None]
-        kth = torch.topk(scores[topk], int(ks.max()), dim=-1).values.gather(1, ks - 1)
-        scores[topk] = scores[topk].masked_fill(scores[topk] < kth, NEG)
+        rows = scores[topk]
+        kth = torch.topk(rows, int(ks.max()), dim=-1).values.gather(1, ks - 1)
+        scores[topk] = rows.masked_fill(rows < kth, NEG)
     for i, p in enumerate(params):
         if p.top_p < 1.0:
             scores[i] = _top_p(scores[i], p.top_p)
