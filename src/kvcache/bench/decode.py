@@ -23,7 +23,7 @@ from kvcache.bench.measure import english_prompt, pregrow, use_config, weight_by
 from kvcache.bench.report import cell, run_meta
 from kvcache.bench.rows import Headline, beside_same_file, model_name, one, positive
 from kvcache.cliargs import weights_list
-from kvcache.errors import InvalidParams
+from kvcache.errors import InvalidParams, KVCacheError
 from kvcache.peers.row import Row, Tick, step_bytes
 
 if TYPE_CHECKING:
@@ -146,28 +146,45 @@ def parse_lengths(text: str, limit: int) -> list[int]:
 
 def profile_decode(llm: LLM, ids: list[int], new: int, repeats: int) -> dict[str, float]:
     """Where a decode step's time goes: in the native kernels, or in the host code around them
-    (Python, torch's small operations, the sampler). Each repeat times a run of ``new`` decode steps
-    against a run of one (the same prefill), in wall time and in the kernels' own time
-    (``kernels.profile``, on before the model loaded); medians over the repeats, per step."""
+    (Python, torch's small operations, the sampler). Each repeat runs one request of ``1 + new``
+    tokens step by step and times its ``new`` decode steps alone, from the end of the step that
+    ran the prompt to the end of the request, in wall time and in the kernels' own time
+    (``kernels.profile``, on before the model loaded): the prompt's time never enters (a
+    difference of two runs, each with its prompt, could come out below zero on a busy host).
+    Medians over the repeats, per step."""
     from kvcache.engine.params import SamplingParams
     from kvcache import kernels
 
-    def timed(n: int) -> tuple[float, float, int]:
-        calls0, in0 = kernels.profiled()
-        t0 = time.perf_counter()
-        llm.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))
-        wall = time.perf_counter() - t0
-        calls1, in1 = kernels.profiled()
-        return wall, in1 - in0, calls1 - calls0
+    def timed(n: int) -> tuple[float, float, float]:
+        run = llm.request(ids, SamplingParams(max_tokens=1 + n, ignore_eos=True))
+        sched, req = run.scheduler, run.request
+        sched.add(req)
+        try:
+            while sched.has_work and not any(s.tokens for s in req.samples):
+                sched.step()  # the prompt, up to its first token
+            calls0, in0 = kernels.profiled()
+            t0 = time.perf_counter()
+            while sched.has_work:
+                sched.step()
+            wall = time.perf_counter() - t0
+            calls1, in1 = kernels.profiled()
+        finally:
+            sched.abort(req.request_id)
+            kernels.release_scratch()
+        if req.exception is not None:
+            raise req.exception
+        steps = sum(len(s.tokens) for s in req.samples) - 1
+        if steps < 1:
+            raise KVCacheError(f"the profiled request ended after {steps + 1} token(s): nothing to time")
+        return wall / steps, (in1 - in0) / steps, (calls1 - calls0) / steps
 
     timed(2)  # warm-up
     walls, inside, calls = [], [], []
     for _ in range(repeats):
-        w1, k1, c1 = timed(1)
-        wn, kn, cn = timed(1 + new)
-        walls.append((wn - w1) / new)
-        inside.append((kn - k1) / new)
-        calls.append((cn - c1) / new)
+        w, k, c = timed(new)
+        walls.append(w)
+        inside.append(k)
+        calls.append(c)
     step, kern = statistics.median(walls), statistics.median(inside)
     return {"step_ms": step * 1e3, "kernels_ms": kern * 1e3, "host_ms": (step - kern) * 1e3,
             "host_share": (step - kern) / step if step > 0 else 0.0, "calls_per_step": statistics.median(calls)}
