@@ -6,6 +6,7 @@ declares itself (bench/suites.py: its name, options, place and quick settings) a
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 from kvcache.bench import suites
@@ -231,7 +232,8 @@ def cmd_all(args: argparse.Namespace) -> int:
             mode = next((s for s in suites.catalogue() if s.mode == name), None)
             alone = f"bench {mode.name} --{name}" if mode else "the suite"
             raise InvalidParams(f"--{name.replace('_', '-')} does not apply to 'bench all' (run {alone} alone)")
-    done = []
+    done, took = [], []
+    start = time.perf_counter()
     for suite in (s for s in suites.catalogue() if s.mode is None):
         sub = argparse.Namespace(**vars(args))
         sub.suite, sub.json = suite.name, None
@@ -240,8 +242,11 @@ def cmd_all(args: argparse.Namespace) -> int:
             for k, v in settings.items():
                 setattr(sub, k, v)
         print(f"\n=== {suite.name} ===", flush=True)
+        t0 = time.perf_counter()
         _run(suite, sub)
         done.append(suite.name)
+        took.append(f"{suite.name} {time.perf_counter() - t0:.1f} s")
+    print(f"\nbench all: {len(done)} suites in {time.perf_counter() - start:.1f} s ({', '.join(took)})", flush=True)
     if args.out:
         from kvcache.bench.report import machine
 
