@@ -41,7 +41,8 @@ def test_every_suite_writes_json_png_and_report(out):
     took = re.search(r"^bench all: (\d+) suites in ([\d.]+) s \((.*)\)$", (out / "stdout.txt").read_text(), re.M)
     assert took and int(took[1]) == len(ran), "bench all ends with each suite's time"
     each = dict(part.rsplit(" ", 2)[:2] for part in took[3].split(", "))
-    assert list(each) == ran and 0 < sum(map(float, each.values())) <= float(took[2])
+    # each figure rounded to a tenth: their sum may pass the whole's by 0.05 a suite
+    assert list(each) == ran and 0 < sum(map(float, each.values())) <= float(took[2]) + 0.05 * len(ran)
     structured = json.loads((out / "structured.json").read_text())  # a table without a plot
     assert structured["results"] and "# kvcache bench structured" in (out / "structured.md").read_text()
     spec = json.loads((out / "spec.json").read_text())  # a table without a plot
