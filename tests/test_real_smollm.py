@@ -83,6 +83,21 @@ def test_streaming_pieces_join_to_the_text(smollm):
     assert "".join(pieces) == full.text and len(pieces) > 3
 
 
+def test_a_run_step_by_step_gives_one_token_a_step_after_the_prompt(smollm):
+    """RequestRun.steps (what `bench decode --profile` times): after the step that gives the first
+    token, each step gives one more, and the steps' Deltas join to the text iteration gives."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    run = smollm.request("Tell me a fun fact about owls.", params, chat=True)
+    tokens, pieces = [], []
+    for deltas in run.steps():
+        tokens.append(sum(len(s.tokens) for s in run.request.samples))
+        pieces += [d.text for d in deltas]
+    first = next(i for i, n in enumerate(tokens) if n)
+    assert tokens[first:] == list(range(1, 13))
+    assert "".join(pieces) == run.result.outputs[0].text == "".join(
+        d.text for d in smollm.stream("Tell me a fun fact about owls.", params, chat=True))
+
+
 def test_stop_strings_cut_the_text(smollm):
     r = smollm.generate(["Count from one to ten in words: one, two,"],
                         SamplingParams(max_tokens=40, stop=["five"]))[0]

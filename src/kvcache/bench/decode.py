@@ -157,26 +157,14 @@ def profile_decode(llm: LLM, ids: list[int], new: int, repeats: int) -> dict[str
 
     def timed(n: int) -> tuple[float, float, float]:
         run = llm.request(ids, SamplingParams(max_tokens=1 + n, ignore_eos=True))
-        sched, req = run.scheduler, run.request
-        sched.add(req)
-        try:
-            while sched.has_work and not any(s.tokens for s in req.samples):
-                sched.step()  # the prompt, up to its first token
-            calls0, in0 = kernels.profiled()
-            t0 = time.perf_counter()
-            while sched.has_work:
-                sched.step()
-            wall = time.perf_counter() - t0
-            calls1, in1 = kernels.profiled()
-        finally:
-            sched.abort(req.request_id)
-            kernels.release_scratch()
-        if req.exception is not None:
-            raise req.exception
-        steps = sum(len(s.tokens) for s in req.samples) - 1
-        if steps < 1:
-            raise KVCacheError(f"the profiled request ended after {steps + 1} token(s): nothing to time")
-        return wall / steps, (in1 - in0) / steps, (calls1 - calls0) / steps
+        marks = []  # (calls, kernel seconds, wall) after each step from the one that gave the first token
+        for _ in run.steps():
+            if any(s.tokens for s in run.request.samples):
+                marks.append((*kernels.profiled(), time.perf_counter()))
+        if len(marks) < 2:
+            raise KVCacheError(f"the profiled request ran {len(marks)} step(s) with tokens: no decode step to time")
+        (calls0, in0, t0), (calls1, in1, t1), steps = marks[0], marks[-1], len(marks) - 1
+        return (t1 - t0) / steps, (in1 - in0) / steps, (calls1 - calls0) / steps
 
     timed(2)  # warm-up
     walls, inside, calls = [], [], []

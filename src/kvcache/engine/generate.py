@@ -62,6 +62,12 @@ class RequestRun:
         self.result = RequestOutput(prompt=prompt, prompt_token_ids=list(prompt_ids), outputs=[])
 
     def __iter__(self) -> Iterator[Delta]:
+        for deltas in self.steps():
+            yield from deltas
+
+    def steps(self) -> Iterator[list[Delta]]:
+        """Run the request one scheduler step at a time: after each step, the Deltas it made (often
+        none: a step whose text is held back, or a prompt chunk's)."""
         req, sched = self.request, self.scheduler
         deltas: list[Delta] = []
         req.on_delta = deltas.append
@@ -69,8 +75,9 @@ class RequestRun:
         try:
             while sched.has_work:
                 sched.step()
-                yield from deltas
-                deltas.clear()
+                yield deltas
+                deltas = []
+                req.on_delta = deltas.append
         finally:
             sched.abort(req.request_id)  # left early (or failed): its pages go back
             kernels.release_scratch()  # the kernels' scratch of these steps (this thread's)
