@@ -232,7 +232,7 @@ def cmd_all(args: argparse.Namespace) -> int:
             mode = next((s for s in suites.catalogue() if s.mode == name), None)
             alone = f"bench {mode.name} --{name}" if mode else "the suite"
             raise InvalidParams(f"--{name.replace('_', '-')} does not apply to 'bench all' (run {alone} alone)")
-    done, took = [], []
+    took: dict[str, float] = {}  # suite -> seconds, in the order they ran
     start = time.perf_counter()
     for suite in (s for s in suites.catalogue() if s.mode is None):
         sub = argparse.Namespace(**vars(args))
@@ -244,14 +244,14 @@ def cmd_all(args: argparse.Namespace) -> int:
         print(f"\n=== {suite.name} ===", flush=True)
         t0 = time.perf_counter()
         _run(suite, sub)
-        done.append(suite.name)
-        took.append(f"{suite.name} {time.perf_counter() - t0:.1f} s")
-    print(f"\nbench all: {len(done)} suites in {time.perf_counter() - start:.1f} s ({', '.join(took)})", flush=True)
+        took[suite.name] = time.perf_counter() - t0
+    each = ", ".join(f"{name} {s:.1f} s" for name, s in took.items())
+    print(f"\nbench all: {len(took)} suites in {time.perf_counter() - start:.1f} s ({each})", flush=True)
     if args.out:
         from kvcache.bench.report import machine
 
         lines = ["# kvcache benchmarks", "", "| suite | report |", "|---|---|"]
-        lines += [f"| {s} | [{s}.md]({s}.md) |" for s in done]
+        lines += [f"| {s} | [{s}.md]({s}.md) |" for s in took]
         lines += ["", "| machine | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in machine().items()]
         (Path(args.out) / "README.md").write_text("\n".join(lines) + "\n")
     return 0
