@@ -115,14 +115,15 @@ def fresh_home(path: Path) -> Path:
     return path
 
 
-def run_kvcache(*args: str, stdin: str | None = None, timeout: int = 600,
-                fresh: bool = False) -> subprocess.CompletedProcess:
+def run_kvcache(*args: str, stdin: str | None = None, timeout: int = 600, fresh: bool = False,
+                env: dict[str, str] | None = None, cwd: str | Path | None = None) -> subprocess.CompletedProcess:
     """The console command in a process of its own, as a user runs it: forked from the tests' helper
-    that has imported torch (tests/forkserve.py), or with `fresh` a new interpreter."""
+    that has imported torch (tests/forkserve.py), or with `fresh` a new interpreter. ``env`` and
+    ``cwd`` are the process's (the forked child takes both, as a new one would)."""
     import forkserve
 
     return subprocess.run([sys.executable, "-m", "kvcache", *args] if fresh else forkserve.command(*args),
-                          capture_output=True, text=True, input=stdin, timeout=timeout)
+                          capture_output=True, text=True, input=stdin, timeout=timeout, env=env, cwd=cwd)
 
 
 def gemma_installed() -> bool:

@@ -1,11 +1,14 @@
-"""`python -m kvcache ...` for the tests, started without paying for torch's import every time.
+"""`python -m kvcache ...` (and `python -c CODE ...`) for the tests, started without paying for torch's
+import every time.
 
 The suite starts the console command a few hundred times (servers, CLI runs), and each fresh
 interpreter spends 1-2 s of CPU importing torch, fastapi and friends before kvcache's first line.
 Here one helper process per pytest worker imports those libraries (and nothing of kvcache), then
 forks a child for each run: the child takes the caller's stdin/stdout/stderr, working folder,
 environment and arguments, imports kvcache afresh and runs its `__main__` exactly as the console
-command does, exit status and signals included.
+command does (or the code of a `-c`), exit status and signals included. What kvcache reads from
+the environment at its import (the kernel variant, KVCACHE_AMX, KVCACHE_HOME) is read in the child;
+what torch reads at its own import (ATEN_CPU_CAPABILITY) is the helper's, so such runs start fresh.
 
 The caller sees an ordinary `subprocess.Popen` of a tiny stdlib-only stand-in (this file run as
 a script with `--run`): the stand-in hands its three streams to the helper, forwards the signals
@@ -125,7 +128,7 @@ def _become(fds: list[int], request: dict) -> None:
     sys.stdin = sys.__stdin__ = open(0, encoding="utf-8", closefd=False)
     sys.stdout = sys.__stdout__ = stream(1, os.isatty(1))
     sys.stderr = sys.__stderr__ = stream(2, True)
-    sys.argv = ["-m", *request["args"]]
+    sys.argv = [request["args"][0], *request["args"][2:]]  # as python sets it for -m MODULE and -c CODE
     sys.path[0] = request["cwd"]
 
 
@@ -227,16 +230,29 @@ def _stop_helper(helper, path: str) -> None:
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
+def python_command(*args: str) -> list[str]:
+    """The argv that runs ``python -m MODULE ...`` or ``python -c CODE ...`` through the helper (for
+    subprocess.Popen/run)."""
+    if len(args) < 2 or args[0] not in ("-m", "-c"):
+        raise ValueError(f"give -m MODULE or -c CODE, not {args[:2]!r}")
+    return [sys.executable, "-I", "-S", os.path.abspath(__file__), "--run", address(), *args]
+
+
 def command(*args: str) -> list[str]:
     """The argv that runs `python -m kvcache *args` through the helper (for subprocess.Popen/run)."""
-    return [sys.executable, "-I", "-S", os.path.abspath(__file__), "--run", address(), *args]
+    return python_command("-m", "kvcache", *args)
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "--serve":
-        _become(*_serve(sys.argv[2]))
-        import runpy
+        fds, request = _serve(sys.argv[2])
+        _become(fds, request)
+        how, what = request["args"][:2]
+        if how == "-c":  # as `python -c CODE` runs it
+            exec(compile(what, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        else:
+            import runpy
 
-        runpy.run_module("kvcache", run_name="__main__", alter_sys=True)  # as `python -m kvcache` does
+            runpy.run_module(what, run_name="__main__", alter_sys=True)  # as `python -m MODULE` does
     elif sys.argv[1] == "--run":
         _stand_in(sys.argv[2], sys.argv[3:])

@@ -130,8 +130,7 @@ def test_env_reports_the_amx_line():
     else:
         assert lines["amx"] == kernels.amx_status()
     env = dict(os.environ, KVCACHE_AMX="0")
-    p = subprocess.run([sys.executable, "-m", "kvcache", "env", "--no-digest"], capture_output=True, text=True,
-                       env=env, timeout=300)
+    p = run_kvcache("env", "--no-digest", env=env, timeout=300)
     assert p.returncode == 0 and "off (KVCACHE_AMX=0)" in p.stdout
 
 

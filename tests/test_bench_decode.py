@@ -104,9 +104,8 @@ def test_a_crashing_llama_cpp_python_is_a_skipped_row_naming_the_signal(tmp_path
     out = tmp_path / "decode.json"
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     env.pop("KVCACHE_LLAMA_CPP_BIN", None)
-    p = subprocess.run([sys.executable, "-m", "kvcache", "bench", "decode", "--weights", "file", "--peers", "llama.cpp",
-                        "--new-tokens", "2", "--repeats", "1", "--prefill", "", "--depth", "0", "--json", str(out)],
-                       capture_output=True, text=True, env=env, timeout=600)
+    p = run_kvcache("bench", "decode", "--weights", "file", "--peers", "llama.cpp", "--new-tokens", "2", "--repeats", "1",
+                    "--prefill", "", "--depth", "0", "--json", str(out), env=env, fresh=True)  # PYTHONPATH: read at start
     assert p.returncode == 0, p.stderr[-3000:]
     data = json.loads(out.read_text())
     if data["meta"]["llama_cpp"] == "llama-bench":

@@ -38,12 +38,10 @@ def test_version_prints_the_same_host_line():
 
 def test_the_variant_follows_what_this_process_loads():
     env = dict(os.environ, KVCACHE_KERNEL_VARIANT="generic")
-    p = subprocess.run([sys.executable, "-m", "kvcache", "--version"], capture_output=True, text=True, env=env,
-                       timeout=300)
+    p = run_kvcache("--version", env=env, timeout=300)
     assert p.returncode == 0 and p.stdout.strip().endswith("kernels generic")
     env = dict(os.environ, KVCACHE_NO_KERNELS="1")
-    p = subprocess.run([sys.executable, "-m", "kvcache", "env", "--no-digest"], capture_output=True, text=True, env=env,
-                       timeout=300)
+    p = run_kvcache("env", "--no-digest", env=env, timeout=300)
     assert p.returncode == 0 and "off (KVCACHE_NO_KERNELS=1)" in p.stdout, p.stderr[-2000:]
 
 

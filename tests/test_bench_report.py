@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import run_kvcache
 from kvcache.bench import suites
 from kvcache.bench.headline import collect, load, report
 from kvcache.bench.rows import model_name as _model
@@ -188,8 +189,7 @@ def test_suites_declare_themselves_in_their_own_module():
 
 
 def _kvcache(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvcache", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=120)
+    return run_kvcache(*args, cwd=cwd, timeout=120)
 
 
 def test_cli_prints_writes_and_refuses_in_one_line(tmp_path):

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_kvcache
 from kvcache import SamplingParams
 from kvcache.errors import InvalidParams
 
 
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvcache", *args], capture_output=True, text=True,
-                          input=stdin, timeout=300)
+    """The console command as a user runs it (forked from the tests' helper: tests/forkserve.py)."""
+    return run_kvcache(*args, stdin=stdin, timeout=300)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:

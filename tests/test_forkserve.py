@@ -1,6 +1,6 @@
-"""The tests' way of starting `python -m kvcache` (tests/forkserve.py) behaves as a fresh interpreter:
-the same output and exit status, the caller's environment, signals reaching the command, and no
-command outliving a stand-in that was killed."""
+"""The tests' way of starting `python -m kvcache` and `python -c` (tests/forkserve.py) behaves as a
+fresh interpreter: the same output and exit status, the caller's environment, signals reaching the
+command, and no command outliving a stand-in that was killed."""
 
 from __future__ import annotations
 
@@ -32,6 +32,27 @@ def test_the_callers_environment_and_folder_are_the_commands(tmp_path, monkeypat
     got = subprocess.run(forkserve.command("generate", "--model", "bad.gguf", "hi"), capture_output=True, text=True,
                          timeout=120)
     assert got.returncode == 2 and "bad.gguf is not a GGUF file" in got.stderr, got.stderr
+
+
+def test_code_runs_as_python_c_runs_it_with_the_variant_the_environment_names():
+    """``python -c CODE ARGS``: the same output, argv and exit status as a new interpreter's, and
+    the kernels loaded afresh in the child, so that KVCACHE_KERNEL_VARIANT picks the variant."""
+    import os
+    import sys
+
+    code = ("import sys\nfrom kvcache import kernels\nprint(sys.argv, kernels.variant())\n"
+            "sys.exit(int(sys.argv[1]))\n")
+    env = dict(os.environ, KVCACHE_KERNEL_VARIANT="generic")
+    for status in ("0", "3"):
+        forked = subprocess.run(forkserve.python_command("-c", code, status, "x y"), capture_output=True, text=True,
+                                timeout=120, env=env)
+        fresh = subprocess.run([sys.executable, "-c", code, status, "x y"], capture_output=True, text=True,
+                               timeout=120, env=env)
+        assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout) == (
+            int(status), f"['-c', '{status}', 'x y'] generic\n"), (forked, fresh)
+    failed = subprocess.run(forkserve.python_command("-c", "raise SystemExit('no such thing')"), capture_output=True,
+                            text=True, timeout=120)
+    assert failed.returncode == 1 and failed.stderr.strip() == "no such thing"
 
 
 def _serving(port: int) -> bool:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import run_kvcache  # noqa: E402
 
 
 def _copy_with(src: Path, out: Path, change) -> Path:
@@ -56,8 +57,8 @@ def home(tmp_path, monkeypatch):
 def test_a_tensor_that_disagrees_with_the_hyper_parameters_refuses_the_file(tiny, tmp_path, home):
     bad = _copy_with(tiny, tmp_path / "bad.gguf",
                      lambda name, a: a[:50] if name == "blk.1.ffn_norm.weight" else a)
-    p = subprocess.run([sys.executable, "-m", "kvcache", "generate", "--model", str(bad), "-n", "2", "hi"],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "KVCACHE_HOME": str(home)})
+    p = run_kvcache("generate", "--model", str(bad), "-n", "2", "hi", timeout=300,
+                    env={**os.environ, "KVCACHE_HOME": str(home)})
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
     line = p.stderr.strip().splitlines()[-1]
     assert "post_attention_layernorm" in line and "[50]" in line and "needs [64]" in line, line

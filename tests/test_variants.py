@@ -267,8 +267,8 @@ def _generate(variant: str, model: str, kv: str, steps: list[int], torch_isa: st
     env = {**os.environ, "KVCACHE_KERNEL_VARIANT": variant}
     if torch_isa:
         env["ATEN_CPU_CAPABILITY"] = torch_isa  # torch's own vector code, as on another host
-    p = subprocess.run([sys.executable, "-c", GENERATE, model, kv, ",".join(map(str, steps)), "\n".join(PROMPTS),
-                        ",".join(map(str, prompts))], capture_output=True, text=True, timeout=600, env=env)
+    argv = [GENERATE, model, kv, ",".join(map(str, steps)), "\n".join(PROMPTS), ",".join(map(str, prompts))]
+    p = subprocess.run(_python(torch_isa, "-c", *argv), capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     out = {}
     for line in p.stdout.splitlines():
@@ -276,6 +276,15 @@ def _generate(variant: str, model: str, kv: str, steps: list[int], torch_isa: st
         out[int(n), int(i)] = rest
     assert sorted(out) == sorted((n, i) for n in steps for i in prompts), p.stdout
     return out
+
+
+def _python(torch_isa: str | None, *args: str) -> list[str]:
+    """The argv of ``python *args``: forked from the tests' helper (tests/forkserve.py; the kernels
+    are loaded afresh there, so the variant the environment names is the one that runs), or a new
+    interpreter where torch's own vector code is chosen (torch reads it once, at its import)."""
+    import forkserve
+
+    return [sys.executable, *args] if torch_isa else forkserve.python_command(*args)
 
 
 def _runs() -> list[tuple[str, str | None]]:
@@ -324,7 +333,7 @@ def _env_digest(variant: str | None = None, torch_isa: str | None = None) -> str
     CPU's own)."""
     env = {**os.environ, **({"KVCACHE_KERNEL_VARIANT": variant} if variant else {}),
            **({"ATEN_CPU_CAPABILITY": torch_isa} if torch_isa else {})}
-    p = subprocess.run([sys.executable, "-m", "kvcache", "env"], capture_output=True, text=True, timeout=300, env=env)
+    p = subprocess.run(_python(torch_isa, "-m", "kvcache", "env"), capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("forward digest")]
     assert len(line) == 1 and "unavailable" not in line[0], p.stdout
@@ -340,7 +349,7 @@ def test_env_prints_one_digest():
     That every variant gives the same bits is the greedy test's above (the bundled model, five
     prompts); that they give the same digest, the slow test below."""
     _env_digest()
-    p = subprocess.run([sys.executable, "-m", "kvcache", "env", "--no-digest"], capture_output=True, text=True,
+    p = subprocess.run(_python(None, "-m", "kvcache", "env", "--no-digest"), capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0 and "forward digest" not in p.stdout
 
