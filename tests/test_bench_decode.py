@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserve
 import pytest
 
 from conftest import run_kvcache
@@ -57,7 +58,7 @@ def test_kernel_profile_counts_native_calls_in_process():
             "kernels.profile(False)\n"
             "llm.generate(['Hello'], SamplingParams(max_tokens=3, ignore_eos=True))\n"
             "print(c1 - c0, t1 - t0, kernels.profiled())\n")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    p = subprocess.run(forkserve.python_command("-c", code), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     calls, seconds, after = p.stdout.split(" ", 2)
     assert int(calls) >= 3 and float(seconds) > 0 and after.strip() == "(0, 0.0)"

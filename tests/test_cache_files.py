@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
+import forkserve
 import pytest
 import torch
 
@@ -100,7 +100,7 @@ def test_a_write_that_fails_half_way_leaves_the_old_file_and_nothing_else(tiny_d
     """The disk fills up in the middle of writing a cache file: a one-line error, the file that
     was there before is untouched, no temporary file is left and no page stays allocated."""
     target = tmp_path / "x.kv"
-    out = subprocess.run([sys.executable, "-c", FAILED_WRITE, str(tiny_dir("llama")[0]), str(target)],
+    out = subprocess.run(forkserve.python_command("-c", FAILED_WRITE, str(tiny_dir("llama")[0]), str(target)),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "ERR cannot write cache file" in out.stdout and "SAVED" not in out.stdout, out.stdout
@@ -152,7 +152,7 @@ print("PAGES", cache.pages.used(0))
 
 
 def test_disk_full_is_a_clear_error(tmp_path):
-    out = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(forkserve.python_command("-c", FULL_DISK, str(tmp_path)), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "ERR disk placement: cannot reserve" in out.stdout
     assert "PAGES 0" in out.stdout  # the failed reservation took nothing

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
+
+import forkserve
 
 from kvcache.paths import one_at_a_time
 
@@ -35,7 +36,7 @@ print(len(made), where)
 
 
 def _start(what: str, home: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", CHILD, what], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    return subprocess.Popen(forkserve.python_command("-c", CHILD, what), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "KVCACHE_HOME": str(home)})
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+import forkserve
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
@@ -301,7 +302,7 @@ def test_sessions_share_the_system_prompt_and_resume_in_another_process(tiny_pat
         "r = s.send('t11 t12', SamplingParams(max_tokens=6, ignore_eos=True))\n"
         "print(json.dumps([r.cached_tokens, len(r.prompt_token_ids), r.token_ids, len(s.messages)]))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(forkserve.python_command("-c", code), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     cached, prompt_len, tokens, n_messages = json.loads(out.stdout.strip().splitlines()[-1])
     here = a.send("t11 t12", greedy)
@@ -465,7 +466,7 @@ def test_two_processes_share_pages_through_redis(tiny_path, redis_url):
         "llm.runner.release(seq); llm.flush()\n"
         "print(json.dumps(llm.prefix_stats().as_dict()))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(forkserve.python_command("-c", code), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     here = LLM(tiny_path, kv="dynamic,page_size=4", prefix=PrefixConfig(redis=redis_url))
     assert _hit_then_check(here, LONG[:-1] + [9]) == 40  # whole pages written by the other process

@@ -7,12 +7,12 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
 import warnings
 
+import forkserve
 import pytest
 import torch
 
@@ -236,7 +236,7 @@ def test_two_clients_and_two_processes_share_entries(redis_url):
         "print(t.get(bytes.fromhex(k1)).decode())\n"
         "t.put(bytes.fromhex(k2), b'from the other process')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, redis_url, prefix, key(1).hex(), key(2).hex()],
+    out = subprocess.run(forkserve.python_command("-c", code, redis_url, prefix, key(1).hex(), key(2).hex()),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "from the first"

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import forkserve
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -395,7 +396,7 @@ def test_fused_decode_layers_equal_their_steps(v, tiny_dir):
     process (the variant is chosen once a process)."""
     paths = [str(tiny_dir(family)[0]) for family in ("llama", "gemma3")]
     code = FUSED_CHECK.format(tests=str(os.path.dirname(__file__)), variant=v.name, paths=paths)
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+    p = subprocess.run(forkserve.python_command("-c", code), capture_output=True, text=True, timeout=300,
                        env={**os.environ, "KVCACHE_KERNEL_VARIANT": v.name})
     assert p.returncode == 0, p.stderr[-2000:]
     gaps = [float(x) for x in p.stdout.split()[-2:]]

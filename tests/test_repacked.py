@@ -15,6 +15,7 @@ import zlib
 from pathlib import Path
 
 import numpy as np
+import forkserve
 import torch
 
 from conftest import fresh_home
@@ -221,7 +222,7 @@ def test_repacked_weights_are_mapped_by_later_loads_and_damage_is_repacked(tmp_p
     old.write_bytes(b"KVQPACK\0" + bytes(100))  # a file of an older layout: ignored, then removed
     steps = ["none", "offset", "shape", "head", "none"]
     env = {**os.environ, "KVCACHE_HOME": str(fresh_home(tmp_path / "home"))}
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), ",".join(steps), str(VERSION)],
+    r = subprocess.run(forkserve.python_command("-c", SCRIPT, str(tmp_path), ",".join(steps), str(VERSION)),
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     kinds = r.stdout.split()[-len(steps):]
