@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import forkserve
 import pytest
 
 from conftest import run_kvcache
@@ -69,8 +70,8 @@ def test_the_load_generators_read_a_real_servers_streams():
     from kvcache.bench.serving import Level, complete
 
     port = free_port()
-    cmd = [sys.executable, "-m", "kvcache", "serve", "--port", str(port), "--served-model-name", "default",
-           "--log-level", "warning", "--threads", "1"]
+    cmd = forkserve.command("serve", "--port", str(port), "--served-model-name", "default", "--log-level", "warning",
+                            "--threads", "1")
     with server(cmd, port, "kvcache") as (url, why):
         assert url is not None, why
         lock, level = threading.Lock(), Level("kvcache", 1)

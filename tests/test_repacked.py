@@ -14,8 +14,9 @@ import tracemalloc
 import zlib
 from pathlib import Path
 
-import numpy as np
 import forkserve
+import numpy as np
+import pytest
 import torch
 
 from conftest import fresh_home
@@ -180,12 +181,13 @@ SCRIPT = """
 import os, sys, torch
 from pathlib import Path
 from kvcache import LLM
-out, steps = Path(sys.argv[1]), sys.argv[2].split(",")
+from kvcache.models.repacked import file_name
+out, steps, mode = Path(sys.argv[1]), sys.argv[2].split(","), sys.argv[3]
 kinds = []
 for i, step in enumerate(steps):
     (folder,) = [p.parent for p in (out / "home" / "models").glob("*/kvcache.json")]
     if step != "none":  # one bit flipped (the file replaced: no mapping of the old one sees it)
-        kvq = folder / ("repacked-v%s.kvq" % sys.argv[3])
+        kvq = folder / file_name(mode)
         data = bytearray(kvq.read_bytes())
         text = bytes(data[:4096])
         at = {"head": 8, "offset": text.find(b'"offset": ', text.find(b'"offset": ') + 1) + 10,
@@ -195,7 +197,7 @@ for i, step in enumerate(steps):
         data[at] ^= 1
         kvq.with_suffix(".tmp").write_bytes(bytes(data))
         os.replace(kvq.with_suffix(".tmp"), kvq)
-    llm = LLM(prefix=False)
+    llm = LLM(prefix=False, weights=mode)
     r = llm.runner
     torch.save(r.step([r.new_sequence()], [llm.encode("The history of the printing press begins")])[0],
                out / f"{i}.pt")
@@ -211,28 +213,38 @@ print(" ".join(kinds))
 """
 
 
-def test_repacked_weights_are_mapped_by_later_loads_and_damage_is_repacked(tmp_path):
+@pytest.mark.parametrize("mode,steps", [("file", "none,offset,shape,head,none"), ("q8", "none,shape,none")])
+def test_repacked_weights_are_mapped_by_later_loads_and_damage_is_repacked(tmp_path, mode, steps):
+    """The file's own weights repacked, or (q8) its fp32 weights quantized anew, in the store of
+    that mode: written by the first load, mapped by later ones, rebuilt where damaged; the stores
+    of other modes and versions are left alone, this mode's older versions removed."""
     from kvcache.models.loading import resolve_model
+    from kvcache.models.repacked import file_name
     from kvcache.paths import cache_home
 
     source = resolve_model(None).path  # the bundled model, converted once for the whole suite
     folder = tmp_path / "home" / Path(source).relative_to(cache_home())
     shutil.copytree(source, folder, ignore=shutil.ignore_patterns("*.kvq", ".*.tmp"))
-    old = folder / f"repacked-v{VERSION - 1}.kvq"
+    old = folder / file_name(mode).replace(f"v{VERSION}", f"v{VERSION - 1}")
     old.write_bytes(b"KVQPACK\0" + bytes(100))  # a file of an older layout: ignored, then removed
-    steps = ["none", "offset", "shape", "head", "none"]
+    others = [folder / file_name(m).replace(f"v{VERSION}", f"v{VERSION - 1}") for m in ("file", "q8") if m != mode]
+    for other in others:
+        other.write_bytes(b"KVQPACK\0" + bytes(100))
+    steps = steps.split(",")
     env = {**os.environ, "KVCACHE_HOME": str(fresh_home(tmp_path / "home"))}
-    r = subprocess.run(forkserve.python_command("-c", SCRIPT, str(tmp_path), ",".join(steps), str(VERSION)),
+    r = subprocess.run(forkserve.python_command("-c", SCRIPT, str(tmp_path), ",".join(steps), mode),
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     kinds = r.stdout.split()[-len(steps):]
     # the first load repacks and writes the file; each damaged file is repacked
     # (the same logits) and rewritten, and the last load maps the rewritten file
-    assert kinds == ["owned", "owned", "owned", "owned", "mapped"], kinds
+    assert kinds == ["owned"] * (len(steps) - 1) + ["mapped"], kinds
     first = torch.load(tmp_path / "0.pt")
     for i, step in enumerate(steps[1:], 1):
         assert torch.equal(torch.load(tmp_path / f"{i}.pt"), first), f"{step}: other logits"
-    assert RepackStore(folder).found and not old.exists()
+    assert RepackStore(folder, mode=mode).found and not old.exists()
+    assert all(other.exists() for other in others)  # another mode's store is that mode's to replace
+    assert [p.name for p in folder.glob(f"repacked-*v{VERSION}.kvq")] == [file_name(mode)]
 
 
 def test_a_store_another_process_is_writing_is_repacked_once(tmp_path):

@@ -19,7 +19,7 @@ from kvcache.errors import InvalidParams
 from kvcache.models.config import ModelConfig
 from kvcache.models.loading import model_fingerprint, model_weights, read_config, resolve_model
 from kvcache.models.registry import build_model
-from kvcache.models.repacked import repack_store
+from kvcache.models.repacked import MODES as KEPT_MODES, repack_store
 from kvcache.models.tokenizer import Tokenizer
 from kvcache.models.weights import check_mode, effective_mode
 from kvcache.prefix.cache import PrefixStats
@@ -82,9 +82,14 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(resolved.path, template_timeout)
         self.tokenizer.check_chat_template()  # a template that cannot render a short chat refuses the model
         state_dict = model_weights(resolved, mode)
-        # a GGUF's repacked weights are kept beside its converted folder and mapped by later loads
-        gguf = resolved.gguf if mode == "file" else None
-        with repack_store(resolved.path if gguf is not None else None, gguf.stat().st_size if gguf else 0):
+        # a GGUF's repacked (or quantized anew) weights are kept beside its converted folder, one
+        # file a mode, and mapped by later loads
+        gguf = resolved.gguf if mode in KEPT_MODES else None
+        reads = 0 if gguf is None else gguf.stat().st_size if mode == "file" else \
+            sum(t.numel() * 4 for t in state_dict.values() if isinstance(t, torch.Tensor))
+        with repack_store(resolved.path if gguf is not None else None, reads, mode) as store:
+            if store is not None:
+                store.name(state_dict)
             self.model = build_model(self.config, state_dict, mode)
         del state_dict
         self.model.replay_prompt = replay_prompt(self.tokenizer)  # press=kvzip's replay request

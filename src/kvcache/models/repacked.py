@@ -1,10 +1,11 @@
 """The repacked weights of a GGUF file, written once beside its converted folder and mapped after.
 
-Repacking a 1B model's blocks for the int8 kernels takes seconds; the result depends only on the
-file. The first load (``weights="file"``) writes every QWeight's arrays into
-``<converted folder>/repacked-v<VERSION>.kvq``; later loads map that file (a private mapping: the
-page cache's pages, shared by every process that maps it, never copied unless written) and build
-the QWeights as views of it.
+Repacking a 1B model's blocks for the int8 kernels takes seconds, and quantizing its fp32 weights
+anew (``weights="q8"`` or ``"q4"``) longer; the result depends only on the file and the mode. The
+first load of a mode writes every QWeight's arrays into ``<converted folder>/repacked-v<VERSION>.kvq``
+(``weights="file"``) or ``repacked-q8-v<VERSION>.kvq`` (``q4``: ``repacked-q4-...``); later loads of
+that mode map the file (a private mapping: the page cache's pages, shared by every process that
+maps it, never copied unless written) and build the QWeights as views of it.
 
 File layout: 8 bytes of magic, 8 bytes of index length n and 4 bytes of CRC-32 (little endian),
 the JSON index (n bytes), then the arrays, each 4096-aligned. The CRC covers the whole file but
@@ -17,7 +18,7 @@ from the GGUF again and the file rewritten); nothing read from it is allocated o
 it checks out. Files of older versions are removed when a new one is written.
 
 Owns the file and the mapping; may not change the repacked layout (qweight.py, kernels/qformat.h).
-Locking: models are built on one thread; a load that must repack holds ``.repacked-v<VERSION>.kvq.lock``
+Locking: models are built on one thread; a load that must repack holds ``.<the file's name>.lock``
 (paths.one_at_a_time) from its check of the file to its write, so processes loading the same
 file at once repack it once: the later one finds the first one's file and maps it.
 """
@@ -50,7 +51,15 @@ HEAD = struct.Struct("<8sQI")  # magic, index length, CRC-32 of the rest of the 
 ALIGN = 4096
 PROGRESS_BYTES = 256 << 20  # files at least this large show a progress bar while repacked
 _DTYPES = {"uint8": np.uint8, "float16": np.float16, "float32": np.float32}
-_OLDER = re.compile(r"repacked-v(\d+)\.kvq")
+_OLDER = re.compile(r"repacked-(?:(q8|q4)-)?v(\d+)\.kvq")
+MODES = ("file", "q8", "q4")  # the weights modes whose QWeights are kept
+
+
+def file_name(mode: str = "file") -> str:
+    """The store's file name in a converted folder for weights ``mode`` (one of MODES)."""
+    if mode not in MODES:
+        raise ValueError(f"no repacked store for weights={mode!r}")
+    return f"repacked-v{VERSION}.kvq" if mode == "file" else f"repacked-{mode}-v{VERSION}.kvq"
 
 
 def _aligned(n: int) -> int:
@@ -108,8 +117,10 @@ class RepackStore:
     """Entries found in the mapped file (``get``) and entries made by this load (``put``, written
     by ``save``). A folder whose source GGUF is unknown keeps no file."""
 
-    def __init__(self, folder: Path, source_bytes: int = 0) -> None:
-        self.path = Path(folder) / f"repacked-v{VERSION}.kvq"
+    def __init__(self, folder: Path, source_bytes: int = 0, mode: str = "file") -> None:
+        self.mode = mode
+        self.names: dict[int, str] = {}  # id -> state-dict name of the fp32 tensors a build quantizes (see key)
+        self.path = Path(folder) / file_name(mode)
         self.source = source_identity(Path(folder))
         self.found: dict[str, dict[str, Any]] = {}
         self.made: dict[str, tuple[int, int, int, list[torch.Tensor | None]]] = {}
@@ -128,8 +139,9 @@ class RepackStore:
         if not self.found and self.source_bytes >= PROGRESS_BYTES:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=self.source_bytes, unit="B", unit_scale=True,
-                            desc="repacking the weights (once)", leave=False)
+            self.bar = tqdm(total=self.source_bytes, unit="B", unit_scale=True, leave=False,
+                            desc="repacking the weights (once)" if self.mode == "file" else
+                            f"quantizing the weights to {self.mode} (once)")
 
     def repacked(self, nbytes: int) -> None:
         """``nbytes`` of the GGUF's quantized data were repacked (the progress bar moves)."""
@@ -189,6 +201,18 @@ class RepackStore:
         mapped = self._map_file()
         n = self._check(mapped)
         return None if n is None else (mapped, n)
+
+    def name(self, state_dict: dict[str, Any]) -> None:
+        """Know the fp32 tensors of the build's state dict by their names (their keys in this store)."""
+        self.names = {id(t): n for n, t in state_dict.items() if isinstance(t, torch.Tensor)}
+
+    def key(self, parts: list[Any]) -> str | None:
+        """A projection's key: where its GGUF parts lie in the file (gguf_key), or the state-dict
+        names of its fp32 parts; None where a part is neither (a tensor made during the build)."""
+        if all(not isinstance(p, torch.Tensor) for p in parts):
+            return gguf_key(parts)
+        names = [self.names.get(id(p)) if isinstance(p, torch.Tensor) else None for p in parts]
+        return None if None in names else "|".join("name:" + n for n in names)  # type: ignore[arg-type]
 
     def get(self, key: str, fmt: int, out: int, k: int) -> list[torch.Tensor | None] | None:
         """The arrays (qs, d, m) of ``key`` as views of the mapping, when it holds that weight in
@@ -268,13 +292,18 @@ class RepackStore:
         except OSError:
             tmp.unlink(missing_ok=True)
             return
-        for old in self.path.parent.glob("repacked-v*.kvq"):
+        for old in self.path.parent.glob("repacked-*.kvq"):
             m = _OLDER.fullmatch(old.name)
-            if m is not None and int(m.group(1)) < VERSION:
+            if m is not None and (m.group(1) or "file") == self.mode and int(m.group(2)) < VERSION:
                 try:
                     old.unlink()
                 except OSError:
                     pass
+
+
+def gguf_key(parts: list[Any]) -> str:
+    """A projection's key in the store: where its GGUF parts (GGUFTensor) lie in the file, and how."""
+    return "|".join(f"{p.offset}:{p.ggml_type}:{p.out}:{p.k}:{p.permute_heads}" for p in parts)
 
 
 _STORE: ContextVar[RepackStore | None] = ContextVar("kvcache_repack_store", default=None)
@@ -286,12 +315,13 @@ def current() -> RepackStore | None:
 
 
 @contextmanager
-def repack_store(folder: Path | None, source_bytes: int = 0) -> Iterator[RepackStore | None]:
-    """Models built inside read their repacked weights from ``folder``'s store and add to it;
-    ``source_bytes``: the GGUF's size, for the progress bar of a first, long repack. A build that
+def repack_store(folder: Path | None, source_bytes: int = 0, mode: str = "file") -> Iterator[RepackStore | None]:
+    """Models built inside read their repacked weights from ``folder``'s store of weights ``mode``
+    and add to it; ``source_bytes``: what a first, long repack reads (the GGUF's size; for q8 and q4
+    the fp32 weights' bytes), for its progress bar. A build that
     must repack takes its turn on the store's lock first (processes loading the file at once
     repack it once)."""
-    store = RepackStore(folder, source_bytes) if folder is not None else None
+    store = RepackStore(folder, source_bytes, mode) if folder is not None else None
     with ExitStack() as turn:
         if store is not None and store.source is not None and not store.found:
             turn.enter_context(one_at_a_time(store.path.with_name(f".{store.path.name}.lock")))

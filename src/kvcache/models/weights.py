@@ -70,14 +70,32 @@ def projection(parts: Sequence[Part], norm: torch.Tensor | None, mode: str,
         return pack(fold_norm(norm, w) if norm is not None else w)
     scale = None if norm is None else norm.detach().float().contiguous()
     if requant:
-        fmt, ggml = (S8_F16, GGML["Q8_0"]) if mode == "q8" else (Q4_F16, GGML["Q4_1"])
-        qw = QWeight(fmt, sum(p.shape[0] for p in parts), k, scale)
-        base = 0
-        for p in parts:
-            _put_requantized(qw, p, ggml, base)
-            base += p.shape[0]
-        return qw.seal()
+        return _requantized(list(parts), mode, k, scale)
     return _from_file(list(parts), scale)  # type: ignore[arg-type]
+
+
+def _requantized(parts: list[Part], mode: str, k: int, scale: torch.Tensor | None) -> QWeight:
+    """The parts quantized anew by GGUF's own rule (Q8_0 for q8, Q4_1 for q4); a GGUF's are kept in
+    the store of that mode (models/repacked.py) and mapped by later loads."""
+    fmt, ggml = (S8_F16, GGML["Q8_0"]) if mode == "q8" else (Q4_F16, GGML["Q4_1"])
+    out = sum(p.shape[0] for p in parts)
+    store = repacked.current()
+    key = store.key(parts) if store is not None else None
+    if key is None:
+        store = None  # a part the store cannot name (made during the build): quantized, not kept
+    found = store.get(key, fmt, out, k) if store is not None else None
+    if found is not None:
+        return QWeight(fmt, out, k, scale, arrays=tuple(found)).seal()  # type: ignore[arg-type]
+    qw = QWeight(fmt, out, k, scale)
+    base = 0
+    for p in parts:
+        _put_requantized(qw, p, ggml, base)
+        base += p.shape[0]
+        if store is not None:
+            store.repacked(p.out * p.row_bytes if isinstance(p, GGUFTensor) else p.numel() * 4)
+    if store is not None:
+        store.put(key, fmt, out, k, list(qw.parts()))
+    return qw.seal()
 
 
 def _from_file(parts: list[GGUFTensor], scale: torch.Tensor | None) -> QWeight | QStack:
@@ -92,7 +110,7 @@ def _from_file(parts: list[GGUFTensor], scale: torch.Tensor | None) -> QWeight |
         return QStack([_from_file(run, scale) for run in runs])  # type: ignore[misc]
     out, k = sum(p.out for p in parts), parts[0].k
     store = repacked.current()
-    key = "|".join(f"{p.offset}:{p.ggml_type}:{p.out}:{p.k}:{p.permute_heads}" for p in parts)
+    key = repacked.gguf_key(parts)
     found = store.get(key, fmt, out, k) if store is not None else None
     if found is not None:
         return QWeight(fmt, out, k, scale, arrays=tuple(found)).seal()  # type: ignore[arg-type]
