@@ -147,13 +147,14 @@ class TestGemma:
         ids = llm.encode("The history of lighthouses. " * 90)
         assert len(ids) > 600
         with torch.no_grad():
-            ref = hf(torch.tensor([ids])).logits[0, -1]
+            first = hf(torch.tensor([ids]), use_cache=True)
+        ref = first.logits[0, -1]
         seq = llm.runner.new_sequence()
         got = llm.runner.step([seq], [ids])[0]
         torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-4)
         nxt = int(got.argmax())
-        with torch.no_grad():
-            ref2 = hf(torch.tensor([ids + [nxt]])).logits[0, -1]
+        with torch.no_grad():  # transformers' own next step over its cache of the prompt
+            ref2 = hf(torch.tensor([[nxt]]), past_key_values=first.past_key_values, use_cache=True).logits[0, -1]
         torch.testing.assert_close(llm.runner.step([seq], [[nxt]])[0], ref2, atol=1e-3, rtol=1e-4)
         stats = llm.kv_stats()  # hybrid: sliding layers gave their out-of-window pages back
         sliding = [s for s in stats.per_layer if s.window == 512]

@@ -2,9 +2,9 @@
 
 LLM.generate of one prompt and of several, LLM.stream, a chat session and the OpenAI-compatible
 server (a real uvicorn, the official client) all run through the engine's scheduler. The real
-SmolLM2 (fp32 weights: another batch, prefill chunks or a prefix hit give the same greedy tokens)
-runs in a static cache of CAP tokens, so the context limit comes within a dozen new tokens: a prompt
-and its completion together hold at most CAP tokens, on every path.
+SmolLM2 (its file's own weights: another batch, prefill chunks or a prefix hit give the same bits,
+test_batch_invariance.py) runs in a static cache of CAP tokens, so the context limit comes within a
+dozen new tokens: a prompt and its completion together hold at most CAP tokens, on every path.
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def llm():
     threads = torch.get_num_threads()
-    yield LLM(kv=KV, weights="fp32", threads=1)
+    yield LLM(kv=KV, threads=1)
     torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
 def server():
     # prompts prefill in chunks of 16 tokens here (the library feeds a lone prompt in one forward)
-    s = Server("smollm2", "--kv", KV, "--weights", "fp32", "--max-batch-tokens", "16", "--threads", "1")
+    s = Server("smollm2", "--kv", KV, "--max-batch-tokens", "16", "--threads", "1")
     yield s
     s.close()
 

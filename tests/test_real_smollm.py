@@ -76,18 +76,18 @@ def test_greedy_output_identical_to_transformers_generate(hf_smollm, hf_greedy, 
     llm.check_integrity()
 
 
-def test_streaming_pieces_join_to_the_text(smollm):
+def test_streaming_pieces_join_to_the_text(smollm_q):
     params = SamplingParams(max_tokens=30)
-    pieces = [d.text for d in smollm.stream("Tell me a fun fact about owls.", params, chat=True)]
-    full = smollm.generate(["Tell me a fun fact about owls."], params, chat=True)[0]
+    pieces = [d.text for d in smollm_q.stream("Tell me a fun fact about owls.", params, chat=True)]
+    full = smollm_q.generate(["Tell me a fun fact about owls."], params, chat=True)[0]
     assert "".join(pieces) == full.text and len(pieces) > 3
 
 
-def test_a_run_step_by_step_gives_one_token_a_step_after_the_prompt(smollm):
+def test_a_run_step_by_step_gives_one_token_a_step_after_the_prompt(smollm_q):
     """RequestRun.steps (what `bench decode --profile` times): after the step that gives the first
     token, each step gives one more, and the steps' Deltas join to the text iteration gives."""
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    run = smollm.request("Tell me a fun fact about owls.", params, chat=True)
+    run = smollm_q.request("Tell me a fun fact about owls.", params, chat=True)
     tokens, pieces = [], []
     for deltas in run.steps():
         tokens.append(sum(len(s.tokens) for s in run.request.samples))
@@ -95,7 +95,7 @@ def test_a_run_step_by_step_gives_one_token_a_step_after_the_prompt(smollm):
     first = next(i for i, n in enumerate(tokens) if n)
     assert tokens[first:] == list(range(1, 13))
     assert "".join(pieces) == run.result.outputs[0].text == "".join(
-        d.text for d in smollm.stream("Tell me a fun fact about owls.", params, chat=True))
+        d.text for d in smollm_q.stream("Tell me a fun fact about owls.", params, chat=True))
 
 
 def test_stop_strings_cut_the_text(smollm):
@@ -104,27 +104,27 @@ def test_stop_strings_cut_the_text(smollm):
     assert r.finish_reason == "stop" and "five" not in r.text and "four" in r.text
 
 
-def test_sampling_is_seeded(smollm):
+def test_sampling_is_seeded(smollm_q):
     p = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=40, seed=123)
-    a = smollm.generate(["Write a sentence about rain."], p, chat=True)[0]
-    b = smollm.generate(["Write a sentence about rain."], p, chat=True)[0]
-    c = smollm.generate(["Write a sentence about rain."], SamplingParams(max_tokens=16, temperature=0.9, seed=5),
+    a = smollm_q.generate(["Write a sentence about rain."], p, chat=True)[0]
+    b = smollm_q.generate(["Write a sentence about rain."], p, chat=True)[0]
+    c = smollm_q.generate(["Write a sentence about rain."], SamplingParams(max_tokens=16, temperature=0.9, seed=5),
                         chat=True)[0]
     assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
 
 
-def test_chat_session_prefills_only_new_tokens(smollm):
-    smollm.clear_prefix_cache()  # other tests' prompts share the template's first tokens
-    s = smollm.chat_session(system="You are a terse assistant.")
+def test_chat_session_prefills_only_new_tokens(smollm_q):
+    smollm_q.clear_prefix_cache()  # other tests' prompts share the template's first tokens
+    s = smollm_q.chat_session(system="You are a terse assistant.")
     p = SamplingParams(max_tokens=12)
     first = s.send("Name a fruit.", p)
     second = s.send("Name a vegetable.", p)
     assert first.cached_tokens == 0
     assert second.cached_tokens >= len(first.prompt_token_ids)  # the whole first turn was reused
-    ref = smollm.generate([s.messages[:-1]], p)[0]
+    ref = smollm_q.generate([s.messages[:-1]], p)[0]
     assert second.token_ids == ref.token_ids
     s.close()
-    smollm.check_integrity()
+    smollm_q.check_integrity()
 
 
 @pytest.mark.parametrize("weights", ["file", "fp32"])
