@@ -17,7 +17,7 @@ QWeight / QStack (the norm applied to the input). Without the native kernels eve
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -78,21 +78,28 @@ def _requantized(parts: list[Part], mode: str, k: int, scale: torch.Tensor | Non
     """The parts quantized anew by GGUF's own rule (Q8_0 for q8, Q4_1 for q4); a GGUF's are kept in
     the store of that mode (models/repacked.py) and mapped by later loads."""
     fmt, ggml = (S8_F16, GGML["Q8_0"]) if mode == "q8" else (Q4_F16, GGML["Q4_1"])
-    out = sum(p.shape[0] for p in parts)
     store = repacked.current()
-    key = store.key(parts) if store is not None else None
-    if key is None:
-        store = None  # a part the store cannot name (made during the build): quantized, not kept
+    key = store.key(parts) if store is not None else None  # None: a part made during the build
+
+    def fill(qw: QWeight, done: Callable[[int], None]) -> None:
+        base = 0
+        for p in parts:
+            _put_requantized(qw, p, ggml, base)
+            base += p.shape[0]
+            done(p.out * p.row_bytes if isinstance(p, GGUFTensor) else p.numel() * 4)
+
+    return _kept(store if key is not None else None, key or "", fmt, sum(p.shape[0] for p in parts), k, scale, fill)
+
+
+def _kept(store: repacked.RepackStore | None, key: str, fmt: int, out: int, k: int, scale: torch.Tensor | None,
+          fill: Callable[[QWeight, Callable[[int], None]], None]) -> QWeight:
+    """The QWeight ``key`` names: mapped from the store when it holds it, else made by ``fill(qw,
+    done)`` (``done(nbytes)`` moves the store's progress bar) and handed to the store to keep."""
     found = store.get(key, fmt, out, k) if store is not None else None
     if found is not None:
         return QWeight(fmt, out, k, scale, arrays=tuple(found)).seal()  # type: ignore[arg-type]
     qw = QWeight(fmt, out, k, scale)
-    base = 0
-    for p in parts:
-        _put_requantized(qw, p, ggml, base)
-        base += p.shape[0]
-        if store is not None:
-            store.repacked(p.out * p.row_bytes if isinstance(p, GGUFTensor) else p.numel() * 4)
+    fill(qw, store.repacked if store is not None else lambda nbytes: None)
     if store is not None:
         store.put(key, fmt, out, k, list(qw.parts()))
     return qw.seal()
@@ -108,28 +115,20 @@ def _from_file(parts: list[GGUFTensor], scale: torch.Tensor | None) -> QWeight |
             else:
                 runs.append([p])
         return QStack([_from_file(run, scale) for run in runs])  # type: ignore[misc]
-    out, k = sum(p.out for p in parts), parts[0].k
-    store = repacked.current()
-    key = repacked.gguf_key(parts)
-    found = store.get(key, fmt, out, k) if store is not None else None
-    if found is not None:
-        return QWeight(fmt, out, k, scale, arrays=tuple(found)).seal()  # type: ignore[arg-type]
-    qw = QWeight(fmt, out, k, scale)
-    base = 0
-    for p in parts:
-        step = max(8, CHUNK_BYTES // max(1, p.row_bytes))
-        for r0 in range(0, p.out, step):
-            r1 = min(p.out, r0 + step)
-            try:
-                qw.put_gguf(p.ggml_type, p.read(r0, r1), p.rows_to(r0, r1, base))
-            except ModelLoadError as e:  # which tensor, in the file's words
-                raise ModelLoadError(f"{p.path}: the tensor at byte {p.offset}: {e}") from None
-            if store is not None:
-                store.repacked((r1 - r0) * p.row_bytes)
-        base += p.out
-    if store is not None:
-        store.put(key, fmt, out, k, list(qw.parts()))
-    return qw.seal()
+    def fill(qw: QWeight, done: Callable[[int], None]) -> None:
+        base = 0
+        for p in parts:
+            step = max(8, CHUNK_BYTES // max(1, p.row_bytes))
+            for r0 in range(0, p.out, step):
+                r1 = min(p.out, r0 + step)
+                try:
+                    qw.put_gguf(p.ggml_type, p.read(r0, r1), p.rows_to(r0, r1, base))
+                except ModelLoadError as e:  # which tensor, in the file's words
+                    raise ModelLoadError(f"{p.path}: the tensor at byte {p.offset}: {e}") from None
+                done((r1 - r0) * p.row_bytes)
+            base += p.out
+
+    return _kept(repacked.current(), repacked.gguf_key(parts), fmt, sum(p.out for p in parts), parts[0].k, scale, fill)
 
 
 def _put_requantized(qw: QWeight, part: Part, ggml: int, base: int) -> None:
