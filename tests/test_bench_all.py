@@ -233,7 +233,7 @@ def test_llamacpp_peer_runs_or_is_skipped_with_a_note(tmp_path):
     from kvcache.peers.llama_bench import kind
     from kvcache.peers.llama_cpp import default_bin
 
-    p = run_kvcache("bench", "decode", "--kv", "dynamic", "--peers", "llama.cpp", "--weights", "fp32",
+    p = run_kvcache("bench", "decode", "--quick", "--kv", "dynamic", "--peers", "llama.cpp", "--weights", "fp32",
                     "--prefill", "", "--depth", "0", "--new-tokens", "2", "--repeats", "1", "--out", str(tmp_path),
                     timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -24,7 +24,7 @@ kvcache = run_kvcache
 def test_context_repeats_reuse_the_prompt_unless_a_window_dropped_it(tmp_path):
     out = tmp_path / "context.json"
     p = kvcache("bench", "context", "--contexts", "64", "--new-tokens", "40", "--repeats", "2",
-                "--kv", "dynamic;window=32", "--json", str(out))
+                "--kv", "dynamic;window=32", "--weights", "file", "--json", str(out))
     assert p.returncode == 0, p.stderr
     rows = {r["spec"]: r for r in json.loads(out.read_text())["results"]}
     assert rows["dynamic"]["full_prefills"] == 1 and rows["window=32"]["full_prefills"] == 2
@@ -106,14 +106,15 @@ def test_long_rows_bytes_share_of_wall_memory_and_plot(tmp_path, tiny_gguf, monk
 
     monkeypatch.setenv("KVCACHE_HOME", str(fresh_home(tmp_path / "home")))
     out, new = tmp_path / "out", 4
-    p = kvcache("bench", "context", "--long", "--model", tiny_gguf, "--contexts", "128,256", "--new-tokens", str(new),
-                "--repeats", "1", "--kv", "fp16;int8", "--llama-cpp-bin", _crashing_llama_bench(tmp_path / "bin"),
+    p = kvcache("bench", "context", "--long", "--quick", "--model", tiny_gguf, "--contexts", "128,256", "--new-tokens",
+                str(new), "--repeats", "1", "--kv", "fp16;int8", "--llama-cpp-bin", _crashing_llama_bench(tmp_path / "bin"),
                 "--out", str(out))
     assert p.returncode == 0, p.stderr
     assert "decode after N tokens of context" in p.stdout and "kvcache fp16: prefill 128 -> 256 tokens" in p.stderr
     data = json.loads((out / "context.json").read_text())
     meta, results, memory = data["meta"], data["results"], data["memory"]
     assert meta["mode"] == "long" and meta["contexts"] == [128, 256] and meta["read_gb_s"] > 0
+    assert meta["read_gib"] == 0.25  # --quick: a quarter-GiB probe
     assert set(meta["load_avg_1min"]) == {"before", "after"} and "load average (1 min) before" in p.stdout
     rows = {(r["system"], r["kv"], r["test"], r["context"]): r for r in results}
     want = {("kvcache", s, "decode", c) for s in ("fp16", "int8") for c in (128, 256)}

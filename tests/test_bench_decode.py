@@ -82,8 +82,8 @@ def test_a_crashing_llama_bench_is_a_skipped_row_naming_the_signal(tmp_path):
     fake.mkdir()
     _script(fake / "llama-bench", "kill -SEGV $$")
     out = tmp_path / "decode.json"
-    p = run_kvcache("bench", "decode", "--weights", "file", "--peers", "llama.cpp", "--llama-cpp-bin", str(fake),
-                    "--new-tokens", "2", "--repeats", "1", "--prefill", "32", "--depth", "64", "--rounds", "2",
+    p = run_kvcache("bench", "decode", "--quick", "--weights", "file", "--peers", "llama.cpp", "--llama-cpp-bin",
+                    str(fake), "--new-tokens", "2", "--repeats", "1", "--prefill", "32", "--depth", "64", "--rounds", "2",
                     "--json", str(out))
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads(out.read_text())["meta"]["rounds"] == 2 and "2 rounds of every system in turn" in p.stdout
@@ -105,8 +105,9 @@ def test_a_crashing_llama_cpp_python_is_a_skipped_row_naming_the_signal(tmp_path
     out = tmp_path / "decode.json"
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     env.pop("KVCACHE_LLAMA_CPP_BIN", None)
-    p = run_kvcache("bench", "decode", "--weights", "file", "--peers", "llama.cpp", "--new-tokens", "2", "--repeats", "1",
-                    "--prefill", "", "--depth", "0", "--json", str(out), env=env, fresh=True)  # PYTHONPATH: read at start
+    p = run_kvcache("bench", "decode", "--quick", "--weights", "file", "--peers", "llama.cpp", "--new-tokens", "2",
+                    "--repeats", "1", "--prefill", "", "--depth", "0", "--json", str(out), env=env,
+                    fresh=True)  # PYTHONPATH: read at start
     assert p.returncode == 0, p.stderr[-3000:]
     data = json.loads(out.read_text())
     if data["meta"]["llama_cpp"] == "llama-bench":

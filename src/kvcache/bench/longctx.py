@@ -26,8 +26,8 @@ largest context, and the prefill of N tokens is timed as the sum of its stages. 
 no such path: it prefills every depth of every KV type itself (untimed), which makes its side
 the longer part of a full run.
 
-``--quick``: contexts 256, 1024, 8 new tokens, 1 repeat, fp16 and int8 (for tests; the bundled
-model). JSON (``--json``/``--out``): ``meta``, ``results`` (one row per system, KV, test and
+``--quick``: contexts 256, 1024, 8 new tokens, 1 repeat, fp16 and int8, a quarter-GiB read probe
+(for tests; the bundled model). JSON (``--json``/``--out``): ``meta``, ``results`` (one row per system, KV, test and
 context) and ``memory``.
 
 kvcache's side, one spec a process: the depth is reached by growing one sequence in stages:
@@ -176,7 +176,8 @@ def print_report(meta: dict[str, object], results: list[dict[str, object]], memo
     if isinstance(load, dict):
         print(f"load average (1 min) before the run {load['before']:.2f}, after {load['after']:.2f} (this run's own "
               f"{meta['threads']} threads included after; more than that means other processes shared the cores)")
-    print(f"memory read bandwidth measured in this run: {_n(bw)} GB/s (a streaming read of 1 GiB, the best of "
+    print(f"memory read bandwidth measured in this run: {_n(bw)} GB/s (a streaming read of "
+          f"{meta.get('read_gib', 1.0):g} GiB, the best of "
           "the probes before and after); share of wall: a decode's GB/s as a share of it")
     print("kvcache reaches each depth by growing one sequence per spec in stages (one prefill of the largest "
           "context); llama-bench prefills every depth itself (-d N -fa 1 -ctk X -ctv X)")
@@ -214,6 +215,7 @@ class Plan:
     threads: int
     peers: list[str]  # llama.cpp KV types
     kv_values: int  # K and V values of one token over all layers
+    read_gib: float = 1.0  # the read bandwidth probe's vector (--quick: a quarter)
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -247,7 +249,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     src = Path(str(resolved.source)) if resolved.source is not None else None
     gguf = src if src is not None and src.suffix == ".gguf" else None
     return Plan(args.model, gguf, one_weights(args, "file"), specs, contexts, new, repeats,
-                args.threads or default_threads(), peers, 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim)
+                args.threads or default_threads(), peers, 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim,
+                0.25 if quick else 1.0)
 
 
 def kvcache_side(plan: Plan, spec: str) -> tuple[list[DepthRow], dict[str, object], dict[str, object]]:
@@ -312,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{done}/{steps}] {what} done", file=sys.stderr, flush=True)
 
     load = [os.getloadavg()[0]]  # other processes on these cores distort every figure: it is recorded
-    bandwidth = [read_bandwidth(plan.threads)]
+    bandwidth = [read_bandwidth(plan.threads, plan.read_gib)]
     print(f"read bandwidth: {bandwidth[0]:.1f} GB/s; {len(plan.specs)} kvcache specs to grow to "
           f"{max(plan.contexts)} tokens" + (", then llama-bench" if plan.peers else ""), file=sys.stderr, flush=True)
     rows: list[DepthRow] = []
@@ -328,13 +331,14 @@ def run(args: argparse.Namespace) -> int:
         rows += depth_rows(exe, why, plan.gguf, plan.peers, plan.contexts, plan.new, plan.repeats,
                            plan.threads, plan.kv_values, REFERENCE, lambda: tick("llama-bench run"))
     load.append(os.getloadavg()[0])
-    bandwidth.append(read_bandwidth(plan.threads))
+    bandwidth.append(read_bandwidth(plan.threads, plan.read_gib))
     read_gb_s = max(bandwidth)
     results = summarize(rows, read_gb_s)
     meta = run_meta(mode="long", model=info.get("model_name") or str(plan.model), weights=info.get("weights_label")
                     or plan.weights, weight_bytes=info.get("weight_bytes"), gguf=str(plan.gguf) if plan.gguf else None,
                     kv=plan.specs, peers=plan.peers, contexts=plan.contexts, new_tokens=plan.new,
                     repeats=plan.repeats, read_gb_s=read_gb_s, read_gb_s_probes=[round(b, 2) for b in bandwidth],
+                    read_gib=plan.read_gib,
                     kv_values_per_token=plan.kv_values, llama_bench=str(exe) if exe else None,
                     llama_cpp_note=why or None, host=host_line(), reference_prompt=REFERENCE,
                     depth="kvcache: one sequence per spec grown in stages (one prefill of the largest context); "
