@@ -290,4 +290,4 @@ def convert_gguf(path: Path, out_dir: Path, show_progress: bool = True, weights:
         _write_table(out_dir, convert_weights(reader, arch, config, keep_quantized=str(path)))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     if tokenizer:
-        write_tokenizer(path, metadata(reader), out_dir)
+        write_tokenizer(path, metadata(reader), out_dir, reader)

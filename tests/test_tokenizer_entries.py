@@ -1,0 +1,57 @@
+"""GGUF files that share a tokenizer share its conversion (models/gguf_tokenizer.py): the second file
+takes the entry its tokenizer keys name instead of converting, gets the same tokenizer.json and its
+own chat template; an entry that does not check out is converted again and replaced."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import forkserve
+
+from conftest import fresh_home
+from convert_matrix import rewrite_gguf
+
+CONVERT = """
+import sys
+from pathlib import Path
+from kvcache.models.gguf_convert import convert_gguf
+convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]), show_progress=False, weights=False)
+print("converted" if "transformers.integrations.gguf.gguf_tokenizer_mapping" in sys.modules else "taken")
+"""
+
+
+def _convert(gguf, out, env) -> str:
+    p = subprocess.run(forkserve.python_command("-c", CONVERT, str(gguf), str(out)), capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stdout.split()[-1]
+
+
+def test_a_shared_tokenizer_is_converted_once_and_a_damaged_entry_again(tmp_path):
+    from kvcache.models.random_llama import parse_shape, write_f16
+
+    _, shape = parse_shape("hidden=64,layers=2,heads=4,kv_heads=2,ffn=128")
+    a = write_f16(shape, tmp_path / "a.gguf", progress=False)  # SmolLM2's real tokenizer
+    b = rewrite_gguf(a, tmp_path / "b.gguf", drop=("tokenizer.chat_template",),
+                     add={"tokenizer.chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"})
+    home = fresh_home(tmp_path / "home")
+    env = {**os.environ, "KVCACHE_HOME": str(home)}
+    assert _convert(a, tmp_path / "out-a", env) == "converted"
+    (entry,) = (home / "tokenizers").iterdir()
+    assert _convert(b, tmp_path / "out-b", env) == "taken"
+    want = (tmp_path / "out-a" / "tokenizer.json").read_bytes()
+    assert (tmp_path / "out-b" / "tokenizer.json").read_bytes() == want
+    configs = [json.loads((tmp_path / d / "tokenizer_config.json").read_text()) for d in ("out-a", "out-b")]
+    assert configs[1]["chat_template"] == "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert configs[0]["chat_template"] != configs[1]["chat_template"]
+    assert {k: v for k, v in configs[0].items() if k != "chat_template"} == \
+        {k: v for k, v in configs[1].items() if k != "chat_template"}
+    # a token renamed in the kept file: still JSON, no longer the file its record names
+    kept = entry / "tokenizer.json"
+    kept.write_bytes(kept.read_bytes().replace(b'"<|im_end|>"', b'"<|im_END|>"', 1))
+    assert kept.read_bytes() != want
+    assert _convert(b, tmp_path / "out-c", env) == "converted"
+    assert (tmp_path / "out-c" / "tokenizer.json").read_bytes() == want and kept.read_bytes() == want
+    assert [p.name for p in (home / "tokenizers").iterdir()] == [entry.name]  # replaced, no temporary left
