@@ -175,6 +175,10 @@ def start(spec: ReplicaSpec, topo: Topology, host: str = "127.0.0.1", port: int 
             # logical CPUs: twice what the replicas reserve, so a redeployment's new replicas are
             # scheduled while the old ones drain
             cpus = ray_cpus or max(os.cpu_count() or 1, 2 * int(need))
+            # Serve marks a proxy that is not ready within 5 s unhealthy and kills it, and on a busy
+            # two-core machine a proxy's worker took longer to start (serve.start then failed with
+            # ActorDiedError): the Ray started here (its processes inherit this) gives it 30 s
+            os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
             ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=not quiet,
                      object_store_memory=256 << 20, configure_logging=not quiet)
     serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": "WARNING"})
