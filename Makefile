@@ -93,8 +93,8 @@ setup-all: $(VENV)/.setup-all
 # what only the slow tests need (make test-all installs it, make test does not): the client
 # libraries of tests/clients/ and Ray Serve for the replica tests. Over a set-up test venv, those
 # alone; in a fresh one, everything in the one uv run above. Ray's own modules are compiled ahead
-# (3 s): Ray Serve gives its proxy a minute to start, and a proxy compiling its imports on a busy
-# machine missed that once
+# (3 s), so that its worker processes start without compiling them (a Serve proxy that is not
+# ready in time is killed: server/replicas.py)
 RAY_COMPILE = $(BIN)/python -m compileall -j 0 -q $$($(BIN)/python -c "import ray, os; print(os.path.dirname(ray.__file__))") > /dev/null || true;
 $(VENV)/.setup-all: pyproject.toml | $(BIN)/python redis
 	if [ -f $(VENV)/.setup-test ] && [ ! pyproject.toml -nt $(VENV)/.setup-test ] && [ -f $(TORCH_PIN) ]; then \
