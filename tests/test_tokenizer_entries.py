@@ -55,3 +55,18 @@ def test_a_shared_tokenizer_is_converted_once_and_a_damaged_entry_again(tmp_path
     assert _convert(b, tmp_path / "out-c", env) == "converted"
     assert (tmp_path / "out-c" / "tokenizer.json").read_bytes() == want and kept.read_bytes() == want
     assert [p.name for p in (home / "tokenizers").iterdir()] == [entry.name]  # replaced, no temporary left
+
+
+def test_the_entry_is_named_by_the_tokenizer_keys_and_the_architecture(tmp_path):
+    """transformers picks its converter by the architecture: a file that says another one, with the
+    same tokenizer keys, names another entry; another chat template names the same one."""
+    from kvcache.models.gguf_reader import gguf_reader
+    from kvcache.models.gguf_tokenizer import _entry_dir
+    from kvcache.models.random_llama import parse_shape, write_f16
+
+    _, shape = parse_shape("hidden=64,layers=2,heads=4,kv_heads=2,ffn=128")
+    a = write_f16(shape, tmp_path / "a.gguf", progress=False)
+    b = rewrite_gguf(a, tmp_path / "b.gguf", drop=("tokenizer.chat_template",), add={"tokenizer.chat_template": "x"})
+    c = rewrite_gguf(a, tmp_path / "c.gguf", drop=("general.architecture",), add={"general.architecture": "mistral"})
+    named = [_entry_dir(gguf_reader(f)) for f in (a, b, c)]
+    assert None not in named and named[0] == named[1] != named[2]

@@ -5,8 +5,8 @@ only tokenizer.json with the `tokenizers` library.
 
 Files that share a tokenizer (one model's quantizations, a model under another chat template) share
 its conversion: the tokenizer keys' bytes in the file (every ``tokenizer.ggml.*`` value: tokens,
-merges, types, scores, special ids, pre-tokenizer), this module's format and transformers' version
-name an entry under ``$KVCACHE_HOME/tokenizers/`` (tokenizer.json and what the config takes from
+merges, types, scores, special ids, pre-tokenizer) and its architecture (transformers picks the
+converter by it), this module's format and transformers' version name an entry under ``$KVCACHE_HOME/tokenizers/`` (tokenizer.json and what the config takes from
 it), written once, atomically, and checked by its SHA-256 before it is used: an entry that does not
 check out is converted again and replaced. A Qwen vocabulary (151k tokens) took 5-8 s to convert.
 """
@@ -20,8 +20,6 @@ import os
 import shutil
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from kvcache.errors import ModelLoadError
 
@@ -92,25 +90,26 @@ def _convert(gguf_path: Path, meta: dict[str, Any]) -> tuple[bytes, dict[str, An
 
 
 def _entry_dir(reader: Any) -> Path | None:
-    """The shared entry of the file's tokenizer: a SHA-256 of every tokenizer key's bytes as the
-    file holds them, this format and transformers' version. None where the bytes cannot be had."""
+    """The shared entry of the file's tokenizer: a SHA-256 of its architecture's and every
+    tokenizer key's bytes as the file holds them, this format and transformers' version. None where
+    the bytes cannot be had."""
     try:
         import transformers
 
-        plain = reader.data.view(np.ndarray) if hasattr(reader.data, "view") else reader.data
-        base = plain.__array_interface__["data"][0]
+        data = reader.data
+        base = data.__array_interface__["data"][0]
         h = hashlib.sha256(f"{ENTRY_FORMAT}|{transformers.__version__}".encode())
         keys = sorted(k for k in reader.fields if k.startswith("tokenizer.ggml."))
-        if "tokenizer.ggml.tokens" not in keys:
+        if "tokenizer.ggml.tokens" not in keys or "general.architecture" not in reader.fields:
             return None
-        for key in keys:
+        for key in ["general.architecture", *keys]:
             field = reader.fields[key]
             last = field.parts[-1]
             end = last.__array_interface__["data"][0] - base + last.nbytes
-            if not 0 <= field.offset < end <= plain.nbytes:
+            if not 0 <= field.offset < end <= data.nbytes:
                 return None
             h.update(key.encode() + b"\0")
-            h.update(memoryview(plain[field.offset:end]).cast("B"))
+            h.update(memoryview(data[field.offset:end]).cast("B"))
     except Exception:  # noqa: BLE001 - a reader of another shape: convert, keep nothing
         return None
     from kvcache.paths import cache_home
