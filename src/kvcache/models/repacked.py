@@ -207,11 +207,9 @@ class RepackStore:
         self.names = {id(t): n for n, t in state_dict.items() if isinstance(t, torch.Tensor)}
 
     def key(self, parts: list[Any]) -> str | None:
-        """A projection's key: where its GGUF parts lie in the file (gguf_key), or the state-dict
-        names of its fp32 parts; None where a part is neither (a tensor made during the build)."""
-        if all(not isinstance(p, torch.Tensor) for p in parts):
-            return gguf_key(parts)
-        names = [self.names.get(id(p)) if isinstance(p, torch.Tensor) else None for p in parts]
+        """The key of a projection quantized anew: the state-dict names of its fp32 parts; None where
+        a part has none (a tensor made during the build), which is then not kept."""
+        names = [self.names.get(id(p)) for p in parts]
         return None if None in names else "|".join("name:" + n for n in names)  # type: ignore[arg-type]
 
     def get(self, key: str, fmt: int, out: int, k: int) -> list[torch.Tensor | None] | None:
