@@ -67,7 +67,8 @@ def test_a_tensor_that_disagrees_with_the_hyper_parameters_refuses_the_file(tiny
 
 
 def test_stale_conversion_folders_are_swept(home):
-    from kvcache.models.loading import OWNER, STALE_S, _converting
+    from kvcache.models.loading import _converting
+    from kvcache.paths import OWNER, STALE_S
 
     models = home / "models"
     models.mkdir(parents=True)

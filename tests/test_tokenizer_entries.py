@@ -52,9 +52,29 @@ def test_a_shared_tokenizer_is_converted_once_and_a_damaged_entry_again(tmp_path
     kept = entry / "tokenizer.json"
     kept.write_bytes(kept.read_bytes().replace(b'"<|im_end|>"', b'"<|im_END|>"', 1))
     assert kept.read_bytes() != want
+    # a writer killed mid-entry left its folder: the next writer sweeps it (its owner is gone)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = home / "tokenizers" / ".entry-killed"
+    stale.mkdir()
+    (stale / "owner.pid").write_text(str(dead.pid))
     assert _convert(b, tmp_path / "out-c", env) == "converted"
     assert (tmp_path / "out-c" / "tokenizer.json").read_bytes() == want and kept.read_bytes() == want
     assert [p.name for p in (home / "tokenizers").iterdir()] == [entry.name]  # replaced, no temporary left
+
+
+def test_an_entry_record_of_the_wrong_shape_is_not_taken(tmp_path):
+    """The record beside tokenizer.json is read back from disk: tokens of the wrong types are a miss."""
+    from kvcache.models.gguf_tokenizer import _read_entry, _write_entry
+
+    tokens = {"bos_token": "<s>", "eos_token": None, "eos_token_ids": [2, 7]}
+    _write_entry(tmp_path / "e", b'{"model": {}}', tokens)
+    assert _read_entry(tmp_path / "e") == (b'{"model": {}}', tokens)
+    assert [p.name for p in tmp_path.iterdir()] == ["e"] and not (tmp_path / "e" / "owner.pid").exists()
+    for bad in ({"bos_token": 5}, {"eos_token": ["</s>"]}, {"eos_token_ids": [True]}, {"eos_token_ids": 2}):
+        record = json.loads((tmp_path / "e" / "entry.json").read_text())
+        (tmp_path / "e" / "entry.json").write_text(json.dumps({**record, "tokens": {**tokens, **bad}}))
+        assert _read_entry(tmp_path / "e") is None, bad
 
 
 def test_the_entry_is_named_by_the_tokenizer_keys_and_the_architecture(tmp_path):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +20,42 @@ def cache_home() -> Path:
         base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvcache"
     base.mkdir(parents=True, exist_ok=True)
     return base
+
+
+OWNER = "owner.pid"  # in a scratch folder: the process writing it
+STALE_S = 3600.0  # a scratch folder with no readable owner is left alone this long
+
+
+def scratch(parent: Path, prefix: str) -> Path:
+    """A new temporary folder ``parent/<prefix>*`` to be renamed into place when complete, marked
+    with this process's id, after removing the ones of that prefix a killed process left behind
+    (their owner no longer runs; an unmarked one once it is STALE_S old)."""
+    _sweep(parent, prefix)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    (tmp / OWNER).write_text(str(os.getpid()))
+    return tmp
+
+
+def _sweep(parent: Path, prefix: str) -> None:
+    for old in parent.glob(f"{prefix}*"):
+        try:
+            pid = int((old / OWNER).read_text())
+        except (OSError, ValueError):
+            pid = None
+        try:
+            if pid is not None:
+                os.kill(pid, 0)
+                continue  # its owner still runs
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's live process
+        try:
+            if pid is None and time.time() - old.stat().st_mtime < STALE_S:
+                continue  # being made right now by a process that has not written its mark yet
+        except OSError:
+            continue
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @contextmanager

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.errors import ModelLoadError
+from kvcache.paths import OWNER, cache_home, scratch
 
 ENTRY_FORMAT = 1  # bump when what an entry holds, or how it is made, changes
 
@@ -112,8 +113,6 @@ def _entry_dir(reader: Any) -> Path | None:
             h.update(memoryview(data[field.offset:end]).cast("B"))
     except Exception:  # noqa: BLE001 - a reader of another shape: convert, keep nothing
         return None
-    from kvcache.paths import cache_home
-
     return cache_home() / "tokenizers" / h.hexdigest()[:32]
 
 
@@ -125,7 +124,9 @@ def _read_entry(entry: Path) -> tuple[bytes, dict[str, Any]] | None:
         tokens = record["tokens"]
         ok = (record.get("format") == ENTRY_FORMAT and record.get("sha256") == hashlib.sha256(text).hexdigest()
               and isinstance(tokens, dict) and set(tokens) == {"bos_token", "eos_token", "eos_token_ids"}
-              and all(isinstance(i, int) for i in tokens["eos_token_ids"]))
+              and all(t is None or isinstance(t, str) for t in (tokens["bos_token"], tokens["eos_token"]))
+              and isinstance(tokens["eos_token_ids"], list)
+              and all(isinstance(i, int) and not isinstance(i, bool) for i in tokens["eos_token_ids"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return (text, tokens) if ok else None
@@ -134,12 +135,16 @@ def _read_entry(entry: Path) -> tuple[bytes, dict[str, Any]] | None:
 def _write_entry(entry: Path, text: bytes, tokens: dict[str, Any]) -> None:
     """Keep a conversion as an entry: written in a folder of its own, then renamed into place (an
     entry that did not check out is replaced). A failure costs the next conversion its time only."""
-    tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
     try:
-        tmp.mkdir(parents=True)
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = scratch(entry.parent, ".entry-")  # a killed writer's are swept by the next one
+    except OSError:
+        return
+    try:
         (tmp / "tokenizer.json").write_bytes(text)
         record = {"format": ENTRY_FORMAT, "sha256": hashlib.sha256(text).hexdigest(), "tokens": tokens}
         (tmp / "entry.json").write_text(json.dumps(record))
+        (tmp / OWNER).unlink()
         if entry.exists():
             shutil.rmtree(entry, ignore_errors=True)
         os.replace(tmp, entry)

@@ -23,7 +23,7 @@ import torch
 
 from kvcache.errors import ModelLoadError
 from kvcache.models.bundled import BUNDLED, DEFAULT, bundled_path, is_hub_id, is_installed, not_found
-from kvcache.paths import cache_home, one_at_a_time
+from kvcache.paths import OWNER, cache_home, one_at_a_time, scratch
 
 FORMAT_VERSION = 4
 
@@ -50,39 +50,10 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-OWNER = "owner.pid"  # in a .converting-* folder: the process writing it
-STALE_S = 3600.0  # a .converting-* folder with no readable owner is left alone this long
-
-
 def _converting(parent: Path) -> Path:
-    """A new temporary folder for a conversion in ``parent``, marked with this process's id, after
-    removing the ones a killed process left behind (their owner no longer runs)."""
-    _sweep(parent)
-    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=parent))
-    (tmp / OWNER).write_text(str(os.getpid()))
-    return tmp
-
-
-def _sweep(parent: Path) -> None:
-    for old in parent.glob(".converting-*"):
-        try:
-            pid = int((old / OWNER).read_text())
-        except (OSError, ValueError):
-            pid = None
-        try:
-            if pid is not None:
-                os.kill(pid, 0)
-                continue  # its owner still runs
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # another user's live process
-        try:
-            if pid is None and time.time() - old.stat().st_mtime < STALE_S:
-                continue  # being made right now by a process that has not written its mark yet
-        except OSError:
-            continue
-        shutil.rmtree(old, ignore_errors=True)
+    """A new temporary folder for a conversion in ``parent`` (paths.scratch: marked with this
+    process's id, after removing the ones a killed process left behind)."""
+    return scratch(parent, ".converting-")
 
 
 def ensure_converted(gguf: Path, show_progress: bool = True) -> Path:
